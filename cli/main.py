@@ -1,0 +1,143 @@
+"""`cullama` commands. Parsing and printing only: the work is done by the library.
+
+Any CullamaError becomes one line on stderr (`error: ...`) and exit code 2; Ctrl-C stops a
+generation cleanly, keeps what was printed and exits with 130.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import sys
+
+import click
+
+from .. import __version__
+from ..errors import CullamaError
+
+
+def friendly_errors(command):
+    """Turn a CullamaError into one line and exit code 2, never a traceback."""
+
+    @functools.wraps(command)
+    def wrapper(*args, **kwargs):
+        try:
+            return command(*args, **kwargs)
+        except CullamaError as exc:
+            click.echo(f"error: {exc}", err=True)
+            sys.exit(2)
+
+    return wrapper
+
+
+class LoadProgress:
+    """A progress bar on stderr while the weights load (hidden when stderr is not a terminal)."""
+
+    def __init__(self, label: str):
+        self.label, self.bar, self.done = label, None, 0
+
+    def __call__(self, done: int, total: int) -> None:
+        if self.bar is None:
+            self.bar = click.progressbar(length=max(total, 1), label=self.label, file=sys.stderr,
+                                         show_percent=True, show_eta=False)
+            self.bar.__enter__()
+        self.bar.update(done - self.done)
+        self.done = done
+        if done >= total:
+            self.close()
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.__exit__(None, None, None)
+            self.bar = None
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(__version__, prog_name="cullama")
+def main():
+    """cullama: LLaMA-2 inference with hand-written CUDA kernels, lowest latency at batch size 1."""
+
+
+def parse_ids(text: str) -> list[int]:
+    try:
+        return [int(t) for t in text.replace(",", " ").split()]
+    except ValueError:
+        raise click.BadParameter(f"{text!r} is not a list of integers", param_hint="--prompt-ids") from None
+
+
+@main.command()
+@click.option("--model", "model_dir", required=True, type=click.Path(), help="HF LLaMA checkpoint directory.")
+@click.argument("prompt", required=False)
+@click.option("--prompt-ids", help="Token ids instead of text, e.g. '1,450,7483'.")
+@click.option("--max-new-tokens", default=256, show_default=True, type=int)
+@click.option("--temperature", default=0.0, show_default=True, type=float, help="0 = greedy.")
+@click.option("--top-k", default=0, show_default=True, type=int, help="0 = off.")
+@click.option("--top-p", default=1.0, show_default=True, type=float, help="1 = off.")
+@click.option("--repetition-penalty", default=1.0, show_default=True, type=float)
+@click.option("--seed", type=int, help="Seed for sampling (reproducible); random when omitted.")
+@click.option("--stop", multiple=True, help="Stop when this text appears (repeatable).")
+@click.option("--ignore-eos", is_flag=True, help="Keep generating past the end-of-sequence token.")
+@click.option("--chat", is_flag=True, help="Wrap the prompt in the LLaMA-2 chat template.")
+@click.option("--system", help="System prompt for --chat.")
+@click.option("--device", default="auto", show_default=True, type=click.Choice(["auto", "cpu", "cuda"]))
+@click.option("--max-seq-len", type=int, help="Context to allocate (default: the model's).")
+@click.option("--tokenizer", type=click.Path(), help="tokenizer.model to use instead of the checkpoint's.")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object: ids, text, finish reason, timings.")
+@friendly_errors
+def generate(model_dir, prompt, prompt_ids, max_new_tokens, temperature, top_k, top_p, repetition_penalty,
+             seed, stop, ignore_eos, chat, system, device, max_seq_len, tokenizer, as_json):
+    """Generate text from PROMPT (or standard input; an empty prompt starts from BOS alone)."""
+    from ..llama import Llama
+    from ..errors import PromptError
+
+    if prompt is not None and prompt_ids is not None:
+        raise PromptError("give either PROMPT or --prompt-ids, not both")
+    if system is not None and not chat:
+        raise PromptError("--system needs --chat")
+    if prompt is None and prompt_ids is None:
+        prompt = "" if sys.stdin is None or sys.stdin.isatty() else sys.stdin.read().rstrip("\n")
+
+    progress = LoadProgress("loading weights")
+    try:
+        llm = Llama.from_pretrained(model_dir, device=device, max_seq_len=max_seq_len, tokenizer=tokenizer,
+                                    progress=progress)
+    finally:
+        progress.close()
+    if prompt_ids is not None:
+        request = parse_ids(prompt_ids)
+    elif chat:
+        request = llm.chat_ids([{"role": "user", "content": prompt}], system=system)
+    else:
+        request = prompt
+    stream = llm.stream(request, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
+                        top_p=top_p, repetition_penalty=repetition_penalty, seed=seed, stop=stop,
+                        ignore_eos=ignore_eos)
+    try:
+        for piece in stream:
+            if not as_json:
+                click.echo(piece, nl=False)
+    except KeyboardInterrupt:
+        if not as_json:
+            click.echo("")
+        click.echo("interrupted", err=True)
+        sys.exit(130)
+    result = stream.result
+    if as_json:
+        click.echo(json.dumps({**result.to_dict(), "device": llm.device}))
+    elif llm.tokenizer is None:
+        click.echo(" ".join(map(str, result.token_ids)))
+    else:
+        click.echo("")
+
+
+@main.command()
+def info():
+    """Python, NumPy, CuPy, NVRTC and the GPU (or why there is none)."""
+    from ..device import environment
+
+    env = environment()
+    for key, value in env.items():
+        if key == "gpu" and value is None:
+            value = f"none ({env.get('gpu_status', 'no GPU')})"
+        if key != "gpu_status":
+            click.echo(f"{key:>18}: {value}")

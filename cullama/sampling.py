@@ -1,0 +1,178 @@
+"""Token sampling: the NumPy specification of the device sampling kernel.
+
+The device kernel (one block, inside a CUDA graph) implements `sample` step by step as written
+here. Everything is float32, as on the device; the only freedom the device has is the order in
+which it adds floats (a tree reduction / block scan rather than NumPy's pairwise sum and
+sequential cumsum) and the last-ulp accuracy of `expf`. Those move a sum by a few ulps, so the
+two can disagree only on a draw whose target lies within rounding of a bucket boundary.
+
+Randomness is counter-based, `uniform(seed, step)`: no RNG state lives on the device, so the
+kernel can be replayed in a graph, and a (seed, step) pair always gives the same draw.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import numbers
+import os
+
+import numpy as np
+
+from .errors import PromptError
+
+MASK64 = (1 << 64) - 1
+GOLDEN64 = 0x9E3779B97F4A7C15  # 2**64 / golden ratio: splitmix64's increment
+# Below this, l / temperature can overflow float32 (inf - inf = NaN) for large logits, and the
+# distribution is greedy in all but name anyway.
+MIN_TEMPERATURE = 1e-6
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 0.0  # 0 = greedy
+    top_k: int = 0  # 0 = off
+    top_p: float = 1.0  # 1 = off
+    repetition_penalty: float = 1.0  # 1 = off
+    seed: int | None = None  # None: drawn from os.urandom once, then fixed for the generation
+
+    def validate(self) -> None:
+        """Raise PromptError, one line naming the option, for a request `sample` cannot serve."""
+        for name in ("temperature", "top_p", "repetition_penalty"):
+            value = getattr(self, name)
+            # NaN compares False with everything, so it would slip past the range checks below.
+            if not _is_real(value) or not math.isfinite(value):
+                raise PromptError(f"{name} must be a finite number, got {value!r}")
+        if self.temperature < 0:
+            raise PromptError(f"temperature must be >= 0 (0 = greedy), got {self.temperature!r}")
+        if 0 < self.temperature < MIN_TEMPERATURE:
+            raise PromptError(f"temperature must be 0 (greedy) or at least {MIN_TEMPERATURE}, "
+                              f"got {self.temperature!r}")
+        if not _is_int(self.top_k) or self.top_k < 0:
+            raise PromptError(f"top_k must be an integer >= 0 (0 = off), got {self.top_k!r}")
+        if not 0 < self.top_p <= 1:
+            raise PromptError(f"top_p must be in (0, 1] (1 = off), got {self.top_p!r}")
+        if self.repetition_penalty <= 0:
+            raise PromptError(f"repetition_penalty must be > 0 (1 = off), "
+                              f"got {self.repetition_penalty!r}")
+        # The device takes the seed as a uint64.
+        if self.seed is not None and (not _is_int(self.seed) or not 0 <= self.seed <= MASK64):
+            raise PromptError(f"seed must be an integer in [0, 2**64), got {self.seed!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+def _is_real(value) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def uniform(seed: int, step: int) -> float:
+    """The draw for (seed, step): a float in [0, 1) with 24 random bits (exact in float32).
+
+    x = seed * GOLDEN64 + step + 1, then splitmix64's finaliser. All arithmetic is mod 2**64,
+    written with Python ints masked to 64 bits; on the device it is plain uint64 arithmetic,
+    whose wraparound is the same thing (as is np.uint64 on arrays).
+    """
+    x = (seed * GOLDEN64 + step + 1) & MASK64
+    x ^= x >> 30
+    x = (x * 0xBF58476D1CE4E5B9) & MASK64
+    x ^= x >> 27
+    x = (x * 0x94D049BB133111EB) & MASK64
+    x ^= x >> 31
+    # The top 24 bits: every value is exactly representable in float32, and never rounds to 1.
+    return (x >> 40) / (1 << 24)
+
+
+def apply_repetition_penalty(logits: np.ndarray, seen_mask: np.ndarray, penalty: float) -> np.ndarray:
+    """HF semantics: a seen token's logit is divided by the penalty if positive, else multiplied,
+    so penalty > 1 always makes a seen token less likely. Returns a new float32 array."""
+    l = np.asarray(logits, dtype=np.float32)
+    penalty32 = np.float32(penalty)
+    penalised = np.where(l > 0, l / penalty32, l * penalty32)
+    return np.where(seen_mask, penalised, l).astype(np.float32)
+
+
+def _nucleus(p: np.ndarray, budget: np.float32) -> np.ndarray:
+    """Mask of tokens i whose strictly-larger mass, sum(p_j for p_j > p_i), is < budget.
+
+    That mass only grows as p_i shrinks, so the kept set is every token with p_i >= some
+    threshold: the top tokens in order, with any ties at the boundary all kept. Here it is
+    computed by sorting; the device can instead bisect the threshold on p's bit pattern
+    (p >= 0, so float order is uint32 order), one block reduction per probe.
+    """
+    s = np.sort(p)[::-1]  # descending
+    before = np.concatenate(([np.float32(0)], np.cumsum(s, dtype=np.float32)[:-1]))
+    # A tie run's strictly-larger mass is the mass before its first member.
+    first_of_run = np.searchsorted(-s, -s, side="left")
+    keep_sorted = before[first_of_run] < budget  # a prefix: True for the top value at least
+    threshold = s[np.count_nonzero(keep_sorted) - 1]
+    return p >= threshold
+
+
+def sample(logits: np.ndarray, params: SamplingParams, seen_mask: np.ndarray, step: int) -> int:
+    """Pick the next token id from one row of logits [vocab]. params.seed must be resolved.
+
+    Logits must be finite or -inf (masked), with at least one finite.
+    """
+    if params.seed is None:
+        raise ValueError("sample() needs a resolved seed; Sampler draws one")
+    # 1. Repetition penalty, over the prompt and everything generated so far.
+    l = np.asarray(logits, dtype=np.float32)
+    if params.repetition_penalty != 1.0:
+        l = apply_repetition_penalty(l, seen_mask, params.repetition_penalty)
+    # 2. Greedy: the argmax, lowest index on ties (np.argmax returns the first).
+    if params.greedy:
+        return int(np.argmax(l))
+    # 3. Temperature.
+    l = l / np.float32(params.temperature)
+    # 4. Top-k: keep everything >= the k-th largest value, so ties at the threshold all survive.
+    vocab = l.shape[0]
+    kept = np.ones(vocab, dtype=bool)
+    if 0 < params.top_k < vocab:
+        kth_largest = np.partition(l, vocab - params.top_k)[vocab - params.top_k]
+        kept = l >= kth_largest
+    # 5. Unnormalised probabilities. The maximum is always kept, so max over all of l is the
+    #    max over kept tokens and every exponent is <= 0 (no overflow).
+    p = np.where(kept, np.exp(l - l.max()), np.float32(0)).astype(np.float32)
+    z = p.sum(dtype=np.float32)
+    # 6. Top-p: the nucleus, measured against the mass top-k left; then renormalise.
+    if params.top_p < 1.0:
+        p = np.where(_nucleus(p, np.float32(params.top_p) * z), p, np.float32(0)).astype(np.float32)
+        z = p.sum(dtype=np.float32)
+    # 7. Inverse CDF in id order. A token with p = 0 never raises the cumulative sum, so it can
+    #    never be the first to exceed the target: only kept tokens with p > 0 are chosen.
+    target = np.float32(uniform(params.seed, step)) * z
+    cumulative = np.cumsum(p, dtype=np.float32)
+    (hits,) = np.nonzero(cumulative > target)
+    if hits.size:
+        return int(hits[0])
+    # The cumsum's rounding can leave its total at or below target (z is summed in another
+    # order): the draw belongs to the last bucket.
+    return int(np.flatnonzero(p > 0)[-1])
+
+
+class Sampler:
+    """Sampling state for one generation: params (seed resolved), the seen mask, the step."""
+
+    def __init__(self, params: SamplingParams, vocab_size: int, prompt_ids=()) -> None:
+        params.validate()
+        if params.seed is None:
+            # Drawn once here, so the whole generation is reproducible from self.params.seed.
+            params = dataclasses.replace(params, seed=int.from_bytes(os.urandom(8), "little"))
+        self.params = params
+        # HF penalises repeats of prompt tokens too, so the prompt starts out seen.
+        self.seen = np.zeros(vocab_size, dtype=bool)
+        self.seen[np.asarray(prompt_ids, dtype=np.int64)] = True
+        self.step = 0
+
+    def __call__(self, logits: np.ndarray) -> int:
+        token = sample(logits, self.params, self.seen, self.step)
+        self.seen[token] = True
+        self.step += 1
+        return token

@@ -1,0 +1,265 @@
+"""SentencePiece tokenizer: text <-> ids, streaming detokenization and the LLaMA-2 chat template.
+
+Decoding follows sentencepiece itself (`decode` is `SentencePieceProcessor.decode`), so the text
+is exactly what HF / Meta code would print. Streaming has to agree with it to the character:
+for any ids, `"".join(push(i) for i in ids) + flush() == decode(ids)`. Two things make that
+non-trivial, and both come from how sentencepiece builds the text out of one surface per piece:
+
+- byte-fallback pieces (`<0xE2>` `<0x82>` `<0xAC>`) are grouped into runs and each run is read
+  as UTF-8; a character split over several pieces only exists once its last byte arrived, and a
+  byte that cannot start or continue a character becomes U+FFFD;
+- the leading "▁" of the first piece is dropped (the dummy prefix added by encode), and whether
+  a piece is "first" depends on everything decoded before it.
+
+The stream decoder keeps the ids that are not final yet (at most the last three bytes of an
+unfinished character, plus the new id) and re-decodes only those, behind a short stand-in for
+the history that puts sentencepiece in the same state the full history would: one ordinary piece
+once any text was produced (nothing is "first" any more), else the few pieces that decoded to ''.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+
+import sentencepiece as spm
+
+from .errors import PromptError, TokenizerError
+
+# Meta's LLaMA-2 chat markers (llama/generation.py); they are plain text, BOS/EOS are ids.
+B_INST, E_INST = "[INST]", "[/INST]"
+B_SYS, E_SYS = "<<SYS>>\n", "\n<</SYS>>\n\n"
+
+
+class Tokenizer:
+    """A SentencePiece `tokenizer.model` with LLaMA-2 conventions (BOS/EOS added as ids)."""
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self.path = Path(path)
+        try:
+            data = self.path.read_bytes()
+        except OSError as e:
+            raise TokenizerError(f"cannot read tokenizer {self.path}: {e.strerror or e}") from None
+        try:
+            self._sp = spm.SentencePieceProcessor(model_proto=data)
+        except RuntimeError:
+            # sentencepiece's own message is a multi-line C++ location; ours names the file.
+            raise TokenizerError(f"{self.path} is not a SentencePiece tokenizer model") from None
+        self.vocab_size: int = self._sp.vocab_size()
+        self.bos_id: int = self._sp.bos_id()
+        self.eos_id: int = self._sp.eos_id()
+        self._filler = self._find_filler()
+
+    @classmethod
+    def from_model_dir(
+        cls, model_dir: str | os.PathLike[str], override: str | os.PathLike[str] | None = None
+    ) -> Tokenizer:
+        """The tokenizer named by `override` (--tokenizer), else `model_dir/tokenizer.model`."""
+        if override is not None:
+            return cls(override)
+        path = Path(model_dir) / "tokenizer.model"
+        if not path.is_file():
+            raise TokenizerError(
+                f"{path} not found; use --tokenizer PATH to name a SentencePiece tokenizer.model"
+            )
+        return cls(path)
+
+    def __repr__(self) -> str:
+        return f"Tokenizer({str(self.path)!r}, vocab_size={self.vocab_size})"
+
+    # -- ids <-> text --------------------------------------------------------------------------
+
+    def encode(self, text: str, bos: bool = True, eos: bool = False) -> list[int]:
+        """LLaMA-2 ids for `text`: control pieces are never matched in text, only added as ids."""
+        ids = self._sp.encode(text)
+        if bos:
+            ids = [self._special("BOS", self.bos_id), *ids]
+        if eos:
+            ids.append(self._special("EOS", self.eos_id))
+        return ids
+
+    def decode(self, ids: Iterable[int]) -> str:
+        return self._sp.decode(self._checked(ids))
+
+    def piece(self, token_id: int) -> str:
+        """The vocabulary entry itself (e.g. '▁Hello', '<0xE2>', '<s>'), for debugging output."""
+        return self._sp.id_to_piece(self._checked([token_id])[0])
+
+    def stream_decoder(self) -> StreamDecoder:
+        return StreamDecoder(self)
+
+    # -- chat ----------------------------------------------------------------------------------
+
+    def chat_ids(self, messages: Sequence[dict], system: str | None = None) -> list[int]:
+        """Prompt ids for a LLaMA-2 chat, built exactly as Meta's `chat_completion` builds them.
+
+        Each finished (user, assistant) exchange is `<s>[INST] u [/INST] a </s>`, the last user
+        turn `<s>[INST] u [/INST]`; a system prompt is folded into the first user turn.
+        """
+        turns = _chat_turns(messages, system)
+        ids: list[int] = []
+        for user, answer in zip(turns[:-1:2], turns[1::2]):
+            ids += self.encode(f"{B_INST} {user.strip()} {E_INST} {answer.strip()} ", eos=True)
+        ids += self.encode(f"{B_INST} {turns[-1].strip()} {E_INST}")
+        return ids
+
+    # -- internals -----------------------------------------------------------------------------
+
+    def _checked(self, ids: Iterable[int]) -> list[int]:
+        # sentencepiece raises IndexError on a bad id; a model whose vocabulary is larger than the
+        # tokenizer's (some fine-tunes add pieces) is a user-facing mismatch, so say so in one line.
+        out = [int(i) for i in ids]
+        for i in out:
+            if not 0 <= i < self.vocab_size:
+                raise TokenizerError(
+                    f"token id {i} is outside the vocabulary of {self.path} ({self.vocab_size} pieces)"
+                )
+        return out
+
+    def _special(self, name: str, token_id: int) -> int:
+        if token_id < 0:
+            raise TokenizerError(f"{self.path} defines no {name} token")
+        return token_id
+
+    def _byte(self, token_id: int) -> int | None:
+        """The byte a byte-fallback piece stands for (its piece is '<0xAB>'), else None."""
+        if not self._sp.is_byte(token_id):
+            return None
+        return int(self._sp.id_to_piece(token_id)[3:5], 16)
+
+    def _find_filler(self) -> int | None:
+        """An ordinary piece that decodes to some text: the stream decoder's stand-in history."""
+        sp = self._sp
+        for i in range(self.vocab_size):
+            special = sp.is_control(i) or sp.is_unknown(i) or sp.is_byte(i) or sp.is_unused(i)
+            if not special and sp.decode([i]):
+                return i
+        return None  # a vocabulary of only special pieces: StreamDecoder keeps the full history
+
+
+class StreamDecoder:
+    """Turns ids into text one id at a time, emitting text as soon as it can no longer change."""
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self._tok = tokenizer
+        self._sp = tokenizer._sp
+        self._reset()
+
+    def _reset(self) -> None:
+        self._context: list[int] = []  # stands in for every id already turned into text
+        self._context_text = ""  # decode(self._context), cut off the front of each re-decode
+        self._pending: list[int] = []  # ids whose text is not final yet
+        self._emitted_any = False
+
+    def push(self, token_id: int) -> str:
+        """Add one id; return the text that became final with it ('' if none did)."""
+        (token_id,) = self._tok._checked([token_id])
+        self._pending.append(token_id)
+        if self._tok._byte(token_id) is None:
+            # Any other piece ends the byte run before it, and its own surface is fixed now.
+            return self._finish(len(self._pending))
+        return self._finish(len(self._pending) - self._unfinished_bytes())
+
+    def flush(self) -> str:
+        """The rest of the text (an unfinished character becomes U+FFFD, as in decode); resets."""
+        text = self._finish(len(self._pending))
+        self._reset()
+        return text
+
+    def _unfinished_bytes(self) -> int:
+        """How many trailing byte pieces sentencepiece cannot turn into text yet.
+
+        Replays sentencepiece's UTF-8 scan of the byte run at the end of `_pending` (which starts
+        at a point where its scan starts too): a valid character consumes its bytes, anything
+        else consumes one byte as U+FFFD. The scan can only stall on a lead byte whose character
+        would run past the end, so at most three bytes are ever held back.
+        """
+        run = bytearray()
+        for token_id in reversed(self._pending):
+            byte = self._tok._byte(token_id)
+            if byte is None:
+                break
+            run.append(byte)
+        run.reverse()
+        i = 0
+        while i < len(run):
+            need = _utf8_length(run[i])
+            if i + need > len(run):
+                return len(run) - i
+            i += need if _is_utf8(run[i : i + need]) else 1
+        return 0
+
+    def _finish(self, n: int) -> str:
+        """Make the first `n` pending ids final and return their text."""
+        if n == 0:
+            return ""
+        done, self._pending = self._pending[:n], self._pending[n:]
+        text = self._sp.decode(self._context + done)[len(self._context_text) :]
+        self._emitted_any = self._emitted_any or bool(text)
+        filler = self._tok._filler
+        if self._emitted_any and filler is not None:
+            # Once there is text no piece is "first" any more: one ordinary piece says the same.
+            self._context = [filler]
+        else:
+            # Nothing shown yet, so only pieces that decoded to '' are behind us (a dropped
+            # leading "▁", BOS). Control pieces change nothing later on and are left out.
+            self._context += [i for i in done if not self._sp.is_control(i)]
+        self._context_text = self._sp.decode(self._context)
+        return text
+
+
+def _utf8_length(lead: int) -> int:
+    """Bytes sentencepiece reads for a character starting with `lead` (1 for a stray byte)."""
+    if lead >= 0xF0 and lead < 0xF8:
+        return 4
+    if lead >= 0xE0 and lead < 0xF0:
+        return 3
+    if lead >= 0xC0 and lead < 0xE0:
+        return 2
+    return 1
+
+
+def _is_utf8(chunk: bytes | bytearray) -> bool:
+    # Python rejects exactly what sentencepiece rejects: overlong forms, surrogates, > U+10FFFF.
+    try:
+        chunk.decode("utf-8")
+    except UnicodeDecodeError:
+        return False
+    return True
+
+
+def _chat_turns(messages: Sequence[dict], system: str | None) -> list[str]:
+    """Validated contents: user, assistant, ..., user, with the system prompt merged in."""
+    if not isinstance(messages, Sequence) or isinstance(messages, (str, bytes)):
+        raise PromptError(f"chat messages must be a list of dicts, got {type(messages).__name__}")
+    contents: list[str] = []
+    for i, message in enumerate(messages):
+        role = message.get("role") if isinstance(message, dict) else None
+        content = message.get("content") if isinstance(message, dict) else None
+        if role not in ("system", "user", "assistant") or not isinstance(content, str):
+            raise PromptError(
+                f"message {i} must be {{'role': 'system'|'user'|'assistant', 'content': str}}, "
+                f"got role {role!r} and content of type {type(content).__name__}"
+            )
+        if role == "system":
+            if i != 0:
+                raise PromptError(f"message {i} has role 'system'; only the first message may")
+            if system is not None:
+                raise PromptError("system prompt given twice: as system= and as message 0")
+            system = content
+            continue
+        expected = "user" if len(contents) % 2 == 0 else "assistant"
+        if role != expected:
+            raise PromptError(
+                f"message {i} has role {role!r} where {expected!r} was expected "
+                "(turns alternate user, assistant, ..., starting with user)"
+            )
+        contents.append(content)
+    if not contents:
+        raise PromptError("chat has no user message")
+    if len(contents) % 2 == 0:
+        raise PromptError("the last chat message must have role 'user', not 'assistant'")
+    if system is not None:
+        contents[0] = B_SYS + system + E_SYS + contents[0]
+    return contents

@@ -1,0 +1,45 @@
+"""Shared fixtures: where ../shared is, and skips with a reason when it (or a GPU) is absent."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+SHARED = REPO.parent / "shared"
+GOLDEN_NAMES = ("tiny-mha", "tiny-gqa-sharded")
+
+
+def shared_path(*parts: str) -> Path:
+    """A path under ../shared, or a skip that says what is missing."""
+    path = SHARED.joinpath(*parts)
+    if not path.exists():
+        pytest.skip(f"{path} not found: the shared test data (../shared beside the repo) is absent")
+    return path
+
+
+def load_golden(name: str) -> tuple[Path, list[dict], dict]:
+    """(checkpoint dir, cases, {logits_key: FP32 logits [len(prompt), vocab]}) of a golden checkpoint."""
+    directory = shared_path("golden", name)
+    cases = json.loads((directory.parent / f"{name}.golden.json").read_text())["cases"]
+    with np.load(directory.parent / f"{name}.golden.npz") as npz:
+        logits = {key: npz[key] for key in npz.files}
+    return directory, cases, logits
+
+
+@pytest.fixture(params=GOLDEN_NAMES)
+def golden(request):
+    return load_golden(request.param)
+
+
+@pytest.fixture(scope="session")
+def stories_dir() -> Path:
+    return shared_path("models", "stories260K")
+
+
+@pytest.fixture(scope="session")
+def stories_expected(stories_dir) -> dict:
+    return json.loads((stories_dir / "expected_greedy.json").read_text())

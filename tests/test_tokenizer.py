@@ -1,0 +1,222 @@
+"""Tokenizer: LLaMA-2 ids, streaming == decode for any ids, the chat template, error messages."""
+
+from __future__ import annotations
+
+import io
+from pathlib import Path
+
+import numpy as np
+import pytest
+import sentencepiece as spm
+
+from cullama.errors import PromptError, TokenizerError
+from cullama.tokenizer import Tokenizer
+
+SHARED = Path(__file__).resolve().parents[1].parent / "shared"
+LLAMA2_MODEL = SHARED / "tokenizers" / "llama2" / "tokenizer.model"
+
+# Non-ASCII on purpose: accents, CJK, an emoji (4 bytes), and "€ß" that the tiny model only
+# knows as byte-fallback pieces.
+TEXTS = ["Hello world", "naïve café 日本語 😀", "  two leading spaces", "€ß\n\ttabs 🦙🦙 end "]
+
+
+@pytest.fixture(scope="module")
+def llama() -> Tokenizer:
+    if not LLAMA2_MODEL.is_file():
+        pytest.skip(f"../shared/tokenizers/llama2/tokenizer.model not found: {LLAMA2_MODEL}")
+    return Tokenizer(LLAMA2_MODEL)
+
+
+def train(directory: Path, **options) -> Tokenizer:
+    """A 320-piece BPE model with byte fallback, trained here so the tests need no shared data."""
+    lines = ["the naive cafe serves naïve café au lait", "日本語 のテキスト と 😀 emoji",
+             "hello world, hello tokenizer"] * 20  # fmt: skip
+    model = io.BytesIO()
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter(lines), model_writer=model, vocab_size=320, model_type="bpe",
+        byte_fallback=True, minloglevel=2, **options,
+    )  # fmt: skip
+    (directory / "tokenizer.model").write_bytes(model.getvalue())
+    return Tokenizer(directory / "tokenizer.model")
+
+
+@pytest.fixture(scope="session")
+def tiny(tmp_path_factory) -> Tokenizer:
+    # Normalized like LLaMA-2's model: no NFKC, whitespace kept as written.
+    return train(tmp_path_factory.mktemp("tiny"), normalization_rule_name="identity",
+                 remove_extra_whitespaces=False)  # fmt: skip
+
+
+@pytest.fixture(scope="session")
+def tiny_squeezed(tmp_path_factory) -> Tokenizer:
+    # sentencepiece's defaults squeeze whitespace, and then decode drops *every* leading "▁".
+    return train(tmp_path_factory.mktemp("tiny_squeezed"))
+
+
+@pytest.fixture(params=["llama", "tiny"])
+def tok(request) -> Tokenizer:
+    return request.getfixturevalue(request.param)
+
+
+def stream(tok: Tokenizer, ids) -> list[str]:
+    """Every push() result, then flush()."""
+    decoder = tok.stream_decoder()
+    return [decoder.push(i) for i in ids] + [decoder.flush()]
+
+
+# -- encode / decode ---------------------------------------------------------------------------
+
+
+def test_llama2_known_ids(llama):
+    # Ids checked against sentencepiece and HF's LlamaTokenizer.
+    assert (llama.vocab_size, llama.bos_id, llama.eos_id) == (32000, 1, 2)
+    assert llama.encode("Hello world") == [1, 15043, 3186]
+    assert llama.encode("Hello world", bos=False, eos=True) == [15043, 3186, 2]
+    assert llama.piece(15043) == "▁Hello" and llama.piece(3 + 0xE2) == "<0xE2>"
+    assert llama.decode([1, 15043, 3186, 2]) == "Hello world"
+    assert llama.decode([29871, 15043]) == " Hello"  # only the first "▁" is dropped
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_round_trip(tok, text):
+    ids = tok.encode(text, eos=True)
+    assert ids[0] == tok.bos_id and ids[-1] == tok.eos_id
+    assert tok.decode(ids) == text
+
+
+def test_control_pieces_are_ids_never_text(tok):
+    assert tok.bos_id not in tok.encode("<s> hi </s>", bos=False)
+    assert tok.eos_id not in tok.encode("<s> hi </s>", bos=False)
+    assert tok.decode([tok.bos_id, tok.eos_id]) == ""
+
+
+def test_out_of_range_id(tok):
+    with pytest.raises(TokenizerError, match=f"token id {tok.vocab_size} .*{tok.path.name}"):
+        tok.decode([5, tok.vocab_size])
+    with pytest.raises(TokenizerError, match="token id -1"):
+        tok.stream_decoder().push(-1)
+
+
+# -- streaming ---------------------------------------------------------------------------------
+
+
+def random_ids(tok: Tokenizer, rng: np.random.Generator, n: int) -> list[int]:
+    """Mostly byte-fallback ids (split and invalid UTF-8), plus controls, "▁" and anything."""
+    byte_ids = [i for i in range(tok.vocab_size) if tok.piece(i).startswith("<0x")]
+    space = [i for i in range(tok.vocab_size) if tok.piece(i) == "▁"]
+    lead = [b for b in byte_ids if int(tok.piece(b)[3:5], 16) >= 0xC0]  # starts multi-byte chars
+    pools = [byte_ids, lead, [0, tok.bos_id, tok.eos_id], space, list(range(tok.vocab_size))]
+    weights = [0.45, 0.15, 0.1, 0.1, 0.2]
+    return [int(rng.choice(pools[k])) for k in rng.choice(len(pools), size=n, p=weights)]
+
+
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("name", ["llama", "tiny", "tiny_squeezed"])
+def test_stream_equals_decode_for_random_ids(request, name, seed):
+    tok = request.getfixturevalue(name)
+    rng = np.random.default_rng(seed)
+    for _ in range(250):
+        ids = random_ids(tok, rng, int(rng.integers(0, 24)))
+        assert "".join(stream(tok, ids)) == tok.decode(ids), ids
+
+
+@pytest.mark.parametrize("text", TEXTS)
+@pytest.mark.parametrize("bos", [True, False])
+def test_stream_of_valid_text(tok, text, bos):
+    ids = tok.encode(text, bos=bos, eos=True)
+    chunks = stream(tok, ids)
+    assert "".join(chunks) == tok.decode(ids)
+    assert not any("\ufffd" in chunk for chunk in chunks)
+
+
+def test_stream_holds_split_characters_and_emits_the_rest_at_once(llama):
+    euro = [3 + b for b in "€".encode()]  # <0xE2> <0x82> <0xAC>
+    hello = llama.encode("Hello", bos=False)
+    assert stream(llama, [1, *hello, *euro, *hello, 2]) == ["", "Hello", "", "", "€", " Hello", "", ""]
+    # A character that never completes is U+FFFD per byte, as decode says, but only at the end.
+    assert stream(llama, euro[:2]) == ["", "", "\ufffd\ufffd"]
+    # A lead byte followed by a non-continuation byte is invalid as soon as that byte arrives.
+    assert stream(llama, [euro[0], 3 + ord("A")]) == ["", "\ufffdA", ""]
+
+
+def test_stream_work_stays_bounded(llama):
+    # Re-decoding only what is not final: the held-back ids never grow with the length.
+    decoder = llama.stream_decoder()
+    ids = random_ids(llama, np.random.default_rng(7), 3000)
+    text = "".join(decoder.push(i) for i in ids)
+    assert len(decoder._pending) <= 3 and len(decoder._context) <= 1
+    assert text + decoder.flush() == llama.decode(ids)
+
+
+# -- chat template -----------------------------------------------------------------------------
+
+
+def test_chat_single_turn(tok):
+    expected = tok.encode("[INST] What is 2+2? [/INST]")
+    assert tok.chat_ids([{"role": "user", "content": "  What is 2+2?\n"}]) == expected
+
+
+def test_chat_multi_turn_with_system(tok):
+    messages = [
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": " Hello! "},
+        {"role": "user", "content": "Say <s> twice"},
+    ]
+    sys_user = "<<SYS>>\nBe brief.\n<</SYS>>\n\nHi"
+    expected = (
+        tok.encode(f"[INST] {sys_user} [/INST] Hello! ", bos=True, eos=True)
+        + tok.encode("[INST] Say <s> twice [/INST]", bos=True, eos=False)
+    )
+    assert tok.chat_ids(messages, system="Be brief.") == expected
+    assert tok.chat_ids([{"role": "system", "content": "Be brief."}, *messages]) == expected
+    # BOS/EOS only where the template puts them: "<s>" in the content stays text.
+    ids = tok.chat_ids(messages)
+    assert [i for i, t in enumerate(ids) if t == tok.bos_id] == [0, ids.index(tok.eos_id) + 1]
+    assert ids.count(tok.eos_id) == 1
+
+
+@pytest.mark.parametrize(
+    ("messages", "match"),
+    [
+        ([], "no user message"),
+        ([{"role": "assistant", "content": "x"}], "message 0 has role 'assistant' where 'user'"),
+        ([{"role": "user", "content": "a"}, {"role": "user", "content": "b"}], "message 1 .*'user'"),
+        ([{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}], "last .*'user'"),
+        ([{"role": "bot", "content": "x"}], "message 0 .*role 'bot'"),
+        ([{"role": "user", "content": 3}], "message 0 .*int"),
+        ([{"role": "user", "content": "a"}, {"role": "system", "content": "s"}], "message 1 .*system"),
+    ],
+)
+def test_chat_rejects_bad_messages(tiny, messages, match):
+    with pytest.raises(PromptError, match=match):
+        tiny.chat_ids(messages)
+
+
+def test_chat_rejects_two_system_prompts(tiny):
+    messages = [{"role": "system", "content": "a"}, {"role": "user", "content": "b"}]
+    with pytest.raises(PromptError, match="system prompt given twice"):
+        tiny.chat_ids(messages, system="c")
+
+
+# -- loading -----------------------------------------------------------------------------------
+
+
+def test_missing_garbage_and_directory_paths(tmp_path):
+    missing = tmp_path / "nope.model"
+    with pytest.raises(TokenizerError, match=f"{missing}.*No such file"):
+        Tokenizer(missing)
+    garbage = tmp_path / "garbage.model"
+    garbage.write_bytes(b"\x00not a sentencepiece model\xff" * 10)
+    with pytest.raises(TokenizerError, match=f"{garbage} is not a SentencePiece"):
+        Tokenizer(garbage)
+    with pytest.raises(TokenizerError, match=str(tmp_path)):
+        Tokenizer(tmp_path)
+
+
+def test_from_model_dir(tiny, tmp_path):
+    with pytest.raises(TokenizerError, match=f"{tmp_path / 'tokenizer.model'} not found.*--tokenizer PATH"):
+        Tokenizer.from_model_dir(tmp_path)
+    assert Tokenizer.from_model_dir(tmp_path, override=tiny.path).path == tiny.path
+    assert Tokenizer.from_model_dir(tiny.path.parent).vocab_size == 320
+    with pytest.raises(TokenizerError, match="elsewhere.model"):
+        Tokenizer.from_model_dir(tiny.path.parent, override=tmp_path / "elsewhere.model")
