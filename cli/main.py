@@ -37,6 +37,8 @@ class LoadProgress:
         self.label, self.bar, self.done = label, None, 0
 
     def __call__(self, done: int, total: int) -> None:
+        if not sys.stderr.isatty():
+            return
         if self.bar is None:
             self.bar = click.progressbar(length=max(total, 1), label=self.label, file=sys.stderr,
                                          show_percent=True, show_eta=False)
@@ -103,6 +105,8 @@ def generate(model_dir, prompt, prompt_ids, max_new_tokens, temperature, top_k, 
                                     progress=progress)
     finally:
         progress.close()
+    for note in llm.notes:
+        click.echo(f"note: {note}", err=True)
     if prompt_ids is not None:
         request = parse_ids(prompt_ids)
     elif chat:
@@ -141,3 +145,22 @@ def info():
             value = f"none ({env.get('gpu_status', 'no GPU')})"
         if key != "gpu_status":
             click.echo(f"{key:>18}: {value}")
+
+
+@main.command()
+@click.option("--arch", default="sm_90", show_default=True, help="GPU architecture to compile for (no GPU needed).")
+@friendly_errors
+def kernels(arch):
+    """Compile every kernel with NVRTC; print registers, shared memory and spills (exit 1 on a spill)."""
+    from ..kernel_report import compile_all
+
+    reports = compile_all(arch)
+    click.echo(f"{'kernel':<22} {'file':<14} {'defines':<22} {'regs':>5} {'smem B':>7} {'stack B':>8} {'spill st/ld':>12}")
+    for r in reports:
+        res = r.resources
+        click.echo(f"{r.name:<22} {r.source:<14} {r.define_text:<22} {res.registers:>5} {res.smem_bytes:>7} "
+                   f"{res.stack_bytes:>8} {res.spill_stores:>5}/{res.spill_loads:<6}")
+    spilled = [r for r in reports if r.resources.spills]
+    click.echo(f"{len(reports)} kernels compiled for {arch}; {len(spilled)} with spills or local memory")
+    if spilled:
+        sys.exit(1)

@@ -153,15 +153,19 @@ def _error(*where_and_what) -> CheckpointError:
 
 def _read_header(file: Path) -> tuple[int, dict]:
     """Return (bytes before the data region, parsed JSON header), reading nothing else."""
-    size = file.stat().st_size
-    with open(file, "rb") as fh:
-        prefix = fh.read(8)
-        if len(prefix) < 8:
-            raise _error(file, f"corrupt safetensors header: the file is {size} bytes, too short for one")
-        (length,) = struct.unpack("<Q", prefix)
-        if length > size - 8 or length > MAX_HEADER_BYTES:
-            raise _error(file, f"corrupt safetensors header: header length {length} exceeds the file size {size}")
-        raw = fh.read(length)
+    try:
+        size = file.stat().st_size
+        with open(file, "rb") as fh:
+            prefix = fh.read(8)
+            if len(prefix) < 8:
+                raise _error(file, f"corrupt safetensors header: the file is only {size} bytes long")
+            (length,) = struct.unpack("<Q", prefix)
+            if length > size - 8 or length > MAX_HEADER_BYTES:
+                raise _error(file, f"corrupt safetensors header: header length {length} exceeds the file "
+                                   f"size {size}")
+            raw = fh.read(length)
+    except OSError as exc:  # permissions, I/O errors (CheckpointError is not an OSError)
+        raise _error(file, f"cannot read ({exc.strerror or exc})") from None
     try:
         header = json.loads(raw.decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
@@ -334,8 +338,8 @@ class Checkpoint:
         self.files = list(maps)
         self._infos = infos
         self._maps = maps
-        used = {info.dtype for name, info in infos.items() if name in expected_shapes(config)}
-        self.converted_from = {SOURCE_NAME[d] for d in used if d != "F16"}
+        used = {infos[name].dtype for name in expected_shapes(config)}
+        self.converted_from = {SOURCE_NAME[d] for d in used if d != "F16"}  # e.g. {"bfloat16"}
 
     @property
     def conversion_note(self) -> str | None:
@@ -438,6 +442,7 @@ def open_checkpoint(path: str | os.PathLike, config: LlamaConfig | None = None) 
 
 def load_weights(path: str | os.PathLike, config: LlamaConfig | None = None,
                  progress: Callable[[int, int], None] | None = None) -> Weights:
+    """open_checkpoint + load, for callers that do not need the note or the fusion plan."""
     return open_checkpoint(path, config).load(progress)
 
 

@@ -50,8 +50,10 @@ class ReferenceRunner:
 class Llama:
     """A loaded model on one device, with its tokenizer when the checkpoint has one."""
 
-    def __init__(self, config: LlamaConfig, runner: Runner, tokenizer: Tokenizer | None, device: str):
+    def __init__(self, config: LlamaConfig, runner: Runner, tokenizer: Tokenizer | None, device: str,
+                 notes: Sequence[str] = ()):
         self.config, self.runner, self.tokenizer, self.device = config, runner, tokenizer, device
+        self.notes = list(notes)  # things the user should hear once (e.g. a dtype conversion)
 
     @classmethod
     def from_pretrained(cls, path: str | os.PathLike, device: str = "auto", max_seq_len: int | None = None,
@@ -64,7 +66,8 @@ class Llama:
         if tokenizer is not None or (Path(path) / "tokenizer.model").is_file():
             tok = Tokenizer.from_model_dir(path, override=tokenizer)
         ckpt = checkpoint.open_checkpoint(path, config)
-        return cls(config, _make_runner(device, ckpt, seq_len, progress), tok, device)
+        notes = [ckpt.conversion_note] if ckpt.conversion_note else []
+        return cls(config, _make_runner(device, ckpt, seq_len, progress), tok, device, notes)
 
     # -- prompts ----------------------------------------------------------------------------
     def encode(self, prompt: str | Sequence[int]) -> list[int]:

@@ -108,10 +108,10 @@ def _nucleus(p: np.ndarray, budget: np.float32) -> np.ndarray:
     """
     s = np.sort(p)[::-1]  # descending
     before = np.concatenate(([np.float32(0)], np.cumsum(s, dtype=np.float32)[:-1]))
-    # A tie run's strictly-larger mass is the mass before its first member.
-    first_of_run = np.searchsorted(-s, -s, side="left")
-    keep_sorted = before[first_of_run] < budget  # a prefix: True for the top value at least
-    threshold = s[np.count_nonzero(keep_sorted) - 1]
+    # `before` only grows along s, so the kept entries are a prefix (the top value at least).
+    # Within a tie run the first member's `before` is the run's strictly-larger mass; its
+    # later members are brought back by `p >= threshold`.
+    threshold = s[np.count_nonzero(before < budget) - 1]
     return p >= threshold
 
 

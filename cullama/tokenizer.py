@@ -19,6 +19,7 @@ once any text was produced (nothing is "first" any more), else the few pieces th
 
 from __future__ import annotations
 
+import codecs
 import os
 from collections.abc import Iterable, Sequence
 from pathlib import Path
@@ -112,9 +113,8 @@ class Tokenizer:
         out = [int(i) for i in ids]
         for i in out:
             if not 0 <= i < self.vocab_size:
-                raise TokenizerError(
-                    f"token id {i} is outside the vocabulary of {self.path} ({self.vocab_size} pieces)"
-                )
+                size = self.vocab_size
+                raise TokenizerError(f"token id {i} is outside {self.path} ({size} pieces)")
         return out
 
     def _special(self, name: str, token_id: int) -> int:
@@ -171,9 +171,9 @@ class StreamDecoder:
         """How many trailing byte pieces sentencepiece cannot turn into text yet.
 
         Replays sentencepiece's UTF-8 scan of the byte run at the end of `_pending` (which starts
-        at a point where its scan starts too): a valid character consumes its bytes, anything
-        else consumes one byte as U+FFFD. The scan can only stall on a lead byte whose character
-        would run past the end, so at most three bytes are ever held back.
+        where its scan starts too): a valid character consumes its bytes, anything else consumes
+        one byte as U+FFFD. The scan only stalls on a character that is still a valid beginning
+        but not complete, so at most three bytes are ever held back.
         """
         run = bytearray()
         for token_id in reversed(self._pending):
@@ -184,10 +184,13 @@ class StreamDecoder:
         run.reverse()
         i = 0
         while i < len(run):
-            need = _utf8_length(run[i])
-            if i + need > len(run):
-                return len(run) - i
-            i += need if _is_utf8(run[i : i + need]) else 1
+            chunk = bytes(run[i : i + _utf8_length(run[i])])
+            if not _utf8_prefix_ok(chunk):
+                i += 1  # invalid whatever follows: U+FFFD now
+            elif len(chunk) == _utf8_length(run[i]):
+                i += len(chunk)  # a complete character
+            else:
+                return len(run) - i  # a character that may still complete
         return 0
 
     def _finish(self, n: int) -> str:
@@ -211,19 +214,24 @@ class StreamDecoder:
 
 def _utf8_length(lead: int) -> int:
     """Bytes sentencepiece reads for a character starting with `lead` (1 for a stray byte)."""
-    if lead >= 0xF0 and lead < 0xF8:
+    if 0xF0 <= lead < 0xF8:
         return 4
-    if lead >= 0xE0 and lead < 0xF0:
+    if 0xE0 <= lead < 0xF0:
         return 3
-    if lead >= 0xC0 and lead < 0xE0:
+    if 0xC0 <= lead < 0xE0:
         return 2
     return 1
 
 
-def _is_utf8(chunk: bytes | bytearray) -> bool:
-    # Python rejects exactly what sentencepiece rejects: overlong forms, surrogates, > U+10FFFF.
+def _utf8_prefix_ok(chunk: bytes) -> bool:
+    """Whether `chunk` is a valid character or the start of one.
+
+    Python's incremental decoder rejects a byte as soon as no valid character can follow, and
+    rejects what sentencepiece rejects (overlong forms, surrogates, > U+10FFFF), so a rejected
+    chunk is U+FFFD in sentencepiece's decode too, whatever bytes come next.
+    """
     try:
-        chunk.decode("utf-8")
+        codecs.getincrementaldecoder("utf-8")().decode(chunk, final=False)
     except UnicodeDecodeError:
         return False
     return True

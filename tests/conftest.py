@@ -43,3 +43,34 @@ def stories_dir() -> Path:
 @pytest.fixture(scope="session")
 def stories_expected(stories_dir) -> dict:
     return json.loads((stories_dir / "expected_greedy.json").read_text())
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked `gpu` are skipped, with the reason, where CuPy sees no GPU."""
+    if not any(item.get_closest_marker("gpu") for item in items):
+        return
+    from cullama.device import cuda_status
+
+    ok, why = cuda_status()
+    if ok:
+        return
+    skip = pytest.mark.skip(reason=f"needs an NVIDIA GPU: {why}")
+    for item in items:
+        if item.get_closest_marker("gpu"):
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def kernels():
+    """Loads kernels onto the GPU: kernels.function(KernelSpec) -> a CuPy RawKernel (gpu tests only)."""
+    from cullama.registry import KernelLoader
+
+    return KernelLoader()
+
+
+def poisoned(cp, shape, dtype):
+    """A device array full of NaN (or 0xFF bytes for integers): outputs are never tested on zeros."""
+    dtype = np.dtype(dtype)
+    if dtype.kind == "f":
+        return cp.full(shape, np.nan, dtype=dtype)
+    return cp.full(shape, np.iinfo(dtype).max, dtype=dtype)

@@ -179,14 +179,15 @@ def test_top_k_then_top_p_on_the_renormalised_mass():
     assert_distribution(freq, np.array([0.3, 0.25, 0, 0, 0]) / 0.55)
 
 
-def test_rounding_guard_returns_the_last_kept_token(monkeypatch):
-    # A draw of exactly 1 (outside uniform's range) puts the target at the total mass, past every
-    # cumulative sum: the guard must pick the last kept token, not a truncated one after it.
-    monkeypatch.setattr(sampling, "uniform", lambda seed, step: 1.0)
-    logits = np.array([0.0, 3.0, 2.0, 1.0, -np.inf], dtype=np.float32)
-    seen = np.zeros(5, dtype=bool)
-    assert sample(logits, SamplingParams(temperature=1.0, top_k=2, seed=0), seen, 0) == 2
-    assert sample(logits, SamplingParams(temperature=1.0, seed=0), seen, 0) == 3
+@pytest.mark.parametrize("u, top_k, token", [(1.0, 2, 2), (1.0, 0, 3), (0.0, 2, 1), (0.0, 0, 1)])
+def test_extreme_draws_pick_only_kept_tokens(monkeypatch, u, top_k, token):
+    # u = 0: the first kept token, never a truncated one before it. u = 1 (outside uniform's
+    # range) puts the target at the total mass, past every cumulative sum: the rounding guard
+    # must pick the last kept token, not a truncated one after it.
+    monkeypatch.setattr(sampling, "uniform", lambda seed, step: u)
+    logits = np.array([-np.inf, 3.0, 2.0, 1.0, -np.inf], dtype=np.float32)
+    params = SamplingParams(temperature=1.0, top_k=top_k, seed=0)
+    assert sample(logits, params, np.zeros(5, dtype=bool), 0) == token
 
 
 # ---- Sampler and seeds ---------------------------------------------------------------------

@@ -1,0 +1,84 @@
+"""Runs plans on the GPU with CuPy: kernels from the registry, the decode step as one CUDA graph.
+
+The decode step is captured once, on its first replay, and replayed at every position after that:
+its kernels read the position from device memory, so nothing is recompiled, re-captured or copied
+per token except the 4-byte sampled token id read back into pinned memory.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..plan import Buffer, Launch, Plan, Ref
+from ..registry import KernelLoader
+
+STATE_TOKEN = 1  # kernels_cu/common.cuh
+
+
+class CudaBackend:
+    device = "cuda"
+
+    def __init__(self):
+        import cupy
+        import cupyx
+
+        self.cp = cupy
+        self.loader = KernelLoader()
+        self.stream = cupy.cuda.Stream(non_blocking=True)  # graphs cannot be captured on the legacy stream
+        self.arrays: dict = {}
+        self.graphs: dict[str, object] = {}
+        self._token = cupyx.empty_pinned((1,), dtype=np.int32)  # the sampled id lands here
+
+    def allocate(self, buffers: list[Buffer]) -> None:
+        for b in buffers:
+            make = self.cp.empty if b.kind == "weight" else self.cp.zeros
+            self.arrays[b.name] = make(b.shape, dtype=b.dtype)
+
+    def set(self, name: str, array, row: int = 0) -> None:
+        array = np.ascontiguousarray(array, dtype=self.arrays[name].dtype)
+        self.arrays[name][row:row + len(array)].set(array, stream=self.stream)
+
+    def read(self, name: str) -> np.ndarray:
+        out = self.arrays[name].get(stream=self.stream)
+        self.stream.synchronize()
+        return out
+
+    def _arg(self, arg):
+        if isinstance(arg, Ref):
+            array = self.arrays[arg.name]
+            return array if arg.index is None else array[arg.index]
+        return arg
+
+    def _prepared(self, plan: Plan) -> list[tuple]:
+        return [(self.loader.function(l.spec), l.grid, (l.block, 1, 1), tuple(self._arg(a) for a in l.args))
+                for l in plan.launches]
+
+    def run(self, plan: Plan) -> None:
+        with self.stream:
+            for fn, grid, block, args in self._prepared(plan):
+                fn(grid, block, args)
+
+    def replay(self, plan: Plan) -> None:
+        graph = self.graphs.get(plan.name)
+        if graph is None:
+            launches = self._prepared(plan)  # compile and load every kernel before capturing
+            self.stream.synchronize()
+            with self.stream:  # a RawKernel launches on the current stream
+                self.stream.begin_capture()
+                try:
+                    for fn, grid, block, args in launches:
+                        fn(grid, block, args)
+                finally:
+                    graph = self.stream.end_capture()
+            self.graphs[plan.name] = graph
+        graph.launch(stream=self.stream)
+
+    def read_token(self) -> int:
+        state = self.arrays["state"]
+        self.cp.cuda.runtime.memcpyAsync(self._token.ctypes.data, state.data.ptr + 4 * STATE_TOKEN, 4,
+                                         self.cp.cuda.runtime.memcpyDeviceToHost, self.stream.ptr)
+        self.stream.synchronize()
+        return int(self._token[0])
+
+    def synchronize(self) -> None:
+        self.stream.synchronize()

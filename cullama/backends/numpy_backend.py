@@ -1,0 +1,59 @@
+"""Runs plans on the CPU: each launch calls its kernel's NumPy twin on NumPy buffers."""
+
+from __future__ import annotations
+
+import inspect
+
+import numpy as np
+
+from .. import ops
+from ..plan import Buffer, Launch, Plan, Ref
+
+STATE_TOKEN = 1  # kernels_cu/common.cuh
+
+
+class NumpyBackend:
+    device = "cpu"
+
+    def __init__(self):
+        self.arrays: dict[str, np.ndarray] = {}
+        self._twins: dict = {}
+
+    def allocate(self, buffers: list[Buffer]) -> None:
+        for b in buffers:
+            self.arrays[b.name] = np.zeros(b.shape, dtype=b.dtype)
+
+    def bind(self, name: str, array: np.ndarray) -> None:
+        """Use a host array as a buffer without copying (weights from the checkpoint's mmap)."""
+        self.arrays[name] = array
+
+    def set(self, name: str, array, row: int = 0) -> None:
+        array = np.asarray(array)
+        self.arrays[name][row:row + len(array)] = array
+
+    def read(self, name: str) -> np.ndarray:
+        return self.arrays[name].copy()
+
+    def _twin(self, launch: Launch):
+        key = (launch.spec.source, launch.spec.name)
+        if key not in self._twins:
+            fn = ops.twin(*key)
+            self._twins[key] = (fn, "grid" in inspect.signature(fn).parameters)
+        return self._twins[key]
+
+    def _arg(self, arg):
+        if isinstance(arg, Ref):
+            array = self.arrays[arg.name]
+            return array if arg.index is None else array[arg.index]
+        return arg.item()  # np.int32 / np.float32 -> Python number
+
+    def run(self, plan: Plan) -> None:
+        for launch in plan.launches:
+            fn, wants_grid = self._twin(launch)
+            args = [self._arg(a) for a in launch.args]
+            fn(*args, grid=launch.grid) if wants_grid else fn(*args)
+
+    replay = run  # no graphs on the CPU: a decode step is just run
+
+    def read_token(self) -> int:
+        return int(self.arrays["state"][STATE_TOKEN])

@@ -1,0 +1,127 @@
+"""PlanRunner: runs the plans on a backend and speaks the generation loop's Runner protocol.
+
+    start(prompt, params): reset the state, prefill the prompt in chunks, sample the first token
+    next():                replay the decode step (a CUDA graph on the GPU), read the sampled token
+    logits(ids):           prefill with every row's logits kept
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable, Sequence
+
+import numpy as np
+
+from . import plan as plans
+from .checkpoint import Checkpoint, expected_shapes
+from .config import LlamaConfig
+from .sampling import Sampler, SamplingParams
+
+Progress = Callable[[int, int], None]
+# kernels_cu/common.cuh: STATE_POS, STATE_TOKEN, STATE_STEP, STATE_TOP_K, STATE_SEED_LO, STATE_SEED_HI
+POS, TOKEN, STEP, TOP_K, SEED_LO, SEED_HI = range(6)
+
+
+def weight_buffer_name(field: str, layer: int | None) -> str:
+    return field if layer is None else f"layers.{layer}.{field}"
+
+
+def load_checkpoint(backend, ckpt: Checkpoint, progress: Progress | None = None) -> None:
+    """Weights onto the backend: the CPU binds the loaded arrays; the GPU copies each HF tensor
+    straight into its slice of the fused device buffer (no host-side concatenation)."""
+    if backend.device == "cpu":
+        weights = ckpt.load(progress)
+        backend.bind("embed", weights.embed)
+        backend.bind("final_norm", weights.final_norm)
+        backend.bind("lm_head", weights.lm_head)
+        for i, layer in enumerate(weights.layers):
+            for field in ("attn_norm", "wqkv", "wo", "ffn_norm", "w_gate_up", "w_down"):
+                backend.bind(weight_buffer_name(field, i), getattr(layer, field))
+        return
+    backend.allocate(plans.weight_buffers(ckpt.config))
+    shapes = expected_shapes(ckpt.config)
+    parts = list(ckpt.parts())
+    total, done = sum(2 * math.prod(shapes[name]) for *_, name in parts), 0
+    for field, layer, row, name in parts:
+        backend.set(weight_buffer_name(field, layer), ckpt.tensor(name), row=row)
+        done += 2 * math.prod(shapes[name])
+        if progress:
+            progress(done, total)
+
+
+def random_weights(backend, cfg: LlamaConfig, seed: int = 0, std: float = 0.02) -> None:
+    """Synthetic weights of any shape, made where they live (on the GPU for `bench --synthetic`)."""
+    buffers = plans.weight_buffers(cfg)
+    if backend.device == "cpu":
+        rng = np.random.default_rng(seed)
+        for b in buffers:
+            backend.bind(b.name, _random(np, rng, b, std))
+        return
+    cp = backend.cp
+    backend.allocate(buffers)
+    rng = cp.random.default_rng(seed)
+    for b in buffers:
+        backend.arrays[b.name][...] = _random(cp, rng, b, std)
+
+
+def _random(xp, rng, b: plans.Buffer, std: float):
+    if len(b.shape) == 1:  # norm weights near 1, as in trained models
+        return (1.0 + 0.1 * rng.standard_normal(b.shape, dtype=np.float32)).astype(np.float16)
+    return (std * rng.standard_normal(b.shape, dtype=np.float32)).astype(np.float16)
+
+
+class PlanRunner:
+    def __init__(self, cfg: LlamaConfig, backend, max_seq_len: int):
+        plans.check_supported(cfg)
+        self.cfg, self.backend, self.max_seq_len = cfg, backend, max_seq_len
+        backend.allocate(plans.runtime_buffers(cfg, max_seq_len))
+        backend.set("rope", plans.rope_table(cfg, max_seq_len))
+        self.decode = plans.decode_plan(cfg, max_seq_len)
+        self._prefills: dict[tuple, plans.Plan] = {}
+
+    @property
+    def device(self) -> str:
+        return self.backend.device
+
+    def _prefill_plan(self, start: int, n: int, output: str) -> plans.Plan:
+        key = (start, n, output)
+        if key not in self._prefills:
+            if len(self._prefills) > 64:
+                self._prefills.clear()
+            self._prefills[key] = plans.prefill_plan(self.cfg, self.max_seq_len, start, n, output)
+        return self._prefills[key]
+
+    def _prefill(self, ids: Sequence[int], output: str, state: np.ndarray | None = None) -> list[np.ndarray]:
+        """Run the prompt through in chunks; output applies to the last chunk ("logits": to all)."""
+        logits = []
+        for start in range(0, len(ids), plans.PREFILL_CHUNK):
+            chunk = np.asarray(ids[start:start + plans.PREFILL_CHUNK], dtype=np.int32)
+            n, last = len(chunk), start + len(chunk) == len(ids)
+            self.backend.set("prefill_ids", chunk)
+            out = output if output == "logits" or last else "none"
+            if out == "sample":
+                state[POS] = start + n - 1  # the sample kernel advances it to start + n
+                self.backend.set("state", state)
+            self.backend.run(self._prefill_plan(start, n, out))
+            if out == "logits":
+                logits.append(self.backend.read("logits_rows")[:n])
+        return logits
+
+    def start(self, prompt_ids: Sequence[int], params: SamplingParams) -> int:
+        sampler = Sampler(params, self.cfg.vocab_size, prompt_ids)  # resolves the seed, marks the prompt seen
+        p = sampler.params
+        seed = p.seed & (2**64 - 1)
+        state = np.zeros(8, dtype=np.int32)
+        state[TOP_K] = p.top_k
+        state[SEED_LO:SEED_HI + 1] = np.array([seed & 0xFFFFFFFF, seed >> 32], dtype=np.uint32).view(np.int32)
+        self.backend.set("fparams", np.array([p.temperature, p.top_p, p.repetition_penalty, 0], np.float32))
+        self.backend.set("seen", sampler.seen.astype(np.uint8))
+        self._prefill(list(prompt_ids), "sample", state)
+        return self.backend.read_token()
+
+    def next(self) -> int:
+        self.backend.replay(self.decode)
+        return self.backend.read_token()
+
+    def logits(self, token_ids: Sequence[int]) -> np.ndarray:
+        return np.concatenate(self._prefill(list(token_ids), "logits"))

@@ -1,0 +1,32 @@
+"""Compile every kernel variant for an arch without a GPU and report its resources (`cullama kernels`)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from . import ops
+from .registry import Resources, compile_module
+
+
+@dataclasses.dataclass
+class KernelReport:
+    source: str
+    defines: tuple
+    name: str
+    resources: Resources
+
+    @property
+    def define_text(self) -> str:
+        return " ".join(f"{k}={v}" for k, v in self.defines) or "-"
+
+
+def compile_all(arch: str = "sm_90") -> list[KernelReport]:
+    """Every kernel in every variant its ops module declares, compiled with NVRTC for `arch`."""
+    reports = []
+    for stem in ops.STEMS:
+        module = ops.module(stem)
+        for defines in module.VARIANTS:
+            compiled = compile_module(module.SOURCE, tuple(defines), arch)
+            for name, res in sorted(compiled.resources.items()):
+                reports.append(KernelReport(module.SOURCE, tuple(defines), name, res))
+    return reports

@@ -1,0 +1,80 @@
+"""Twins of kernels_cu/attention.cu: softmax(q·K^T * scale)·V over the KV cache, decode and prefill.
+
+Convention for twins whose kernel reads its extent from the launch grid (attention_prefill: one
+block row per prompt row, and the row count is no kernel argument): the twin declares a keyword-only
+parameter `grid`, and the numpy backend passes the launch's grid (a 3-tuple) as `grid=` to every twin
+that declares it. HEAD_DIM and GROUP are never arguments: they follow from the arrays' shapes.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+SOURCE = "attention.cu"
+# (HEAD_DIM, GROUP): the shipped configs first (llama-2-7b, tiny-gqa, tiny-mha, stories260K), then
+# enough others that every HEAD_DIM and every GROUP compiles at least once.
+VARIANTS = [(("HEAD_DIM", hd), ("GROUP", g)) for hd, g in
+            ((128, 1), (32, 4), (32, 1), (8, 2), (128, 8), (128, 4), (64, 8), (64, 2), (16, 4), (16, 1), (8, 8))]
+
+
+def _split_state(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float):
+    """Unnormalised softmax state of query heads q [heads, hd] (all sharing one kv head) over keys
+    k, v [n, hd]: acc [heads, hd] = Σ e^(s - m) v, m [heads] = max s, l [heads] = Σ e^(s - m)."""
+    s = (q @ k.T) * np.float32(scale)  # [heads, n]
+    m = s.max(axis=1)
+    p = np.exp(s - m[:, None])
+    return p @ v, m, p.sum(axis=1)
+
+
+def _attend(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float) -> np.ndarray:
+    acc, _, l = _split_state(q, k, v, scale)
+    return acc / l[:, None]
+
+
+def attention_decode(q, k_cache, v_cache, part, count, out, state, max_seq, scale):
+    """out [heads*hd] f32 = attention of q [heads*hd] over keys 0..state[0] of k_cache/v_cache
+    [kv_heads, max_seq, hd] f16; part [heads, splits, hd+2] gets each split's (acc, m, l) as the kernel
+    writes it, the splits are combined in order, count [kv_heads] is left at 0."""
+    heads, splits, stride = part.shape
+    kv_heads, hd = k_cache.shape[0], stride - 2
+    group = heads // kv_heads
+    n = min(int(state[0]) + 1, int(max_seq))
+    chunk = -(-n // splits)
+    qh = q[: heads * hd].astype(np.float32).reshape(kv_heads, group, hd)
+    for kv in range(kv_heads):
+        keys = k_cache[kv, :n].astype(np.float32)  # [n, hd]
+        values = v_cache[kv, :n].astype(np.float32)
+        heads_of = slice(kv * group, (kv + 1) * group)
+        for s in range(splits):
+            begin, end = min(s * chunk, n), min(s * chunk + chunk, n)
+            if begin == end:  # an empty split
+                part[heads_of, s, :hd], part[heads_of, s, hd], part[heads_of, s, hd + 1] = 0, -np.inf, 0
+                continue
+            acc, m, l = _split_state(qh[kv], keys[begin:end], values[begin:end], scale)
+            part[heads_of, s, :hd], part[heads_of, s, hd], part[heads_of, s, hd + 1] = acc, m, l
+    m = part[:, :, hd]  # [heads, splits]
+    top = m.max(axis=1, keepdims=True)
+    c = np.where(m == -np.inf, np.float32(0), np.exp(m - top, where=m != -np.inf))
+    acc = np.zeros((heads, hd), np.float32)
+    l = np.zeros(heads, np.float32)
+    for s in range(splits):  # the kernel's fixed order
+        acc += part[:, s, :hd] * c[:, s, None]
+        l += part[:, s, hd + 1] * c[:, s]
+    out[: heads * hd] = (acc / l[:, None]).reshape(-1)
+    count[:kv_heads] = 0
+
+
+def attention_prefill(q_rows, k_cache, v_cache, out_rows, start, max_seq, scale, *, grid):
+    """out_rows[r] (f16) = attention of q_rows[r] [heads*hd] f16 over keys 0..start+r, for the
+    grid[1] rows of the launch; k_cache/v_cache [kv_heads, max_seq, hd] f16 already hold the chunk."""
+    kv_heads, rows = int(grid[0]), int(grid[1])
+    hd = k_cache.shape[2]
+    group = q_rows.shape[1] // (kv_heads * hd)
+    for r in range(rows):
+        end = min(int(start) + r + 1, int(max_seq))
+        qh = q_rows[r].astype(np.float32).reshape(kv_heads, group, hd)
+        o = np.empty((kv_heads, group, hd), np.float32)
+        for kv in range(kv_heads):
+            o[kv] = _attend(qh[kv], k_cache[kv, :end].astype(np.float32), v_cache[kv, :end].astype(np.float32),
+                            scale)
+        out_rows[r, : kv_heads * group * hd] = o.reshape(-1).astype(np.float16)

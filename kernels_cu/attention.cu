@@ -1,0 +1,255 @@
+// attention.cu — softmax(q·K^T * scale)·V over the KV cache, for the decode step and for a prompt chunk.
+//
+//   attention_decode   one new token: flash-decoding, the keys 0..pos split across gridDim.y blocks per
+//                      kv head; the last block of each kv head to finish combines the splits
+//   attention_prefill  a prompt chunk: row r (position start + r) attends causally to keys 0..start + r
+//
+// Variants: HEAD_DIM (a power of two, 8..128) and GROUP (query heads per kv head, 1..8), both
+// compile-time. Launch: grid (n_kv_heads, splits) for decode, (n_kv_heads, rows) for prefill; THREADS
+// (128) threads. Inside a block, LPK = HEAD_DIM / 8 lanes share one key (a 16-byte load of 8 halves
+// each), so a warp covers 32 / LPK keys at once and every key of K and V is loaded once for all
+// GROUP query heads of its kv head. Each lane group keeps an online softmax (m, l, acc) for its keys,
+// UNROLL keys per batch with all their loads issued first; lane groups merge through shuffles, warps
+// through shared memory.
+// Shapes: q [n_heads * HD] float32; q_rows, out_rows [rows, n_heads * HD] FP16; k_cache, v_cache
+// [n_kv_heads, max_seq, HD] FP16 (this layer's); part [n_heads, splits, HD + 2] float32 (acc[HD], m, l:
+// unnormalised sums of one split); count [n_kv_heads] uint32, zero between launches; out [n_heads * HD]
+// float32. Query head h uses kv head h / GROUP.
+#include "common.cuh"
+
+#ifndef HEAD_DIM
+#define HEAD_DIM 128
+#endif
+#ifndef GROUP
+#define GROUP 1
+#endif
+#define THREADS 128
+#define WARPS (THREADS / WARP)
+#define LPK (HEAD_DIM / 8)                       // lanes per key
+#define KEYS_PER_WARP (WARP / LPK)               // keys one warp covers at once
+#define LANE_GROUPS (THREADS / LPK)              // keys one block covers at once
+#ifndef UNROLL
+#define UNROLL (GROUP >= 4 ? 2 : 4)              // keys per lane group per batch (loads in flight)
+#endif
+#define KEYS_PER_ITER (LANE_GROUPS * UNROLL)
+#define PART_STRIDE (HEAD_DIM + 2)
+
+#if HEAD_DIM < 8 || HEAD_DIM > 128 || (HEAD_DIM & (HEAD_DIM - 1))
+#error "HEAD_DIM must be a power of two from 8 to 128"
+#endif
+#if GROUP < 1 || GROUP > 8
+#error "GROUP must be 1..8"
+#endif
+
+// e^(a - b), where a may be -inf (an empty state or a masked key) and b >= a: 0 then, never NaN.
+__device__ __forceinline__ float exp_diff(float a, float b) { return a == NEG_INF ? 0.f : expf(a - b); }
+
+// Per-block partial softmax state of GROUP heads: [warp][head][acc[HD], m, l].
+struct BlockState {
+    float w[WARPS][GROUP][PART_STRIDE];
+};
+
+// Online softmax of the GROUP heads in q over keys [begin, end) of one kv head. q holds this lane's
+// 8 dimensions (sub * 8 ..) of each head. On return (after a barrier) red->w holds each warp's state;
+// combine_warps() merges them.
+__device__ __forceinline__ void attend(const float (&q)[GROUP][8], const half_t* __restrict__ kc,
+                                       const half_t* __restrict__ vc, int begin, int end, float scale,
+                                       BlockState* red) {
+    const int lane = threadIdx.x % WARP, warp = threadIdx.x / WARP;
+    const int sub = lane % LPK, grp = threadIdx.x / LPK;
+    float m[GROUP], l[GROUP], acc[GROUP][8];
+#pragma unroll
+    for (int g = 0; g < GROUP; ++g) {
+        m[g] = NEG_INF;
+        l[g] = 0.f;
+#pragma unroll
+        for (int i = 0; i < 8; ++i) acc[g][i] = 0.f;
+    }
+    kc += sub * 8;
+    vc += sub * 8;
+    for (int base = begin; base < end; base += KEYS_PER_ITER) {  // base is block-uniform
+        uint4 kr[UNROLL], vr[UNROLL];
+#pragma unroll
+        for (int u = 0; u < UNROLL; ++u) {  // every load of the batch before the first use
+            const int key = base + u * LANE_GROUPS + grp;
+            kr[u] = key < end ? load_stream(kc + (size_t)key * HEAD_DIM) : make_uint4(0, 0, 0, 0);
+        }
+#pragma unroll
+        for (int u = 0; u < UNROLL; ++u) {
+            const int key = base + u * LANE_GROUPS + grp;
+            vr[u] = key < end ? load_stream(vc + (size_t)key * HEAD_DIM) : make_uint4(0, 0, 0, 0);
+        }
+        float s[UNROLL][GROUP];
+#pragma unroll
+        for (int u = 0; u < UNROLL; ++u) {
+            float kf[8];
+            unpack8(kr[u], kf);
+            const bool valid = base + u * LANE_GROUPS + grp < end;
+#pragma unroll
+            for (int g = 0; g < GROUP; ++g) {
+                float dot = 0.f;
+#pragma unroll
+                for (int i = 0; i < 8; ++i) dot += q[g][i] * kf[i];
+#pragma unroll
+                for (int o = LPK / 2; o > 0; o >>= 1) dot += __shfl_xor_sync(0xffffffffu, dot, o);
+                s[u][g] = valid ? dot * scale : NEG_INF;
+            }
+        }
+#pragma unroll
+        for (int g = 0; g < GROUP; ++g) {
+            float mx = m[g];
+#pragma unroll
+            for (int u = 0; u < UNROLL; ++u) mx = fmaxf(mx, s[u][g]);
+            const float c = exp_diff(m[g], mx);
+            l[g] *= c;
+#pragma unroll
+            for (int i = 0; i < 8; ++i) acc[g][i] *= c;
+            m[g] = mx;
+        }
+#pragma unroll
+        for (int u = 0; u < UNROLL; ++u) {
+            float vf[8];
+            unpack8(vr[u], vf);
+#pragma unroll
+            for (int g = 0; g < GROUP; ++g) {
+                const float p = exp_diff(s[u][g], m[g]);
+                l[g] += p;
+#pragma unroll
+                for (int i = 0; i < 8; ++i) acc[g][i] += p * vf[i];
+            }
+        }
+    }
+    // Merge the lane groups of this warp: lanes sub, sub + LPK, sub + 2 LPK, ... hold the same dims.
+#pragma unroll
+    for (int o = LPK; o < WARP; o <<= 1) {
+#pragma unroll
+        for (int g = 0; g < GROUP; ++g) {
+            const float mo = __shfl_xor_sync(0xffffffffu, m[g], o);
+            const float lo = __shfl_xor_sync(0xffffffffu, l[g], o);
+            const float mx = fmaxf(m[g], mo);
+            const float c = exp_diff(m[g], mx), co = exp_diff(mo, mx);
+            l[g] = l[g] * c + lo * co;
+#pragma unroll
+            for (int i = 0; i < 8; ++i) acc[g][i] = acc[g][i] * c + __shfl_xor_sync(0xffffffffu, acc[g][i], o) * co;
+            m[g] = mx;
+        }
+    }
+    if (lane < LPK) {
+#pragma unroll
+        for (int g = 0; g < GROUP; ++g) {
+            float* w = red->w[warp][g];
+            reinterpret_cast<float4*>(w + sub * 8)[0] = make_float4(acc[g][0], acc[g][1], acc[g][2], acc[g][3]);
+            reinterpret_cast<float4*>(w + sub * 8)[1] = make_float4(acc[g][4], acc[g][5], acc[g][6], acc[g][7]);
+            if (sub == 0) {
+                w[HEAD_DIM] = m[g];
+                w[HEAD_DIM + 1] = l[g];
+            }
+        }
+    }
+    __syncthreads();
+}
+
+// The block's state of head g: acc[d] (d < HEAD_DIM), m and l, merged over the warps in a fixed order.
+__device__ __forceinline__ float combine_warps(const BlockState* red, int g, int d, float& m, float& l) {
+    m = NEG_INF;
+#pragma unroll
+    for (int w = 0; w < WARPS; ++w) m = fmaxf(m, red->w[w][g][HEAD_DIM]);
+    float a = 0.f;
+    l = 0.f;
+#pragma unroll
+    for (int w = 0; w < WARPS; ++w) {
+        const float c = exp_diff(red->w[w][g][HEAD_DIM], m);
+        a += red->w[w][g][d] * c;
+        l += red->w[w][g][HEAD_DIM + 1] * c;
+    }
+    return a;
+}
+
+// grid (n_kv_heads, splits). n = state[STATE_POS] + 1 keys; split s takes keys [s c, min(n, (s + 1) c)),
+// c = ceil(n / splits) (decided here, so one captured graph serves every length); an empty split
+// writes acc = 0, m = -inf, l = 0. The last block of a kv head to finish combines its splits in order
+// s = 0, 1, ... into out and zeroes count[kv_head] for the next launch.
+extern "C" __global__ void __launch_bounds__(THREADS)
+attention_decode(const float* __restrict__ q, const half_t* __restrict__ k_cache, const half_t* __restrict__ v_cache,
+                 float* part, unsigned int* count, float* __restrict__ out, const int* __restrict__ state,
+                 int max_seq, float scale) {
+    __shared__ __align__(16) BlockState red;
+    __shared__ bool is_last;
+    const int kv = blockIdx.x, split = blockIdx.y, splits = gridDim.y;
+    const int n = min(state[STATE_POS] + 1, max_seq);
+    const int chunk = (n + splits - 1) / splits;
+    const int begin = min(split * chunk, n), end = min(begin + chunk, n);
+    const int sub = (threadIdx.x % WARP) % LPK;
+
+    float qr[GROUP][8];
+#pragma unroll
+    for (int g = 0; g < GROUP; ++g) {
+        const float4* qp = reinterpret_cast<const float4*>(q + (kv * GROUP + g) * HEAD_DIM + sub * 8);
+        const float4 a = qp[0], b = qp[1];
+        qr[g][0] = a.x; qr[g][1] = a.y; qr[g][2] = a.z; qr[g][3] = a.w;
+        qr[g][4] = b.x; qr[g][5] = b.y; qr[g][6] = b.z; qr[g][7] = b.w;
+    }
+    const size_t kv_off = (size_t)kv * max_seq * HEAD_DIM;
+    attend(qr, k_cache + kv_off, v_cache + kv_off, begin, end, scale, &red);
+
+    for (int e = threadIdx.x; e < GROUP * HEAD_DIM; e += THREADS) {
+        const int g = e / HEAD_DIM, d = e % HEAD_DIM;
+        float m, l;
+        const float a = combine_warps(&red, g, d, m, l);
+        float* p = part + ((size_t)(kv * GROUP + g) * splits + split) * PART_STRIDE;
+        p[d] = a;
+        if (d == 0) {
+            p[HEAD_DIM] = m;
+            p[HEAD_DIM + 1] = l;
+        }
+    }
+
+    // Last block: every split's part is visible once count reaches splits.
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) is_last = atomicAdd(count + kv, 1u) == (unsigned int)(splits - 1);
+    __syncthreads();
+    if (!is_last) return;
+    __threadfence();
+    for (int e = threadIdx.x; e < GROUP * HEAD_DIM; e += THREADS) {
+        const int g = e / HEAD_DIM, d = e % HEAD_DIM;
+        const float* p = part + (size_t)(kv * GROUP + g) * splits * PART_STRIDE;
+        float m = NEG_INF;
+        for (int s = 0; s < splits; ++s) m = fmaxf(m, load_coherent(p + s * PART_STRIDE + HEAD_DIM));
+        float a = 0.f, l = 0.f;
+        for (int s = 0; s < splits; ++s) {
+            const float c = exp_diff(load_coherent(p + s * PART_STRIDE + HEAD_DIM), m);
+            a += load_coherent(p + s * PART_STRIDE + d) * c;
+            l += load_coherent(p + s * PART_STRIDE + HEAD_DIM + 1) * c;
+        }
+        out[(kv * GROUP + g) * HEAD_DIM + d] = a / l;
+    }
+    if (threadIdx.x == 0) count[kv] = 0u;
+}
+
+// grid (n_kv_heads, rows). Row r = blockIdx.y is the token at position start + r; it attends to keys
+// 0..start + r, already in the cache. Row stride of q_rows and out_rows: gridDim.x * GROUP * HEAD_DIM.
+extern "C" __global__ void __launch_bounds__(THREADS)
+attention_prefill(const half_t* __restrict__ q_rows, const half_t* __restrict__ k_cache,
+                  const half_t* __restrict__ v_cache, half_t* __restrict__ out_rows, int start, int max_seq,
+                  float scale) {
+    __shared__ __align__(16) BlockState red;
+    const int kv = blockIdx.x, row = blockIdx.y;
+    const size_t row_off = (size_t)row * gridDim.x * GROUP * HEAD_DIM + (size_t)kv * GROUP * HEAD_DIM;
+    const int end = min(start + row + 1, max_seq);
+    const int sub = (threadIdx.x % WARP) % LPK;
+
+    float qr[GROUP][8];
+#pragma unroll
+    for (int g = 0; g < GROUP; ++g)
+        unpack8(*reinterpret_cast<const uint4*>(q_rows + row_off + g * HEAD_DIM + sub * 8), qr[g]);
+    const size_t kv_off = (size_t)kv * max_seq * HEAD_DIM;
+    attend(qr, k_cache + kv_off, v_cache + kv_off, 0, end, scale, &red);
+
+    for (int e = threadIdx.x; e < GROUP * HEAD_DIM; e += THREADS) {
+        const int g = e / HEAD_DIM, d = e % HEAD_DIM;
+        float m, l;
+        const float a = combine_warps(&red, g, d, m, l);
+        out_rows[row_off + e] = f2h(a / l);
+    }
+}

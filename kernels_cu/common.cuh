@@ -1,0 +1,104 @@
+// common.cuh — what every cullama kernel shares: FP16 bits <-> float, 16-byte loads, warp and
+// block reductions. No CUDA headers are included (NVRTC alone compiles everything, no toolkit):
+// FP16 values travel as raw 16-bit patterns (`half_t`) and are converted with PTX cvt.
+#pragma once
+
+typedef unsigned short half_t;  // IEEE binary16 bits
+typedef unsigned int uint32_t;
+typedef unsigned long long uint64_t;
+
+#define WARP 32
+#define NEG_INF (__int_as_float(0xff800000))
+
+__device__ __forceinline__ float h2f(half_t h) {
+    float f;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
+    return f;
+}
+
+__device__ __forceinline__ half_t f2h(float f) {  // round to nearest even, as NumPy's astype(float16)
+    half_t h;
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
+    return h;
+}
+
+// The two halves of a 32-bit word: low 16 bits are the element at the lower address.
+__device__ __forceinline__ float lo_f(uint32_t w) { return h2f((half_t)(w & 0xffffu)); }
+__device__ __forceinline__ float hi_f(uint32_t w) { return h2f((half_t)(w >> 16)); }
+
+__device__ __forceinline__ uint32_t pack_h2(float lo, float hi) {
+    return (uint32_t)f2h(lo) | ((uint32_t)f2h(hi) << 16);
+}
+
+// 8 FP16 values (16 bytes) as floats.
+__device__ __forceinline__ void unpack8(uint4 v, float (&f)[8]) {
+    f[0] = lo_f(v.x); f[1] = hi_f(v.x); f[2] = lo_f(v.y); f[3] = hi_f(v.y);
+    f[4] = lo_f(v.z); f[5] = hi_f(v.z); f[6] = lo_f(v.w); f[7] = hi_f(v.w);
+}
+
+// Weights are read exactly once per decode step: stream them past L1 so that they do not evict
+// the activation vector that every block re-reads.
+__device__ __forceinline__ uint4 load_stream(const void* p) {
+    uint4 v;
+    asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+    return v;
+}
+
+// Written by another block of the same launch: bypass L1 (which is not coherent across SMs).
+__device__ __forceinline__ float load_coherent(const float* p) {
+    float v;
+    asm volatile("ld.global.cg.f32 %0, [%1];" : "=f"(v) : "l"(p));
+    return v;
+}
+
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+    for (int o = WARP / 2; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+
+__device__ __forceinline__ float warp_max(float v) {
+#pragma unroll
+    for (int o = WARP / 2; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+    return v;
+}
+
+// Sum over the whole block (blockDim.x a multiple of 32, at most 1024); every thread gets the result.
+// `scratch` needs 32 floats of shared memory; the trailing barrier makes it reusable at once.
+__device__ __forceinline__ float block_sum(float v, float* scratch) {
+    const int lane = threadIdx.x % WARP, warp = threadIdx.x / WARP, warps = blockDim.x / WARP;
+    v = warp_sum(v);
+    if (lane == 0) scratch[warp] = v;
+    __syncthreads();
+    v = lane < warps ? scratch[lane] : 0.f;
+    v = warp_sum(v);
+    __syncthreads();
+    return v;
+}
+
+__device__ __forceinline__ float block_max(float v, float* scratch) {
+    const int lane = threadIdx.x % WARP, warp = threadIdx.x / WARP, warps = blockDim.x / WARP;
+    v = warp_max(v);
+    if (lane == 0) scratch[warp] = v;
+    __syncthreads();
+    v = lane < warps ? scratch[lane] : NEG_INF;
+    v = warp_max(v);
+    __syncthreads();
+    return v;
+}
+
+// The decode state, in device memory so that one captured CUDA graph serves every position.
+// int32 state[STATE_LEN]:
+#define STATE_POS 0      // position of the token being processed (= tokens already in the KV cache)
+#define STATE_TOKEN 1    // that token (the last one sampled)
+#define STATE_STEP 2     // tokens sampled so far in this generation (the sampling RNG's counter)
+#define STATE_TOP_K 3    // 0 = off
+#define STATE_SEED_LO 4  // the sampling seed, low and high 32 bits
+#define STATE_SEED_HI 5
+#define STATE_LEN 8
+// float32 fparams[FPARAMS_LEN]:
+#define FP_TEMPERATURE 0  // 0 = greedy
+#define FP_TOP_P 1        // 1 = off
+#define FP_REP_PENALTY 2  // 1 = off
+#define FPARAMS_LEN 4

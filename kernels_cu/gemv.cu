@@ -1,0 +1,200 @@
+// gemv.cu — the decode step's matrix-vector products, each with its neighbours fused in.
+//
+//   gemv_qkv_rope      q|k|v = W_qkv · rmsnorm(x)   + RoPE on q and k, k and v written to the KV cache
+//   gemv_residual      x += W · in                  (o_proj on the attention output, down_proj on h)
+//   gemv_gate_up_silu  h = silu(W_gate · n) * (W_up · n),  n = rmsnorm(x)
+//   gemv_logits        logits = W_lm_head · rmsnorm(x)
+//
+// Launch: 1-D grid, THREADS (128) threads; each block owns ROWS output rows and all 128 threads
+// sweep K together in 16-byte vectors (split-K inside the block, reduced through shared memory),
+// with UNROLL x ROWS streaming loads in flight per thread. RMSNorm is free here: the block reads
+// all of x for the dot product anyway, so it sums x^2 on the way and scales the result.
+// Shapes: W [M, K] FP16 row-major, K % 8 == 0, any M; x, in: [K] float32; 16-byte aligned rows.
+// Rows that need each other share a block: RoPE pairs (j, j + hd/2) of one head, and the gate
+// and up rows (r, ff + r) of one SwiGLU unit.
+#include "common.cuh"
+
+#ifndef ROWS
+#define ROWS 4  // output rows per block (even: pairs)
+#endif
+#ifndef UNROLL
+#define UNROLL 4  // 16-byte loads per row per thread in one batch
+#endif
+#define THREADS 128
+#define PAIRS (ROWS / 2)
+
+// acc[r] = W[rows[r], :] · (x ⊙ g)  (g = 1 without NORM); ss = Σ x² (NORM only). Block-wide: on return,
+// thread 0 holds the reduced sums.
+template <bool NORM>
+__device__ __forceinline__ void block_dot_rows(const half_t* __restrict__ W, const int (&rows)[ROWS], int K,
+                                               const float* __restrict__ x, const half_t* __restrict__ g,
+                                               float (&acc)[ROWS], float& ss) {
+    __shared__ float partial[THREADS / WARP][ROWS + 1];
+    const int nvec = K / 8;
+    const uint4* wrow[ROWS];
+#pragma unroll
+    for (int r = 0; r < ROWS; ++r) {
+        acc[r] = 0.f;
+        wrow[r] = reinterpret_cast<const uint4*>(W + (size_t)rows[r] * K);
+    }
+    ss = 0.f;
+    for (int base = threadIdx.x; base < nvec; base += THREADS * UNROLL) {
+        uint4 w[UNROLL][ROWS];
+#pragma unroll
+        for (int u = 0; u < UNROLL; ++u) {  // issue every load of the batch before the first use
+            const int v = base + u * THREADS;
+#pragma unroll
+            for (int r = 0; r < ROWS; ++r) w[u][r] = v < nvec ? load_stream(wrow[r] + v) : make_uint4(0, 0, 0, 0);
+        }
+#pragma unroll
+        for (int u = 0; u < UNROLL; ++u) {
+            const int v = base + u * THREADS;
+            if (v >= nvec) break;
+            const float4 x0 = reinterpret_cast<const float4*>(x)[2 * v];
+            const float4 x1 = reinterpret_cast<const float4*>(x)[2 * v + 1];
+            float xv[8] = {x0.x, x0.y, x0.z, x0.w, x1.x, x1.y, x1.z, x1.w};
+            if (NORM) {
+                float gv[8];
+                unpack8(reinterpret_cast<const uint4*>(g)[v], gv);
+#pragma unroll
+                for (int i = 0; i < 8; ++i) {
+                    ss += xv[i] * xv[i];
+                    xv[i] *= gv[i];
+                }
+            }
+#pragma unroll
+            for (int r = 0; r < ROWS; ++r) {
+                float wv[8];
+                unpack8(w[u][r], wv);
+#pragma unroll
+                for (int i = 0; i < 8; ++i) acc[r] += wv[i] * xv[i];
+            }
+        }
+    }
+    const int lane = threadIdx.x % WARP, warp = threadIdx.x / WARP;
+#pragma unroll
+    for (int r = 0; r < ROWS; ++r) acc[r] = warp_sum(acc[r]);
+    if (NORM) ss = warp_sum(ss);
+    if (lane == 0) {
+#pragma unroll
+        for (int r = 0; r < ROWS; ++r) partial[warp][r] = acc[r];
+        partial[warp][ROWS] = ss;
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+#pragma unroll
+        for (int r = 0; r < ROWS; ++r) {
+            acc[r] = 0.f;
+            for (int w2 = 0; w2 < THREADS / WARP; ++w2) acc[r] += partial[w2][r];
+        }
+        ss = 0.f;
+        for (int w2 = 0; w2 < THREADS / WARP; ++w2) ss += partial[w2][ROWS];
+    }
+}
+
+__device__ __forceinline__ float rms_scale(float ss, int K, float eps) { return rsqrtf(ss / (float)K + eps); }
+
+__device__ __forceinline__ float silu(float a) { return a / (1.f + expf(-a)); }
+
+// grid: ceil(qkv_dim / ROWS); rows are RoPE pairs. W_qkv [(n_heads + 2 n_kv_heads) * hd, d].
+// q_out [n_heads * hd] float32 (after RoPE); k_cache, v_cache [n_kv_heads, max_seq, hd] FP16 (this
+// layer's), written at position state[STATE_POS]; rope [max_seq, hd / 2, 2] float32 (cos, sin).
+extern "C" __global__ void __launch_bounds__(THREADS)
+gemv_qkv_rope(const float* __restrict__ x, const half_t* __restrict__ norm_w, const half_t* __restrict__ W,
+              float* __restrict__ q_out, half_t* __restrict__ k_cache, half_t* __restrict__ v_cache,
+              const float* __restrict__ rope, const int* __restrict__ state, int d, int n_heads, int n_kv_heads,
+              int hd, int max_seq, float eps) {
+    const int half_hd = hd / 2, n_pairs = (n_heads + 2 * n_kv_heads) * half_hd;
+    int rows[ROWS];
+#pragma unroll
+    for (int i = 0; i < PAIRS; ++i) {
+        const int p = min((int)blockIdx.x * PAIRS + i, n_pairs - 1);  // clamped: computed, never stored
+        const int row0 = (p / half_hd) * hd + p % half_hd;
+        rows[2 * i] = row0;
+        rows[2 * i + 1] = row0 + half_hd;
+    }
+    float acc[ROWS], ss;
+    block_dot_rows<true>(W, rows, d, x, norm_w, acc, ss);
+    if (threadIdx.x != 0) return;
+    const float scale = rms_scale(ss, d, eps);
+    const int pos = state[STATE_POS];
+#pragma unroll
+    for (int i = 0; i < PAIRS; ++i) {
+        const int p = blockIdx.x * PAIRS + i;
+        if (p >= n_pairs) break;
+        const int head = p / half_hd, j = p % half_hd;
+        float y0 = acc[2 * i] * scale, y1 = acc[2 * i + 1] * scale;
+        if (head < n_heads + n_kv_heads) {  // q and k rotate; v does not
+            const float c = rope[(pos * half_hd + j) * 2], s = rope[(pos * half_hd + j) * 2 + 1];
+            const float r0 = y0 * c - y1 * s, r1 = y1 * c + y0 * s;
+            y0 = r0;
+            y1 = r1;
+        }
+        if (head < n_heads) {
+            q_out[head * hd + j] = y0;
+            q_out[head * hd + j + half_hd] = y1;
+        } else {
+            const bool is_k = head < n_heads + n_kv_heads;
+            const int kv_head = head - n_heads - (is_k ? 0 : n_kv_heads);
+            half_t* cache = (is_k ? k_cache : v_cache) + ((size_t)kv_head * max_seq + pos) * hd;
+            cache[j] = f2h(y0);
+            cache[j + half_hd] = f2h(y1);
+        }
+    }
+}
+
+// grid: ceil(M / ROWS). x [M] float32 += W [M, K] · in [K].
+extern "C" __global__ void __launch_bounds__(THREADS)
+gemv_residual(const float* __restrict__ in, const half_t* __restrict__ W, float* __restrict__ x, int M, int K) {
+    int rows[ROWS];
+#pragma unroll
+    for (int r = 0; r < ROWS; ++r) rows[r] = min((int)blockIdx.x * ROWS + r, M - 1);
+    float acc[ROWS], ss;
+    block_dot_rows<false>(W, rows, K, in, nullptr, acc, ss);
+    if (threadIdx.x != 0) return;
+#pragma unroll
+    for (int r = 0; r < ROWS; ++r) {
+        const int row = blockIdx.x * ROWS + r;
+        if (row < M) x[row] += acc[r];
+    }
+}
+
+// grid: ceil(ff / PAIRS). W [2 ff, d]: gate rows then up rows. h [ff] float32.
+extern "C" __global__ void __launch_bounds__(THREADS)
+gemv_gate_up_silu(const float* __restrict__ x, const half_t* __restrict__ norm_w, const half_t* __restrict__ W,
+                  float* __restrict__ h, int ff, int d, float eps) {
+    int rows[ROWS];
+#pragma unroll
+    for (int i = 0; i < PAIRS; ++i) {
+        const int r = min((int)blockIdx.x * PAIRS + i, ff - 1);
+        rows[2 * i] = r;
+        rows[2 * i + 1] = ff + r;
+    }
+    float acc[ROWS], ss;
+    block_dot_rows<true>(W, rows, d, x, norm_w, acc, ss);
+    if (threadIdx.x != 0) return;
+    const float scale = rms_scale(ss, d, eps);
+#pragma unroll
+    for (int i = 0; i < PAIRS; ++i) {
+        const int r = blockIdx.x * PAIRS + i;
+        if (r < ff) h[r] = silu(acc[2 * i] * scale) * (acc[2 * i + 1] * scale);
+    }
+}
+
+// grid: ceil(V / ROWS). logits [V] float32 = W [V, d] · rmsnorm(x).
+extern "C" __global__ void __launch_bounds__(THREADS)
+gemv_logits(const float* __restrict__ x, const half_t* __restrict__ norm_w, const half_t* __restrict__ W,
+            float* __restrict__ logits, int V, int d, float eps) {
+    int rows[ROWS];
+#pragma unroll
+    for (int r = 0; r < ROWS; ++r) rows[r] = min((int)blockIdx.x * ROWS + r, V - 1);
+    float acc[ROWS], ss;
+    block_dot_rows<true>(W, rows, d, x, norm_w, acc, ss);
+    if (threadIdx.x != 0) return;
+    const float scale = rms_scale(ss, d, eps);
+#pragma unroll
+    for (int r = 0; r < ROWS; ++r) {
+        const int row = blockIdx.x * ROWS + r;
+        if (row < V) logits[row] = acc[r] * scale;
+    }
+}

@@ -1,0 +1,399 @@
+"""Checkpoints: the goldens and stories260K load and fuse exactly, write_random round-trips in every
+dtype and layout, and each way a checkpoint can be broken gives a one-line CheckpointError (ConfigError
+for config.json) naming the file, tensor or option at fault.
+
+The safetensors library (`load_file`) is the independent reader that fused arrays are checked against.
+"""
+
+import dataclasses
+import json
+import shutil
+import struct
+from pathlib import Path
+
+import numpy as np
+import pytest
+from safetensors import safe_open
+from safetensors.numpy import load_file
+
+from cullama.checkpoint import (EMBED, FINAL_NORM, INDEX_FILE, LM_HEAD, expected_shapes, fused_shapes,
+                                layer_name, load_weights, open_checkpoint, write_random)
+from cullama.config import LlamaConfig, from_pretrained
+from cullama.errors import CheckpointError, ConfigError
+
+SHARED = Path(__file__).resolve().parents[1].parent / "shared"
+# GQA (4 query heads over 2 kv heads) so that q, k and v have different row counts.
+SMALL = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=2, num_heads=4,
+                    num_kv_heads=2, head_dim=8, max_seq_len=64, name="small")
+
+
+def read_all(directory: Path) -> dict[str, np.ndarray]:
+    """Every tensor of every safetensors file, read by the safetensors library."""
+    tensors = {}
+    for file in sorted(directory.glob("*.safetensors")):
+        tensors.update(load_file(file))
+    return tensors
+
+
+# What each fused layer field holds, in row order: model.layers.{i}.<part>.weight.
+LAYER_SOURCES = {"attn_norm": ["input_layernorm"],
+                 "wqkv": ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"],
+                 "wo": ["self_attn.o_proj"], "ffn_norm": ["post_attention_layernorm"],
+                 "w_gate_up": ["mlp.gate_proj", "mlp.up_proj"], "w_down": ["mlp.down_proj"]}
+
+
+def assert_fused(weights, source: dict[str, np.ndarray], rtol: float = 0.0) -> None:
+    """Every field equals its HF tensors converted to fp16, fused by concatenating rows."""
+    shapes = fused_shapes(weights.config)
+
+    def same(actual, names, field):
+        expected = np.concatenate([source[n].astype(np.float32) for n in names]).astype(np.float16)
+        assert actual.dtype == np.float16 and actual.shape == shapes[field], field
+        np.testing.assert_allclose(actual.astype(np.float32), expected.astype(np.float32), rtol=rtol,
+                                   atol=1e-7 if rtol else 0, err_msg=f"{field} != {names}")
+
+    same(weights.embed, [EMBED], "embed")
+    same(weights.final_norm, [FINAL_NORM], "final_norm")
+    if weights.config.tie_word_embeddings:
+        assert weights.lm_head is weights.embed
+    else:
+        same(weights.lm_head, [LM_HEAD], "lm_head")
+    assert len(weights.layers) == weights.config.num_layers
+    for i, layer in enumerate(weights.layers):
+        for field, parts in LAYER_SOURCES.items():
+            same(getattr(layer, field), [layer_name(i, part) for part in parts], field)
+
+
+# ---------------------------------------------------------------------------------------------
+# Real checkpoints
+
+
+@pytest.mark.parametrize("relative, converted", [
+    ("golden/tiny-mha", set()),
+    ("golden/tiny-gqa-sharded", set()),
+    ("models/stories260K", {"float32"}),
+])
+def test_shared_checkpoints_load_and_fuse(relative, converted):
+    directory = SHARED / relative
+    if not directory.is_dir():
+        pytest.skip(f"shared test data {directory} is absent")
+    checkpoint = open_checkpoint(directory)
+    assert checkpoint.config == from_pretrained(directory)
+    assert checkpoint.converted_from == converted
+    assert (checkpoint.conversion_note is None) == (not converted)
+    assert_fused(checkpoint.load(), read_all(directory))
+
+
+def test_fp16_tensors_are_zero_copy_maps():
+    directory = SHARED / "golden" / "tiny-mha"
+    if not directory.is_dir():
+        pytest.skip(f"shared test data {directory} is absent")
+    checkpoint = open_checkpoint(directory)
+    embed = checkpoint.tensor(EMBED)
+    assert isinstance(embed, np.memmap) and not embed.flags.writeable
+    assert Path(checkpoint.load().embed.filename).resolve() == (directory / "model.safetensors").resolve()
+
+
+# ---------------------------------------------------------------------------------------------
+# write_random
+
+
+@pytest.mark.parametrize("shards", [1, 3])
+@pytest.mark.parametrize("dtype", ["float16", "float32"])
+def test_write_random_round_trip(tmp_path, dtype, shards):
+    directory = write_random(tmp_path, SMALL, seed=3, dtype=dtype, shards=shards)
+    checkpoint = open_checkpoint(directory)
+    assert checkpoint.config == dataclasses.replace(SMALL, dtype=dtype, name=str(directory / "config.json"))
+    assert checkpoint.converted_from == ({"float32"} if dtype == "float32" else set())
+    assert len(checkpoint.files) == shards
+    assert_fused(checkpoint.load(), read_all(directory))
+
+
+def test_write_random_bfloat16_matches_float32_to_bf16_precision(tmp_path):
+    bf16 = write_random(tmp_path / "bf16", SMALL, seed=3, dtype="bfloat16", shards=2)
+    f32 = write_random(tmp_path / "f32", SMALL, seed=3, dtype="float32")
+    for file in bf16.glob("*.safetensors"):  # the safetensors library accepts our header
+        with safe_open(file, framework="np") as handle:
+            assert all(handle.get_slice(k).get_dtype() == "BF16" for k in handle.keys())
+    checkpoint = open_checkpoint(bf16)
+    assert checkpoint.conversion_note == "converting bfloat16 weights to float16"
+    assert_fused(checkpoint.load(), read_all(f32), rtol=2.0 ** -8)
+
+
+def test_write_random_is_deterministic_and_layout_independent(tmp_path):
+    a = write_random(tmp_path / "a", SMALL, seed=7)
+    b = write_random(tmp_path / "b", SMALL, seed=7)
+    c = write_random(tmp_path / "c", SMALL, seed=8)
+    sharded = write_random(tmp_path / "s", SMALL, seed=7, shards=4)
+    assert (a / "model.safetensors").read_bytes() == (b / "model.safetensors").read_bytes()
+    assert (a / "model.safetensors").read_bytes() != (c / "model.safetensors").read_bytes()
+    single, split = read_all(a), read_all(sharded)
+    assert single.keys() == split.keys() == expected_shapes(SMALL).keys()
+    assert all(np.array_equal(single[k], split[k]) for k in single)
+    index = json.loads((sharded / INDEX_FILE).read_text())
+    assert set(index["weight_map"]) == set(single)
+    assert index["metadata"]["total_size"] == sum(t.nbytes for t in single.values())
+
+
+def test_write_random_statistics(tmp_path):
+    weights = load_weights(write_random(tmp_path, SMALL, std=0.05))
+    norm = weights.layers[0].attn_norm.astype(np.float32)
+    assert abs(norm.mean() - 1) < 0.05 and norm.std() < 0.1
+    assert weights.layers[1].w_down.astype(np.float32).std() == pytest.approx(0.05, rel=0.2)
+
+
+def test_tied_embeddings_share_the_array(tmp_path):
+    config = dataclasses.replace(SMALL, tie_word_embeddings=True)
+    directory = write_random(tmp_path, config)
+    assert "lm_head.weight" not in read_all(directory)
+    weights = load_weights(directory)
+    assert weights.lm_head is weights.embed
+
+
+def test_parts_tile_every_fused_array(tmp_path):
+    checkpoint = open_checkpoint(write_random(tmp_path, SMALL))
+    shapes, fused = expected_shapes(SMALL), fused_shapes(SMALL)
+    rows: dict = {}
+    for field, layer, row, name in checkpoint.parts():
+        rows.setdefault((field, layer), []).append((row, shapes[name][0]))
+        assert shapes[name][1:] == fused[field][1:]
+    assert len(rows) == 3 + 6 * SMALL.num_layers
+    for (field, _), spans in rows.items():
+        assert [r for r, _ in spans] == list(np.cumsum([0] + [n for _, n in spans[:-1]]))
+        assert sum(n for _, n in spans) == fused[field][0]
+
+
+def test_progress_counts_fp16_bytes(tmp_path):
+    calls = []
+    weights = load_weights(write_random(tmp_path, SMALL, dtype="bfloat16"), progress=lambda *a: calls.append(a))
+    arrays = [weights.embed, weights.final_norm, weights.lm_head]
+    arrays += [a for layer in weights.layers for a in vars(layer).values()]
+    total = sum(a.nbytes for a in arrays)
+    assert calls[-1] == (total, total)
+    assert all(t == total for _, t in calls) and [d for d, _ in calls] == sorted(d for d, _ in calls)
+
+
+def test_harmless_extra_tensors_and_odd_file_name(tmp_path):
+    directory = write_random(tmp_path, SMALL)
+    add_tensor(directory / "model.safetensors", "model.layers.0.self_attn.rotary_emb.inv_freq",
+               np.ones(4, np.float32))
+    add_tensor(directory / "model.safetensors", "model.position_ids", np.arange(8, dtype=np.int64))
+    (directory / "model.safetensors").rename(directory / "consolidated.safetensors")
+    assert_fused(load_weights(directory), read_all(directory))
+
+
+# ---------------------------------------------------------------------------------------------
+# Broken checkpoints. The helpers edit files directly, never through cullama.
+
+
+def read_raw(file: Path) -> tuple[dict, bytes]:
+    blob = file.read_bytes()
+    (length,) = struct.unpack("<Q", blob[:8])
+    return json.loads(blob[8:8 + length]), blob[8 + length:]
+
+
+def write_raw(file: Path, header, data: bytes) -> None:
+    text = json.dumps(header).encode()
+    file.write_bytes(struct.pack("<Q", len(text)) + text + data)
+
+
+def edit_header(file: Path, edit) -> None:
+    header, data = read_raw(file)
+    edit(header)
+    write_raw(file, header, data)
+
+
+def edit_json(file: Path, **changes) -> None:
+    file.write_text(json.dumps(json.loads(file.read_text()) | changes))
+
+
+ST_DTYPES = {"float16": "F16", "float32": "F32", "float64": "F64", "int32": "I32", "int64": "I64",
+             "uint16": "BF16"}  # uint16 stands for raw bfloat16 bits
+
+
+def add_tensor(file: Path, name: str, array: np.ndarray) -> None:
+    """Append the array's bytes and point `name` at them (replacing any entry of that name)."""
+    header, data = read_raw(file)
+    header[name] = {"dtype": ST_DTYPES[array.dtype.name], "shape": list(array.shape),
+                    "data_offsets": [len(data), len(data) + array.nbytes]}
+    write_raw(file, header, data + array.tobytes())
+
+
+def shard(directory: Path, k: int) -> Path:
+    return directory / f"model-{k:05d}-of-00004.safetensors"
+
+
+WEIGHTS = "model.safetensors"
+UP1, Q0 = layer_name(1, "mlp.up_proj"), layer_name(0, "self_attn.q_proj")
+NORM0, NORM0_FFN = layer_name(0, "input_layernorm"), layer_name(0, "post_attention_layernorm")
+BREAKERS = {}
+
+
+def breaks(error, *needles, **write_options):
+    """Register a way to break a fresh SMALL checkpoint (written with write_options): loading it must
+    raise `error` with every needle in the message. A breaker may return another path to load."""
+    def register(breaker):
+        BREAKERS[breaker.__name__] = (breaker, error, needles, write_options)
+        return staticmethod(breaker)
+    return register
+
+
+class Breakers:
+    """The registry of broken checkpoints, one small function each (d: the checkpoint directory)."""
+
+    @breaks(CheckpointError, "nowhere", "no such")
+    def missing_directory(d):
+        return d / "nowhere"
+
+    @breaks(ConfigError, "config.json", "missing")
+    def missing_config(d):
+        (d / "config.json").unlink()
+
+    @breaks(ConfigError, "config.json", "not valid JSON")
+    def malformed_config(d):
+        (d / "config.json").write_text("{")
+
+    @breaks(ConfigError, "config.json", "model_type")
+    def unsupported_model_type(d):
+        edit_json(d / "config.json", model_type="gpt2")
+
+    @breaks(ConfigError, "config.json", "rope_scaling")
+    def unsupported_rope_scaling(d):
+        edit_json(d / "config.json", rope_scaling={"rope_type": "linear", "factor": 2.0})
+
+    @breaks(ConfigError, "config.json", "attention_bias")
+    def attention_bias(d):
+        edit_json(d / "config.json", attention_bias=True)
+
+    @breaks(CheckpointError, INDEX_FILE, "model-00002-of-00004.safetensors", shards=4)
+    def missing_shard(d):
+        shard(d, 2).unlink()
+
+    @breaks(CheckpointError, INDEX_FILE, "JSON", shards=4)
+    def index_not_json(d):
+        (d / INDEX_FILE).write_text('{"weight_map": ')
+
+    @breaks(CheckpointError, INDEX_FILE, "weight_map", shards=4)
+    def index_without_weight_map(d):
+        (d / INDEX_FILE).write_text("{}")
+
+    @breaks(CheckpointError, "model-00003-of-00004.safetensors", EMBED, shards=4)
+    def index_names_the_wrong_shard(d):
+        index = json.loads((d / INDEX_FILE).read_text())
+        edit_json(d / INDEX_FILE, weight_map=index["weight_map"] | {EMBED: shard(d, 3).name})
+
+    @breaks(CheckpointError, EMBED, "also stored", shards=4)
+    def tensor_in_two_shards(d):
+        add_tensor(shard(d, 4), EMBED, np.zeros((64, 32), np.float16))
+
+    @breaks(CheckpointError, WEIGHTS, UP1)
+    def missing_tensor(d):
+        edit_header(d / WEIGHTS, lambda header: header.pop(UP1))
+
+    @breaks(CheckpointError, INDEX_FILE, UP1, shards=4)
+    def missing_tensor_sharded(d):
+        edit_header(shard(d, 3), lambda header: header.pop(UP1))
+        index = json.loads((d / INDEX_FILE).read_text())
+        edit_json(d / INDEX_FILE, weight_map={k: v for k, v in index["weight_map"].items() if k != UP1})
+
+    @breaks(CheckpointError, WEIGHTS, LM_HEAD)
+    def missing_untied_lm_head(d):
+        edit_header(d / WEIGHTS, lambda header: header.pop(LM_HEAD))
+
+    @breaks(CheckpointError, WEIGHTS, UP1, "expected shape [48, 32], found [32, 48]")
+    def wrong_shape(d):
+        edit_header(d / WEIGHTS, lambda header: header[UP1].update(shape=[32, 48]))
+
+    @breaks(CheckpointError, WEIGHTS, Q0, "I32")
+    def int32_dtype(d):
+        add_tensor(d / WEIGHTS, Q0, np.zeros((32, 32), np.int32))
+
+    @breaks(CheckpointError, WEIGHTS, NORM0, "F64")
+    def float64_dtype(d):
+        add_tensor(d / WEIGHTS, NORM0, np.ones(32))
+
+    @breaks(CheckpointError, WEIGHTS, "model.layers.0.self_attn.q_proj.bias")
+    def bias_tensor(d):
+        add_tensor(d / WEIGHTS, "model.layers.0.self_attn.q_proj.bias", np.zeros(32, np.float16))
+
+    @breaks(CheckpointError, WEIGHTS, "model.layers.5.", "num_hidden_layers=2")
+    def more_layers_than_config(d):
+        add_tensor(d / WEIGHTS, layer_name(5, "input_layernorm"), np.ones(32, np.float16))
+
+    @breaks(CheckpointError, WEIGHTS, LM_HEAD, "truncated")
+    def truncated_file(d):
+        (d / WEIGHTS).write_bytes((d / WEIGHTS).read_bytes()[:-10])  # lm_head is stored last
+
+    @breaks(CheckpointError, WEIGHTS, "only 2 bytes")
+    def shorter_than_header_length(d):
+        (d / WEIGHTS).write_bytes(b"\x01\x00")
+
+    @breaks(CheckpointError, WEIGHTS, "header length")
+    def header_length_beyond_file(d):
+        (d / WEIGHTS).write_bytes(struct.pack("<Q", 1 << 40) + (d / WEIGHTS).read_bytes()[8:])
+
+    @breaks(CheckpointError, WEIGHTS, "not valid JSON")
+    def header_not_json(d):
+        (d / WEIGHTS).write_bytes(struct.pack("<Q", 6) + b"\xff{nope" + bytes(64))
+
+    @breaks(CheckpointError, WEIGHTS, "overlap")
+    def overlapping_offsets(d):
+        edit_header(d / WEIGHTS, lambda h: h[NORM0_FFN].update(data_offsets=h[NORM0]["data_offsets"]))
+
+    @breaks(CheckpointError, WEIGHTS, NORM0, "data_offsets")
+    def reversed_offsets(d):
+        edit_header(d / WEIGHTS, lambda h: h[NORM0].update(data_offsets=h[NORM0]["data_offsets"][::-1]))
+
+    @breaks(CheckpointError, WEIGHTS, NORM0, "needs 64")
+    def offsets_disagree_with_shape(d):
+        edit_header(d / WEIGHTS, lambda h: h[NORM0].update(data_offsets=[0, 2]))
+
+    @breaks(CheckpointError, WEIGHTS, NORM0, "shape")
+    def entry_without_shape(d):
+        edit_header(d / WEIGHTS, lambda h: h[NORM0].pop("shape"))
+
+    @breaks(CheckpointError, "no weight files")
+    def no_weight_files(d):
+        (d / WEIGHTS).unlink()
+
+    @breaks(CheckpointError, "pytorch_model.bin", "safe_serialization=True")
+    def pickle_weights_only(d):
+        (d / WEIGHTS).unlink()
+        (d / "pytorch_model.bin").write_bytes(b"\x80\x04 never unpickled")
+
+    @breaks(CheckpointError, "2 .safetensors files", INDEX_FILE)
+    def two_files_without_index(d):
+        shutil.copy(d / WEIGHTS, d / "a.safetensors")
+        (d / WEIGHTS).rename(d / "b.safetensors")
+
+    @breaks(CheckpointError, WEIGHTS, NORM0, "bfloat16 value 65536 overflows", dtype="bfloat16")
+    def bfloat16_overflow(d):
+        add_tensor(d / WEIGHTS, NORM0, np.full(32, 0x4780, np.uint16))  # the bits of 65536.0
+
+    @breaks(CheckpointError, WEIGHTS, UP1, "float32 value 1e+06 overflows", dtype="float32")
+    def float32_overflow(d):
+        add_tensor(d / WEIGHTS, UP1, np.full((48, 32), 1e6, np.float32))
+
+
+@pytest.mark.parametrize("case", BREAKERS)
+def test_broken_checkpoint_gives_one_line_naming_the_fault(tmp_path, case):
+    breaker, error, needles, write_options = BREAKERS[case]
+    directory = write_random(tmp_path / "ckpt", SMALL, **write_options)
+    path = breaker(directory) or directory
+    with pytest.raises(error) as info:
+        load_weights(path)
+    message = str(info.value)
+    assert "\n" not in message
+    assert all(needle in message for needle in needles), message
+
+
+def test_unknown_tensor_name(tmp_path):
+    with pytest.raises(CheckpointError, match="no tensor model.nope"):
+        open_checkpoint(write_random(tmp_path, SMALL)).tensor("model.nope")
+
+
+def test_write_random_rejects_bad_options(tmp_path):
+    with pytest.raises(ValueError, match="dtype"):
+        write_random(tmp_path, SMALL, dtype="int8")
+    with pytest.raises(ValueError, match="shards"):
+        write_random(tmp_path, SMALL, shards=5)

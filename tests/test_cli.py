@@ -1,0 +1,103 @@
+"""`cullama` end to end on the CPU: stories260K, the goldens, and every failure mode as one line."""
+
+import json
+
+import pytest
+from click.testing import CliRunner
+
+from cullama.checkpoint import write_random
+from cullama.cli.main import main
+from cullama.config import preset
+from conftest import load_golden
+
+
+def run(*args, input=None):
+    return CliRunner().invoke(main, [str(a) for a in args], input=input)
+
+
+def test_stories260k_greedy_text_from_an_empty_prompt(stories_dir, stories_expected):
+    result = run("generate", "--model", stories_dir, "--device", "cpu", "--max-new-tokens", 256, "")
+    assert result.exit_code == 0, result.output
+    assert result.stdout == stories_expected["text"] + "\n"
+
+
+def test_json_output_and_prompt_from_stdin(stories_dir, stories_expected):
+    result = run("generate", "--model", stories_dir, "--device", "cpu", "--max-new-tokens", 12, "--json", input="")
+    assert result.exit_code == 0, result.output
+    doc = json.loads(result.stdout)
+    assert doc["token_ids"] == stories_expected["ids"][:12]
+    assert doc["prompt_ids"] == [1] and doc["finish_reason"] == "length"
+    assert doc["text"] == "Once upon a time, there was a little girl named Lily."[: len(doc["text"])]
+    assert len(doc["timings"]["token_s"]) == 11 and doc["timings"]["prefill_s"] > 0
+
+
+def test_stop_string_ends_the_stream(stories_dir):
+    result = run("generate", "--model", stories_dir, "--device", "cpu", "--stop", "Lily", "--json", "")
+    doc = json.loads(result.stdout)
+    assert doc["finish_reason"] == "stop"
+    assert doc["text"] == "Once upon a time, there was a little girl named "
+
+
+@pytest.mark.parametrize("name", ["tiny-mha", "tiny-gqa-sharded"])
+def test_golden_greedy_ids_by_prompt_ids(name):
+    directory, cases, _ = load_golden(name)
+    case = cases[0]
+    result = run("generate", "--model", directory, "--device", "cpu", "--prompt-ids",
+                 ",".join(map(str, case["prompt_ids"])), "--max-new-tokens", 24, "--ignore-eos", "--json")
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["token_ids"] == case["greedy_ids"]
+
+
+def test_sampling_is_reproducible_with_a_seed(stories_dir):
+    args = ("generate", "--model", stories_dir, "--device", "cpu", "--max-new-tokens", 30, "--temperature", 0.9,
+            "--top-p", 0.9, "--top-k", 40, "--json", "")
+    first, second = (json.loads(run(*args, "--seed", 7).stdout) for _ in range(2))
+    other = json.loads(run(*args, "--seed", 8).stdout)
+    assert first["token_ids"] == second["token_ids"] != other["token_ids"]
+
+
+def test_info_says_whether_there_is_a_gpu():
+    result = run("info")
+    assert result.exit_code == 0
+    assert "numpy" in result.stdout and "gpu" in result.stdout
+
+
+def one_line_error(result, *fragments):
+    assert result.exit_code == 2, result.output
+    assert result.exception is None or isinstance(result.exception, SystemExit)
+    errors = [line for line in result.stderr.splitlines() if not line.startswith("note: ")]
+    assert len(errors) == 1 and errors[0].startswith("error: "), result.stderr
+    for fragment in fragments:
+        assert fragment in errors[0]
+
+
+def test_missing_model_directory(tmp_path):
+    one_line_error(run("generate", "--model", tmp_path / "nope", "hi"), "nope")
+
+
+def test_bin_weights_are_refused_with_advice(tmp_path):
+    cfg = preset("tiny")
+    (tmp_path / "config.json").write_text(json.dumps(cfg.to_hf_dict()))
+    (tmp_path / "pytorch_model.bin").write_bytes(b"\x80\x04not unpickled")
+    one_line_error(run("generate", "--model", tmp_path, "--device", "cpu", "--prompt-ids", "1"), "save_pretrained")
+
+
+def test_prompt_longer_than_the_context(stories_dir):
+    one_line_error(run("generate", "--model", stories_dir, "--device", "cpu", "--max-seq-len", 4,
+                       "--prompt-ids", "1,2,3,4,5"), "context")
+
+
+def test_text_prompt_without_a_tokenizer():
+    directory, _, _ = load_golden("tiny-mha")
+    one_line_error(run("generate", "--model", directory, "--device", "cpu", "hello"), "tokenizer")
+
+
+def test_bad_sampling_option(stories_dir):
+    one_line_error(run("generate", "--model", stories_dir, "--device", "cpu", "--top-p", 0, ""), "top_p")
+
+
+def test_truncated_weights(tmp_path):
+    write_random(tmp_path, preset("tiny"), seed=1)
+    weights = tmp_path / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-100])
+    one_line_error(run("generate", "--model", tmp_path, "--device", "cpu", "--prompt-ids", "1"), "model.safetensors")
