@@ -69,6 +69,21 @@ class Llama:
         notes = [ckpt.conversion_note] if ckpt.conversion_note else []
         return cls(config, _make_runner(device, ckpt, seq_len, progress), tok, device, notes)
 
+    @classmethod
+    def synthetic(cls, config: LlamaConfig | str, device: str = "auto", max_seq_len: int | None = None,
+                  seed: int = 0) -> "Llama":
+        """Random weights of a preset's (or any config's) shape, made on the device: no download.
+        For benchmarks; there is no tokenizer, so prompts are token ids."""
+        from .backends import make_backend
+        from .config import preset
+        from .engine import PlanRunner, random_weights
+
+        config = preset(config) if isinstance(config, str) else config
+        device = devices.resolve(device)
+        backend = make_backend(device)
+        random_weights(backend, config, seed)
+        return cls(config, PlanRunner(config, backend, _context(config, max_seq_len)), None, device)
+
     # -- prompts ----------------------------------------------------------------------------
     def encode(self, prompt: str | Sequence[int]) -> list[int]:
         """Text -> ids with BOS (an empty text is BOS alone); a list of ids is taken as it is."""
@@ -127,4 +142,11 @@ def _context(config: LlamaConfig, max_seq_len: int | None) -> int:
 
 
 def _make_runner(device: str, ckpt: checkpoint.Checkpoint, max_seq_len: int, progress: Progress | None) -> Runner:
-    return ReferenceRunner(ckpt.load(progress=progress), max_seq_len)
+    if device == "cpu":
+        return ReferenceRunner(ckpt.load(progress=progress), max_seq_len)
+    from .backends import make_backend
+    from .engine import PlanRunner, load_checkpoint
+
+    backend = make_backend(device)
+    load_checkpoint(backend, ckpt, progress)
+    return PlanRunner(ckpt.config, backend, max_seq_len)

@@ -44,13 +44,15 @@
 // e^(a - b), where a may be -inf (an empty state or a masked key) and b >= a: 0 then, never NaN.
 __device__ __forceinline__ float exp_diff(float a, float b) { return a == NEG_INF ? 0.f : expf(a - b); }
 
-// Per-block partial softmax state of GROUP heads: [warp][head][acc[HD], m, l].
+// Each warp's softmax state of the GROUP heads (acc rows stay 16-byte aligned for float4 stores).
 struct BlockState {
-    float w[WARPS][GROUP][PART_STRIDE];
+    float acc[WARPS][GROUP][HEAD_DIM];
+    float m[WARPS][GROUP];
+    float l[WARPS][GROUP];
 };
 
 // Online softmax of the GROUP heads in q over keys [begin, end) of one kv head. q holds this lane's
-// 8 dimensions (sub * 8 ..) of each head. On return (after a barrier) red->w holds each warp's state;
+// 8 dimensions (sub * 8 ..) of each head. On return (after a barrier) red holds each warp's state;
 // combine_warps() merges them.
 __device__ __forceinline__ void attend(const float (&q)[GROUP][8], const half_t* __restrict__ kc,
                                        const half_t* __restrict__ vc, int begin, int end, float scale,
@@ -137,12 +139,12 @@ __device__ __forceinline__ void attend(const float (&q)[GROUP][8], const half_t*
     if (lane < LPK) {
 #pragma unroll
         for (int g = 0; g < GROUP; ++g) {
-            float* w = red->w[warp][g];
-            reinterpret_cast<float4*>(w + sub * 8)[0] = make_float4(acc[g][0], acc[g][1], acc[g][2], acc[g][3]);
-            reinterpret_cast<float4*>(w + sub * 8)[1] = make_float4(acc[g][4], acc[g][5], acc[g][6], acc[g][7]);
+            float4* a = reinterpret_cast<float4*>(red->acc[warp][g] + sub * 8);
+            a[0] = make_float4(acc[g][0], acc[g][1], acc[g][2], acc[g][3]);
+            a[1] = make_float4(acc[g][4], acc[g][5], acc[g][6], acc[g][7]);
             if (sub == 0) {
-                w[HEAD_DIM] = m[g];
-                w[HEAD_DIM + 1] = l[g];
+                red->m[warp][g] = m[g];
+                red->l[warp][g] = l[g];
             }
         }
     }
@@ -153,14 +155,14 @@ __device__ __forceinline__ void attend(const float (&q)[GROUP][8], const half_t*
 __device__ __forceinline__ float combine_warps(const BlockState* red, int g, int d, float& m, float& l) {
     m = NEG_INF;
 #pragma unroll
-    for (int w = 0; w < WARPS; ++w) m = fmaxf(m, red->w[w][g][HEAD_DIM]);
+    for (int w = 0; w < WARPS; ++w) m = fmaxf(m, red->m[w][g]);
     float a = 0.f;
     l = 0.f;
 #pragma unroll
     for (int w = 0; w < WARPS; ++w) {
-        const float c = exp_diff(red->w[w][g][HEAD_DIM], m);
-        a += red->w[w][g][d] * c;
-        l += red->w[w][g][HEAD_DIM + 1] * c;
+        const float c = exp_diff(red->m[w][g], m);
+        a += red->acc[w][g][d] * c;
+        l += red->l[w][g] * c;
     }
     return a;
 }

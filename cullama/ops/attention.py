@@ -26,11 +26,6 @@ def _split_state(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float):
     return p @ v, m, p.sum(axis=1)
 
 
-def _attend(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float) -> np.ndarray:
-    acc, _, l = _split_state(q, k, v, scale)
-    return acc / l[:, None]
-
-
 def attention_decode(q, k_cache, v_cache, part, count, out, state, max_seq, scale):
     """out [heads*hd] f32 = attention of q [heads*hd] over keys 0..state[0] of k_cache/v_cache
     [kv_heads, max_seq, hd] f16; part [heads, splits, hd+2] gets each split's (acc, m, l) as the kernel
@@ -54,7 +49,7 @@ def attention_decode(q, k_cache, v_cache, part, count, out, state, max_seq, scal
             part[heads_of, s, :hd], part[heads_of, s, hd], part[heads_of, s, hd + 1] = acc, m, l
     m = part[:, :, hd]  # [heads, splits]
     top = m.max(axis=1, keepdims=True)
-    c = np.where(m == -np.inf, np.float32(0), np.exp(m - top, where=m != -np.inf))
+    c = np.exp(m - top)  # 0 for an empty split (m = -inf); top is finite: split 0 is never empty
     acc = np.zeros((heads, hd), np.float32)
     l = np.zeros(heads, np.float32)
     for s in range(splits):  # the kernel's fixed order
@@ -70,11 +65,14 @@ def attention_prefill(q_rows, k_cache, v_cache, out_rows, start, max_seq, scale,
     kv_heads, rows = int(grid[0]), int(grid[1])
     hd = k_cache.shape[2]
     group = q_rows.shape[1] // (kv_heads * hd)
-    for r in range(rows):
-        end = min(int(start) + r + 1, int(max_seq))
-        qh = q_rows[r].astype(np.float32).reshape(kv_heads, group, hd)
-        o = np.empty((kv_heads, group, hd), np.float32)
-        for kv in range(kv_heads):
-            o[kv] = _attend(qh[kv], k_cache[kv, :end].astype(np.float32), v_cache[kv, :end].astype(np.float32),
-                            scale)
-        out_rows[r, : kv_heads * group * hd] = o.reshape(-1).astype(np.float16)
+    end = min(int(start) + rows, int(max_seq))  # keys any row sees
+    future = np.arange(end)[None, :] > int(start) + np.arange(rows)[:, None]  # [rows, end] causal mask
+    q = q_rows[:rows, : kv_heads * group * hd].astype(np.float32).reshape(rows, kv_heads, group, hd)
+    for kv in range(kv_heads):
+        keys, values = k_cache[kv, :end].astype(np.float32), v_cache[kv, :end].astype(np.float32)
+        s = np.einsum("rgd,kd->grk", q[:, kv], keys) * np.float32(scale)  # [group, rows, end]
+        s = np.where(future, -np.inf, s)
+        p = np.exp(s - s.max(axis=2, keepdims=True))
+        o = (p @ values) / p.sum(axis=2, keepdims=True)  # [group, rows, hd]
+        out_rows[:rows, kv * group * hd: (kv + 1) * group * hd] = o.transpose(1, 0, 2).reshape(rows, -1).astype(
+            np.float16)

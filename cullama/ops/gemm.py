@@ -1,0 +1,20 @@
+"""Twin of kernels_cu/gemm.cu: the prefill path's tensor-core matrix product."""
+
+from __future__ import annotations
+
+import numpy as np
+
+SOURCE = "gemm.cu"
+VARIANTS = [()]  # no compile-time constants: the tile shape is GEMM_TILE_M / GEMM_TILE_N in cullama/plan.py
+
+
+def gemm(A, W, C, M, N, K, accumulate):
+    """C[:M, :N] (+)= A[:M, :K] · W[:N, :K]^T in float32 from the FP16 inputs (+= when accumulate != 0).
+
+    A [rows >= M, K] FP16, W [N, K] FP16, C [rows >= M, N] float32 (row stride N, as in the kernel).
+    """
+    prod = A[:M, :K].astype(np.float32) @ W[:N, :K].astype(np.float32).T  # [M, N]
+    if accumulate:
+        C[:M, :N] += prod
+    else:
+        C[:M, :N] = prod

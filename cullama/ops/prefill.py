@@ -1,0 +1,55 @@
+"""Twins of kernels_cu/prefill.cu: the prompt path's row-wise glue, one CUDA block per token row.
+
+Row count: a row-wise launch processes as many rows as its grid has blocks (grid = (n, 1, 1)); no
+kernel argument says n. The NumPy backend therefore passes the launch grid to a twin as the keyword
+`grid` (a tuple of 3) whenever the twin declares a keyword-only `grid` parameter, and these twins
+read n = grid[0]. Buffers are the plan's: [chunk, ...] row buffers of which rows [:n] are used; rows
+n and beyond are left untouched, as on the GPU.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+SOURCE = "prefill.cu"
+VARIANTS = [()]
+
+
+def embed_rows(ids, embed, x_rows, d, *, grid):
+    """x_rows[:n, :d] = float32(embed[ids[:n]]); ids [chunk] int32, embed [vocab, d] FP16."""
+    n = grid[0]
+    x_rows[:n, :d] = embed[ids[:n], :d].astype(np.float32)
+
+
+def rmsnorm_rows(x_rows, w, out_rows, d, eps, *, grid):
+    """out_rows[:n] = fp16((x * rsqrt(mean(x^2) + eps)) * w) per row; x_rows [chunk, d] f32, w [d] FP16."""
+    n = grid[0]
+    x = x_rows[:n, :d].astype(np.float32)
+    scale = np.float32(1.0) / np.sqrt(np.mean(x * x, axis=1, keepdims=True, dtype=np.float32) + np.float32(eps))
+    out_rows[:n, :d] = ((x * scale) * w[:d].astype(np.float32)).astype(np.float16)
+
+
+def rope_kv_rows(qkv_rows, rope, q_rows, k_cache, v_cache, start, n_heads, n_kv_heads, hd, max_seq, *, grid):
+    """Row r (position p = start + r) of qkv_rows [chunk, (heads + 2 kv_heads) hd] f32 = [q | k | v]:
+    rotate-half RoPE on q and k with rope [max_seq, hd/2, (cos, sin)]; q_rows[r] = fp16(q) [chunk, heads hd];
+    k_cache[:, p], v_cache[:, p] = fp16(k), fp16(v) in this layer's caches [kv_heads, max_seq, hd].
+    """
+    n, half = grid[0], hd // 2
+    heads = n_heads + 2 * n_kv_heads
+    pos = start + np.arange(n)
+    y = qkv_rows[:n, :heads * hd].astype(np.float32).reshape(n, heads, hd)  # [n, all heads, hd]
+    cos, sin = rope[pos, :half, 0][:, None, :], rope[pos, :half, 1][:, None, :]  # [n, 1, hd/2]
+    qk = y[:, :n_heads + n_kv_heads]
+    first, second = qk[..., :half], qk[..., half:]
+    qk = np.concatenate([first * cos - second * sin, second * cos + first * sin], axis=-1)
+    q_rows[:n, :n_heads * hd] = qk[:, :n_heads].reshape(n, n_heads * hd).astype(np.float16)
+    k_cache[:n_kv_heads, pos] = qk[:, n_heads:].transpose(1, 0, 2).astype(np.float16)  # [kv_heads, n, hd]
+    v_cache[:n_kv_heads, pos] = y[:, n_heads + n_kv_heads:].transpose(1, 0, 2).astype(np.float16)
+
+
+def silu_mul_rows(gu_rows, h_rows, ff, *, grid):
+    """h_rows[:n, :ff] = fp16(silu(gate) * up) with gate|up = gu_rows [chunk, 2 ff] f32, silu(a) = a / (1 + e^-a)."""
+    n = grid[0]
+    gate, up = gu_rows[:n, :ff].astype(np.float32), gu_rows[:n, ff:2 * ff].astype(np.float32)
+    with np.errstate(over="ignore"):  # exp(-a) = inf for a << 0 gives silu = -0, as expf does on the GPU
+        h_rows[:n, :ff] = (gate / (np.float32(1.0) + np.exp(-gate)) * up).astype(np.float16)

@@ -1,0 +1,188 @@
+// gemm.cu — the prefill (prompt) path's matrix products, on the tensor cores.
+//
+//   gemm   C[M, N] = A[M, K] · W[N, K]^T   (+ C when accumulate != 0)
+//
+// Shapes: A (activations, M = prompt rows 1..256) and W (weights, N up to 32000) FP16 row-major with
+// K % 8 == 0 and 16-byte aligned base pointers (every 8-half chunk of a row is one 16-byte copy);
+// C float32 row-major, row stride N. Any M >= 1, N >= 1: edge tiles are zero-filled on load and
+// bounds-checked on store. No variants.
+// Launch: grid (ceil(N / TILE_N), ceil(M / TILE_M)) = (N / 128, M / 64), THREADS (256) threads; see
+// GEMM_TILE_M / GEMM_TILE_N / GEMM_THREADS in cullama/plan.py.
+//
+// Block: a 64 x 128 tile of C, 8 warps as 2 (M) x 4 (N), each warp a 32 x 32 sub-tile = 2 x 4 MMAs of
+// m16n8k16 (32 float accumulators per thread). K advances in tiles of 32 through a STAGES-deep ring
+// of shared-memory buffers filled by cp.async (16 B, zero-fill past M, N or K), so the next tiles'
+// loads are in flight while the tensor cores work on this one. Fragments come from shared memory
+// with ldmatrix.x4; rows are padded to 40 halves (80 B) so each 8-row ldmatrix phase hits 8 distinct
+// 16-byte bank groups (80 r mod 128 = 0, 80, 32, 112, 64, 16, 96, 48 for r = 0..7): conflict-free.
+//
+// Fragment layouts of mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 (PTX ISA, "Matrix Fragments
+// for mma.m16n8k16"), per lane: g = lane / 4 (groupID), t = lane % 4 (threadID_in_group).
+//   A (16 x 16, row-major: [m][k]), 4 x .f16x2 registers, low half = lower k:
+//     a0 = A[g    ][2t, 2t+1]      a1 = A[g + 8][2t, 2t+1]
+//     a2 = A[g    ][2t+8, 2t+9]    a3 = A[g + 8][2t+8, 2t+9]
+//   B (16 x 8, "col": element B[k][n] = W[n][k], so a B column is a W row, k contiguous), 2 x .f16x2:
+//     b0 = W[g][2t, 2t+1]          b1 = W[g][2t+8, 2t+9]          (n = g)
+//   C / D (16 x 8, float32), 4 registers:
+//     c0, c1 = C[g][2t, 2t+1]      c2, c3 = C[g + 8][2t, 2t+1]
+// ldmatrix.sync.aligned.m8n8.x4.shared.b16 loads four 8 x 8 b16 matrices: lanes 8j..8j+7 give the
+// 16-byte row addresses (rows 0..7) of matrix j, and every lane receives, in register j, row lane / 4,
+// elements 2 (lane % 4) and +1 of matrix j, i.e. exactly an "[g][2t, 2t+1]" piece. Hence:
+//   A, one m16 x k16 block:  lane -> row (lane % 16), k offset (lane / 16) * 8
+//     matrix 0 = rows 0-7 k 0-7 -> a0,  1 = rows 8-15 k 0-7 -> a1,  2 = rows 0-7 k 8-15 -> a2,
+//     matrix 3 = rows 8-15 k 8-15 -> a3.
+//   W, two n8 tiles x k16:   lane -> W row (lane % 8) + (lane / 16) * 8, k offset ((lane / 8) % 2) * 8
+//     matrix 0 = n 0-7 k 0-7 -> b0 of n-tile 0,   1 = n 0-7 k 8-15 -> b1 of n-tile 0,
+//     matrix 2 = n 8-15 k 0-7 -> b0 of n-tile 1,  3 = n 8-15 k 8-15 -> b1 of n-tile 1.
+#include "common.cuh"
+
+#define TILE_M 64    // GEMM_TILE_M in cullama/plan.py
+#define TILE_N 128   // GEMM_TILE_N
+#define THREADS 256  // GEMM_THREADS
+#define TILE_K 32    // K per pipeline stage: 4 chunks of 8 halves (16 B) per row
+#define STAGES 3     // shared-memory ring depth: STAGES - 1 tiles in flight while one is computed
+#define PITCH 40     // shared row pitch in halves: TILE_K + 8 of padding (80 B, 16-byte aligned)
+#define WARPS_N 4    // warps along N; 8 / WARPS_N = 2 along M
+#define WARP_TILE_M 32
+#define WARP_TILE_N 32
+#define MMA_M (WARP_TILE_M / 16)  // 2 m16 tiles per warp
+#define MMA_N (WARP_TILE_N / 8)   // 4 n8 tiles per warp
+#define CHUNKS (TILE_K / 8)       // 16-byte chunks per tile row
+
+// Shared address (32-bit, .shared window) of a generic pointer into shared memory.
+__device__ __forceinline__ uint32_t smem_addr(const void* p) {
+    uint32_t a;
+    asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(a) : "l"(p));
+    return a;
+}
+
+// 16 bytes global -> shared, bypassing L1 (.cg). valid == false copies 0 source bytes and fills the
+// 16 destination bytes with zeros (src must still be a valid address; callers pass the base).
+__device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, bool valid) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(valid ? 16 : 0)
+                 : "memory");
+}
+
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+
+// Wait until at most `pending` of this thread's committed groups are still in flight.
+template <int pending>
+__device__ __forceinline__ void cp_async_wait() {
+    asm volatile("cp.async.wait_group %0;" ::"n"(pending) : "memory");
+}
+
+__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], uint32_t addr) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(addr)
+                 : "memory");
+}
+
+// d += A (16 x 16) · B (16 x 8), FP16 inputs, FP32 accumulators (layouts in the header).
+__device__ __forceinline__ void mma_16816(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+        "{%0, %1, %2, %3};"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// Shared tiles, [stage][row][k] with padded rows: 3 x (64 + 128) x 40 x 2 B = 46080 B (static limit 48 KB).
+struct Tiles {
+    half_t a[STAGES][TILE_M][PITCH];
+    half_t w[STAGES][TILE_N][PITCH];
+};
+
+// Issue the cp.asyncs of K tile `kt` into ring slot `stage`: A rows m0..m0+63 (256 chunks, one per
+// thread) and W rows n0..n0+127 (512 chunks, two per thread). Thread tid copies chunk tid % 4 of row
+// tid / 4 (and of row tid / 4 + 64 of W): 4 consecutive threads read one row's 64 contiguous bytes.
+__device__ __forceinline__ void load_tile(Tiles& s, int stage, int kt, const half_t* __restrict__ A,
+                                          const half_t* __restrict__ W, int M, int N, int K, int m0, int n0) {
+    const int row = threadIdx.x / CHUNKS, chunk = threadIdx.x % CHUNKS;
+    const int k = kt * TILE_K + chunk * 8;
+    const bool k_ok = k < K;  // K % 8 == 0: a chunk is wholly inside K or wholly past it
+    {
+        const bool ok = k_ok && m0 + row < M;
+        cp_async16(smem_addr(&s.a[stage][row][chunk * 8]), ok ? A + (size_t)(m0 + row) * K + k : A, ok);
+    }
+#pragma unroll
+    for (int i = 0; i < TILE_N / (THREADS / CHUNKS); ++i) {
+        const int r = row + i * (THREADS / CHUNKS);
+        const bool ok = k_ok && n0 + r < N;
+        cp_async16(smem_addr(&s.w[stage][r][chunk * 8]), ok ? W + (size_t)(n0 + r) * K + k : W, ok);
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(THREADS)
+gemm(const half_t* __restrict__ A, const half_t* __restrict__ W, float* __restrict__ C, int M, int N, int K,
+     int accumulate) {
+    __shared__ __align__(128) Tiles s;
+    const int m0 = blockIdx.y * TILE_M, n0 = blockIdx.x * TILE_N;
+    const int lane = threadIdx.x % WARP, warp = threadIdx.x / WARP;
+    const int wm = (warp / WARPS_N) * WARP_TILE_M;  // this warp's sub-tile inside the block tile
+    const int wn = (warp % WARPS_N) * WARP_TILE_N;
+    const int n_ktiles = (K + TILE_K - 1) / TILE_K;
+
+    float acc[MMA_M][MMA_N][4];
+#pragma unroll
+    for (int i = 0; i < MMA_M; ++i)
+#pragma unroll
+        for (int j = 0; j < MMA_N; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) acc[i][j][e] = 0.f;
+
+    // Prologue: tiles 0 .. STAGES-2 in flight, one commit group each (empty groups past the end keep
+    // the group count, and so the wait below, uniform).
+#pragma unroll
+    for (int st = 0; st < STAGES - 1; ++st) {
+        if (st < n_ktiles) load_tile(s, st, st, A, W, M, N, K, m0, n0);
+        cp_async_commit();
+    }
+
+    // ldmatrix lane -> (row, k offset) inside a 16 x 16 block, as tabulated in the header.
+    const int a_row = lane % 16, a_k = (lane / 16) * 8;
+    const int w_row = lane % 8 + (lane / 16) * 8, w_k = ((lane / 8) % 2) * 8;
+
+    for (int kt = 0; kt < n_ktiles; ++kt) {
+        // Groups committed so far: STAGES - 1 + kt; tile kt is group kt, so once at most STAGES - 2
+        // remain in flight it has landed (for this thread's copies; the barrier makes it everyone's).
+        cp_async_wait<STAGES - 2>();
+        __syncthreads();  // also: every warp is done with tile kt - 1, whose slot is refilled next
+        {
+            const int next = kt + STAGES - 1;
+            if (next < n_ktiles) load_tile(s, next % STAGES, next, A, W, M, N, K, m0, n0);
+            cp_async_commit();
+        }
+        const int stage = kt % STAGES;
+#pragma unroll
+        for (int ks = 0; ks < TILE_K; ks += 16) {
+            uint32_t a[MMA_M][4], b[MMA_N / 2][4];
+#pragma unroll
+            for (int i = 0; i < MMA_M; ++i) ldmatrix_x4(a[i], smem_addr(&s.a[stage][wm + i * 16 + a_row][ks + a_k]));
+#pragma unroll
+            for (int j = 0; j < MMA_N / 2; ++j)  // b[j] = {b0, b1 of n-tile 2j; b0, b1 of n-tile 2j + 1}
+                ldmatrix_x4(b[j], smem_addr(&s.w[stage][wn + j * 16 + w_row][ks + w_k]));
+#pragma unroll
+            for (int i = 0; i < MMA_M; ++i)
+#pragma unroll
+                for (int j = 0; j < MMA_N; ++j)
+                    mma_16816(acc[i][j], a[i], b[j / 2][(j % 2) * 2], b[j / 2][(j % 2) * 2 + 1]);
+        }
+    }
+    // Every real tile's group was waited for inside the loop; only empty groups can remain.
+
+    // Epilogue: acc[i][j][e] is C[m0 + wm + 16 i + g + 8 (e / 2)][n0 + wn + 8 j + 2 t + e % 2].
+    const int g = lane / 4, t = lane % 4;
+#pragma unroll
+    for (int i = 0; i < MMA_M; ++i)
+#pragma unroll
+        for (int j = 0; j < MMA_N; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int row = m0 + wm + i * 16 + g + (e / 2) * 8;
+                const int col = n0 + wn + j * 8 + t * 2 + (e % 2);
+                if (row < M && col < N) {
+                    float* c = C + (size_t)row * N + col;
+                    *c = accumulate ? *c + acc[i][j][e] : acc[i][j][e];
+                }
+            }
+}

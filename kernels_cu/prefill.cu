@@ -1,0 +1,106 @@
+// prefill.cu — the prompt path's row-wise glue between its GEMMs (gemm.cu), one token row per block.
+//
+//   embed_rows      x_rows[r] = float(embed[ids[r]])
+//   rmsnorm_rows    out_rows[r] = fp16(x_rows[r] * rsqrt(mean(x_rows[r]^2) + eps) * w)
+//   rope_kv_rows    q|k|v row -> RoPE on q and k; q_rows[r] = fp16(q), k and v into the KV cache at start + r
+//   silu_mul_rows   h_rows[r, i] = fp16(silu(gate) * up), gate|up = gu_rows[r, i], gu_rows[r, ff + i]
+//
+// Launch: grid (n) = one block per token row (the launch's row count is its grid; the NumPy twins get
+// it as `grid`), THREADS (256, ROW_THREADS in cullama/plan.py) threads sweep the row. No variants.
+// Shapes: rows are contiguous with the row strides given below; d % 8 == 0 and ff % 8 == 0 (16-byte
+// vectors; cullama.plan.check_supported guarantees both), hd even. The same math as gemv.cu's fused
+// decode kernels (rmsnorm in gemv_* and RoPE + cache write in gemv_qkv_rope), on whole rows.
+#include "common.cuh"
+
+#define THREADS 256  // ROW_THREADS
+
+__device__ __forceinline__ float silu(float a) { return a / (1.f + expf(-a)); }
+
+// ids [n] int32; embed [vocab, d] FP16; x_rows [n, d] float32.
+extern "C" __global__ void __launch_bounds__(THREADS)
+embed_rows(const int* __restrict__ ids, const half_t* __restrict__ embed, float* __restrict__ x_rows, int d) {
+    const int r = blockIdx.x;
+    const uint4* src = reinterpret_cast<const uint4*>(embed + (size_t)ids[r] * d);
+    float4* dst = reinterpret_cast<float4*>(x_rows + (size_t)r * d);
+    for (int v = threadIdx.x; v < d / 8; v += THREADS) {
+        float f[8];
+        unpack8(src[v], f);
+        dst[2 * v] = make_float4(f[0], f[1], f[2], f[3]);
+        dst[2 * v + 1] = make_float4(f[4], f[5], f[6], f[7]);
+    }
+}
+
+// x_rows [n, d] float32; w [d] FP16; out_rows [n, d] FP16.
+extern "C" __global__ void __launch_bounds__(THREADS)
+rmsnorm_rows(const float* __restrict__ x_rows, const half_t* __restrict__ w, half_t* __restrict__ out_rows, int d,
+             float eps) {
+    __shared__ float scratch[WARP];
+    const int r = blockIdx.x;
+    const float4* x = reinterpret_cast<const float4*>(x_rows + (size_t)r * d);
+    float ss = 0.f;
+    for (int v = threadIdx.x; v < d / 8; v += THREADS) {
+        const float4 a = x[2 * v], b = x[2 * v + 1];
+        ss += a.x * a.x + a.y * a.y + a.z * a.z + a.w * a.w + b.x * b.x + b.y * b.y + b.z * b.z + b.w * b.w;
+    }
+    const float scale = rsqrtf(block_sum(ss, scratch) / (float)d + eps);
+    uint4* out = reinterpret_cast<uint4*>(out_rows + (size_t)r * d);
+    for (int v = threadIdx.x; v < d / 8; v += THREADS) {  // second pass: the row is in L1 / L2 now
+        const float4 a = x[2 * v], b = x[2 * v + 1];
+        float g[8];
+        unpack8(reinterpret_cast<const uint4*>(w)[v], g);
+        const float y[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
+        float o[8];
+#pragma unroll
+        for (int i = 0; i < 8; ++i) o[i] = (y[i] * scale) * g[i];  // the reference's order: (x * scale) * w
+        out[v] = make_uint4(pack_h2(o[0], o[1]), pack_h2(o[2], o[3]), pack_h2(o[4], o[5]), pack_h2(o[6], o[7]));
+    }
+}
+
+// qkv_rows [n, (n_heads + 2 n_kv_heads) hd] float32 = [q | k | v]; rope [max_seq, hd / 2, 2] float32 (cos,
+// sin); q_rows [n, n_heads hd] FP16; k_cache, v_cache [n_kv_heads, max_seq, hd] FP16 (this layer's).
+// Row r is position p = start + r. Rotate-half RoPE: dims j and j + hd/2 of a head form one pair,
+//   (y0, y1) -> (y0 cos - y1 sin, y1 cos + y0 sin),  cos, sin = rope[p, j].
+// Each thread takes whole pairs (q, k and v heads alike; v is copied, not rotated).
+extern "C" __global__ void __launch_bounds__(THREADS)
+rope_kv_rows(const float* __restrict__ qkv_rows, const float* __restrict__ rope, half_t* __restrict__ q_rows,
+             half_t* __restrict__ k_cache, half_t* __restrict__ v_cache, int start, int n_heads, int n_kv_heads,
+             int hd, int max_seq) {
+    const int r = blockIdx.x, pos = start + r, half_hd = hd / 2;
+    const int n_pairs = (n_heads + 2 * n_kv_heads) * half_hd;
+    const float* row = qkv_rows + (size_t)r * n_pairs * 2;
+    const float* cs = rope + (size_t)pos * half_hd * 2;
+    half_t* q_out = q_rows + (size_t)r * n_heads * hd;
+    for (int p = threadIdx.x; p < n_pairs; p += THREADS) {
+        const int head = p / half_hd, j = p % half_hd;
+        float y0 = row[head * hd + j], y1 = row[head * hd + j + half_hd];
+        if (head < n_heads + n_kv_heads) {  // q and k rotate; v does not
+            const float c = cs[2 * j], s = cs[2 * j + 1];
+            const float r0 = y0 * c - y1 * s, r1 = y1 * c + y0 * s;
+            y0 = r0;
+            y1 = r1;
+        }
+        if (head < n_heads) {
+            q_out[head * hd + j] = f2h(y0);
+            q_out[head * hd + j + half_hd] = f2h(y1);
+        } else {
+            const bool is_k = head < n_heads + n_kv_heads;
+            const int kv_head = head - n_heads - (is_k ? 0 : n_kv_heads);
+            half_t* cache = (is_k ? k_cache : v_cache) + ((size_t)kv_head * max_seq + pos) * hd;
+            cache[j] = f2h(y0);
+            cache[j + half_hd] = f2h(y1);
+        }
+    }
+}
+
+// gu_rows [n, 2 ff] float32 (gate | up); h_rows [n, ff] FP16. Four columns per thread per step.
+extern "C" __global__ void __launch_bounds__(THREADS)
+silu_mul_rows(const float* __restrict__ gu_rows, half_t* __restrict__ h_rows, int ff) {
+    const int r = blockIdx.x;
+    const float4* gate = reinterpret_cast<const float4*>(gu_rows + (size_t)r * 2 * ff);
+    const float4* up = reinterpret_cast<const float4*>(gu_rows + (size_t)r * 2 * ff + ff);
+    uint2* h = reinterpret_cast<uint2*>(h_rows + (size_t)r * ff);
+    for (int v = threadIdx.x; v < ff / 4; v += THREADS) {
+        const float4 g = gate[v], u = up[v];
+        h[v] = make_uint2(pack_h2(silu(g.x) * u.x, silu(g.y) * u.y), pack_h2(silu(g.z) * u.z, silu(g.w) * u.w));
+    }
+}

@@ -1,0 +1,215 @@
+"""Attention: the twins against a plain float64 softmax attention, the kernels' compile, and (GPU) the
+kernels against the twins on fresh random inputs with NaN-poisoned outputs."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from cullama.ops import attention as ops
+from cullama.registry import KernelSpec, compile_module
+
+from conftest import poisoned
+
+THREADS = 128
+
+# (head_dim, group, kv_heads, n keys, splits): n = 1 and n < splits leave splits empty.
+DECODE_CASES = [(8, 2, 4, 1, 8), (32, 4, 2, 7, 8), (128, 1, 3, 33, 4), (128, 2, 2, 100, 32), (32, 1, 2, 100, 1),
+                (8, 4, 2, 33, 5), (16, 8, 1, 517, 3), (64, 4, 2, 1000, 8)]
+# (head_dim, group, kv_heads, start, rows, buffer rows): start > 0 is a later chunk of a prompt.
+PREFILL_CASES = [(8, 2, 4, 0, 1, 4), (32, 4, 2, 0, 33, 40), (128, 1, 2, 17, 7, 8), (64, 8, 1, 100, 29, 32),
+                 (16, 1, 3, 5, 100, 100)]
+
+
+def reference(q, k, v, scale):
+    """softmax(q k^T * scale) v in float64. q [heads, hd]; k, v [kv_heads, n, hd] -> [heads, hd]."""
+    group = q.shape[0] // k.shape[0]
+    k = np.repeat(k.astype(np.float64), group, axis=0)  # [heads, n, hd]
+    v = np.repeat(v.astype(np.float64), group, axis=0)
+    s = np.einsum("hd,hkd->hk", q.astype(np.float64), k) * scale
+    p = np.exp(s - s.max(axis=1, keepdims=True))
+    return np.einsum("hk,hkd->hd", p / p.sum(axis=1, keepdims=True), v)
+
+
+def reference_part(q, k, v, scale, s, splits, n):
+    """Split s's (acc [heads, hd], m, l), unnormalised, over keys [s c, (s + 1) c), c = ceil(n / splits)."""
+    chunk = -(-n // splits)
+    begin, end = min(s * chunk, n), min(s * chunk + chunk, n)
+    if begin == end:
+        return np.zeros(q.shape), np.full(q.shape[0], -np.inf), np.zeros(q.shape[0])
+    group = q.shape[0] // k.shape[0]
+    kk = np.repeat(k[:, begin:end].astype(np.float64), group, axis=0)
+    vv = np.repeat(v[:, begin:end].astype(np.float64), group, axis=0)
+    sc = np.einsum("hd,hkd->hk", q.astype(np.float64), kk) * scale
+    m = sc.max(axis=1)
+    p = np.exp(sc - m[:, None])
+    return np.einsum("hk,hkd->hd", p, vv), m, p.sum(axis=1)
+
+
+def decode_inputs(hd, group, kv_heads, n, splits, seed=0):
+    """q [heads*hd] f32, caches [kv_heads, max_seq, hd] f16 (random beyond n too: must be ignored), state."""
+    rng = np.random.default_rng(seed)
+    heads, max_seq = kv_heads * group, n + 13
+    q = (2 * rng.standard_normal(heads * hd)).astype(np.float32)
+    k = rng.standard_normal((kv_heads, max_seq, hd)).astype(np.float16)
+    v = rng.standard_normal((kv_heads, max_seq, hd)).astype(np.float16)
+    state = np.zeros(8, np.int32)
+    state[0] = n - 1
+    return q, k, v, state, max_seq, np.float32(1 / np.sqrt(hd))
+
+
+def prefill_inputs(hd, group, kv_heads, start, rows, buffer_rows, seed=0):
+    rng = np.random.default_rng(seed)
+    heads, max_seq = kv_heads * group, start + rows + 5
+    q_rows = (2 * rng.standard_normal((buffer_rows, heads * hd))).astype(np.float16)
+    k = rng.standard_normal((kv_heads, max_seq, hd)).astype(np.float16)
+    v = rng.standard_normal((kv_heads, max_seq, hd)).astype(np.float16)
+    return q_rows, k, v, max_seq, np.float32(1 / np.sqrt(hd))
+
+
+def run_decode_twin(q, k, v, state, max_seq, scale, splits):
+    heads, hd = q.size // k.shape[2], k.shape[2]
+    part = np.full((heads, splits, hd + 2), np.nan, np.float32)
+    count = np.zeros(k.shape[0], np.uint32)
+    out = np.full(heads * hd, np.nan, np.float32)
+    ops.attention_decode(q, k, v, part, count, out, state, max_seq, scale)
+    return part, count, out
+
+
+def run_prefill_twin(q_rows, k, v, start, rows, max_seq, scale):
+    out_rows = np.full(q_rows.shape, np.nan, np.float16)
+    ops.attention_prefill(q_rows, k, v, out_rows, start, max_seq, scale, grid=(k.shape[0], rows, 1))
+    return out_rows
+
+
+def prefill_reference(q_rows, k, v, start, rows, scale):
+    hd = k.shape[2]
+    return np.stack([reference(q_rows[r].reshape(-1, hd), k[:, :start + r + 1], v[:, :start + r + 1], scale)
+                     .reshape(-1) for r in range(rows)])
+
+
+# -- CPU: the twins are the specification ---------------------------------------------------------
+@pytest.mark.parametrize("hd,group,kv_heads,n,splits", DECODE_CASES)
+def test_decode_twin(hd, group, kv_heads, n, splits):
+    q, k, v, state, max_seq, scale = decode_inputs(hd, group, kv_heads, n, splits)
+    part, count, out = run_decode_twin(q, k, v, state, max_seq, scale, splits)
+    qh = q.reshape(-1, hd)
+    np.testing.assert_allclose(out.reshape(-1, hd), reference(qh, k[:, :n], v[:, :n], float(scale)),
+                               rtol=1e-4, atol=1e-5)
+    for s in range(splits):  # each split's unnormalised state, empty splits included
+        acc, m, l = reference_part(qh, k, v, float(scale), s, splits, n)
+        np.testing.assert_allclose(part[:, s, :hd], acc, rtol=1e-4, atol=1e-4)
+        np.testing.assert_allclose(part[:, s, hd], m, rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(part[:, s, hd + 1], l, rtol=1e-4)
+    assert (count == 0).all()
+
+
+def test_decode_twin_empty_splits():
+    """n smaller than splits: the tail splits are empty (m = -inf, l = 0) and weigh nothing."""
+    q, k, v, state, max_seq, scale = decode_inputs(32, 2, 2, 3, 8)
+    part, _, out = run_decode_twin(q, k, v, state, max_seq, scale, 8)
+    assert (part[:, 3:, 32] == -np.inf).all() and (part[:, 3:, 33] == 0).all() and (part[:, 3:, :32] == 0).all()
+    assert np.isfinite(part[:, :3]).all() and np.isfinite(out).all()
+
+
+def test_decode_twin_ignores_split_count():
+    q, k, v, state, max_seq, scale = decode_inputs(64, 4, 2, 77, 1)
+    outs = [run_decode_twin(q, k, v, state, max_seq, scale, splits)[2] for splits in (1, 2, 7, 32, 100)]
+    for out in outs[1:]:
+        np.testing.assert_allclose(out, outs[0], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("hd,group,kv_heads,start,rows,buffer_rows", PREFILL_CASES)
+def test_prefill_twin(hd, group, kv_heads, start, rows, buffer_rows):
+    q_rows, k, v, max_seq, scale = prefill_inputs(hd, group, kv_heads, start, rows, buffer_rows)
+    out_rows = run_prefill_twin(q_rows, k, v, start, rows, max_seq, scale)
+    expected = prefill_reference(q_rows, k, v, start, rows, float(scale))
+    np.testing.assert_allclose(out_rows[:rows].astype(np.float64), expected, rtol=2e-3, atol=2e-3)
+    assert np.isnan(out_rows[rows:]).all()  # rows beyond the launch's grid are not written
+
+
+def test_prefill_twin_is_causal():
+    """A row's output does not change when keys after its position change."""
+    q_rows, k, v, max_seq, scale = prefill_inputs(32, 2, 2, 4, 10, 10)
+    before = run_prefill_twin(q_rows, k, v, 4, 10, max_seq, scale)
+    k2, v2 = k.copy(), v.copy()
+    k2[:, 4 + 6:], v2[:, 4 + 6:] = 7, -7  # keys of positions >= 10: row 5 (position 9) must not see them
+    after = run_prefill_twin(q_rows, k2, v2, 4, 10, max_seq, scale)
+    np.testing.assert_array_equal(before[:6], after[:6])
+    assert not np.array_equal(before[6:], after[6:])
+
+
+def test_prefill_row_matches_decode():
+    """Prefill row r at position start + r is the decode step at that position."""
+    hd, group, kv_heads, start, rows = 32, 4, 2, 9, 6
+    q_rows, k, v, max_seq, scale = prefill_inputs(hd, group, kv_heads, start, rows, rows)
+    out_rows = run_prefill_twin(q_rows, k, v, start, rows, max_seq, scale)
+    state = np.zeros(8, np.int32)
+    for r in range(rows):
+        state[0] = start + r
+        _, _, out = run_decode_twin(q_rows[r].astype(np.float32), k, v, state, max_seq, scale, 4)
+        np.testing.assert_allclose(out_rows[r].astype(np.float32), out, rtol=1e-3, atol=1e-3)
+
+
+@pytest.mark.parametrize("defines", ops.VARIANTS, ids=lambda d: "-".join(f"{k}{v}" for k, v in d))
+def test_compiles_without_spills(defines):
+    resources = compile_module(ops.SOURCE, defines, "sm_90").resources
+    assert set(resources) == {"attention_decode", "attention_prefill"}
+    for name, res in resources.items():
+        assert not res.spills, (name, res)
+
+
+def test_variants_cover_every_head_dim_and_group():
+    chosen = [dict(d) for d in ops.VARIANTS]
+    assert {d["HEAD_DIM"] for d in chosen} == {8, 16, 32, 64, 128}
+    assert {d["GROUP"] for d in chosen} == {1, 2, 4, 8}
+    assert len(chosen) <= 12
+
+
+# -- GPU: the kernels against the twins -----------------------------------------------------------
+def _spec(name, hd, group):
+    return KernelSpec("attention.cu", name, (("HEAD_DIM", hd), ("GROUP", group)))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("hd,group,kv_heads,n,splits", DECODE_CASES + [(128, 1, 4, 4096, 8), (128, 8, 2, 3001, 32)])
+def test_decode_kernel(kernels, hd, group, kv_heads, n, splits):
+    import cupy as cp
+
+    q, k, v, state, max_seq, scale = decode_inputs(hd, group, kv_heads, n, splits, seed=n)
+    part, _, out = run_decode_twin(q, k, v, state, max_seq, scale, splits)
+    heads = kv_heads * group
+    d_part = poisoned(cp, part.shape, np.float32)
+    d_out = poisoned(cp, out.shape, np.float32)
+    d_count = cp.zeros(kv_heads, np.uint32)
+    args = (cp.asarray(q), cp.asarray(k), cp.asarray(v), d_part, d_count, d_out, cp.asarray(state),
+            np.int32(max_seq), np.float32(scale))
+    fn = kernels.function(_spec("attention_decode", hd, group))
+    fn((kv_heads, splits), (THREADS,), args)
+    first = d_out.get()
+    assert (d_count.get() == 0).all()  # reset by the last block: the next launch starts clean
+    np.testing.assert_allclose(d_part.get(), part, rtol=1e-3, atol=1e-4)
+    np.testing.assert_allclose(first, out, rtol=1e-3, atol=1e-4)
+    assert first.shape == (heads * hd,)
+    d_out.fill(np.nan)
+    fn((kv_heads, splits), (THREADS,), args)  # a second launch: same bits (fixed combine order)
+    np.testing.assert_array_equal(d_out.get(), first)
+    assert (d_count.get() == 0).all()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("hd,group,kv_heads,start,rows,buffer_rows", PREFILL_CASES)
+def test_prefill_kernel(kernels, hd, group, kv_heads, start, rows, buffer_rows):
+    import cupy as cp
+
+    q_rows, k, v, max_seq, scale = prefill_inputs(hd, group, kv_heads, start, rows, buffer_rows, seed=rows)
+    expected = run_prefill_twin(q_rows, k, v, start, rows, max_seq, scale)
+    d_out = poisoned(cp, q_rows.shape, np.float16)
+    kernels.function(_spec("attention_prefill", hd, group))(
+        (kv_heads, rows), (THREADS,),
+        (cp.asarray(q_rows), cp.asarray(k), cp.asarray(v), d_out, np.int32(start), np.int32(max_seq),
+         np.float32(scale)))
+    got = d_out.get()
+    np.testing.assert_allclose(got[:rows].astype(np.float32), expected[:rows].astype(np.float32),
+                               rtol=2e-3, atol=2e-3)
+    assert np.isnan(got[rows:].astype(np.float32)).all()

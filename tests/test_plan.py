@@ -1,0 +1,102 @@
+"""The decode and prefill plans on the numpy backend (the kernels' twins) against the FP32 reference,
+step by step, on the goldens and stories260K."""
+
+import numpy as np
+import pytest
+
+from cullama import plan as plans
+from cullama.backends.numpy_backend import NumpyBackend
+from cullama.checkpoint import open_checkpoint
+from cullama.config import preset
+from cullama.engine import PlanRunner, load_checkpoint
+from cullama.errors import KernelError
+from cullama.reference import ReferenceModel
+from cullama.sampling import SamplingParams
+from conftest import load_golden
+
+GREEDY = SamplingParams(temperature=0.0, seed=0)
+
+
+def numpy_runner(directory, max_seq=None):
+    ckpt = open_checkpoint(directory)
+    backend = NumpyBackend()
+    load_checkpoint(backend, ckpt)
+    return PlanRunner(ckpt.config, backend, max_seq or ckpt.config.max_seq_len), ckpt
+
+
+def fp16_close(ours, ref, tol=2e-2):
+    """Within FP16 tolerance: the error relative to the logits' own scale."""
+    return np.max(np.abs(ours - ref)) <= tol * max(1.0, np.max(np.abs(ref)))
+
+
+@pytest.mark.parametrize("name", ["tiny-mha", "tiny-gqa-sharded"])
+def test_decode_matches_reference_step_by_step(name):
+    directory, cases, _ = load_golden(name)
+    runner, ckpt = numpy_runner(directory)
+    reference = ReferenceModel(ckpt.load())
+    for case in cases:
+        prompt = case["prompt_ids"]
+        token = runner.start(prompt, GREEDY)
+        reference.reset()
+        ref_logits = reference.forward(prompt)[-1]
+        for step in range(40):
+            assert fp16_close(runner.backend.read("logits"), ref_logits), (name, step)
+            if step < len(case["greedy_ids"]) and case["greedy_top1_margins"][step] > 0.05:
+                assert token == case["greedy_ids"][step]
+            assert token == int(np.argmax(runner.backend.read("logits")))
+            ref_logits = reference.forward([token])[-1]  # follow our own tokens
+            token = runner.next()
+
+
+@pytest.mark.parametrize("name", ["tiny-mha", "tiny-gqa-sharded"])
+def test_prefill_logits_match_huggingface(name, monkeypatch):
+    monkeypatch.setattr(plans, "PREFILL_CHUNK", 16)  # several chunks for the longer prompts
+    directory, cases, logits = load_golden(name)
+    runner, _ = numpy_runner(directory)
+    for case in cases:
+        ours = runner.logits(case["prompt_ids"])
+        assert ours.shape == logits[case["logits_key"]].shape
+        assert fp16_close(ours, logits[case["logits_key"]])
+
+
+def test_stories260k_greedy_ids_through_the_plans(stories_dir, stories_expected):
+    runner, _ = numpy_runner(stories_dir)
+    ids = [runner.start(stories_expected["prompt_ids"], GREEDY)]
+    ids += [runner.next() for _ in range(len(stories_expected["ids"]) - 1)]
+    assert ids == stories_expected["ids"]
+
+
+def test_state_advances_one_position_per_step(stories_dir):
+    runner, _ = numpy_runner(stories_dir)
+    runner.start([1, 403, 407], GREEDY)
+    assert runner.backend.read("state")[0] == 3  # the first sampled token sits at position 3
+    runner.next()
+    assert runner.backend.read("state")[0] == 4 and runner.backend.read("state")[2] == 2
+
+
+def test_seeded_sampling_equals_the_reference_sampler(stories_dir):
+    from cullama.sampling import Sampler
+
+    params = SamplingParams(temperature=0.8, top_k=20, top_p=0.9, repetition_penalty=1.1, seed=1234)
+    runner, ckpt = numpy_runner(stories_dir)
+    ours = [runner.start([1], params)] + [runner.next() for _ in range(30)]
+    reference, sampler = ReferenceModel(ckpt.load()), Sampler(params, 512, [1])
+    theirs = [sampler(reference.forward([1])[-1])]
+    for _ in range(30):
+        theirs.append(sampler(reference.forward([theirs[-1]])[-1]))
+    assert ours[:20] == theirs[:20]  # same draws; FP16 rounding may move a rare one later
+
+
+def test_unsupported_shapes_are_clear_errors():
+    cfg = preset("tiny")
+    odd = type(cfg)(**{**cfg.__dict__, "head_dim": 48, "name": "odd"})
+    with pytest.raises(KernelError, match="head_dim 48"):
+        plans.decode_plan(odd, 64)
+    with pytest.raises(KernelError, match="multiple of 8"):
+        plans.decode_plan(type(cfg)(**{**cfg.__dict__, "hidden_size": 260, "name": "odd"}), 64)
+
+
+def test_decode_plan_is_about_five_launches_per_layer():
+    cfg = preset("llama-2-7b")
+    plan = plans.decode_plan(cfg, 4096)
+    assert len(plan.launches) == 5 * cfg.num_layers + 2

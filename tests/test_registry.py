@@ -1,0 +1,79 @@
+"""The kernel registry: NVRTC compiles every kernel for sm_90 without a GPU, with no spills; the disk
+cache is keyed by everything that changes the binary and is safe under concurrent compiles."""
+
+import subprocess
+import sys
+
+import pytest
+from click.testing import CliRunner
+
+from cullama import registry
+from cullama.cli.main import main
+from cullama.errors import KernelError
+from cullama.kernel_report import compile_all
+
+TOY = 'extern "C" __global__ void toy(float* out) { out[threadIdx.x] = SCALE * threadIdx.x; }\n'
+
+
+@pytest.fixture
+def toy_sources(tmp_path, monkeypatch):
+    """A private kernels_cu/ and cache, so the test can edit sources freely."""
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "toy.cu").write_text('#include "toy.cuh"\n' + TOY)
+    (src / "toy.cuh").write_text("#define SCALE 2.0f\n")
+    monkeypatch.setattr(registry, "SOURCE_DIR", src)
+    monkeypatch.setenv("CULLAMA_CACHE", str(tmp_path / "cache"))
+    return src
+
+
+def test_every_kernel_compiles_for_sm90_without_spills():
+    reports = compile_all("sm_90")
+    assert {r.source for r in reports} >= {"gemv.cu", "attention.cu", "sampling.cu", "gemm.cu", "prefill.cu"}
+    spilled = [f"{r.name} ({r.define_text}): {r.resources}" for r in reports if r.resources.spills]
+    assert not spilled
+    assert all(0 < r.resources.registers <= 255 for r in reports)
+
+
+def test_kernels_command_prints_resources():
+    result = CliRunner().invoke(main, ["kernels", "--arch", "sm_90"])
+    assert result.exit_code == 0, result.output
+    assert "gemv_qkv_rope" in result.stdout and "0 with spills" in result.stdout
+
+
+def test_cache_key_covers_headers_and_defines(toy_sources):
+    first = registry.compile_module("toy.cu", (), "sm_90")
+    assert registry.compile_module("toy.cu", (), "sm_90").cubin_path == first.cubin_path  # cached
+    assert first.resources["toy"].registers > 0
+    (toy_sources / "toy.cuh").write_text("#define SCALE 3.0f\n")
+    assert registry.compile_module("toy.cu", (), "sm_90").cubin_path != first.cubin_path
+    (toy_sources / "toy.cu").write_text(TOY)  # no header: SCALE from a define
+    with_define = registry.compile_module("toy.cu", (("SCALE", 4),), "sm_90")
+    assert with_define.cubin_path != registry.compile_module("toy.cu", (("SCALE", 5),), "sm_90").cubin_path
+
+
+def test_two_processes_compiling_at_once(toy_sources, tmp_path):
+    script = ("import sys; from cullama import registry; from pathlib import Path; "
+              f"registry.SOURCE_DIR = Path({str(toy_sources)!r}); "
+              "print(registry.compile_module('toy.cu', (), 'sm_90').cubin_path)")
+    procs = [subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True) for _ in range(3)]
+    paths = {p.communicate()[0].strip() for p in procs}
+    assert all(p.returncode == 0 for p in procs) and len(paths) == 1
+    assert not list((tmp_path / "cache" / "kernels").glob("*.tmp"))
+
+
+def test_compile_errors_name_the_file(toy_sources):
+    (toy_sources / "bad.cu").write_text('extern "C" __global__ void bad() { undefined_thing(); }\n')
+    with pytest.raises(KernelError, match="bad.cu"):
+        registry.compile_module("bad.cu", (), "sm_90")
+    with pytest.raises(KernelError, match="arch"):
+        registry.compile_module("toy.cu", (), "90")
+
+
+def test_ptxas_log_parsing():
+    log = """ptxas info    : Compiling entry function 'k' for 'sm_90'
+ptxas info    : Function properties for k
+ptxas         .     8 bytes stack frame, 4 bytes spill stores, 4 bytes spill loads
+ptxas info    : Used 40 registers, used 1 barriers, 1024 bytes smem"""
+    res = registry.parse_ptxas_log(log)["k"]
+    assert (res.registers, res.smem_bytes, res.stack_bytes, res.spills) == (40, 1024, 8, True)
