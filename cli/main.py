@@ -164,3 +164,4 @@ def kernels(arch):
     click.echo(f"{len(reports)} kernels compiled for {arch}; {len(spilled)} with spills or local memory")
     if spilled:
         sys.exit(1)
+from . import bench as _bench  # noqa: E402,F401  (registers `cullama bench`)

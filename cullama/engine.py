@@ -7,6 +7,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Callable, Sequence
 
@@ -26,10 +27,32 @@ def weight_buffer_name(field: str, layer: int | None) -> str:
     return field if layer is None else f"layers.{layer}.{field}"
 
 
+def device_config(cfg: LlamaConfig) -> LlamaConfig:
+    """The shapes the kernels run: intermediate_size rounded up to a multiple of 8 (16-byte rows).
+    The added SwiGLU units have zero weights, so they add silu(0) * 0 = 0: the model is unchanged."""
+    ff = plans.cdiv(cfg.intermediate_size, 8) * 8
+    return cfg if ff == cfg.intermediate_size else dataclasses.replace(cfg, intermediate_size=ff)
+
+
+def _padded(field: str, row: int, tensor: np.ndarray, ff: int, ff_dev: int) -> tuple[int, np.ndarray]:
+    """Place a checkpoint tensor in the padded device layout: up rows start at ff_dev, not ff, and
+    down_proj gains zero columns."""
+    if ff == ff_dev:
+        return row, tensor
+    if field == "w_gate_up" and row >= ff:
+        return row - ff + ff_dev, tensor
+    if field == "w_down":
+        wide = np.zeros((tensor.shape[0], ff_dev), np.float16)  # [d, ff_dev]
+        wide[:, :ff] = tensor
+        return row, wide
+    return row, tensor
+
+
 def load_checkpoint(backend, ckpt: Checkpoint, progress: Progress | None = None) -> None:
-    """Weights onto the backend: the CPU binds the loaded arrays; the GPU copies each HF tensor
-    straight into its slice of the fused device buffer (no host-side concatenation)."""
-    if backend.device == "cpu":
+    """Weights onto the backend, in the device layout: each HF tensor is copied straight into its
+    slice of the fused buffer (no host-side concatenation); the CPU binds FP16 views where it can."""
+    cfg, dev = ckpt.config, device_config(ckpt.config)
+    if backend.device == "cpu" and dev is cfg:
         weights = ckpt.load(progress)
         backend.bind("embed", weights.embed)
         backend.bind("final_norm", weights.final_norm)
@@ -38,12 +61,13 @@ def load_checkpoint(backend, ckpt: Checkpoint, progress: Progress | None = None)
             for field in ("attn_norm", "wqkv", "wo", "ffn_norm", "w_gate_up", "w_down"):
                 backend.bind(weight_buffer_name(field, i), getattr(layer, field))
         return
-    backend.allocate(plans.weight_buffers(ckpt.config))
-    shapes = expected_shapes(ckpt.config)
+    backend.allocate(plans.weight_buffers(dev))  # zero-filled: padding stays zero
+    shapes = expected_shapes(cfg)
     parts = list(ckpt.parts())
     total, done = sum(2 * math.prod(shapes[name]) for *_, name in parts), 0
     for field, layer, row, name in parts:
-        backend.set(weight_buffer_name(field, layer), ckpt.tensor(name), row=row)
+        row, tensor = _padded(field, row, ckpt.tensor(name), cfg.intermediate_size, dev.intermediate_size)
+        backend.set(weight_buffer_name(field, layer), tensor, row=row)
         done += 2 * math.prod(shapes[name])
         if progress:
             progress(done, total)
@@ -51,7 +75,7 @@ def load_checkpoint(backend, ckpt: Checkpoint, progress: Progress | None = None)
 
 def random_weights(backend, cfg: LlamaConfig, seed: int = 0, std: float = 0.02) -> None:
     """Synthetic weights of any shape, made where they live (on the GPU for `bench --synthetic`)."""
-    buffers = plans.weight_buffers(cfg)
+    buffers = plans.weight_buffers(device_config(cfg))
     if backend.device == "cpu":
         rng = np.random.default_rng(seed)
         for b in buffers:
@@ -72,6 +96,7 @@ def _random(xp, rng, b: plans.Buffer, std: float):
 
 class PlanRunner:
     def __init__(self, cfg: LlamaConfig, backend, max_seq_len: int):
+        cfg = device_config(cfg)
         plans.check_supported(cfg)
         self.cfg, self.backend, self.max_seq_len = cfg, backend, max_seq_len
         backend.allocate(plans.runtime_buffers(cfg, max_seq_len))

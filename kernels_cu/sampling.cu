@@ -1,0 +1,323 @@
+// sampling.cu — the decode step's last kernel: the next token, picked on the device exactly as
+// cullama.sampling.sample (the NumPy specification) picks it, then the next step set up.
+//
+//   sample         token = sample(logits, params, seen, step); state[TOKEN] = token; state[STEP] += 1;
+//                  state[POS] += 1; seen[token] = 1; x[0:d] = embed[token] as float32 (the next input)
+//   uniform_probe  out[0] = uniform(seed, step), one thread: the RNG bit for bit, for the tests
+//
+// Launch: sample is ONE block of THREADS (1024) threads, inside the decode CUDA graph after gemv_logits,
+// so every parameter is read from device memory: temperature, top_p, repetition penalty from fparams,
+// top_k, seed (two words) and step from state (layouts in common.cuh). Shapes: logits [V] float32,
+// seen [V] uint8 (nonzero = seen), embed [V, d] FP16, x [d] float32, state [8] int32, fparams [4] f32.
+//
+// Every float is compared through an order-preserving uint32 key (a < b <=> key(a) < key(b), -0 == +0),
+// so thresholds are found by exact integer bit searches and all results are deterministic.
+//   greedy   one coalesced pass (8 float4 loads in flight per thread) and one block reduction: the
+//            max of (key << 32 | ~id) over uint64 is the argmax with the lowest id on ties.
+//   sampled  thread t owns the contiguous ids [t C, t C + C), C = ceil(V / 1024) rounded up to 4; the
+//            first ITEMS (32) of its values stay in registers (V <= 32768: all of them; beyond, the rest
+//            are re-read and recomputed at every pass, from L1/L2). Passes over the registers, each
+//            ending in one block reduction (one __syncthreads, ping-pong scratch):
+//              1 load + penalty + temperature + max
+//             32 top-k (if 0 < k < V): bit search for the largest key t with count(key >= t) >= k
+//              1 p = expf(l - max) over kept, Z = sum p
+//             30 top-p (if top_p < 1): bit search over p's bit patterns (p <= 1 = 0x3f800000, so bits
+//                29..0) for the largest t with sum(p >= t) >= top_p Z; the sums are nonincreasing in t
+//              1 block scan of the per-thread sums of kept p, then each thread walks its ids
+//              1 first id whose inclusive cumulative mass exceeds uniform(seed, step) * Z (+1 for the
+//                fallback: the last kept token with p > 0)
+//            about 66 reductions with both cuts, 4 without: estimated tens of microseconds, vs a few
+//            for greedy.
+// Float sums are sequential within a thread, then a fixed tree: the same on every run. They differ
+// from NumPy's order by a few ulps, so a draw within rounding of a bucket edge may differ from the twin.
+#include "common.cuh"
+
+#define THREADS 1024
+#define WARPS (THREADS / WARP)
+#ifndef ITEMS
+#define ITEMS 32  // ids per thread held in registers on the sampled path (a multiple of 4)
+#endif
+#define GREEDY_UNROLL 8  // float4 loads in flight per thread on the greedy path
+#define FULL 0xffffffffu
+#define ABSENT 0u  // the key of an id past V: below every real key (-inf's key is 0x007fffff)
+#define NO_HIT 0x7fffffff
+
+// Order-preserving key of a float (not NaN); -0 becomes +0 first, since the spec compares floats.
+__device__ __forceinline__ uint32_t float_key(float f) {
+    uint32_t b = __float_as_uint(f);
+    if (b == 0x80000000u) b = 0u;
+    return (b & 0x80000000u) ? ~b : (b | 0x80000000u);
+}
+
+__device__ __forceinline__ float key_float(uint32_t k) {
+    return __uint_as_float((k & 0x80000000u) ? (k & 0x7fffffffu) : ~k);
+}
+
+// The spec's splitmix64 draw: 24 random bits as a float in [0, 1), exact.
+__device__ __forceinline__ float uniform(uint64_t seed, int step) {
+    uint64_t z = seed * 0x9E3779B97F4A7C15ull + (uint64_t)(long long)step + 1ull;
+    z ^= z >> 30;
+    z *= 0xBF58476D1CE4E5B9ull;
+    z ^= z >> 27;
+    z *= 0x94D049BB133111EBull;
+    z ^= z >> 31;
+    return (float)(uint32_t)(z >> 40) * (1.f / 16777216.f);
+}
+
+struct Transform {  // logit -> key: HF repetition penalty on seen ids, then / temperature (IEEE, as NumPy)
+    const float* logits;
+    const unsigned char* seen;
+    int V;
+    bool penalise, scale;  // scale: divide by the temperature (not on the greedy path)
+    float penalty, temperature;
+
+    // Keys of ids i..i+3 (i % 4 == 0); ABSENT past V.
+    __device__ __forceinline__ void keys4(int i, uint32_t (&k)[4]) const {
+        float l[4] = {0.f, 0.f, 0.f, 0.f};
+        uint32_t s = 0;
+        if (i + 3 < V) {
+            const float4 v = *reinterpret_cast<const float4*>(logits + i);
+            l[0] = v.x; l[1] = v.y; l[2] = v.z; l[3] = v.w;
+            if (penalise) s = *reinterpret_cast<const uint32_t*>(seen + i);
+        } else {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                if (i + e < V) {
+                    l[e] = logits[i + e];
+                    if (penalise) s |= (uint32_t)seen[i + e] << (8 * e);
+                }
+            }
+        }
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            float v = l[e];
+            if ((s >> (8 * e)) & 0xffu) v = v > 0.f ? __fdiv_rn(v, penalty) : __fmul_rn(v, penalty);
+            if (scale) v = __fdiv_rn(v, temperature);
+            k[e] = i + e < V ? float_key(v) : ABSENT;
+        }
+    }
+};
+
+// -- block reductions (THREADS threads; every thread gets the result) ---------------------------------
+// One __syncthreads each: callers alternate between two scratch buffers, so a buffer is rewritten only
+// after every thread has passed the barrier of the reduction in between (and so finished reading it).
+__device__ __forceinline__ uint32_t block_sum_u32(uint32_t v, uint32_t* buf) {
+    v = __reduce_add_sync(FULL, v);
+    if (threadIdx.x % WARP == 0) buf[threadIdx.x / WARP] = v;
+    __syncthreads();
+    return __reduce_add_sync(FULL, buf[threadIdx.x % WARP]);
+}
+
+__device__ __forceinline__ uint32_t block_max_u32(uint32_t v, uint32_t* buf) {
+    v = __reduce_max_sync(FULL, v);
+    if (threadIdx.x % WARP == 0) buf[threadIdx.x / WARP] = v;
+    __syncthreads();
+    return __reduce_max_sync(FULL, buf[threadIdx.x % WARP]);
+}
+
+__device__ __forceinline__ int block_min_int(int v, int* buf) {
+    v = __reduce_min_sync(FULL, v);
+    if (threadIdx.x % WARP == 0) buf[threadIdx.x / WARP] = v;
+    __syncthreads();
+    return __reduce_min_sync(FULL, buf[threadIdx.x % WARP]);
+}
+
+__device__ __forceinline__ int block_max_int(int v, int* buf) {
+    v = __reduce_max_sync(FULL, v);
+    if (threadIdx.x % WARP == 0) buf[threadIdx.x / WARP] = v;
+    __syncthreads();
+    return __reduce_max_sync(FULL, buf[threadIdx.x % WARP]);
+}
+
+// A fixed butterfly: every lane, and every thread of the block, gets the bitwise same sum.
+__device__ __forceinline__ float block_sum_f(float v, float* buf) {
+    v = warp_sum(v);
+    if (threadIdx.x % WARP == 0) buf[threadIdx.x / WARP] = v;
+    __syncthreads();
+    return warp_sum(buf[threadIdx.x % WARP]);
+}
+
+__device__ __forceinline__ uint64_t block_max_u64(uint64_t v, uint64_t* buf) {
+#pragma unroll
+    for (int o = WARP / 2; o > 0; o >>= 1) {
+        const uint64_t w = __shfl_xor_sync(FULL, v, o);
+        v = w > v ? w : v;
+    }
+    if (threadIdx.x % WARP == 0) buf[threadIdx.x / WARP] = v;
+    __syncthreads();
+    v = buf[threadIdx.x % WARP];
+#pragma unroll
+    for (int o = WARP / 2; o > 0; o >>= 1) {
+        const uint64_t w = __shfl_xor_sync(FULL, v, o);
+        v = w > v ? w : v;
+    }
+    return v;
+}
+
+// Exclusive scan of one float per thread, in thread order; `total` gets the sum.
+__device__ __forceinline__ float block_exclusive_scan(float v, float* buf, float& total) {
+    const int lane = threadIdx.x % WARP, warp = threadIdx.x / WARP;
+    float incl = v;
+#pragma unroll
+    for (int o = 1; o < WARP; o <<= 1) {
+        const float y = __shfl_up_sync(FULL, incl, o);
+        if (lane >= o) incl += y;
+    }
+    float excl = __shfl_up_sync(FULL, incl, 1);
+    if (lane == 0) excl = 0.f;
+    if (lane == WARP - 1) buf[warp] = incl;
+    __syncthreads();
+    float w = buf[lane];  // warp totals, scanned again (WARPS == WARP)
+#pragma unroll
+    for (int o = 1; o < WARP; o <<= 1) {
+        const float y = __shfl_up_sync(FULL, w, o);
+        if (lane >= o) w += y;
+    }
+    total = __shfl_sync(FULL, w, WARP - 1);
+    const float before = __shfl_sync(FULL, w, (warp + WARP - 1) % WARP);
+    return warp == 0 ? excl : before + excl;
+}
+
+// -- greedy: argmax of the penalised logits, lowest id on ties -----------------------------------
+__device__ __forceinline__ int greedy_token(const Transform& tf, uint64_t* scratch) {
+    uint64_t best = 0;
+    for (int base = 4 * threadIdx.x; base < tf.V; base += 4 * THREADS * GREEDY_UNROLL) {
+        uint32_t k[GREEDY_UNROLL][4];
+#pragma unroll
+        for (int u = 0; u < GREEDY_UNROLL; ++u) tf.keys4(base + 4 * THREADS * u, k[u]);
+#pragma unroll
+        for (int u = 0; u < GREEDY_UNROLL; ++u) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const uint32_t id = base + 4 * THREADS * u + e;
+                const uint64_t packed = (uint64_t)k[u][e] << 32 | (FULL - id);
+                best = packed > best ? packed : best;
+            }
+        }
+    }
+    best = block_max_u64(best, scratch);
+    return (int)(FULL - (uint32_t)best);
+}
+
+// -- sampled -----------------------------------------------------------------------------------
+__device__ __forceinline__ uint32_t prob_bits(uint32_t key, uint32_t kth, float max_l) {
+    return key >= kth ? __float_as_uint(expf(key_float(key) - max_l)) : 0u;
+}
+
+// Calls f(j, value) for the thread's ids begin + j, j < n, in order: j < ITEMS from v[] (registers),
+// the rest recomputed from global memory: keys (kth == 0) or p bits (kth > 0).
+template <class F>
+__device__ __forceinline__ void for_each(const uint32_t (&v)[ITEMS], const Transform& tf, int begin, int n,
+                                         uint32_t kth, float max_l, F f) {
+#pragma unroll
+    for (int j = 0; j < ITEMS; ++j) f(j, v[j]);
+    for (int j = ITEMS; j < n; j += 4) {
+        uint32_t k[4];
+        tf.keys4(begin + j, k);
+#pragma unroll
+        for (int e = 0; e < 4; ++e) f(j + e, kth ? prob_bits(k[e], kth, max_l) : k[e]);
+    }
+}
+
+__device__ __forceinline__ int sampled_token(const Transform& tf, int top_k, float top_p, uint64_t seed, int step) {
+    __shared__ uint32_t su[2][WARPS];
+    __shared__ float sf[2][WARPS];
+    __shared__ int si[2][WARPS];
+    const int V = tf.V;
+    const int chunk = ((V + THREADS - 1) / THREADS + 3) & ~3;
+    const int begin = threadIdx.x * chunk;
+    const int n = max(0, min(chunk, V - begin));
+
+    // 1. keys of l = penalised logits / temperature; their max.
+    uint32_t v[ITEMS];
+#pragma unroll
+    for (int q = 0; q < ITEMS / 4; ++q) {
+        uint32_t k[4] = {ABSENT, ABSENT, ABSENT, ABSENT};
+        if (4 * q < n) tf.keys4(begin + 4 * q, k);
+#pragma unroll
+        for (int e = 0; e < 4; ++e) v[4 * q + e] = k[e];
+    }
+    uint32_t m = 0;
+    for_each(v, tf, begin, n, 0u, 0.f, [&](int, uint32_t k) { m = max(m, k); });
+    const float max_l = key_float(block_max_u32(m, su[0]));
+
+    // 2. top-k: the k-th largest key, bit by bit from the top.
+    uint32_t kth = 1;  // every real key
+    if (0 < top_k && top_k < V) {
+        uint32_t t = 0;
+        for (int b = 31; b >= 0; --b) {
+            const uint32_t cand = t | (1u << b);
+            uint32_t count = 0;
+            for_each(v, tf, begin, n, 0u, 0.f, [&](int, uint32_t k) { count += k >= cand; });
+            if (block_sum_u32(count, su[b & 1]) >= (uint32_t)top_k) t = cand;
+        }
+        kth = t;
+    }
+
+    // 3. p = expf(l - max) over the kept keys (bits of a float >= 0: ordered as uint32); Z.
+#pragma unroll
+    for (int j = 0; j < ITEMS; ++j) v[j] = prob_bits(v[j], kth, max_l);
+    float s = 0.f;
+    for_each(v, tf, begin, n, kth, max_l, [&](int, uint32_t p) { s += __uint_as_float(p); });
+    const float z = block_sum_f(s, sf[0]);
+
+    // 4. top-p: the largest t with sum(p >= t) >= top_p Z (sum(p >= 1 ulp) is Z itself, bit for bit).
+    uint32_t tp = 0;
+    if (top_p < 1.f) {
+        const float budget = top_p * z;
+        for (int b = 29; b >= 0; --b) {
+            const uint32_t cand = tp | (1u << b);
+            float mass = 0.f;
+            for_each(v, tf, begin, n, kth, max_l, [&](int, uint32_t p) { mass += p >= cand ? __uint_as_float(p) : 0.f; });
+            if (block_sum_f(mass, sf[b & 1]) >= budget) tp = cand;  // b = 29: sf[1], Z had sf[0]
+        }
+    }
+
+    // 5. inverse CDF in id order over the kept mass.
+    float total = 0.f;
+    for_each(v, tf, begin, n, kth, max_l, [&](int, uint32_t p) { total += p >= tp ? __uint_as_float(p) : 0.f; });
+    __syncthreads();  // the searches' last scratch buffers are free again
+    float z_kept;
+    float c = block_exclusive_scan(total, sf[1], z_kept);
+    const float target = uniform(seed, step) * z_kept;
+    int hit = NO_HIT, last = -1;
+    for_each(v, tf, begin, n, kth, max_l, [&](int j, uint32_t p) {
+        const float q = p >= tp ? __uint_as_float(p) : 0.f;
+        c += q;
+        if (q > 0.f) {  // a token without mass is never picked, even where the scans' rounding differ
+            if (c > target && hit == NO_HIT) hit = begin + j;
+            last = begin + j;
+        }
+    });
+    hit = block_min_int(hit, si[0]);
+    if (hit != NO_HIT) return hit;
+    return block_max_int(last, si[1]);  // the cumulative sums' rounding left the draw past them all
+}
+
+extern "C" __global__ void __launch_bounds__(THREADS)
+sample(const float* __restrict__ logits, unsigned char* __restrict__ seen, int* __restrict__ state,
+       const float* __restrict__ fparams, const half_t* __restrict__ embed, float* __restrict__ x, int V, int d) {
+    __shared__ uint64_t scratch[WARPS];
+    const float temperature = fparams[FP_TEMPERATURE], top_p = fparams[FP_TOP_P];
+    const float penalty = fparams[FP_REP_PENALTY];
+    const int step = state[STATE_STEP], top_k = state[STATE_TOP_K];
+    const uint64_t seed = (uint64_t)(uint32_t)state[STATE_SEED_LO] | (uint64_t)(uint32_t)state[STATE_SEED_HI] << 32;
+    const bool greedy = temperature == 0.f;
+    const Transform tf{logits, seen, V, penalty != 1.f, !greedy, penalty, temperature};
+    // Every thread gets the token from the block reductions; those barriers also order every read of
+    // state and seen above before the writes below.
+    const int token = greedy ? greedy_token(tf, scratch) : sampled_token(tf, top_k, top_p, seed, step);
+    if (threadIdx.x == 0) {
+        state[STATE_TOKEN] = token;
+        state[STATE_STEP] = step + 1;
+        state[STATE_POS] += 1;
+        seen[token] = 1;
+    }
+    const half_t* row = embed + (size_t)token * d;
+    for (int i = threadIdx.x; i < d; i += THREADS) x[i] = h2f(row[i]);
+}
+
+// One thread: out[0] = uniform(seed, step).
+extern "C" __global__ void uniform_probe(unsigned long long seed, int step, float* out) {
+    out[0] = uniform(seed, step);
+}
