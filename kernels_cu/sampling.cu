@@ -15,28 +15,38 @@
 //   greedy   one coalesced pass (8 float4 loads in flight per thread) and one block reduction: the
 //            max of (key << 32 | ~id) over uint64 is the argmax with the lowest id on ties.
 //   sampled  thread t owns the contiguous ids [t C, t C + C), C = ceil(V / 1024) rounded up to 4; the
-//            first ITEMS (32) of its values stay in registers (V <= 32768: all of them; beyond, the rest
-//            are re-read and recomputed at every pass, from L1/L2). Passes over the registers, each
-//            ending in one block reduction (one __syncthreads, ping-pong scratch):
-//              1 load + penalty + temperature + max
-//             32 top-k (if 0 < k < V): bit search for the largest key t with count(key >= t) >= k
-//              1 p = expf(l - max) over kept, Z = sum p
-//             30 top-p (if top_p < 1): bit search over p's bit patterns (p <= 1 = 0x3f800000, so bits
-//                29..0) for the largest t with sum(p >= t) >= top_p Z; the sums are nonincreasing in t
-//              1 block scan of the per-thread sums of kept p, then each thread walks its ids
-//              1 first id whose inclusive cumulative mass exceeds uniform(seed, step) * Z (+1 for the
-//                fallback: the last kept token with p > 0)
-//            about 66 reductions with both cuts, 4 without: estimated tens of microseconds, vs a few
-//            for greedy.
-// Float sums are sequential within a thread, then a fixed tree: the same on every run. They differ
-// from NumPy's order by a few ulps, so a draw within rounding of a bucket edge may differ from the twin.
+//            first REG_ITEMS (24) of its values stay in registers, the next SMEM_ITEMS (8) in shared
+//            memory (all 32 in registers would pass the 64-register cap of 1024 threads and spill);
+//            V <= 32768 is all on chip, beyond that the rest is re-read and recomputed at every pass
+//            (from L1/L2). Passes over those values, each ending in one block reduction (one
+//            __syncthreads, ping-pong scratch):
+//              1  load, penalty, temperature; max
+//             32  top-k (if 0 < k < V): bit search for the largest key t with count(key >= t) >= k
+//              0  p = expf(l - max) over the kept keys, in place
+//             31  top-p (if top_p < 1): Z = sum p, then a bit search over p's bit patterns (p <= 1.0 =
+//                 0x3f800000: bits 29..0) for the largest t with sum(p >= t) >= top_p Z; such sums are
+//                 nonincreasing in t, so the kept set is p >= t, ties included, as in the spec
+//              1  block scan of the per-thread sums of kept p; each thread walks its own ids
+//              1  the first id whose inclusive cumulative mass exceeds uniform(seed, step) * Z (+1 for the
+//                 fallback, the last kept id with p > 0)
+//            66 reductions with both cuts, 3 without; estimated (not measured yet) at tens of
+//            microseconds with both cuts, against a few for greedy.
+// Float sums are sequential within a thread, then a fixed tree: the same on every run. NumPy's order
+// (a sequential float32 cumsum over all V ids) rounds differently, by up to ~3e-5 of Z at V = 32000, so
+// a draw that close to a bucket edge may pick a neighbour of the twin's token (about 1 draw in 17
+// without top-k / top-p on 32000 random logits; almost never with a cut).
 #include "common.cuh"
 
 #define THREADS 1024
 #define WARPS (THREADS / WARP)
-#ifndef ITEMS
-#define ITEMS 32  // ids per thread held in registers on the sampled path (a multiple of 4)
+// Ids per thread held on chip on the sampled path (multiples of 4): in registers, then in shared memory.
+#ifndef REG_ITEMS
+#define REG_ITEMS 24
 #endif
+#ifndef SMEM_ITEMS
+#define SMEM_ITEMS 8
+#endif
+#define ITEMS (REG_ITEMS + SMEM_ITEMS)
 #define GREEDY_UNROLL 8  // float4 loads in flight per thread on the greedy path
 #define FULL 0xffffffffu
 #define ABSENT 0u  // the key of an id past V: below every real key (-inf's key is 0x007fffff)
@@ -71,7 +81,15 @@ struct Transform {  // logit -> key: HF repetition penalty on seen ids, then / t
     bool penalise, scale;  // scale: divide by the temperature (not on the greedy path)
     float penalty, temperature;
 
-    // Keys of ids i..i+3 (i % 4 == 0); ABSENT past V.
+    // The key of id i < V.
+    __device__ __forceinline__ uint32_t key1(int i) const {
+        float v = logits[i];
+        if (penalise && seen[i]) v = v > 0.f ? __fdiv_rn(v, penalty) : __fmul_rn(v, penalty);
+        if (scale) v = __fdiv_rn(v, temperature);
+        return float_key(v);
+    }
+
+    // Keys of ids i..i+3 (i % 4 == 0); ABSENT past V. The same values as key1.
     __device__ __forceinline__ void keys4(int i, uint32_t (&k)[4]) const {
         float l[4] = {0.f, 0.f, 0.f, 0.f};
         uint32_t s = 0;
@@ -204,18 +222,19 @@ __device__ __forceinline__ uint32_t prob_bits(uint32_t key, uint32_t kth, float 
     return key >= kth ? __float_as_uint(expf(key_float(key) - max_l)) : 0u;
 }
 
-// Calls f(j, value) for the thread's ids begin + j, j < n, in order: j < ITEMS from v[] (registers),
-// the rest recomputed from global memory: keys (kth == 0) or p bits (kth > 0).
+// Calls f(j, value) for the thread's ids begin + j, j < n, in order: from v[] (registers), then from
+// cache[][threadIdx.x] (shared, one column per thread: conflict-free), then recomputed from global
+// memory: keys (kth == 0) or p bits (kth > 0).
 template <class F>
-__device__ __forceinline__ void for_each(const uint32_t (&v)[ITEMS], const Transform& tf, int begin, int n,
-                                         uint32_t kth, float max_l, F f) {
+__device__ __forceinline__ void for_each(const uint32_t (&v)[REG_ITEMS], const uint32_t (*cache)[THREADS],
+                                         const Transform& tf, int begin, int n, uint32_t kth, float max_l, F f) {
 #pragma unroll
-    for (int j = 0; j < ITEMS; ++j) f(j, v[j]);
-    for (int j = ITEMS; j < n; j += 4) {
-        uint32_t k[4];
-        tf.keys4(begin + j, k);
+    for (int j = 0; j < REG_ITEMS; ++j) f(j, v[j]);
 #pragma unroll
-        for (int e = 0; e < 4; ++e) f(j + e, kth ? prob_bits(k[e], kth, max_l) : k[e]);
+    for (int j = 0; j < SMEM_ITEMS; ++j) f(REG_ITEMS + j, cache[j][threadIdx.x]);
+    for (int j = ITEMS; j < n; ++j) {  // one at a time: few registers on top of v[]
+        const uint32_t k = tf.key1(begin + j);
+        f(j, kth ? prob_bits(k, kth, max_l) : k);
     }
 }
 
@@ -229,16 +248,20 @@ __device__ __forceinline__ int sampled_token(const Transform& tf, int top_k, flo
     const int n = max(0, min(chunk, V - begin));
 
     // 1. keys of l = penalised logits / temperature; their max.
-    uint32_t v[ITEMS];
+    __shared__ uint32_t cache[SMEM_ITEMS][THREADS];  // 32 KB
+    uint32_t v[REG_ITEMS];
 #pragma unroll
     for (int q = 0; q < ITEMS / 4; ++q) {
         uint32_t k[4] = {ABSENT, ABSENT, ABSENT, ABSENT};
         if (4 * q < n) tf.keys4(begin + 4 * q, k);
 #pragma unroll
-        for (int e = 0; e < 4; ++e) v[4 * q + e] = k[e];
+        for (int e = 0; e < 4; ++e) {
+            if (4 * q + e < REG_ITEMS) v[4 * q + e] = k[e];
+            else cache[4 * q + e - REG_ITEMS][threadIdx.x] = k[e];
+        }
     }
     uint32_t m = 0;
-    for_each(v, tf, begin, n, 0u, 0.f, [&](int, uint32_t k) { m = max(m, k); });
+    for_each(v, cache, tf, begin, n, 0u, 0.f, [&](int, uint32_t k) { m = max(m, k); });
     const float max_l = key_float(block_max_u32(m, su[0]));
 
     // 2. top-k: the k-th largest key, bit by bit from the top.
@@ -248,40 +271,44 @@ __device__ __forceinline__ int sampled_token(const Transform& tf, int top_k, flo
         for (int b = 31; b >= 0; --b) {
             const uint32_t cand = t | (1u << b);
             uint32_t count = 0;
-            for_each(v, tf, begin, n, 0u, 0.f, [&](int, uint32_t k) { count += k >= cand; });
+            for_each(v, cache, tf, begin, n, 0u, 0.f, [&](int, uint32_t k) { count += k >= cand; });
             if (block_sum_u32(count, su[b & 1]) >= (uint32_t)top_k) t = cand;
         }
         kth = t;
     }
 
-    // 3. p = expf(l - max) over the kept keys (bits of a float >= 0: ordered as uint32); Z.
+    // 3. p = expf(l - max) over the kept keys (bits of a float >= 0: ordered as uint32).
 #pragma unroll
-    for (int j = 0; j < ITEMS; ++j) v[j] = prob_bits(v[j], kth, max_l);
-    float s = 0.f;
-    for_each(v, tf, begin, n, kth, max_l, [&](int, uint32_t p) { s += __uint_as_float(p); });
-    const float z = block_sum_f(s, sf[0]);
+    for (int j = 0; j < REG_ITEMS; ++j) v[j] = prob_bits(v[j], kth, max_l);
+#pragma unroll
+    for (int j = 0; j < SMEM_ITEMS; ++j) cache[j][threadIdx.x] = prob_bits(cache[j][threadIdx.x], kth, max_l);
 
-    // 4. top-p: the largest t with sum(p >= t) >= top_p Z (sum(p >= 1 ulp) is Z itself, bit for bit).
+    // 4. top-p: the largest t with sum(p >= t) >= top_p Z (sum(p >= 1 ulp) is Z itself, bit for bit, so
+    //    some t >= the smallest p > 0 always qualifies).
     uint32_t tp = 0;
     if (top_p < 1.f) {
-        const float budget = top_p * z;
+        float s = 0.f;
+        for_each(v, cache, tf, begin, n, kth, max_l, [&](int, uint32_t p) { s += __uint_as_float(p); });
+        const float budget = top_p * block_sum_f(s, sf[0]);
         for (int b = 29; b >= 0; --b) {
             const uint32_t cand = tp | (1u << b);
             float mass = 0.f;
-            for_each(v, tf, begin, n, kth, max_l, [&](int, uint32_t p) { mass += p >= cand ? __uint_as_float(p) : 0.f; });
+            for_each(v, cache, tf, begin, n, kth, max_l,
+                     [&](int, uint32_t p) { mass += p >= cand ? __uint_as_float(p) : 0.f; });
             if (block_sum_f(mass, sf[b & 1]) >= budget) tp = cand;  // b = 29: sf[1], Z had sf[0]
         }
     }
 
     // 5. inverse CDF in id order over the kept mass.
     float total = 0.f;
-    for_each(v, tf, begin, n, kth, max_l, [&](int, uint32_t p) { total += p >= tp ? __uint_as_float(p) : 0.f; });
+    for_each(v, cache, tf, begin, n, kth, max_l,
+             [&](int, uint32_t p) { total += p >= tp ? __uint_as_float(p) : 0.f; });
     __syncthreads();  // the searches' last scratch buffers are free again
     float z_kept;
     float c = block_exclusive_scan(total, sf[1], z_kept);
     const float target = uniform(seed, step) * z_kept;
     int hit = NO_HIT, last = -1;
-    for_each(v, tf, begin, n, kth, max_l, [&](int j, uint32_t p) {
+    for_each(v, cache, tf, begin, n, kth, max_l, [&](int j, uint32_t p) {
         const float q = p >= tp ? __uint_as_float(p) : 0.f;
         c += q;
         if (q > 0.f) {  // a token without mass is never picked, even where the scans' rounding differ

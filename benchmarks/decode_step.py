@@ -1,0 +1,134 @@
+"""Decode-step timing: the captured CUDA graph of one LLaMA-2-7B decode step against the bandwidth floor.
+
+    python benchmarks/decode_step.py [--contexts 10,100,500,1000] [--steps 100] [--json FILE]
+
+Random LLaMA-2-7B weights are made on the GPU (Llama.synthetic). For each context L, a fresh
+prefill of an L-token prompt, then CUDA events around --steps back-to-back replays of the
+captured decode graph (each replay advances the position: the steps run at L .. L+steps-1);
+then the same from a fresh prefill with eager launches of the same plan (backend.run), and the
+host-observed time of runner.next() (replay + reading the token id back), the latency a user sees.
+The floor is the bytes a step must read (decode_weight_bytes) over the measured read bandwidth.
+Medians over --trials. Run it on a GPU; without one it says so in one line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+
+import numpy as np
+
+from cullama.errors import CullamaError
+from gemv_sweep import read_bandwidth, require_gpu  # benchmarks/ is on sys.path when run as a script
+
+
+def parse_ints(text: str) -> list[int]:
+    try:
+        values = [int(t) for t in text.split(",") if t.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of integers") from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: give positive integers")
+    return values
+
+
+def events_ms(cp, stream, fn, reps: int) -> float:
+    """Milliseconds per call of fn, by CUDA events around `reps` back-to-back calls."""
+    start, end = cp.cuda.Event(), cp.cuda.Event()
+    start.record(stream)
+    for _ in range(reps):
+        fn()
+    end.record(stream)
+    end.synchronize()
+    return cp.cuda.get_elapsed_time(start, end) / reps
+
+
+def measure(llm, cp, prompt: list[int], steps: int) -> dict:
+    """One trial at one context: graph replays, eager launches, host-observed next(); ms per step."""
+    from cullama.sampling import SamplingParams
+
+    runner = llm.runner
+    backend, plan, greedy = runner.backend, runner.decode, SamplingParams(temperature=0.0, seed=0)
+    runner.start(prompt, greedy)
+    graph = events_ms(cp, backend.stream, lambda: backend.replay(plan), steps)
+    runner.start(prompt, greedy)
+    eager = events_ms(cp, backend.stream, lambda: backend.run(plan), steps)
+    runner.start(prompt, greedy)
+    host = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        runner.next()
+        host.append((time.perf_counter() - t0) * 1e3)
+    return {"graph_ms": graph, "eager_ms": eager, "next_ms": statistics.median(host)}
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--contexts", type=parse_ints, default=[10, 100, 500, 1000],
+                        help="prompt lengths: the context each timed run starts at")
+    parser.add_argument("--steps", type=int, default=100, help="decode steps timed per trial")
+    parser.add_argument("--trials", type=int, default=3, help="fresh prefill + timing per context (median)")
+    parser.add_argument("--max-seq-len", type=int, default=2048, help="KV-cache length")
+    parser.add_argument("--model", default="llama-2-7b", help="preset to synthesize")
+    parser.add_argument("--json", metavar="FILE", help="write the rows and the environment here")
+    args = parser.parse_args(argv)
+    if max(args.contexts) + args.steps + 1 > args.max_seq_len:
+        parser.error(f"context {max(args.contexts)} + {args.steps} steps does not fit in --max-seq-len "
+                     f"{args.max_seq_len}")
+    require_gpu("decode_step")
+    import cupy as cp
+
+    from cullama import Llama
+    from cullama.device import environment
+
+    try:
+        bps, source = read_bandwidth(cp)
+        t0 = time.perf_counter()
+        llm = Llama.synthetic(args.model, device="cuda", max_seq_len=args.max_seq_len)
+        cp.cuda.Device().synchronize()  # the random weights are written on the default stream
+        print(f"{args.model}: random weights on the GPU in {time.perf_counter() - t0:.1f} s; "
+              f"{len(llm.runner.decode.launches)} launches per decode step")
+        cfg = llm.config
+        step_bytes = cfg.decode_weight_bytes()
+        floor_ms = step_bytes / bps * 1e3
+        print(f"read bandwidth {bps / 1e9:.0f} GB/s ({source}); {step_bytes / 1e9:.2f} GB per step; "
+              f"floor {floor_ms:.3f} ms")
+        rng = np.random.default_rng(0)
+        measure(llm, cp, [cfg.bos_token_id] + rng.integers(3, cfg.vocab_size, 9).tolist(), 8)  # warm-up, capture
+        rows = []
+        for L in args.contexts:
+            prompt = [cfg.bos_token_id] + rng.integers(3, cfg.vocab_size, L - 1).tolist()
+            trials = [measure(llm, cp, prompt, args.steps) for _ in range(args.trials)]
+            row = {"context": L, "steps": args.steps, "trials": trials}
+            for key in ("graph_ms", "eager_ms", "next_ms"):
+                row[key] = statistics.median(t[key] for t in trials)
+            row["graph_spread_ms"] = [min(t["graph_ms"] for t in trials), max(t["graph_ms"] for t in trials)]
+            row["graph_gb_s"] = step_bytes / row["graph_ms"] / 1e6
+            row["pct_of_floor"] = 100 * floor_ms / row["graph_ms"]
+            rows.append(row)
+            print(f"  context {L}: graph {row['graph_ms']:.3f} ms/step", flush=True)
+    except CullamaError as exc:
+        sys.exit(f"decode_step: {exc}")
+    print(f"\n{'context':>8} {'graph ms':>9} {'min-max':>13} {'GB/s':>6} {'% bw':>6} {'floor ms':>9} "
+          f"{'floor/graph':>11} {'eager ms':>9} {'next() ms':>10}")
+    for r in rows:
+        lo, hi = r["graph_spread_ms"]
+        print(f"{r['context']:>8} {r['graph_ms']:>9.3f} {f'{lo:.3f}-{hi:.3f}':>13} {r['graph_gb_s']:>6.0f} "
+              f"{100 * r['graph_gb_s'] * 1e9 / bps:>5.1f}% {floor_ms:>9.3f} {r['pct_of_floor']:>10.1f}% "
+              f"{r['eager_ms']:>9.3f} {r['next_ms']:>10.3f}")
+    print(f"each row: {args.steps} steps at positions L..L+{args.steps - 1}, median of {args.trials} trials; "
+          f"floor/graph = floor ms / graph ms; next() = replay + token read, host clock")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"model": args.model, "read_bandwidth_bytes_per_s": bps, "read_bandwidth_source": source,
+                       "step_bytes": step_bytes, "floor_ms": floor_ms, "environment": environment(),
+                       "rows": rows}, f, indent=1)
+        print(f"wrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

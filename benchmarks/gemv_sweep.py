@@ -1,0 +1,235 @@
+"""GEMV sweep: every gemv.cu variant on every LLaMA-2-7B matrix shape, in GB/s and % of read bandwidth.
+
+    python benchmarks/gemv_sweep.py [--json FILE] [--trials N] [--l2-multiple K]
+
+Each shape is timed with the kernel the decode step uses for it (qkv: gemv_qkv_rope, o_proj and
+down: gemv_residual, gate_up: gemv_gate_up_silu, lm_head: gemv_logits), in every (ROWS, UNROLL)
+variant of cullama.ops.gemv.VARIANTS. Launches are captured in a CUDA graph (as in the decode
+step) that rotates over copies of the weight matrix totalling several times the L2, so no launch
+finds its weights in the cache; CUDA events time the replays. GB/s counts the FP16 weight bytes
+only (the vectors are < 0.2 % of the traffic). Before timing, each variant's output is checked
+against the kernel's NumPy twin. Run it on a GPU; without one it says so in one line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import sys
+
+import numpy as np
+
+from cullama import plan as plans
+from cullama.config import preset
+from cullama.errors import CullamaError
+from cullama.ops import gemv as twins
+from cullama.registry import KernelLoader, KernelSpec
+
+STREAM_READ = r"""
+extern "C" __global__ void stream_read(const uint4* __restrict__ p, unsigned long long n, unsigned int* out) {
+    const unsigned long long stride = (unsigned long long)gridDim.x * blockDim.x;
+    unsigned long long i = (unsigned long long)blockIdx.x * blockDim.x + threadIdx.x;
+    unsigned int acc = 0;
+    for (; i + 3 * stride < n; i += 4 * stride) {  // four 16-byte loads in flight per thread
+        const uint4 a = p[i], b = p[i + stride], c = p[i + 2 * stride], d = p[i + 3 * stride];
+        acc ^= a.x ^ a.y ^ a.z ^ a.w ^ b.x ^ b.y ^ b.z ^ b.w ^ c.x ^ c.y ^ c.z ^ c.w ^ d.x ^ d.y ^ d.z ^ d.w;
+    }
+    for (; i < n; i += stride) { const uint4 a = p[i]; acc ^= a.x ^ a.y ^ a.z ^ a.w; }
+    if (acc == 0x9e3779b9u) out[0] = acc;  // (almost) never true: only keeps the loads alive
+}
+"""
+
+
+def require_gpu(prog: str) -> None:
+    """Exit with one line when there is no usable GPU."""
+    from cullama.device import cuda_status
+
+    ok, why = cuda_status()
+    if not ok:
+        sys.exit(f"{prog}: needs an NVIDIA GPU: {why}")
+
+
+def _events_ms(cp, stream, fn, reps: int) -> float:
+    start, end = cp.cuda.Event(), cp.cuda.Event()
+    start.record(stream)
+    for _ in range(reps):
+        fn()
+    end.record(stream)
+    end.synchronize()
+    return cp.cuda.get_elapsed_time(start, end) / reps
+
+
+def local_read_bandwidth(cp, gib: int = 4, reps: int = 10) -> tuple[float, str]:
+    """(bytes/s, how): a streaming-read kernel over `gib` GiB; a device copy if that cannot compile."""
+    stream = cp.cuda.Stream(non_blocking=True)
+    nbytes = gib << 30
+    buf = cp.full(nbytes // 4, 0x3C003C00, dtype=cp.uint32)  # FP16 ones, never zeros
+    try:
+        kernel = cp.RawKernel(STREAM_READ, "stream_read")
+        out = cp.zeros(1, dtype=cp.uint32)
+        sms = cp.cuda.runtime.getDeviceProperties(cp.cuda.Device().id)["multiProcessorCount"]
+        with stream:
+            launch = lambda: kernel((4 * sms,), (512,), (buf, np.uint64(nbytes // 16), out))  # noqa: E731
+            launch()
+            ms = statistics.median(_events_ms(cp, stream, launch, 1) for _ in range(reps))
+        return nbytes / (ms * 1e-3), f"local streaming-read kernel, {gib} GiB (benchmarks/gemv_sweep.py)"
+    except Exception as exc:  # noqa: BLE001 - no NVRTC for RawKernel: fall back, and say so
+        dst = cp.empty_like(buf)
+        with stream:
+            copy = lambda: dst.__setitem__(Ellipsis, buf)  # noqa: E731
+            copy()
+            ms = statistics.median(_events_ms(cp, stream, copy, 1) for _ in range(reps))
+        return 2 * nbytes / (ms * 1e-3), (f"FALLBACK device copy, bytes read + written, not a pure read "
+                                           f"({type(exc).__name__})")
+
+
+def read_bandwidth(cp) -> tuple[float, str]:
+    """(bytes/s, source): cullama.bench's measurement when it has one, else the local probe."""
+    try:
+        from cullama import bench
+        measure = bench.measure_read_bandwidth
+    except (ImportError, AttributeError):
+        return local_read_bandwidth(cp)
+    try:
+        value = measure()
+    except Exception as exc:  # noqa: BLE001 - a signature we did not expect: measure it here instead
+        bps, how = local_read_bandwidth(cp)
+        return bps, f"{how}; cullama.bench.measure_read_bandwidth() failed: {type(exc).__name__}"
+    value = float(getattr(value, "bytes_per_s", value))
+    scale = 1e12 if value < 1e3 else 1e9 if value < 1e7 else 1.0  # TB/s, GB/s or bytes/s
+    return value * scale, "cullama.bench.measure_read_bandwidth()"
+
+
+# -- the shapes and their kernels ----------------------------------------------------------------
+def shapes(cfg):
+    """(label, kernel, M, K) for each decode-step matrix of the model."""
+    d, ff = cfg.hidden_size, cfg.intermediate_size
+    return [(f"qkv {cfg.qkv_dim}x{d}", "gemv_qkv_rope", cfg.qkv_dim, d),
+            (f"o_proj {d}x{cfg.q_dim}", "gemv_residual", d, cfg.q_dim),
+            (f"gate_up {2 * ff}x{d}", "gemv_gate_up_silu", 2 * ff, d),
+            (f"down {d}x{ff}", "gemv_residual", d, ff),
+            (f"lm_head {cfg.vocab_size}x{d}", "gemv_logits", cfg.vocab_size, d)]
+
+
+def case(kernel: str, cfg, M: int, K: int, rng, max_seq: int = 64):
+    """(named args in the kernel's order with W as None, names of the outputs); host NumPy arrays."""
+    i32, f32 = np.int32, np.float32
+    vec = lambda n: rng.standard_normal(n).astype(np.float32)  # noqa: E731
+    poison = lambda n: np.full(n, np.nan, np.float32)  # noqa: E731
+    norm_w = (1 + 0.1 * rng.standard_normal(K)).astype(np.float16)
+    eps = f32(cfg.rms_norm_eps)
+    if kernel == "gemv_qkv_rope":
+        state = np.zeros(8, np.int32)
+        state[0] = max_seq - 1  # the position written in the KV cache
+        cache = lambda: np.zeros((cfg.num_kv_heads, max_seq, cfg.head_dim), np.float16)  # noqa: E731
+        return ([("x", vec(K)), ("norm_w", norm_w), ("W", None), ("q", poison(cfg.q_dim)), ("k", cache()),
+                 ("v", cache()), ("rope", plans.rope_table(cfg, max_seq)), ("state", state), ("d", i32(K)),
+                 ("heads", i32(cfg.num_heads)), ("kv_heads", i32(cfg.num_kv_heads)), ("hd", i32(cfg.head_dim)),
+                 ("max_seq", i32(max_seq)), ("eps", eps)], ["q", "k", "v"])
+    if kernel == "gemv_residual":
+        return [("in", vec(K)), ("W", None), ("x", vec(M)), ("M", i32(M)), ("K", i32(K))], ["x"]
+    if kernel == "gemv_gate_up_silu":
+        return ([("x", vec(K)), ("norm_w", norm_w), ("W", None), ("h", poison(M // 2)), ("ff", i32(M // 2)),
+                 ("d", i32(K)), ("eps", eps)], ["h"])
+    return ([("x", vec(K)), ("norm_w", norm_w), ("W", None), ("logits", poison(M)), ("V", i32(M)), ("d", i32(K)),
+             ("eps", eps)], ["logits"])
+
+
+def sweep_shape(cp, loader, cfg, label, kernel, M, K, args) -> list[dict]:
+    rng = np.random.default_rng(0)
+    named, outputs = case(kernel, cfg, M, K, rng)
+    nbytes = 2 * M * K
+    l2 = cp.cuda.runtime.getDeviceProperties(cp.cuda.Device().id)["l2CacheSize"]
+    n_copies = max(3, math.ceil(args.l2_multiple * l2 / nbytes))
+    drng = cp.random.default_rng(1)
+    copies = [(0.02 * drng.standard_normal((M, K), dtype=cp.float32)).astype(cp.float16) for _ in range(n_copies)]
+    # The specification: the twin on the host, on the inputs as they are before any launch.
+    host = {n: (a.copy() if isinstance(a, np.ndarray) else a) for n, a in named}
+    host["W"] = copies[0].get()
+    getattr(twins, kernel)(*(host[n] for n, _ in named))
+    expected = np.concatenate([host[n].astype(np.float32).ravel() for n in outputs])
+    dev = {n: cp.asarray(a) if isinstance(a, np.ndarray) else a for n, a in named if n != "W"}
+    launches = n_copies * math.ceil(args.launches / n_copies)
+    stream = cp.cuda.Stream(non_blocking=True)
+    rows = []
+    for defines in twins.VARIANTS:
+        variant = " ".join(f"{k}={v}" for k, v in defines)
+        fn = loader.function(KernelSpec(twins.SOURCE, kernel, tuple(defines)))
+        grid = (plans.cdiv(M, dict(defines)["ROWS"]), 1, 1)  # ROWS rows (or ROWS/2 pairs) per block
+        argv = lambda W: tuple(W if n == "W" else dev[n] for n, _ in named)  # noqa: E731
+        for n in outputs:  # poisoned (or the residual's starting x) before the checked launch
+            dev[n][...] = cp.asarray(dict(named)[n])
+        with stream:
+            fn(grid, (plans.GEMV_THREADS,), argv(copies[0]))
+        stream.synchronize()
+        got = np.concatenate([dev[n].get().astype(np.float32).ravel() for n in outputs])
+        err = float(np.max(np.abs(got - expected)) / max(float(np.max(np.abs(expected))), 1e-30))
+        ok = bool(np.isfinite(got).all() and err < 2e-3)
+        with stream:
+            stream.begin_capture()
+            try:
+                for i in range(launches):
+                    fn(grid, (plans.GEMV_THREADS,), argv(copies[i % n_copies]))
+            finally:
+                graph = stream.end_capture()
+            graph.launch(stream)  # warm-up
+            per_launch = [_events_ms(cp, stream, lambda: graph.launch(stream), 1) / launches
+                          for _ in range(args.trials)]
+        us = statistics.median(per_launch) * 1e3
+        rows.append({"shape": label, "kernel": kernel, "M": M, "K": K, "variant": variant,
+                     "defines": dict(defines), "us": us, "us_min": min(per_launch) * 1e3,
+                     "us_max": max(per_launch) * 1e3, "gb_s": nbytes / us / 1e3, "weight_bytes": nbytes,
+                     "copies": n_copies, "launches_per_graph": launches, "check_rel_err": err, "check_ok": ok})
+    del copies
+    cp.get_default_memory_pool().free_all_blocks()
+    return rows
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--json", metavar="FILE", help="write every row and the environment here")
+    parser.add_argument("--trials", type=int, default=20, help="timed graph replays per variant (median)")
+    parser.add_argument("--launches", type=int, default=64, help="launches per captured graph (at least)")
+    parser.add_argument("--l2-multiple", type=float, default=6.0,
+                        help="weight copies totalling at least this many times the L2")
+    args = parser.parse_args(argv)
+    require_gpu("gemv_sweep")
+    import cupy as cp
+
+    from cullama.device import environment
+
+    try:
+        cfg, loader = preset("llama-2-7b"), KernelLoader()
+        bps, source = read_bandwidth(cp)
+        print(f"read bandwidth: {bps / 1e9:.0f} GB/s ({source})")
+        rows = []
+        for label, kernel, M, K in shapes(cfg):
+            rows += sweep_shape(cp, loader, cfg, label, kernel, M, K, args)
+    except CullamaError as exc:
+        sys.exit(f"gemv_sweep: {exc}")
+    best = {}
+    for r in rows:
+        r["pct_read_bw"] = 100 * r["gb_s"] * 1e9 / bps
+        if r["check_ok"] and r["gb_s"] > best.get(r["shape"], {"gb_s": 0})["gb_s"]:
+            best[r["shape"]] = r
+    print(f"{'shape':<22} {'kernel':<18} {'variant':<16} {'us':>8} {'min-max us':>15} {'GB/s':>7} "
+          f"{'% bw':>6}  check")
+    for r in rows:
+        mark = "*" if best.get(r["shape"]) is r else " "
+        spread = f"{r['us_min']:.1f}-{r['us_max']:.1f}"
+        check = "ok" if r["check_ok"] else f"WRONG (rel err {r['check_rel_err']:.1e})"
+        print(f"{r['shape']:<22} {r['kernel']:<18} {r['variant']:<16} {r['us']:>8.1f} {spread:>15} "
+              f"{r['gb_s']:>7.0f} {r['pct_read_bw']:>5.1f}%{mark} {check}")
+    print(f"* fastest correct variant per shape; the plan uses ROWS={plans.GEMV_ROWS} UNROLL={plans.GEMV_UNROLL}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"read_bandwidth_bytes_per_s": bps, "read_bandwidth_source": source,
+                       "environment": environment(), "rows": rows}, f, indent=1)
+        print(f"wrote {args.json}")
+    return 0 if all(r["check_ok"] for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
