@@ -13,6 +13,7 @@
 // Rows that need each other share a block: RoPE pairs (j, j + hd/2) of one head, and the gate
 // and up rows (r, ff + r) of one SwiGLU unit.
 #include "common.cuh"
+#include "rope.cuh"
 
 #ifndef ROWS
 #define ROWS 4  // output rows per block (even: pairs)
@@ -122,24 +123,8 @@ gemv_qkv_rope(const float* __restrict__ x, const half_t* __restrict__ norm_w, co
     for (int i = 0; i < PAIRS; ++i) {
         const int p = blockIdx.x * PAIRS + i;
         if (p >= n_pairs) continue;
-        const int head = p / half_hd, j = p % half_hd;
-        float y0 = acc[2 * i] * scale, y1 = acc[2 * i + 1] * scale;
-        if (head < n_heads + n_kv_heads) {  // q and k rotate; v does not
-            const float c = rope[(pos * half_hd + j) * 2], s = rope[(pos * half_hd + j) * 2 + 1];
-            const float r0 = y0 * c - y1 * s, r1 = y1 * c + y0 * s;
-            y0 = r0;
-            y1 = r1;
-        }
-        if (head < n_heads) {
-            q_out[head * hd + j] = y0;
-            q_out[head * hd + j + half_hd] = y1;
-        } else {
-            const bool is_k = head < n_heads + n_kv_heads;
-            const int kv_head = head - n_heads - (is_k ? 0 : n_kv_heads);
-            half_t* cache = (is_k ? k_cache : v_cache) + ((size_t)kv_head * max_seq + pos) * hd;
-            cache[j] = f2h(y0);
-            cache[j + half_hd] = f2h(y1);
-        }
+        rope_store_pair(p, acc[2 * i] * scale, acc[2 * i + 1] * scale, rope + pos * half_hd * 2, q_out, k_cache,
+                        v_cache, pos, n_heads, n_kv_heads, hd, max_seq);
     }
 }
 

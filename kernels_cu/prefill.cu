@@ -11,6 +11,7 @@
 // vectors; cullama.plan.check_supported guarantees both), hd even. The same math as gemv.cu's fused
 // decode kernels (rmsnorm in gemv_* and RoPE + cache write in gemv_qkv_rope), on whole rows.
 #include "common.cuh"
+#include "rope.cuh"
 
 #define THREADS 256  // ROW_THREADS
 
@@ -58,9 +59,7 @@ rmsnorm_rows(const float* __restrict__ x_rows, const half_t* __restrict__ w, hal
 
 // qkv_rows [n, (n_heads + 2 n_kv_heads) hd] float32 = [q | k | v]; rope [max_seq, hd / 2, 2] float32 (cos,
 // sin); q_rows [n, n_heads hd] FP16; k_cache, v_cache [n_kv_heads, max_seq, hd] FP16 (this layer's).
-// Row r is position p = start + r. Rotate-half RoPE: dims j and j + hd/2 of a head form one pair,
-//   (y0, y1) -> (y0 cos - y1 sin, y1 cos + y0 sin),  cos, sin = rope[p, j].
-// Each thread takes whole pairs (q, k and v heads alike; v is copied, not rotated).
+// Row r is position start + r; each thread takes whole RoPE pairs (rope.cuh: q and k rotate, v is copied).
 extern "C" __global__ void __launch_bounds__(THREADS)
 rope_kv_rows(const float* __restrict__ qkv_rows, const float* __restrict__ rope, half_t* __restrict__ q_rows,
              half_t* __restrict__ k_cache, half_t* __restrict__ v_cache, int start, int n_heads, int n_kv_heads,
@@ -72,23 +71,8 @@ rope_kv_rows(const float* __restrict__ qkv_rows, const float* __restrict__ rope,
     half_t* q_out = q_rows + (size_t)r * n_heads * hd;
     for (int p = threadIdx.x; p < n_pairs; p += THREADS) {
         const int head = p / half_hd, j = p % half_hd;
-        float y0 = row[head * hd + j], y1 = row[head * hd + j + half_hd];
-        if (head < n_heads + n_kv_heads) {  // q and k rotate; v does not
-            const float c = cs[2 * j], s = cs[2 * j + 1];
-            const float r0 = y0 * c - y1 * s, r1 = y1 * c + y0 * s;
-            y0 = r0;
-            y1 = r1;
-        }
-        if (head < n_heads) {
-            q_out[head * hd + j] = f2h(y0);
-            q_out[head * hd + j + half_hd] = f2h(y1);
-        } else {
-            const bool is_k = head < n_heads + n_kv_heads;
-            const int kv_head = head - n_heads - (is_k ? 0 : n_kv_heads);
-            half_t* cache = (is_k ? k_cache : v_cache) + ((size_t)kv_head * max_seq + pos) * hd;
-            cache[j] = f2h(y0);
-            cache[j + half_hd] = f2h(y1);
-        }
+        rope_store_pair(p, row[head * hd + j], row[head * hd + j + half_hd], cs, q_out, k_cache, v_cache, pos,
+                        n_heads, n_kv_heads, hd, max_seq);
     }
 }
 
