@@ -19,10 +19,8 @@ import statistics
 import sys
 import time
 
-import numpy as np
-
 from cullama.errors import CullamaError
-from gemv_sweep import read_bandwidth, require_gpu  # benchmarks/ is on sys.path when run as a script
+from gemv_sweep import events_ms, read_bandwidth, require_gpu  # benchmarks/ is on sys.path when run as a script
 
 
 def parse_ints(text: str) -> list[int]:
@@ -35,23 +33,12 @@ def parse_ints(text: str) -> list[int]:
     return values
 
 
-def events_ms(cp, stream, fn, reps: int) -> float:
-    """Milliseconds per call of fn, by CUDA events around `reps` back-to-back calls."""
-    start, end = cp.cuda.Event(), cp.cuda.Event()
-    start.record(stream)
-    for _ in range(reps):
-        fn()
-    end.record(stream)
-    end.synchronize()
-    return cp.cuda.get_elapsed_time(start, end) / reps
-
-
 def measure(llm, cp, prompt: list[int], steps: int) -> dict:
     """One trial at one context: graph replays, eager launches, host-observed next(); ms per step."""
-    from cullama.sampling import SamplingParams
+    from cullama.bench import GREEDY as greedy
 
     runner = llm.runner
-    backend, plan, greedy = runner.backend, runner.decode, SamplingParams(temperature=0.0, seed=0)
+    backend, plan = runner.backend, runner.decode
     runner.start(prompt, greedy)
     graph = events_ms(cp, backend.stream, lambda: backend.replay(plan), steps)
     runner.start(prompt, greedy)
@@ -84,47 +71,51 @@ def main(argv=None) -> int:
     from cullama import Llama
     from cullama.device import environment
 
+    from cullama.bench import prompt_ids, step_bytes
+
     try:
-        bps, source = read_bandwidth(cp)
+        bps, bandwidth = read_bandwidth()  # before the weights arrive: the buffer is a few GiB
         t0 = time.perf_counter()
         llm = Llama.synthetic(args.model, device="cuda", max_seq_len=args.max_seq_len)
         cp.cuda.Device().synchronize()  # the random weights are written on the default stream
-        print(f"{args.model}: random weights on the GPU in {time.perf_counter() - t0:.1f} s; "
-              f"{len(llm.runner.decode.launches)} launches per decode step")
         cfg = llm.config
-        step_bytes = cfg.decode_weight_bytes()
-        floor_ms = step_bytes / bps * 1e3
-        print(f"read bandwidth {bps / 1e9:.0f} GB/s ({source}); {step_bytes / 1e9:.2f} GB per step; "
-              f"floor {floor_ms:.3f} ms")
-        rng = np.random.default_rng(0)
-        measure(llm, cp, [cfg.bos_token_id] + rng.integers(3, cfg.vocab_size, 9).tolist(), 8)  # warm-up, capture
+        weight_bytes = cfg.decode_weight_bytes()
+        floor_ms = weight_bytes / bps * 1e3
+        print(f"{args.model}: random weights on the GPU in {time.perf_counter() - t0:.1f} s; "
+              f"{len(llm.runner.decode.launches)} launches per decode step; read bandwidth {bps / 1e9:.0f} GB/s "
+              f"(cullama.bench.measure_bandwidth); {weight_bytes / 1e9:.2f} GB of weights per step: floor "
+              f"{floor_ms:.3f} ms")
+        measure(llm, cp, prompt_ids(10, cfg.vocab_size), 8)  # warm-up: kernels loaded, the graph captured
         rows = []
         for L in args.contexts:
-            prompt = [cfg.bos_token_id] + rng.integers(3, cfg.vocab_size, L - 1).tolist()
+            prompt = prompt_ids(L, cfg.vocab_size, seed=L)
             trials = [measure(llm, cp, prompt, args.steps) for _ in range(args.trials)]
             row = {"context": L, "steps": args.steps, "trials": trials}
             for key in ("graph_ms", "eager_ms", "next_ms"):
                 row[key] = statistics.median(t[key] for t in trials)
             row["graph_spread_ms"] = [min(t["graph_ms"] for t in trials), max(t["graph_ms"] for t in trials)]
-            row["graph_gb_s"] = step_bytes / row["graph_ms"] / 1e6
+            row["graph_gb_s"] = weight_bytes / row["graph_ms"] / 1e6
             row["pct_of_floor"] = 100 * floor_ms / row["graph_ms"]
+            # with the K and V the steps read too, at their mean context (as cullama bench counts GB/s)
+            row["floor_kv_ms"] = step_bytes(cfg, L + (args.steps - 1) / 2) / bps * 1e3
             rows.append(row)
             print(f"  context {L}: graph {row['graph_ms']:.3f} ms/step", flush=True)
     except CullamaError as exc:
         sys.exit(f"decode_step: {exc}")
     print(f"\n{'context':>8} {'graph ms':>9} {'min-max':>13} {'GB/s':>6} {'% bw':>6} {'floor ms':>9} "
-          f"{'floor/graph':>11} {'eager ms':>9} {'next() ms':>10}")
+          f"{'floor/graph':>11} {'+KV floor':>9} {'eager ms':>9} {'next() ms':>10}")
     for r in rows:
         lo, hi = r["graph_spread_ms"]
         print(f"{r['context']:>8} {r['graph_ms']:>9.3f} {f'{lo:.3f}-{hi:.3f}':>13} {r['graph_gb_s']:>6.0f} "
               f"{100 * r['graph_gb_s'] * 1e9 / bps:>5.1f}% {floor_ms:>9.3f} {r['pct_of_floor']:>10.1f}% "
-              f"{r['eager_ms']:>9.3f} {r['next_ms']:>10.3f}")
-    print(f"each row: {args.steps} steps at positions L..L+{args.steps - 1}, median of {args.trials} trials; "
-          f"floor/graph = floor ms / graph ms; next() = replay + token read, host clock")
+              f"{r['floor_kv_ms']:>9.3f} {r['eager_ms']:>9.3f} {r['next_ms']:>10.3f}")
+    print(f"each row: {args.steps} steps at positions L..L+{args.steps - 1}, median of {args.trials} trials. "
+          f"GB/s counts the weights only; floor = weights / read bandwidth; +KV floor adds the K and V read; "
+          f"eager = backend.run of the same plan; next() = replay + token id read back, host clock")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"model": args.model, "read_bandwidth_bytes_per_s": bps, "read_bandwidth_source": source,
-                       "step_bytes": step_bytes, "floor_ms": floor_ms, "environment": environment(),
+            json.dump({"model": args.model, "read_bandwidth_bytes_per_s": bps, "bandwidth": bandwidth,
+                       "weight_bytes": weight_bytes, "floor_ms": floor_ms, "environment": environment(),
                        "rows": rows}, f, indent=1)
         print(f"wrote {args.json}")
     return 0

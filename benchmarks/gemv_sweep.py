@@ -7,7 +7,8 @@ down: gemv_residual, gate_up: gemv_gate_up_silu, lm_head: gemv_logits), in every
 variant of cullama.ops.gemv.VARIANTS. Launches are captured in a CUDA graph (as in the decode
 step) that rotates over copies of the weight matrix totalling several times the L2, so no launch
 finds its weights in the cache; CUDA events time the replays. GB/s counts the FP16 weight bytes
-only (the vectors are < 0.2 % of the traffic). Before timing, each variant's output is checked
+only (the vectors are < 0.2 % of the traffic); % is of the read bandwidth as `cullama bench`
+measures it (cullama.bench.measure_bandwidth). Before timing, each variant's output is checked
 against the kernel's NumPy twin. Run it on a GPU; without one it says so in one line.
 """
 
@@ -27,20 +28,6 @@ from cullama.errors import CullamaError
 from cullama.ops import gemv as twins
 from cullama.registry import KernelLoader, KernelSpec
 
-STREAM_READ = r"""
-extern "C" __global__ void stream_read(const uint4* __restrict__ p, unsigned long long n, unsigned int* out) {
-    const unsigned long long stride = (unsigned long long)gridDim.x * blockDim.x;
-    unsigned long long i = (unsigned long long)blockIdx.x * blockDim.x + threadIdx.x;
-    unsigned int acc = 0;
-    for (; i + 3 * stride < n; i += 4 * stride) {  // four 16-byte loads in flight per thread
-        const uint4 a = p[i], b = p[i + stride], c = p[i + 2 * stride], d = p[i + 3 * stride];
-        acc ^= a.x ^ a.y ^ a.z ^ a.w ^ b.x ^ b.y ^ b.z ^ b.w ^ c.x ^ c.y ^ c.z ^ c.w ^ d.x ^ d.y ^ d.z ^ d.w;
-    }
-    for (; i < n; i += stride) { const uint4 a = p[i]; acc ^= a.x ^ a.y ^ a.z ^ a.w; }
-    if (acc == 0x9e3779b9u) out[0] = acc;  // (almost) never true: only keeps the loads alive
-}
-"""
-
 
 def require_gpu(prog: str) -> None:
     """Exit with one line when there is no usable GPU."""
@@ -51,7 +38,8 @@ def require_gpu(prog: str) -> None:
         sys.exit(f"{prog}: needs an NVIDIA GPU: {why}")
 
 
-def _events_ms(cp, stream, fn, reps: int) -> float:
+def events_ms(cp, stream, fn, reps: int) -> float:
+    """Milliseconds per call of fn, by CUDA events on `stream` around `reps` back-to-back calls."""
     start, end = cp.cuda.Event(), cp.cuda.Event()
     start.record(stream)
     for _ in range(reps):
@@ -61,45 +49,12 @@ def _events_ms(cp, stream, fn, reps: int) -> float:
     return cp.cuda.get_elapsed_time(start, end) / reps
 
 
-def local_read_bandwidth(cp, gib: int = 4, reps: int = 10) -> tuple[float, str]:
-    """(bytes/s, how): a streaming-read kernel over `gib` GiB; a device copy if that cannot compile."""
-    stream = cp.cuda.Stream(non_blocking=True)
-    nbytes = gib << 30
-    buf = cp.full(nbytes // 4, 0x3C003C00, dtype=cp.uint32)  # FP16 ones, never zeros
-    try:
-        kernel = cp.RawKernel(STREAM_READ, "stream_read")
-        out = cp.zeros(1, dtype=cp.uint32)
-        sms = cp.cuda.runtime.getDeviceProperties(cp.cuda.Device().id)["multiProcessorCount"]
-        with stream:
-            launch = lambda: kernel((4 * sms,), (512,), (buf, np.uint64(nbytes // 16), out))  # noqa: E731
-            launch()
-            ms = statistics.median(_events_ms(cp, stream, launch, 1) for _ in range(reps))
-        return nbytes / (ms * 1e-3), f"local streaming-read kernel, {gib} GiB (benchmarks/gemv_sweep.py)"
-    except Exception as exc:  # noqa: BLE001 - no NVRTC for RawKernel: fall back, and say so
-        dst = cp.empty_like(buf)
-        with stream:
-            copy = lambda: dst.__setitem__(Ellipsis, buf)  # noqa: E731
-            copy()
-            ms = statistics.median(_events_ms(cp, stream, copy, 1) for _ in range(reps))
-        return 2 * nbytes / (ms * 1e-3), (f"FALLBACK device copy, bytes read + written, not a pure read "
-                                           f"({type(exc).__name__})")
+def read_bandwidth() -> tuple[float, dict]:
+    """(bytes/s, record): this GPU's read bandwidth as `cullama bench` measures it, for every % here."""
+    from cullama.bench import measure_bandwidth
 
-
-def read_bandwidth(cp) -> tuple[float, str]:
-    """(bytes/s, source): cullama.bench's measurement when it has one, else the local probe."""
-    try:
-        from cullama import bench
-        measure = bench.measure_read_bandwidth
-    except (ImportError, AttributeError):
-        return local_read_bandwidth(cp)
-    try:
-        value = measure()
-    except Exception as exc:  # noqa: BLE001 - a signature we did not expect: measure it here instead
-        bps, how = local_read_bandwidth(cp)
-        return bps, f"{how}; cullama.bench.measure_read_bandwidth() failed: {type(exc).__name__}"
-    value = float(getattr(value, "bytes_per_s", value))
-    scale = 1e12 if value < 1e3 else 1e9 if value < 1e7 else 1.0  # TB/s, GB/s or bytes/s
-    return value * scale, "cullama.bench.measure_read_bandwidth()"
+    record = measure_bandwidth()
+    return record["bytes_per_s"], record
 
 
 # -- the shapes and their kernels ----------------------------------------------------------------
@@ -151,6 +106,7 @@ def sweep_shape(cp, loader, cfg, label, kernel, M, K, args) -> list[dict]:
     getattr(twins, kernel)(*(host[n] for n, _ in named))
     expected = np.concatenate([host[n].astype(np.float32).ravel() for n in outputs])
     dev = {n: cp.asarray(a) if isinstance(a, np.ndarray) else a for n, a in named if n != "W"}
+    cp.cuda.Device().synchronize()  # made on the default stream; used on `stream`
     launches = n_copies * math.ceil(args.launches / n_copies)
     stream = cp.cuda.Stream(non_blocking=True)
     rows = []
@@ -159,9 +115,9 @@ def sweep_shape(cp, loader, cfg, label, kernel, M, K, args) -> list[dict]:
         fn = loader.function(KernelSpec(twins.SOURCE, kernel, tuple(defines)))
         grid = (plans.cdiv(M, dict(defines)["ROWS"]), 1, 1)  # ROWS rows (or ROWS/2 pairs) per block
         argv = lambda W: tuple(W if n == "W" else dev[n] for n, _ in named)  # noqa: E731
-        for n in outputs:  # poisoned (or the residual's starting x) before the checked launch
-            dev[n][...] = cp.asarray(dict(named)[n])
         with stream:
+            for n in outputs:  # poisoned (or the residual's starting x) before the checked launch
+                dev[n].set(dict(named)[n], stream=stream)
             fn(grid, (plans.GEMV_THREADS,), argv(copies[0]))
         stream.synchronize()
         got = np.concatenate([dev[n].get().astype(np.float32).ravel() for n in outputs])
@@ -175,7 +131,7 @@ def sweep_shape(cp, loader, cfg, label, kernel, M, K, args) -> list[dict]:
             finally:
                 graph = stream.end_capture()
             graph.launch(stream)  # warm-up
-            per_launch = [_events_ms(cp, stream, lambda: graph.launch(stream), 1) / launches
+            per_launch = [events_ms(cp, stream, lambda: graph.launch(stream), 1) / launches
                           for _ in range(args.trials)]
         us = statistics.median(per_launch) * 1e3
         rows.append({"shape": label, "kernel": kernel, "M": M, "K": K, "variant": variant,
@@ -202,8 +158,8 @@ def main(argv=None) -> int:
 
     try:
         cfg, loader = preset("llama-2-7b"), KernelLoader()
-        bps, source = read_bandwidth(cp)
-        print(f"read bandwidth: {bps / 1e9:.0f} GB/s ({source})")
+        bps, bandwidth = read_bandwidth()
+        print(f"read bandwidth: {bps / 1e9:.0f} GB/s (cullama.bench.measure_bandwidth, {bandwidth['statistic']})")
         rows = []
         for label, kernel, M, K in shapes(cfg):
             rows += sweep_shape(cp, loader, cfg, label, kernel, M, K, args)
@@ -225,7 +181,7 @@ def main(argv=None) -> int:
     print(f"* fastest correct variant per shape; the plan uses ROWS={plans.GEMV_ROWS} UNROLL={plans.GEMV_UNROLL}")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"read_bandwidth_bytes_per_s": bps, "read_bandwidth_source": source,
+            json.dump({"read_bandwidth_bytes_per_s": bps, "bandwidth": bandwidth,
                        "environment": environment(), "rows": rows}, f, indent=1)
         print(f"wrote {args.json}")
     return 0 if all(r["check_ok"] for r in rows) else 1

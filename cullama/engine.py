@@ -16,6 +16,7 @@ import numpy as np
 from . import plan as plans
 from .checkpoint import Checkpoint, expected_shapes
 from .config import LlamaConfig
+from .errors import PromptError
 from .sampling import Sampler, SamplingParams
 
 Progress = Callable[[int, int], None]
@@ -84,8 +85,9 @@ def random_weights(backend, cfg: LlamaConfig, seed: int = 0, std: float = 0.02) 
     cp = backend.cp
     backend.allocate(buffers)
     rng = cp.random.default_rng(seed)
-    for b in buffers:
-        backend.arrays[b.name][...] = _random(cp, rng, b, std)
+    with backend.stream:  # on the backend's stream, so the plans see finished weights
+        for b in buffers:
+            backend.arrays[b.name][...] = _random(cp, rng, b, std)
 
 
 def _random(xp, rng, b: plans.Buffer, std: float):
@@ -103,6 +105,7 @@ class PlanRunner:
         backend.set("rope", plans.rope_table(cfg, max_seq_len))
         self.decode = plans.decode_plan(cfg, max_seq_len)
         self._prefills: dict[tuple, plans.Plan] = {}
+        self.pos = 0  # host copy of state[POS]: where the next decode step writes its K and V
 
     @property
     def device(self) -> str:
@@ -141,12 +144,22 @@ class PlanRunner:
         state[SEED_LO:SEED_HI + 1] = np.array([seed & 0xFFFFFFFF, seed >> 32], dtype=np.uint32).view(np.int32)
         self.backend.set("fparams", np.array([p.temperature, p.top_p, p.repetition_penalty, 0], np.float32))
         self.backend.set("seen", sampler.seen.astype(np.uint8))
+        if not 0 < len(prompt_ids) < self.max_seq_len:
+            raise PromptError(f"a prompt of {len(prompt_ids)} tokens needs 1 to {self.max_seq_len - 1} tokens "
+                              f"(the context is {self.max_seq_len})")
         self._prefill(list(prompt_ids), "sample", state)
+        self.pos = len(prompt_ids)
         return self.backend.read_token()
 
     def next(self) -> int:
+        if self.pos >= self.max_seq_len:  # the kernels would write past the KV cache
+            raise PromptError(f"the context of {self.max_seq_len} tokens is full")
         self.backend.replay(self.decode)
+        self.pos += 1
         return self.backend.read_token()
 
     def logits(self, token_ids: Sequence[int]) -> np.ndarray:
+        if not 0 < len(token_ids) <= self.max_seq_len:
+            raise PromptError(f"logits() takes 1 to {self.max_seq_len} tokens, got {len(token_ids)}")
+        self.pos = self.max_seq_len  # the cache now holds these ids: decoding needs a new start()
         return np.concatenate(self._prefill(list(token_ids), "logits"))

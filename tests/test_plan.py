@@ -100,3 +100,16 @@ def test_decode_plan_is_about_five_launches_per_layer():
     cfg = preset("llama-2-7b")
     plan = plans.decode_plan(cfg, 4096)
     assert len(plan.launches) == 5 * cfg.num_layers + 2
+
+
+def test_decoding_stops_at_the_end_of_the_kv_cache(stories_dir):
+    from cullama.errors import PromptError
+
+    runner, _ = numpy_runner(stories_dir, max_seq=8)
+    runner.start([1, 403, 407], GREEDY)  # the first sampled token goes to position 3
+    for _ in range(5):  # positions 3..7 fill the cache
+        runner.next()
+    with pytest.raises(PromptError, match="context of 8 tokens is full"):
+        runner.next()
+    with pytest.raises(PromptError, match="context is 8"):
+        runner.start(list(range(1, 9)), GREEDY)

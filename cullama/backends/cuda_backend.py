@@ -30,8 +30,9 @@ class CudaBackend:
         self._token = cupyx.empty_pinned((1,), dtype=np.int32)  # the sampled id lands here
 
     def allocate(self, buffers: list[Buffer]) -> None:
-        for b in buffers:  # zeroed: padding in the weights and the KV cache must read as 0
-            self.arrays[b.name] = self.cp.zeros(b.shape, dtype=b.dtype)
+        with self.stream:  # the zero-fill is ordered before this stream's copies and kernels
+            for b in buffers:  # zeroed: padding in the weights and the KV cache must read as 0
+                self.arrays[b.name] = self.cp.zeros(b.shape, dtype=b.dtype)
 
     def set(self, name: str, array, row: int = 0) -> None:
         array = np.ascontiguousarray(array, dtype=self.arrays[name].dtype)

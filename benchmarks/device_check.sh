@@ -1,0 +1,86 @@
+#!/usr/bin/env bash
+# device_check.sh: everything worth running on a lent GPU machine, in one call of under 8 minutes.
+#
+#   bash benchmarks/device_check.sh          (from anywhere; on the device machine $OUT is set)
+#
+# Steps: install the package, `cullama info`, `cullama kernels --arch sm_90`, `pytest -m gpu`,
+# `cullama bench`, then benchmarks/gemv_sweep.py, decode_step.py and compare_hf.py --quick. Each
+# step runs under `timeout` inside one overall budget (BUDGET_S, default 460 s), and a failing step
+# does not stop the next. ../shared (the test data beside the repo) is used when present; the
+# device machine's copy has none, so the tests that need it skip. Under $OUT (6 files; the device
+# tool returns at most 8): steps.log (every step's output), summary.txt, bench.json, gemv.json,
+# decode.json, compare.json. Environment: PYTHON (default python3), SKIP_INSTALL=1 (already
+# installed), BENCH_SAMPLES (default 500), BUDGET_S.
+set -u
+cd "$(dirname "$0")/.." || exit 1
+OUT=${OUT:-/tmp/cullama-device-check}
+PY=${PYTHON:-python3}
+BUDGET_S=${BUDGET_S:-460}
+export PYTHONUNBUFFERED=1
+mkdir -p "$OUT"
+LOG=$OUT/steps.log
+SUMMARY=$OUT/summary.txt
+: >"$LOG"
+: >"$SUMMARY"
+START=$SECONDS
+CULLAMA=("$PY" -c 'from cullama.cli.main import main; main()')  # the `cullama` command, this Python's
+
+left() { echo $((BUDGET_S - (SECONDS - START))); }
+
+# step NAME CAP_S COMMAND...: run COMMAND under timeout (CAP_S, or what is left of the budget),
+# its output appended to steps.log and shown; one line per step in summary.txt.
+step() {
+    local name=$1 cap=$2
+    shift 2
+    local t
+    t=$(left)
+    ((cap < t)) && t=$cap
+    if ((t < 15)); then
+        printf '%-10s %-26s\n' "$name" "SKIPPED (out of time)" >>"$SUMMARY"
+        return
+    fi
+    local shown="$*"
+    echo "=== $name (timeout ${t}s): ${shown/"${CULLAMA[*]}"/cullama}" | tee -a "$LOG"
+    local t0=$SECONDS
+    timeout -k 5 "$t" "$@" 2>&1 | tee -a "$LOG"
+    local rc=${PIPESTATUS[0]} status=ok
+    if ((rc == 124 || rc == 137)); then
+        status="TIMEOUT (${t}s)"
+    elif ((rc != 0)); then
+        status="FAILED (exit $rc)"
+    fi
+    printf '%-10s %-26s %4ds\n' "$name" "$status" $((SECONDS - t0)) >>"$SUMMARY"
+}
+
+{
+    echo "device_check: $(date -u +%Y-%m-%dT%H:%M:%SZ), budget ${BUDGET_S}s, python: $(command -v "$PY")"
+    if command -v nvidia-smi >/dev/null; then
+        nvidia-smi --format=csv \
+            --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.max.sm,clocks.mem,temperature.gpu,power.draw
+    else echo "nvidia-smi: not available"; fi
+    if [ -d ../shared ]; then echo "../shared present: the tests that need it run"; else
+        echo "../shared absent: the tests that need it skip"; fi
+} | tee -a "$LOG"
+
+if [ "${SKIP_INSTALL:-0}" = 1 ]; then
+    echo "install: skipped (SKIP_INSTALL=1)" | tee -a "$LOG"
+else
+    step install 120 "$PY" -m pip install -q --no-deps --no-build-isolation -e .
+fi
+step info 30 "${CULLAMA[@]}" info
+step kernels 100 "${CULLAMA[@]}" kernels --arch sm_90
+step pytest 130 "$PY" -m pytest -m gpu -q -x -rs -p no:cacheprovider
+step bench 110 "${CULLAMA[@]}" bench --json "$OUT/bench.json" --samples "${BENCH_SAMPLES:-500}"
+step gemv 60 "$PY" benchmarks/gemv_sweep.py --json "$OUT/gemv.json"
+step decode 60 "$PY" benchmarks/decode_step.py --trials 2 --json "$OUT/decode.json"
+budget=$(($(left) - 30))  # compare_hf starts no new engine or length after this; it saves after each engine
+((budget < 1)) && budget=1
+step compare 300 "$PY" benchmarks/compare_hf.py --quick --json "$OUT/compare.json" --budget-s "$budget"
+
+{
+    echo
+    echo "=== summary ($((SECONDS - START))s of ${BUDGET_S}s)"
+    cat "$SUMMARY"
+    echo "files under $OUT:"
+    ls -l "$OUT"
+} | tee -a "$LOG"
