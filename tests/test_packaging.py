@@ -1,6 +1,7 @@
 """A non-editable install carries the CUDA sources and the CLI: build the wheel, install it, run it."""
 
 import os
+import shutil
 import subprocess
 import sys
 import zipfile
@@ -13,18 +14,22 @@ from conftest import REPO
 
 @pytest.fixture(scope="module")
 def wheel(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("wheel")
+    """Built from a clean copy: leftovers of earlier builds (build/, *.egg-info) must not fill gaps."""
+    out, src = tmp_path_factory.mktemp("wheel"), tmp_path_factory.mktemp("src") / "cullama"
+    shutil.copytree(REPO, src, ignore=shutil.ignore_patterns("build", "dist", "*.egg-info", ".venv", ".git",
+                                                             "__pycache__", ".pytest_cache"))
     build = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
-                            "-w", str(out), str(REPO)], capture_output=True, text=True)
+                            "-w", str(out), str(src)], capture_output=True, text=True)
     assert build.returncode == 0, build.stderr
     return next(out.glob("cullama-*.whl"))
 
 
-def test_wheel_holds_the_kernels_and_the_cli(wheel):
-    names = zipfile.ZipFile(wheel).namelist()
-    sources = {p.name for p in (REPO / "kernels_cu").glob("*.cu*")}
-    assert sources and sources <= {Path(n).name for n in names if n.startswith("cullama/kernels_cu/")}
-    assert "cullama/cli/main.py" in names
+def test_wheel_holds_every_module_the_kernels_and_the_cli(wheel):
+    names = set(zipfile.ZipFile(wheel).namelist())
+    expected = {f"cullama/{p.relative_to(REPO / 'cullama')}" for p in (REPO / "cullama").rglob("*.py")}
+    expected |= {f"cullama/cli/{p.name}" for p in (REPO / "cli").glob("*.py")}
+    expected |= {f"cullama/kernels_cu/{p.name}" for p in (REPO / "kernels_cu").glob("*.cu*")}
+    assert expected - names == set()
     assert not any(n.startswith(("cli/", "kernels_cu/", "tests/")) for n in names)  # nothing at the top level
 
 
@@ -34,7 +39,9 @@ def test_installed_wheel_runs_outside_the_source_tree(wheel, tmp_path):
                               str(wheel)], capture_output=True, text=True)
     assert install.returncode == 0, install.stderr
     env = {**os.environ, "PYTHONPATH": str(target)}
-    probe = "import cullama, cullama.registry as r; print(cullama.__file__); print(sorted(r.sources()))"
+    probe = ("import cullama, cullama.registry as r, cullama.backends.numpy_backend as b, cullama.ops.gemv as g; "
+             "assert all(m.__file__.startswith(cullama.__path__[0]) for m in (r, b, g)), 'mixed install'; "
+             "print(cullama.__file__); print(sorted(r.sources()))")
     shown = subprocess.run([sys.executable, "-c", probe], cwd=tmp_path, env=env, capture_output=True, text=True)
     assert shown.returncode == 0, shown.stderr
     location, sources = shown.stdout.splitlines()
