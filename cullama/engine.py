@@ -84,8 +84,11 @@ def random_weights(backend, cfg: LlamaConfig, seed: int = 0, std: float = 0.02) 
         return
     cp = backend.cp
     backend.allocate(buffers)
-    rng = cp.random.default_rng(seed)
     with backend.stream:  # on the backend's stream, so the plans see finished weights
+        # The generator is made here too: its constructor zero-fills and seeds its cuRAND state with
+        # kernels on the *current* stream. Made outside, that was the legacy stream, which this
+        # non-blocking stream never waits for, so the draws below could read a half-seeded state.
+        rng = cp.random.default_rng(seed)
         for b in buffers:
             backend.arrays[b.name][...] = _random(cp, rng, b, std)
 

@@ -6,7 +6,7 @@
 // K % 8 == 0 and 16-byte aligned base pointers (every 8-half chunk of a row is one 16-byte copy);
 // C float32 row-major, row stride N. Any M >= 1, N >= 1: edge tiles are zero-filled on load and
 // bounds-checked on store. No variants.
-// Launch: grid (ceil(N / TILE_N), ceil(M / TILE_M)) = (N / 128, M / 64), THREADS (256) threads; see
+// Launch: grid (ceil(N / 128), ceil(M / 64)), THREADS (256) threads; see
 // GEMM_TILE_M / GEMM_TILE_N / GEMM_THREADS in cullama/plan.py.
 //
 // Block: a 64 x 128 tile of C, 8 warps as 2 (M) x 4 (N), each warp a 32 x 32 sub-tile = 2 x 4 MMAs of
