@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Callable, Iterator, Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 
 from . import checkpoint, device as devices
-from .config import LlamaConfig, from_pretrained as read_config
+from .config import LlamaConfig, from_pretrained as read_config, preset
 from .errors import PromptError
 from .generate import Generation, GenerationStream, Runner
 from .backends import make_backend
@@ -51,8 +51,6 @@ class Llama:
                   seed: int = 0) -> "Llama":
         """Random weights of a preset's (or any config's) shape, made on the device: no download.
         For benchmarks; there is no tokenizer, so prompts are token ids."""
-        from .config import preset
-
         config = preset(config) if isinstance(config, str) else config
         device = devices.resolve(device)
         backend = make_backend(device)

@@ -170,7 +170,7 @@ def _layer(i: int, name: str) -> Ref:
 
 def decode_plan(cfg: LlamaConfig, max_seq: int) -> Plan:
     check_supported(cfg)
-    d, ff, V = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
+    d, ff = cfg.hidden_size, cfg.intermediate_size
     nh, nkv, hd, eps = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, f32(cfg.rms_norm_eps)
     pairs_per_block = GEMV_ROWS // 2
     launches = []

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..plan import Buffer, Launch, Plan, Ref
+from ..plan import Buffer, Plan, Ref
 from ..registry import KernelLoader
 
 STATE_TOKEN = 1  # kernels_cu/common.cuh
