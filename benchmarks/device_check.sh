@@ -52,14 +52,18 @@ step() {
     printf '%-10s %-26s %4ds\n' "$name" "$status" $((SECONDS - t0)) >>"$SUMMARY"
 }
 
+if [ -z "${CULLAMA_SHARED:-}" ] && [ ! -d ../shared ] && [ -d .shared ]; then
+    export CULLAMA_SHARED=$PWD/.shared  # a copy carried to the device machine (see benchmarks/README.md)
+fi
 {
     echo "device_check: $(date -u +%Y-%m-%dT%H:%M:%SZ), budget ${BUDGET_S}s, python: $(command -v "$PY")"
     if command -v nvidia-smi >/dev/null; then
         nvidia-smi --format=csv \
             --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.max.sm,clocks.mem,temperature.gpu,power.draw
     else echo "nvidia-smi: not available"; fi
-    if [ -d ../shared ]; then echo "../shared present: the tests that need it run"; else
-        echo "../shared absent: the tests that need it skip"; fi
+    if [ -n "${CULLAMA_SHARED:-}" ]; then echo "test data: $CULLAMA_SHARED"
+    elif [ -d ../shared ]; then echo "test data: ../shared"
+    else echo "no test data (../shared, .shared): the tests that need it skip"; fi
 } | tee -a "$LOG"
 
 if [ "${SKIP_INSTALL:-0}" = 1 ]; then
@@ -69,7 +73,7 @@ else
 fi
 step info 30 "${CULLAMA[@]}" info
 step kernels 100 "${CULLAMA[@]}" kernels --arch sm_90
-step pytest 130 "$PY" -m pytest -m gpu -q -x -rs -p no:cacheprovider
+step pytest 150 "$PY" -m pytest -m gpu -q -rs -p no:cacheprovider  # no -x: one run, every failure
 step bench 110 "${CULLAMA[@]}" bench --json "$OUT/bench.json" --samples "${BENCH_SAMPLES:-500}"
 step gemv 60 "$PY" benchmarks/gemv_sweep.py --json "$OUT/gemv.json"
 step decode 60 "$PY" benchmarks/decode_step.py --trials 2 --json "$OUT/decode.json"

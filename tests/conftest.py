@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-SHARED = REPO.parent / "shared"
+# ../shared beside the repo; CULLAMA_SHARED names another copy (the GPU machine gets one carried in).
+SHARED = Path(os.environ.get("CULLAMA_SHARED") or REPO.parent / "shared")
 GOLDEN_NAMES = ("tiny-mha", "tiny-gqa-sharded")
 
 
@@ -17,7 +19,8 @@ def shared_path(*parts: str) -> Path:
     """A path under ../shared, or a skip that says what is missing."""
     path = SHARED.joinpath(*parts)
     if not path.exists():
-        pytest.skip(f"{path} not found: the shared test data (../shared beside the repo) is absent")
+        pytest.skip(f"{path} not found: the shared test data (../shared beside the repo, or $CULLAMA_SHARED) "
+                    "is absent")
     return path
 
 
