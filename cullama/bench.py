@@ -191,10 +191,13 @@ def measure_bandwidth(buffer_bytes: int = 4 << 30, reps: int = 10) -> dict:
 
     free, _ = cp.cuda.runtime.memGetInfo()
     n_bytes = min(buffer_bytes, free // 4) // 16 * 16
+    loader = KernelLoader()
     # Random data, not zeros: zeros can stream faster than real weights do (device METHOD.md).
-    data = cp.random.default_rng(0).standard_normal(n_bytes // 4, dtype=np.float32)
+    data = cp.empty(n_bytes // 2, dtype=np.float16)
+    loader.function(KernelSpec("fill.cu", "fill_uniform"))(
+        (1024,), (256,), (data, np.uint64(data.size), np.uint64(0), np.float32(0), np.float32(1)))
     out = cp.zeros(1, dtype=np.float32)
-    kernel = KernelLoader().function(KernelSpec("bandwidth.cu", "read_sum"))
+    kernel = loader.function(KernelSpec("bandwidth.cu", "read_sum"))
     sms = cp.cuda.Device().attributes["MultiProcessorCount"]
     grid, args = (8 * sms,), (data, np.uint64(n_bytes // 16), out)
     start, end = cp.cuda.Event(), cp.cuda.Event()

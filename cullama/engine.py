@@ -17,9 +17,12 @@ from . import plan as plans
 from .checkpoint import Checkpoint, expected_shapes
 from .config import LlamaConfig
 from .errors import PromptError
+from .ops import fill as fill_twin
+from .registry import KernelSpec
 from .sampling import Sampler, SamplingParams
 
 Progress = Callable[[int, int], None]
+FILL = KernelSpec("fill.cu", "fill_uniform")
 # kernels_cu/common.cuh: STATE_POS, STATE_TOKEN, STATE_STEP, STATE_TOP_K, STATE_SEED_LO, STATE_SEED_HI
 POS, TOKEN, STEP, TOP_K, SEED_LO, SEED_HI = range(6)
 
@@ -75,28 +78,24 @@ def load_checkpoint(backend, ckpt: Checkpoint, progress: Progress | None = None)
 
 
 def random_weights(backend, cfg: LlamaConfig, seed: int = 0, std: float = 0.02) -> None:
-    """Synthetic weights of any shape, made where they live (on the GPU for `bench --synthetic`)."""
+    """Synthetic weights of any shape, made where they live (on the GPU for `bench --synthetic`) by
+    kernels_cu/fill.cu or its twin: the same seed gives the same weights on both devices."""
     buffers = plans.weight_buffers(device_config(cfg))
-    if backend.device == "cpu":
-        rng = np.random.default_rng(seed)
-        for b in buffers:
-            backend.bind(b.name, _random(np, rng, b, std))
-        return
-    cp = backend.cp
-    backend.allocate(buffers)
-    with backend.stream:  # on the backend's stream, so the plans see finished weights
-        # The generator is made here too: its constructor zero-fills and seeds its cuRAND state with
-        # kernels on the *current* stream. Made outside, that was the legacy stream, which this
-        # non-blocking stream never waits for, so the draws below could read a half-seeded state.
-        rng = cp.random.default_rng(seed)
-        for b in buffers:
-            backend.arrays[b.name][...] = _random(cp, rng, b, std)
-
-
-def _random(xp, rng, b: plans.Buffer, std: float):
-    if len(b.shape) == 1:  # norm weights near 1, as in trained models
-        return (1.0 + 0.1 * rng.standard_normal(b.shape, dtype=np.float32)).astype(np.float16)
-    return (std * rng.standard_normal(b.shape, dtype=np.float32)).astype(np.float16)
+    if backend.device == "cuda":
+        backend.allocate(buffers)
+    for index, b in enumerate(buffers):
+        mean, spread = (1.0, 0.1) if len(b.shape) == 1 else (0.0, std)  # norm weights near 1
+        buffer_seed = (seed * 1_000_003 + index) % 2**64  # a stream of its own per buffer
+        if backend.device == "cpu":
+            array = np.empty(b.shape, np.float16)
+            fill_twin.fill_uniform(array, array.size, buffer_seed, mean, spread)
+            backend.bind(b.name, array)
+        else:
+            array = backend.arrays[b.name]
+            blocks = min(plans.cdiv(array.size, fill_twin.THREADS), 4096)
+            backend.run(plans.Plan("fill", [plans.Launch(FILL, (blocks, 1, 1), fill_twin.THREADS, (
+                plans.Ref(b.name), np.uint64(array.size), np.uint64(buffer_seed), np.float32(mean),
+                np.float32(spread)))]))
 
 
 class PlanRunner:

@@ -88,6 +88,18 @@ __device__ __forceinline__ float block_max(float v, float* scratch) {
     return v;
 }
 
+// The counter-based RNG of cullama.sampling.uniform: splitmix64's finaliser of seed * golden + counter
+// + 1 (all mod 2^64), its top 24 bits as a float in [0, 1), exact. No state: replayable in a graph.
+__device__ __forceinline__ float uniform(uint64_t seed, uint64_t counter) {
+    uint64_t z = seed * 0x9E3779B97F4A7C15ull + counter + 1ull;
+    z ^= z >> 30;
+    z *= 0xBF58476D1CE4E5B9ull;
+    z ^= z >> 27;
+    z *= 0x94D049BB133111EBull;
+    z ^= z >> 31;
+    return (float)(uint32_t)(z >> 40) * (1.f / 16777216.f);
+}
+
 // The decode state, in device memory so that one captured CUDA graph serves every position.
 // int32 state[STATE_LEN]:
 #define STATE_POS 0      // position of the token being processed (= tokens already in the KV cache)

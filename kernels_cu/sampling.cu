@@ -63,16 +63,7 @@ __device__ __forceinline__ float key_float(uint32_t k) {
     return __uint_as_float((k & 0x80000000u) ? (k & 0x7fffffffu) : ~k);
 }
 
-// The spec's splitmix64 draw: 24 random bits as a float in [0, 1), exact.
-__device__ __forceinline__ float uniform(uint64_t seed, int step) {
-    uint64_t z = seed * 0x9E3779B97F4A7C15ull + (uint64_t)(long long)step + 1ull;
-    z ^= z >> 30;
-    z *= 0xBF58476D1CE4E5B9ull;
-    z ^= z >> 27;
-    z *= 0x94D049BB133111EBull;
-    z ^= z >> 31;
-    return (float)(uint32_t)(z >> 40) * (1.f / 16777216.f);
-}
+// uniform(seed, step): the spec's splitmix64 draw, in common.cuh.
 
 struct Transform {  // logit -> key: HF repetition penalty on seen ids, then / temperature (IEEE, as NumPy)
     const float* logits;

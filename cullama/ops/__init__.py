@@ -8,7 +8,7 @@ Each module also names its SOURCE file and the VARIANTS (compile-time defines) t
 
 from importlib import import_module
 
-STEMS = ("gemv", "attention", "sampling", "gemm", "prefill", "bandwidth")
+STEMS = ("gemv", "attention", "sampling", "gemm", "prefill", "bandwidth", "fill")
 
 
 def module(stem: str):
