@@ -110,57 +110,45 @@ struct Transform {  // logit -> key: HF repetition penalty on seen ids, then / t
 // -- block reductions (THREADS threads; every thread gets the result) ---------------------------------
 // One __syncthreads each: callers alternate between two scratch buffers, so a buffer is rewritten only
 // after every thread has passed the barrier of the reduction in between (and so finished reading it).
-__device__ __forceinline__ uint32_t block_sum_u32(uint32_t v, uint32_t* buf) {
-    v = __reduce_add_sync(FULL, v);
+// Reduce within each warp, publish one value per warp, reduce those: the block's result in every thread.
+template <typename T, typename WarpOp>
+__device__ __forceinline__ T block_reduce(T v, T* buf, WarpOp warp_op) {
+    v = warp_op(v);
     if (threadIdx.x % WARP == 0) buf[threadIdx.x / WARP] = v;
     __syncthreads();
-    return __reduce_add_sync(FULL, buf[threadIdx.x % WARP]);
+    return warp_op(buf[threadIdx.x % WARP]);
+}
+
+__device__ __forceinline__ uint32_t block_sum_u32(uint32_t v, uint32_t* buf) {
+    return block_reduce(v, buf, [](uint32_t x) { return __reduce_add_sync(FULL, x); });
 }
 
 __device__ __forceinline__ uint32_t block_max_u32(uint32_t v, uint32_t* buf) {
-    v = __reduce_max_sync(FULL, v);
-    if (threadIdx.x % WARP == 0) buf[threadIdx.x / WARP] = v;
-    __syncthreads();
-    return __reduce_max_sync(FULL, buf[threadIdx.x % WARP]);
+    return block_reduce(v, buf, [](uint32_t x) { return __reduce_max_sync(FULL, x); });
 }
 
 __device__ __forceinline__ int block_min_int(int v, int* buf) {
-    v = __reduce_min_sync(FULL, v);
-    if (threadIdx.x % WARP == 0) buf[threadIdx.x / WARP] = v;
-    __syncthreads();
-    return __reduce_min_sync(FULL, buf[threadIdx.x % WARP]);
+    return block_reduce(v, buf, [](int x) { return __reduce_min_sync(FULL, x); });
 }
 
 __device__ __forceinline__ int block_max_int(int v, int* buf) {
-    v = __reduce_max_sync(FULL, v);
-    if (threadIdx.x % WARP == 0) buf[threadIdx.x / WARP] = v;
-    __syncthreads();
-    return __reduce_max_sync(FULL, buf[threadIdx.x % WARP]);
+    return block_reduce(v, buf, [](int x) { return __reduce_max_sync(FULL, x); });
 }
 
 // A fixed butterfly: every lane, and every thread of the block, gets the bitwise same sum.
 __device__ __forceinline__ float block_sum_f(float v, float* buf) {
-    v = warp_sum(v);
-    if (threadIdx.x % WARP == 0) buf[threadIdx.x / WARP] = v;
-    __syncthreads();
-    return warp_sum(buf[threadIdx.x % WARP]);
+    return block_reduce(v, buf, [](float x) { return warp_sum(x); });
 }
 
 __device__ __forceinline__ uint64_t block_max_u64(uint64_t v, uint64_t* buf) {
+    return block_reduce(v, buf, [](uint64_t x) {
 #pragma unroll
-    for (int o = WARP / 2; o > 0; o >>= 1) {
-        const uint64_t w = __shfl_xor_sync(FULL, v, o);
-        v = w > v ? w : v;
-    }
-    if (threadIdx.x % WARP == 0) buf[threadIdx.x / WARP] = v;
-    __syncthreads();
-    v = buf[threadIdx.x % WARP];
-#pragma unroll
-    for (int o = WARP / 2; o > 0; o >>= 1) {
-        const uint64_t w = __shfl_xor_sync(FULL, v, o);
-        v = w > v ? w : v;
-    }
-    return v;
+        for (int o = WARP / 2; o > 0; o >>= 1) {
+            const uint64_t w = __shfl_xor_sync(FULL, x, o);
+            x = w > x ? w : x;
+        }
+        return x;
+    });
 }
 
 // Exclusive scan of one float per thread, in thread order; `total` gets the sum.
