@@ -4,12 +4,12 @@
 #   bash benchmarks/device_check.sh          (from anywhere; on the device machine $OUT is set)
 #
 # Steps: install the package, `cullama info`, `cullama kernels --arch sm_90`, `pytest -m gpu`,
-# `cullama bench`, then benchmarks/gemv_sweep.py, decode_step.py and compare_hf.py --quick. Each
-# step runs under `timeout` inside one overall budget (BUDGET_S, default 460 s), and a failing step
-# does not stop the next. ../shared (the test data beside the repo) is used when present; the
-# device machine's copy has none, so the tests that need it skip. Under $OUT (6 files; the device
+# `cullama bench`, then benchmarks/gemv_sweep.py, gemm_sweep.py, decode_step.py and compare_hf.py
+# --quick. Each step runs under `timeout` inside one overall budget (BUDGET_S, default 460 s), and a
+# failing step does not stop the next. ../shared (the test data beside the repo) is used when present;
+# the device machine's copy has none, so the tests that need it skip. Under $OUT (7 files; the device
 # tool returns at most 8): steps.log (every step's output), summary.txt, bench.json, gemv.json,
-# decode.json, compare.json. Environment: PYTHON (default python3), SKIP_INSTALL=1 (already
+# gemm.json, decode.json, compare.json. Environment: PYTHON (default python3), SKIP_INSTALL=1 (already
 # installed), BENCH_SAMPLES (default 500), BUDGET_S.
 set -u
 cd "$(dirname "$0")/.." || exit 1
@@ -76,6 +76,7 @@ step kernels 100 "${CULLAMA[@]}" kernels --arch sm_90
 step pytest 150 "$PY" -m pytest -m gpu -q -rs -p no:cacheprovider  # no -x: one run, every failure
 step bench 110 "${CULLAMA[@]}" bench --json "$OUT/bench.json" --samples "${BENCH_SAMPLES:-500}"
 step gemv 60 "$PY" benchmarks/gemv_sweep.py --json "$OUT/gemv.json"
+step gemm 45 "$PY" benchmarks/gemm_sweep.py --json "$OUT/gemm.json"
 step decode 60 "$PY" benchmarks/decode_step.py --trials 2 --json "$OUT/decode.json"
 budget=$(($(left) - 30))  # compare_hf starts no new engine or length after this; it saves after each engine
 ((budget < 1)) && budget=1

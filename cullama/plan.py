@@ -29,6 +29,10 @@ ATTENTION_THREADS = 128
 SAMPLE_THREADS = 1024
 PREFILL_CHUNK = 256  # prompt tokens per prefill pass: bounds the prefill buffers, any prompt length works
 GEMM_TILE_M, GEMM_TILE_N, GEMM_THREADS = 64, 128, 256
+GEMM_TILE_K = 32  # K per pipeline stage of gemm.cu: a split-K range is a multiple of it
+GEMM_SMS = 132  # streaming multiprocessors of the target GPU (H100 / H200 SXM), for gemm_splits
+GEMM_MAX_SPLIT = 4  # most K splits of one prefill GEMM (partials per tile in gemm_workspace)
+GEMM_SPLIT_K = True  # False: every prefill GEMM runs with S = 1 (no split-K), to compare; read at plan time
 ROW_THREADS = 256  # the row-wise prefill kernels: one block per token row
 
 
@@ -90,6 +94,54 @@ def attention_splits(cfg: LlamaConfig) -> int:
     return max(1, min(32, 256 // cfg.num_kv_heads))
 
 
+ATTENTION_PREFILL_QUERIES = 4  # (row, head) queries a prefill attention block holds: <= 128 registers/thread
+
+
+def attention_rows_q(cfg: LlamaConfig) -> int:
+    """Query rows per prefill attention block (ROWS_Q): each K/V row it loads serves ROWS_Q x GROUP
+    queries, so the keys are read from L2 ROWS_Q times less often. Each thread keeps q, acc, m and l of
+    every query in registers: 4 queries fit in 128 registers (4 blocks per SM), 8 need ~215 (2 blocks),
+    so ROWS_Q = 4 / GROUP rows (1 for GROUP 4 and 8, which already share each key 4 or 8 ways)."""
+    return max(1, ATTENTION_PREFILL_QUERIES // cfg.group_size)
+
+
+def _split_rule(m: int, n: int, k: int) -> int:
+    tiles = cdiv(n, GEMM_TILE_N) * cdiv(m, GEMM_TILE_M)
+    if tiles >= GEMM_SMS // 2:
+        return 1
+    return max(1, min(GEMM_MAX_SPLIT, GEMM_SMS // tiles, k // 256))
+
+
+def gemm_splits(m: int, n: int, k: int) -> int:
+    """K splits S of a prefill GEMM (its grid's z; see gemm.cu for the deterministic split-K).
+
+    tiles = ceil(n / 128) * ceil(m / 64) blocks fill the GPU when tiles >= GEMM_SMS // 2 (two blocks
+    fit on an SM): then S = 1. Below that, S = min(GEMM_MAX_SPLIT, GEMM_SMS // tiles, k // 256), at
+    least 1: at most one wave of S * tiles blocks, at most 4 partials to sum, and at least 256 of K (8
+    pipeline tiles) per block. It does not depend on accumulate (the last block adds C either way).
+    On LLaMA-2-7B it splits o_proj and down_proj (n = 4096: 32 tiles) 4 ways for prompts of up to 64
+    rows and 2 ways for 65..128 rows. A first guess, not a measurement: benchmarks/gemm_sweep.py
+    times S = 1, 2, 4 and this rule, and decides. GEMM_SPLIT_K = False makes it 1 everywhere.
+    """
+    return _split_rule(m, n, k) if GEMM_SPLIT_K else 1
+
+
+def gemm_shapes(cfg: LlamaConfig) -> list[tuple[int, int]]:
+    """(n, k) of every prefill GEMM: qkv, o_proj, gate_up, down, lm_head."""
+    d, ff = cfg.hidden_size, cfg.intermediate_size
+    return [(cfg.qkv_dim, d), (d, cfg.q_dim), (2 * ff, d), (d, ff), (cfg.vocab_size, d)]
+
+
+def gemm_split_tiles(cfg: LlamaConfig, chunk: int = PREFILL_CHUNK) -> int:
+    """Most tiles (blocks per split) of any split-K GEMM a prefill plan of up to `chunk` rows can make
+    (whatever GEMM_SPLIT_K says), at least 1: gemm_workspace holds GEMM_MAX_SPLIT partials of that many
+    tiles, gemm_tile_count one counter each. A launch of S splits and t tiles uses the first S * t slots."""
+    tiles = [cdiv(n, GEMM_TILE_N) * row_tiles for n, k in gemm_shapes(cfg)
+             for row_tiles in range(1, cdiv(chunk, GEMM_TILE_M) + 1)
+             if _split_rule(row_tiles * GEMM_TILE_M, n, k) > 1]
+    return max(tiles, default=1)
+
+
 # -- buffers --------------------------------------------------------------------------------------
 def weight_buffers(cfg: LlamaConfig) -> list[Buffer]:
     d, ff, V = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
@@ -135,6 +187,10 @@ def runtime_buffers(cfg: LlamaConfig, max_seq: int, chunk: int = PREFILL_CHUNK) 
         Buffer("gu_rows", (chunk, 2 * ff), "float32", "activation"),  # [n, 2 ff] gate | up
         Buffer("h_rows", (chunk, ff), "float16", "activation"),  # [n, ff]
         Buffer("logits_rows", (chunk, V), "float32", "activation"),  # [n, vocab] (Llama.logits only)
+        # split-K prefill GEMMs (gemm_splits): partial tiles, and arrivals per tile (zero; reset by the kernel)
+        Buffer("gemm_workspace", (GEMM_MAX_SPLIT, gemm_split_tiles(cfg, chunk), GEMM_TILE_M * GEMM_TILE_N), "float32",
+               "activation"),  # [max split, max tiles of a split-K launch, 64 * 128]
+        Buffer("gemm_tile_count", (gemm_split_tiles(cfg, chunk),), "uint32", "activation"),  # [those tiles]
     ]
 
 
@@ -151,6 +207,12 @@ def gemv(name: str) -> KernelSpec:
 
 def attention(name: str, cfg: LlamaConfig) -> KernelSpec:
     return KernelSpec("attention.cu", name, (("HEAD_DIM", cfg.head_dim), ("GROUP", cfg.group_size)))
+
+
+def attention_prefill_spec(cfg: LlamaConfig) -> KernelSpec:
+    """attention_prefill with ROWS_Q = attention_rows_q(cfg); the decode spec has no ROWS_Q."""
+    return KernelSpec("attention.cu", "attention_prefill",
+                      attention("attention_prefill", cfg).defines + (("ROWS_Q", attention_rows_q(cfg)),))
 
 
 SAMPLE = KernelSpec("sampling.cu", "sample")
@@ -204,8 +266,9 @@ def _logits_and_sample(cfg: LlamaConfig, x: Ref) -> list[Launch]:
 
 
 def _gemm(a: str, w: Ref, c: str, m: int, n: int, k: int, accumulate: bool) -> Launch:
-    return Launch(GEMM, (cdiv(n, GEMM_TILE_N), cdiv(m, GEMM_TILE_M), 1), GEMM_THREADS,
-                  (Ref(a), w, Ref(c), i32(m), i32(n), i32(k), i32(accumulate)))
+    return Launch(GEMM, (cdiv(n, GEMM_TILE_N), cdiv(m, GEMM_TILE_M), gemm_splits(m, n, k)), GEMM_THREADS,
+                  (Ref(a), w, Ref(c), Ref("gemm_workspace"), Ref("gemm_tile_count"), i32(m), i32(n), i32(k),
+                   i32(accumulate)))
 
 
 PREFILL_OUTPUTS = ("sample", "logits", "none")
@@ -234,8 +297,8 @@ def prefill_plan(cfg: LlamaConfig, max_seq: int, start: int, n: int, output: str
             _gemm("xn_rows", _layer(i, "wqkv"), "qkv_rows", n, cfg.qkv_dim, d, False),
             rows("rope_kv_rows", Ref("qkv_rows"), Ref("rope"), Ref("q_rows"), Ref("k_cache", i),
                  Ref("v_cache", i), i32(start), i32(nh), i32(nkv), i32(hd), i32(max_seq)),
-            Launch(attention("attention_prefill", cfg), (nkv, n, 1), ATTENTION_THREADS,
-                   (Ref("q_rows"), Ref("k_cache", i), Ref("v_cache", i), Ref("attn_rows"), i32(start),
+            Launch(attention_prefill_spec(cfg), (nkv, cdiv(n, attention_rows_q(cfg)), 1), ATTENTION_THREADS,
+                   (Ref("q_rows"), Ref("k_cache", i), Ref("v_cache", i), Ref("attn_rows"), i32(start), i32(n),
                     i32(max_seq), f32(1.0 / np.sqrt(hd)))),
             _gemm("attn_rows", _layer(i, "wo"), "x_rows", n, d, cfg.q_dim, True),
             rows("rmsnorm_rows", Ref("x_rows"), _layer(i, "ffn_norm"), Ref("xn_rows"), i32(d), eps),

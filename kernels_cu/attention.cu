@@ -2,15 +2,17 @@
 //
 //   attention_decode   one new token: flash-decoding, the keys 0..pos split across gridDim.y blocks per
 //                      kv head; the last block of each kv head to finish combines the splits
-//   attention_prefill  a prompt chunk: row r (position start + r) attends causally to keys 0..start + r
+//   attention_prefill  a prompt chunk: row r (position start + r) attends causally to keys 0..start + r;
+//                      a block takes ROWS_Q rows of one kv head, so each key is loaded once per ROWS_Q rows
 //
-// Variants: HEAD_DIM (a power of two, 8..128) and GROUP (query heads per kv head, 1..8), both
-// compile-time. Launch: grid (n_kv_heads, splits) for decode, (n_kv_heads, rows) for prefill; THREADS
-// (128) threads. Inside a block, LPK = HEAD_DIM / 8 lanes share one key (a 16-byte load of 8 halves
-// each), so a warp covers 32 / LPK keys at once and every key of K and V is loaded once for all
-// GROUP query heads of its kv head. Each lane group keeps an online softmax (m, l, acc) for its keys,
-// UNROLL keys per batch with all their loads issued first; lane groups merge through shuffles, warps
-// through shared memory.
+// Variants: HEAD_DIM (a power of two, 8..128), GROUP (query heads per kv head, 1..8) and, for prefill
+// only, ROWS_Q (query rows per block, 1..8), all compile-time. Launch: grid (n_kv_heads, splits) for
+// decode, (n_kv_heads, ceil(n_rows / ROWS_Q)) for prefill; THREADS (128) threads. Inside a block,
+// LPK = HEAD_DIM / 8 lanes share one key (a 16-byte load of 8 halves each), so a warp covers 32 / LPK
+// keys at once and every key of K and V is loaded once for all the block's queries: the GROUP query
+// heads of its kv head (decode), times ROWS_Q rows (prefill). Each lane group keeps an online softmax
+// (m, l, acc) per query for its keys, UNROLL keys per batch with all their loads issued first; lane
+// groups merge through shuffles, warps through shared memory.
 // Shapes: q [n_heads * HD] float32; q_rows, out_rows [rows, n_heads * HD] FP16; k_cache, v_cache
 // [n_kv_heads, max_seq, HD] FP16 (this layer's); part [n_heads, splits, HD + 2] float32 (acc[HD], m, l:
 // unnormalised sums of one split); count [n_kv_heads] uint32, zero between launches; out [n_heads * HD]
@@ -22,6 +24,9 @@
 #endif
 #ifndef GROUP
 #define GROUP 1
+#endif
+#ifndef ROWS_Q
+#define ROWS_Q 1                                 // prefill only: query rows per block
 #endif
 #define THREADS 128
 #define WARPS (THREADS / WARP)
@@ -229,29 +234,172 @@ attention_decode(const float* __restrict__ q, const half_t* __restrict__ k_cache
     if (threadIdx.x == 0) count[kv] = 0u;
 }
 
-// grid (n_kv_heads, rows). Row r = blockIdx.y is the token at position start + r; it attends to keys
-// 0..start + r, already in the cache. Row stride of q_rows and out_rows: gridDim.x * GROUP * HEAD_DIM.
+// -- prefill: ROWS_Q consecutive rows x GROUP heads per block ----------------------------------------
+// The same lane layout as attend(), with QUERIES = ROWS_Q * GROUP queries (query j = row r * GROUP + head
+// g) sharing every K/V load: a key's 16-byte loads serve all of the block's rows instead of one. Separate
+// from attend() so that the decode path stays exactly as reviewed; with ROWS_Q = 1 it computes what
+// attend() computes, with the causal mask per row.
+#define QUERIES (ROWS_Q * GROUP)
+#ifndef PREFILL_UNROLL
+#define PREFILL_UNROLL (QUERIES >= 4 ? 2 : 4)   // keys per lane group per batch; QUERIES <= 4: <= 128 registers
+#endif
+#define PREFILL_KEYS_PER_ITER (LANE_GROUPS * PREFILL_UNROLL)
+
+#if ROWS_Q < 1 || ROWS_Q > 8
+#error "ROWS_Q must be 1..8"
+#endif
+
+struct RowsState {
+    float acc[WARPS][QUERIES][HEAD_DIM];
+    float m[WARPS][QUERIES];
+    float l[WARPS][QUERIES];
+};
+
+// Online softmax of the QUERIES queries in q over keys [0, end) of one kv head, row r seeing only keys
+// < first_end + r (its causal limit; first_end is row 0's). end is the last row's limit, so only the
+// last ROWS_Q - 1 keys are ever masked per row. On return (after a barrier) red holds each warp's state.
+__device__ __forceinline__ void attend_rows(const float (&q)[QUERIES][8], const half_t* __restrict__ kc,
+                                            const half_t* __restrict__ vc, int first_end, int end, float scale,
+                                            RowsState* red) {
+    const int lane = threadIdx.x % WARP, warp = threadIdx.x / WARP;
+    const int sub = lane % LPK, grp = threadIdx.x / LPK;
+    float m[QUERIES], l[QUERIES], acc[QUERIES][8];
+#pragma unroll
+    for (int j = 0; j < QUERIES; ++j) {
+        m[j] = NEG_INF;
+        l[j] = 0.f;
+#pragma unroll
+        for (int i = 0; i < 8; ++i) acc[j][i] = 0.f;
+    }
+    kc += sub * 8;
+    vc += sub * 8;
+    for (int base = 0; base < end; base += PREFILL_KEYS_PER_ITER) {  // base is block-uniform
+        uint4 kr[PREFILL_UNROLL], vr[PREFILL_UNROLL];
+#pragma unroll
+        for (int u = 0; u < PREFILL_UNROLL; ++u) {  // every load of the batch before the first use
+            const int key = base + u * LANE_GROUPS + grp;
+            kr[u] = key < end ? load_stream(kc + (size_t)key * HEAD_DIM) : make_uint4(0, 0, 0, 0);
+        }
+#pragma unroll
+        for (int u = 0; u < PREFILL_UNROLL; ++u) {
+            const int key = base + u * LANE_GROUPS + grp;
+            vr[u] = key < end ? load_stream(vc + (size_t)key * HEAD_DIM) : make_uint4(0, 0, 0, 0);
+        }
+        float s[PREFILL_UNROLL][QUERIES];
+#pragma unroll
+        for (int u = 0; u < PREFILL_UNROLL; ++u) {
+            float kf[8];
+            unpack8(kr[u], kf);
+            const int key = base + u * LANE_GROUPS + grp;
+            const bool in_range = key < end;
+            const int past = key - first_end;  // row r sees this key iff past < r
+#pragma unroll
+            for (int j = 0; j < QUERIES; ++j) {
+                float dot = 0.f;
+#pragma unroll
+                for (int i = 0; i < 8; ++i) dot += q[j][i] * kf[i];
+#pragma unroll
+                for (int o = LPK / 2; o > 0; o >>= 1) dot += __shfl_xor_sync(0xffffffffu, dot, o);
+                s[u][j] = in_range && past < j / GROUP ? dot * scale : NEG_INF;
+            }
+        }
+#pragma unroll
+        for (int j = 0; j < QUERIES; ++j) {
+            float mx = m[j];
+#pragma unroll
+            for (int u = 0; u < PREFILL_UNROLL; ++u) mx = fmaxf(mx, s[u][j]);
+            const float c = exp_diff(m[j], mx);
+            l[j] *= c;
+#pragma unroll
+            for (int i = 0; i < 8; ++i) acc[j][i] *= c;
+            m[j] = mx;
+        }
+#pragma unroll
+        for (int u = 0; u < PREFILL_UNROLL; ++u) {
+            float vf[8];
+            unpack8(vr[u], vf);
+#pragma unroll
+            for (int j = 0; j < QUERIES; ++j) {
+                const float p = exp_diff(s[u][j], m[j]);
+                l[j] += p;
+#pragma unroll
+                for (int i = 0; i < 8; ++i) acc[j][i] += p * vf[i];
+            }
+        }
+    }
+    // Merge the lane groups of this warp: lanes sub, sub + LPK, sub + 2 LPK, ... hold the same dims.
+#pragma unroll
+    for (int o = LPK; o < WARP; o <<= 1) {
+#pragma unroll
+        for (int j = 0; j < QUERIES; ++j) {
+            const float mo = __shfl_xor_sync(0xffffffffu, m[j], o);
+            const float lo = __shfl_xor_sync(0xffffffffu, l[j], o);
+            const float mx = fmaxf(m[j], mo);
+            const float c = exp_diff(m[j], mx), co = exp_diff(mo, mx);
+            l[j] = l[j] * c + lo * co;
+#pragma unroll
+            for (int i = 0; i < 8; ++i) acc[j][i] = acc[j][i] * c + __shfl_xor_sync(0xffffffffu, acc[j][i], o) * co;
+            m[j] = mx;
+        }
+    }
+    if (lane < LPK) {
+#pragma unroll
+        for (int j = 0; j < QUERIES; ++j) {
+            float4* a = reinterpret_cast<float4*>(red->acc[warp][j] + sub * 8);
+            a[0] = make_float4(acc[j][0], acc[j][1], acc[j][2], acc[j][3]);
+            a[1] = make_float4(acc[j][4], acc[j][5], acc[j][6], acc[j][7]);
+            if (sub == 0) {
+                red->m[warp][j] = m[j];
+                red->l[warp][j] = l[j];
+            }
+        }
+    }
+    __syncthreads();
+}
+
+// grid (n_kv_heads, ceil(n_rows / ROWS_Q)). Block y takes rows row0 = y ROWS_Q .. row0 + ROWS_Q - 1 (those
+// < n_rows) of kv head x's GROUP query heads; row r is the token at position start + r and attends to keys
+// 0..start + r, already in the cache. Each K/V row is loaded once for all ROWS_Q x GROUP queries. Rows
+// >= n_rows are neither read (their q is the last row's) nor written. Row stride of q_rows and out_rows:
+// gridDim.x * GROUP * HEAD_DIM.
 extern "C" __global__ void __launch_bounds__(THREADS)
 attention_prefill(const half_t* __restrict__ q_rows, const half_t* __restrict__ k_cache,
-                  const half_t* __restrict__ v_cache, half_t* __restrict__ out_rows, int start, int max_seq,
-                  float scale) {
-    __shared__ __align__(16) BlockState red;
-    const int kv = blockIdx.x, row = blockIdx.y;
-    const size_t row_off = (size_t)row * gridDim.x * GROUP * HEAD_DIM + (size_t)kv * GROUP * HEAD_DIM;
-    const int end = min(start + row + 1, max_seq);
+                  const half_t* __restrict__ v_cache, half_t* __restrict__ out_rows, int start, int n_rows,
+                  int max_seq, float scale) {
+    __shared__ __align__(16) RowsState red;
+    const int kv = blockIdx.x, row0 = blockIdx.y * ROWS_Q;
+    if (row0 >= n_rows) return;  // a grid taller than needed (block-uniform, before any barrier)
+    const int rows = min(ROWS_Q, n_rows - row0);  // the block's real rows
+    const size_t row_stride = (size_t)gridDim.x * GROUP * HEAD_DIM, head_off = (size_t)kv * GROUP * HEAD_DIM;
+    const int first_end = min(start + row0 + 1, max_seq);      // row 0's keys: [0, first_end)
+    const int end = min(start + row0 + rows, max_seq);         // the last real row's
     const int sub = (threadIdx.x % WARP) % LPK;
 
-    float qr[GROUP][8];
+    float qr[QUERIES][8];
 #pragma unroll
-    for (int g = 0; g < GROUP; ++g)
-        unpack8(*reinterpret_cast<const uint4*>(q_rows + row_off + g * HEAD_DIM + sub * 8), qr[g]);
+    for (int r = 0; r < ROWS_Q; ++r) {
+        const size_t off = (size_t)(row0 + min(r, rows - 1)) * row_stride + head_off + sub * 8;
+#pragma unroll
+        for (int g = 0; g < GROUP; ++g)
+            unpack8(*reinterpret_cast<const uint4*>(q_rows + off + g * HEAD_DIM), qr[r * GROUP + g]);
+    }
     const size_t kv_off = (size_t)kv * max_seq * HEAD_DIM;
-    attend(qr, k_cache + kv_off, v_cache + kv_off, 0, end, scale, &red);
+    attend_rows(qr, k_cache + kv_off, v_cache + kv_off, first_end, end, scale, &red);
 
-    for (int e = threadIdx.x; e < GROUP * HEAD_DIM; e += THREADS) {
-        const int g = e / HEAD_DIM, d = e % HEAD_DIM;
-        float m, l;
-        const float a = combine_warps(&red, g, d, m, l);
-        out_rows[row_off + e] = f2h(a / l);
+    // Query j = r * GROUP + g, dim d: element e = j * HEAD_DIM + d, written once, real rows only. A row's
+    // GROUP heads are contiguous in out_rows: e goes to (row0 + r) * row_stride + head_off + g * HEAD_DIM + d.
+    for (int e = threadIdx.x; e < rows * GROUP * HEAD_DIM; e += THREADS) {
+        const int j = e / HEAD_DIM, d = e % HEAD_DIM, r = j / GROUP;
+        float m = NEG_INF;
+#pragma unroll
+        for (int w = 0; w < WARPS; ++w) m = fmaxf(m, red.m[w][j]);
+        float a = 0.f, l = 0.f;
+#pragma unroll
+        for (int w = 0; w < WARPS; ++w) {  // the warps in a fixed order, as combine_warps()
+            const float c = exp_diff(red.m[w][j], m);
+            a += red.acc[w][j][d] * c;
+            l += red.l[w][j] * c;
+        }
+        out_rows[(size_t)(row0 + r) * row_stride + head_off + (e - r * GROUP * HEAD_DIM)] = f2h(a / l);
     }
 }

@@ -5,9 +5,25 @@
 // Shapes: A (activations, M = prompt rows 1..256) and W (weights, N up to 32000) FP16 row-major with
 // K % 8 == 0 and 16-byte aligned base pointers (every 8-half chunk of a row is one 16-byte copy);
 // C float32 row-major, row stride N. Any M >= 1, N >= 1: edge tiles are zero-filled on load and
-// bounds-checked on store. No variants.
-// Launch: grid (ceil(N / 128), ceil(M / 64)), THREADS (256) threads; see
-// GEMM_TILE_M / GEMM_TILE_N / GEMM_THREADS in cullama/plan.py.
+// bounds-checked on store. No compile-time variants.
+// Launch: grid (ceil(N / 128), ceil(M / 64), S), THREADS (256) threads; see GEMM_TILE_M / GEMM_TILE_N /
+// GEMM_THREADS and gemm_splits (which picks S) in cullama/plan.py.
+//
+// Split-K (S = gridDim.z > 1; deterministic). Block z takes K range [z Kz, min(K, (z + 1) Kz)), Kz =
+// ceil(K / S) rounded up to a multiple of TILE_K (a range may be empty: its partial is 0). Each block
+// stores its float32 partial tile into `workspace`, __threadfence()s, and bumps tile_count[tile] (tile =
+// blockIdx.y * gridDim.x + blockIdx.x) once; the block that sees S - 1 (the last to arrive) sums the S
+// partials in the fixed order z = 0, 1, ..., S - 1 (L1-bypassing loads), adds C when accumulate, stores
+// C and sets tile_count[tile] = 0 for the next launch. The sum's order never depends on which block
+// arrives last, so the result is bitwise reproducible. With S = 1 the block stores C directly and never
+// touches workspace or tile_count (any valid pointers).
+//   workspace (float32, at least S * tiles * 64 * 128 elements, tiles = gridDim.x * gridDim.y) in the
+//   fragment layout: the partial of (z, tile) is slot z * tiles + tile, 64 * 128 floats, as 16 x 256
+//   float2: float2 p * THREADS + threadIdx.x holds acc[i][j][2h], acc[i][j][2h + 1] of that thread, p =
+//   (i * MMA_N + j) * 2 + h (the C columns col, col + 1 of row r, as in the epilogue below). Writer and
+//   reader are the same thread index, so any fixed layout works; this one makes every warp's store and
+//   load one contiguous 256-byte run. Only float2s with row < M and col < N are written and read.
+//   tile_count (uint32, at least tiles elements) is all zero before a launch and after it.
 //
 // Block: a 64 x 128 tile of C, 8 warps as 2 (M) x 4 (N), each warp a 32 x 32 sub-tile = 2 x 4 MMAs of
 // m16n8k16 (32 float accumulators per thread). K advances in tiles of 32 through a STAGES-deep ring
@@ -48,6 +64,7 @@
 #define MMA_M (WARP_TILE_M / 16)  // 2 m16 tiles per warp
 #define MMA_N (WARP_TILE_N / 8)   // 4 n8 tiles per warp
 #define CHUNKS (TILE_K / 8)       // 16-byte chunks per tile row
+#define SLOT_FLOAT2 (TILE_M * TILE_N / 2)  // float2s per split-K workspace slot (one partial tile)
 
 // Shared address (32-bit, .shared window) of a generic pointer into shared memory.
 __device__ __forceinline__ uint32_t smem_addr(const void* p) {
@@ -86,20 +103,32 @@ __device__ __forceinline__ void mma_16816(float (&d)[4], const uint32_t (&a)[4],
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
-// Shared tiles, [stage][row][k] with padded rows: 3 x (64 + 128) x 40 x 2 B = 46080 B (static limit 48 KB).
+// Two floats written by another block of this launch (8-byte aligned): ld.global.cg bypasses L1, as
+// load_coherent in common.cuh. asm volatile with a memory clobber (unlike __ldcg) so that the compiler
+// never moves it above the arrival barrier and fence (ptxas remains free to batch a partial's 16 loads).
+__device__ __forceinline__ float2 load_coherent2(const float2* p) {
+    float2 v;
+    asm volatile("ld.global.cg.v2.f32 {%0, %1}, [%2];" : "=f"(v.x), "=f"(v.y) : "l"(p) : "memory");
+    return v;
+}
+
+// Shared tiles, [stage][row][k] with padded rows: 3 x (64 + 128) x 40 x 2 B = 46080 B (static limit 48 KB;
+// 46081 B with the split-K arrival flag).
 struct Tiles {
     half_t a[STAGES][TILE_M][PITCH];
     half_t w[STAGES][TILE_N][PITCH];
 };
 
-// Issue the cp.asyncs of K tile `kt` into ring slot `stage`: A rows m0..m0+63 (256 chunks, one per
-// thread) and W rows n0..n0+127 (512 chunks, two per thread). Thread tid copies chunk tid % 4 of row
-// tid / 4 (and of row tid / 4 + 64 of W): 4 consecutive threads read one row's 64 contiguous bytes.
+// Issue the cp.asyncs of K tile `kt` (columns k0 + 32 kt ..) into ring slot `stage`: A rows m0..m0+63
+// (256 chunks, one per thread) and W rows n0..n0+127 (512 chunks, two per thread). Thread tid copies
+// chunk tid % 4 of row tid / 4 (and of row tid / 4 + 64 of W): 4 consecutive threads read one row's 64
+// contiguous bytes. K is the row stride; columns at or past k1 (this block's K range end) read as 0.
 __device__ __forceinline__ void load_tile(Tiles& s, int stage, int kt, const half_t* __restrict__ A,
-                                          const half_t* __restrict__ W, int M, int N, int K, int m0, int n0) {
+                                          const half_t* __restrict__ W, int M, int N, int K, int k0, int k1,
+                                          int m0, int n0) {
     const int row = threadIdx.x / CHUNKS, chunk = threadIdx.x % CHUNKS;
-    const int k = kt * TILE_K + chunk * 8;
-    const bool k_ok = k < K;  // K % 8 == 0: a chunk is wholly inside K or wholly past it
+    const int k = k0 + kt * TILE_K + chunk * 8;
+    const bool k_ok = k < k1;  // K % 8 == 0 and k0, k1 are multiples of 8: a chunk is wholly in or out
     {
         const bool ok = k_ok && m0 + row < M;
         cp_async16(smem_addr(&s.a[stage][row][chunk * 8]), ok ? A + (size_t)(m0 + row) * K + k : A, ok);
@@ -113,14 +142,19 @@ __device__ __forceinline__ void load_tile(Tiles& s, int stage, int kt, const hal
 }
 
 extern "C" __global__ void __launch_bounds__(THREADS)
-gemm(const half_t* __restrict__ A, const half_t* __restrict__ W, float* __restrict__ C, int M, int N, int K,
-     int accumulate) {
+gemm(const half_t* __restrict__ A, const half_t* __restrict__ W, float* __restrict__ C, float* workspace,
+     unsigned int* tile_count, int M, int N, int K, int accumulate) {
     __shared__ __align__(128) Tiles s;
+    __shared__ bool is_last;
     const int m0 = blockIdx.y * TILE_M, n0 = blockIdx.x * TILE_N;
     const int lane = threadIdx.x % WARP, warp = threadIdx.x / WARP;
     const int wm = (warp / WARPS_N) * WARP_TILE_M;  // this warp's sub-tile inside the block tile
     const int wn = (warp % WARPS_N) * WARP_TILE_N;
-    const int n_ktiles = (K + TILE_K - 1) / TILE_K;
+    // This block's K range [k0, k1): all of K when S = 1.
+    const int splits = gridDim.z;
+    const int kz = ((K + splits - 1) / splits + TILE_K - 1) / TILE_K * TILE_K;
+    const int k0 = min(K, (int)blockIdx.z * kz), k1 = min(K, k0 + kz);
+    const int n_ktiles = (k1 - k0 + TILE_K - 1) / TILE_K;
 
     float acc[MMA_M][MMA_N][4];
 #pragma unroll
@@ -134,7 +168,7 @@ gemm(const half_t* __restrict__ A, const half_t* __restrict__ W, float* __restri
     // the group count, and so the wait below, uniform).
 #pragma unroll
     for (int st = 0; st < STAGES - 1; ++st) {
-        if (st < n_ktiles) load_tile(s, st, st, A, W, M, N, K, m0, n0);
+        if (st < n_ktiles) load_tile(s, st, st, A, W, M, N, K, k0, k1, m0, n0);
         cp_async_commit();
     }
 
@@ -149,7 +183,7 @@ gemm(const half_t* __restrict__ A, const half_t* __restrict__ W, float* __restri
         __syncthreads();  // also: every warp is done with tile kt - 1, whose slot is refilled next
         {
             const int next = kt + STAGES - 1;
-            if (next < n_ktiles) load_tile(s, next % STAGES, next, A, W, M, N, K, m0, n0);
+            if (next < n_ktiles) load_tile(s, next % STAGES, next, A, W, M, N, K, k0, k1, m0, n0);
             cp_async_commit();
         }
         const int stage = kt % STAGES;
@@ -172,6 +206,71 @@ gemm(const half_t* __restrict__ A, const half_t* __restrict__ W, float* __restri
 
     // Epilogue: acc[i][j][e] is C[m0 + wm + 16 i + g + 8 (e / 2)][n0 + wn + 8 j + 2 t + e % 2].
     const int g = lane / 4, t = lane % 4;
+    if (splits == 1) {
+#pragma unroll
+        for (int i = 0; i < MMA_M; ++i)
+#pragma unroll
+            for (int j = 0; j < MMA_N; ++j)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const int row = m0 + wm + i * 16 + g + (e / 2) * 8;
+                    const int col = n0 + wn + j * 8 + t * 2 + (e % 2);
+                    if (row < M && col < N) {
+                        float* c = C + (size_t)row * N + col;
+                        *c = accumulate ? *c + acc[i][j][e] : acc[i][j][e];
+                    }
+                }
+        return;
+    }
+
+    // Split-K: this block's partial into its workspace slot (layout in the header).
+    const int tiles = gridDim.x * gridDim.y, tile = blockIdx.y * gridDim.x + blockIdx.x;
+    float2* part = reinterpret_cast<float2*>(workspace) + ((size_t)blockIdx.z * tiles + tile) * SLOT_FLOAT2 +
+                   threadIdx.x;
+#pragma unroll
+    for (int i = 0; i < MMA_M; ++i)
+#pragma unroll
+        for (int j = 0; j < MMA_N; ++j)
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const int row = m0 + wm + i * 16 + g + h * 8, col = n0 + wn + j * 8 + t * 2;
+                if (row < M && col < N) {
+                    float2 v;
+                    v.x = acc[i][j][2 * h];
+                    v.y = acc[i][j][2 * h + 1];
+                    part[((i * MMA_N + j) * 2 + h) * THREADS] = v;
+                }
+            }
+
+    // Arrival: every partial store of this block is visible device-wide before its count increment.
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) is_last = atomicAdd(tile_count + tile, 1u) == (unsigned int)(splits - 1);
+    __syncthreads();
+    if (!is_last) return;
+    __threadfence();
+
+    // The last block: C = (C +) sum of the S partials, z = 0, 1, ... in order (deterministic).
+    float2 sum[MMA_M * MMA_N * 2];
+#pragma unroll
+    for (int p = 0; p < MMA_M * MMA_N * 2; ++p) sum[p].x = sum[p].y = 0.f;
+    const float2* slot = reinterpret_cast<const float2*>(workspace) + (size_t)tile * SLOT_FLOAT2 + threadIdx.x;
+    for (int z = 0; z < splits; ++z, slot += (size_t)tiles * SLOT_FLOAT2) {
+#pragma unroll
+        for (int i = 0; i < MMA_M; ++i)
+#pragma unroll
+            for (int j = 0; j < MMA_N; ++j)
+#pragma unroll
+                for (int h = 0; h < 2; ++h) {
+                    const int row = m0 + wm + i * 16 + g + h * 8, col = n0 + wn + j * 8 + t * 2;
+                    const int p = (i * MMA_N + j) * 2 + h;
+                    if (row < M && col < N) {
+                        const float2 v = load_coherent2(slot + p * THREADS);
+                        sum[p].x += v.x;
+                        sum[p].y += v.y;
+                    }
+                }
+    }
 #pragma unroll
     for (int i = 0; i < MMA_M; ++i)
 #pragma unroll
@@ -180,9 +279,12 @@ gemm(const half_t* __restrict__ A, const half_t* __restrict__ W, float* __restri
             for (int e = 0; e < 4; ++e) {
                 const int row = m0 + wm + i * 16 + g + (e / 2) * 8;
                 const int col = n0 + wn + j * 8 + t * 2 + (e % 2);
+                const float2 v = sum[(i * MMA_N + j) * 2 + e / 2];
+                const float x = e % 2 ? v.y : v.x;
                 if (row < M && col < N) {
                     float* c = C + (size_t)row * N + col;
-                    *c = accumulate ? *c + acc[i][j][e] : acc[i][j][e];
+                    *c = accumulate ? *c + x : x;
                 }
             }
+    if (threadIdx.x == 0) tile_count[tile] = 0u;
 }

@@ -6,6 +6,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from cullama import plan as plans
+from cullama.config import preset
+from cullama.engine import device_config
 from cullama.ops import attention as ops
 from cullama.registry import KernelSpec, compile_module
 
@@ -16,9 +19,13 @@ THREADS = 128
 # (head_dim, group, kv_heads, n keys, splits): n = 1 and n < splits leave splits empty.
 DECODE_CASES = [(8, 2, 4, 1, 8), (32, 4, 2, 7, 8), (128, 1, 3, 33, 4), (128, 2, 2, 100, 32), (32, 1, 2, 100, 1),
                 (8, 4, 2, 33, 5), (16, 8, 1, 517, 3), (64, 4, 2, 1000, 8)]
-# (head_dim, group, kv_heads, start, rows, buffer rows): start > 0 is a later chunk of a prompt.
-PREFILL_CASES = [(8, 2, 4, 0, 1, 4), (32, 4, 2, 0, 33, 40), (128, 1, 2, 17, 7, 8), (64, 8, 1, 100, 29, 32),
-                 (16, 1, 3, 5, 100, 100)]
+# (head_dim, group, kv_heads, start, rows, buffer rows, ROWS_Q): start > 0 is a later chunk of a prompt;
+# rows not a multiple of ROWS_Q leaves the last block part empty; ROWS_Q as the plan picks it
+# (plans.attention_rows_q: max(1, 4 // group)) except the last three, which tile more.
+PREFILL_CASES = [(8, 2, 4, 0, 1, 4, 2), (32, 4, 2, 0, 33, 40, 1), (128, 1, 2, 17, 7, 8, 4), (64, 8, 1, 100, 29, 32, 1),
+                 (16, 1, 3, 5, 100, 100, 4), (128, 1, 3, 0, 37, 40, 4), (64, 2, 2, 61, 19, 24, 2),
+                 (8, 8, 1, 3, 5, 8, 1), (32, 1, 2, 250, 6, 8, 4), (128, 1, 2, 9, 21, 24, 8), (32, 4, 2, 1, 11, 12, 2),
+                 (16, 2, 2, 0, 13, 16, 4)]
 
 
 def reference(q, k, v, scale):
@@ -76,9 +83,14 @@ def run_decode_twin(q, k, v, state, max_seq, scale, splits):
     return part, count, out
 
 
-def run_prefill_twin(q_rows, k, v, start, rows, max_seq, scale):
+def prefill_grid(kv_heads, rows, rows_q):
+    return kv_heads, -(-rows // rows_q), 1
+
+
+def run_prefill_twin(q_rows, k, v, start, rows, max_seq, scale, rows_q=1):
     out_rows = np.full(q_rows.shape, np.nan, np.float16)
-    ops.attention_prefill(q_rows, k, v, out_rows, start, max_seq, scale, grid=(k.shape[0], rows, 1))
+    ops.attention_prefill(q_rows, k, v, out_rows, start, rows, max_seq, scale,
+                          grid=prefill_grid(k.shape[0], rows, rows_q))
     return out_rows
 
 
@@ -119,13 +131,21 @@ def test_decode_twin_ignores_split_count():
         np.testing.assert_allclose(out, outs[0], rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("hd,group,kv_heads,start,rows,buffer_rows", PREFILL_CASES)
-def test_prefill_twin(hd, group, kv_heads, start, rows, buffer_rows):
+@pytest.mark.parametrize("hd,group,kv_heads,start,rows,buffer_rows,rows_q", PREFILL_CASES)
+def test_prefill_twin(hd, group, kv_heads, start, rows, buffer_rows, rows_q):
     q_rows, k, v, max_seq, scale = prefill_inputs(hd, group, kv_heads, start, rows, buffer_rows)
-    out_rows = run_prefill_twin(q_rows, k, v, start, rows, max_seq, scale)
+    out_rows = run_prefill_twin(q_rows, k, v, start, rows, max_seq, scale, rows_q)
     expected = prefill_reference(q_rows, k, v, start, rows, float(scale))
     np.testing.assert_allclose(out_rows[:rows].astype(np.float64), expected, rtol=2e-3, atol=2e-3)
-    assert np.isnan(out_rows[rows:]).all()  # rows beyond the launch's grid are not written
+    assert np.isnan(out_rows[rows:]).all()  # rows >= n_rows are not written, whatever the grid covers
+
+
+def test_prefill_twin_rows_come_from_n_rows():
+    """The grid's second axis counts blocks of ROWS_Q rows: the twin's rows are n_rows, whatever it is."""
+    q_rows, k, v, max_seq, scale = prefill_inputs(32, 2, 2, 3, 13, 16)
+    outs = [run_prefill_twin(q_rows, k, v, 3, 13, max_seq, scale, rows_q) for rows_q in (1, 2, 4, 8)]
+    for out in outs[1:]:
+        np.testing.assert_array_equal(out, outs[0])
 
 
 def test_prefill_twin_is_causal():
@@ -157,18 +177,42 @@ def test_compiles_without_spills(defines):
     assert set(resources) == {"attention_decode", "attention_prefill"}
     for name, res in resources.items():
         assert not res.spills, (name, res)
+    d = dict(defines)
+    if d["ROWS_Q"] * d["GROUP"] <= plans.ATTENTION_PREFILL_QUERIES:  # the plan's tiling: 4 blocks per SM
+        assert resources["attention_prefill"].registers <= 128, resources["attention_prefill"]
 
 
 def test_variants_cover_every_head_dim_and_group():
     chosen = [dict(d) for d in ops.VARIANTS]
     assert {d["HEAD_DIM"] for d in chosen} == {8, 16, 32, 64, 128}
     assert {d["GROUP"] for d in chosen} == {1, 2, 4, 8}
-    assert len(chosen) <= 12
+    assert len(chosen) < 16
+    for d in chosen[:11]:  # the plan's own ROWS_Q for every (HEAD_DIM, GROUP) listed
+        assert d["ROWS_Q"] == max(1, plans.ATTENTION_PREFILL_QUERIES // d["GROUP"]), d
+
+
+@pytest.mark.parametrize("name", ["llama-2-7b", "tiny"])
+@pytest.mark.parametrize("n", [1, 3, 4, 37, 256])
+def test_prefill_launch_tiles_rows(name, n):
+    """The plan's attention_prefill: ROWS_Q only in its spec (not decode's), a compiled variant, and a
+    grid whose ceil(n / ROWS_Q) blocks of ROWS_Q rows cover the n rows, none of them empty."""
+    cfg = device_config(preset(name))
+    launches = {l.spec.name: l for l in plans.prefill_plan(cfg, 512, 64, n, "none").launches}
+    launch = launches["attention_prefill"]
+    rows_q = dict(launch.spec.defines)["ROWS_Q"]
+    assert rows_q == plans.attention_rows_q(cfg) == max(1, 4 // cfg.group_size)
+    assert launch.spec.defines in ops.VARIANTS
+    assert launch.grid == (cfg.num_kv_heads, -(-n // rows_q), 1)
+    assert (launch.grid[1] - 1) * rows_q < n <= launch.grid[1] * rows_q
+    assert int(launch.args[5]) == n  # n_rows
+    decode = {l.spec.name: l for l in plans.decode_plan(cfg, 512).launches}["attention_decode"]
+    assert "ROWS_Q" not in dict(decode.spec.defines)
 
 
 # -- GPU: the kernels against the twins -----------------------------------------------------------
-def _spec(name, hd, group):
-    return KernelSpec("attention.cu", name, (("HEAD_DIM", hd), ("GROUP", group)))
+def _spec(name, hd, group, rows_q=None):
+    defines = (("HEAD_DIM", hd), ("GROUP", group)) + ((("ROWS_Q", rows_q),) if rows_q else ())
+    return KernelSpec("attention.cu", name, defines)
 
 
 @pytest.mark.gpu
@@ -197,19 +241,44 @@ def test_decode_kernel(kernels, hd, group, kv_heads, n, splits):
     assert (d_count.get() == 0).all()
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("hd,group,kv_heads,start,rows,buffer_rows", PREFILL_CASES)
-def test_prefill_kernel(kernels, hd, group, kv_heads, start, rows, buffer_rows):
+def _run_prefill_kernel(kernels, q_rows, k, v, start, rows, max_seq, scale, hd, group, rows_q, extra_blocks=0):
     import cupy as cp
 
-    q_rows, k, v, max_seq, scale = prefill_inputs(hd, group, kv_heads, start, rows, buffer_rows, seed=rows)
-    expected = run_prefill_twin(q_rows, k, v, start, rows, max_seq, scale)
+    kv_heads = k.shape[0]
     d_out = poisoned(cp, q_rows.shape, np.float16)
-    kernels.function(_spec("attention_prefill", hd, group))(
-        (kv_heads, rows), (THREADS,),
-        (cp.asarray(q_rows), cp.asarray(k), cp.asarray(v), d_out, np.int32(start), np.int32(max_seq),
-         np.float32(scale)))
-    got = d_out.get()
+    grid = prefill_grid(kv_heads, rows, rows_q)
+    kernels.function(_spec("attention_prefill", hd, group, rows_q))(
+        (grid[0], grid[1] + extra_blocks), (THREADS,),
+        (cp.asarray(q_rows), cp.asarray(k), cp.asarray(v), d_out, np.int32(start), np.int32(rows),
+         np.int32(max_seq), np.float32(scale)))
+    return d_out.get()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("hd,group,kv_heads,start,rows,buffer_rows,rows_q", PREFILL_CASES)
+def test_prefill_kernel(kernels, hd, group, kv_heads, start, rows, buffer_rows, rows_q):
+    q_rows, k, v, max_seq, scale = prefill_inputs(hd, group, kv_heads, start, rows, buffer_rows, seed=rows)
+    expected = run_prefill_twin(q_rows, k, v, start, rows, max_seq, scale, rows_q)
+    got = _run_prefill_kernel(kernels, q_rows, k, v, start, rows, max_seq, scale, hd, group, rows_q)
     np.testing.assert_allclose(got[:rows].astype(np.float32), expected[:rows].astype(np.float32),
                                rtol=2e-3, atol=2e-3)
-    assert np.isnan(got[rows:].astype(np.float32)).all()
+    assert not np.isnan(got[:rows].astype(np.float32)).any()  # every (row, head) written
+    assert np.isnan(got[rows:].astype(np.float32)).all()  # rows >= n_rows untouched
+
+
+@pytest.mark.gpu
+def test_prefill_kernel_tiling(kernels):
+    """ROWS_Q changes which block computes a row (and the keys per batch), not the result: 1, 2, 4 and 8
+    rows a block agree; a grid taller than needed (whole blocks past n_rows) gives the same bits and
+    writes nothing more."""
+    hd, group, start, rows = 64, 1, 40, 23
+    q_rows, k, v, max_seq, scale = prefill_inputs(hd, group, 3, start, rows, 32, seed=5)
+    run = lambda rows_q, extra=0: _run_prefill_kernel(kernels, q_rows, k, v, start, rows, max_seq, scale,  # noqa: E731
+                                                      hd, group, rows_q, extra)
+    base = run(4)
+    for rows_q in (1, 2, 8):
+        np.testing.assert_allclose(run(rows_q)[:rows].astype(np.float32), base[:rows].astype(np.float32),
+                                   rtol=2e-3, atol=2e-3)
+    taller = run(4, extra=3)
+    np.testing.assert_array_equal(taller[:rows], base[:rows])
+    assert np.isnan(taller[rows:].astype(np.float32)).all()

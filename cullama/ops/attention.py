@@ -1,9 +1,11 @@
 """Twins of kernels_cu/attention.cu: softmax(q·K^T * scale)·V over the KV cache, decode and prefill.
 
-Convention for twins whose kernel reads its extent from the launch grid (attention_prefill: one
-block row per prompt row, and the row count is no kernel argument): the twin declares a keyword-only
-parameter `grid`, and the numpy backend passes the launch's grid (a 3-tuple) as `grid=` to every twin
-that declares it. HEAD_DIM and GROUP are never arguments: they follow from the arrays' shapes.
+Convention for twins whose kernel reads its extent from the launch grid: the twin declares a
+keyword-only parameter `grid`, and the numpy backend passes the launch's grid (a 3-tuple) as `grid=`
+to every twin that declares it. attention_prefill takes its kv-head count (the row stride) from
+grid[0], as the kernel does from gridDim.x; its row count is the argument n_rows (grid[1] counts
+blocks of ROWS_Q rows, a compile-time define the twin never needs). HEAD_DIM and GROUP are never
+arguments: they follow from the arrays' shapes.
 """
 
 from __future__ import annotations
@@ -11,10 +13,13 @@ from __future__ import annotations
 import numpy as np
 
 SOURCE = "attention.cu"
-# (HEAD_DIM, GROUP): the shipped configs first (llama-2-7b, tiny-gqa, tiny-mha, stories260K), then
-# enough others that every HEAD_DIM and every GROUP compiles at least once.
-VARIANTS = [(("HEAD_DIM", hd), ("GROUP", g)) for hd, g in
-            ((128, 1), (32, 4), (32, 1), (8, 2), (128, 8), (128, 4), (64, 8), (64, 2), (16, 4), (16, 1), (8, 8))]
+# (HEAD_DIM, GROUP, ROWS_Q): the shipped configs first (llama-2-7b, tiny-gqa, tiny-mha, stories260K), then
+# enough others that every HEAD_DIM and every GROUP compiles at least once, each with the ROWS_Q that
+# cullama.plan.attention_rows_q gives its GROUP (max(1, 4 // GROUP); attention_decode ignores ROWS_Q);
+# then two that tile more rows than the plan does (8 queries a block: ~215 registers, still no spills).
+VARIANTS = [(("HEAD_DIM", hd), ("GROUP", g), ("ROWS_Q", r)) for hd, g, r in
+            ((128, 1, 4), (32, 4, 1), (32, 1, 4), (8, 2, 2), (128, 8, 1), (128, 4, 1), (64, 8, 1), (64, 2, 2),
+             (16, 4, 1), (16, 1, 4), (8, 8, 1), (128, 1, 8), (32, 4, 2))]
 
 
 def _split_state(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float):
@@ -59,10 +64,11 @@ def attention_decode(q, k_cache, v_cache, part, count, out, state, max_seq, scal
     count[:kv_heads] = 0
 
 
-def attention_prefill(q_rows, k_cache, v_cache, out_rows, start, max_seq, scale, *, grid):
-    """out_rows[r] (f16) = attention of q_rows[r] [heads*hd] f16 over keys 0..start+r, for the
-    grid[1] rows of the launch; k_cache/v_cache [kv_heads, max_seq, hd] f16 already hold the chunk."""
-    kv_heads, rows = int(grid[0]), int(grid[1])
+def attention_prefill(q_rows, k_cache, v_cache, out_rows, start, n_rows, max_seq, scale, *, grid):
+    """out_rows[r] (f16) = attention of q_rows[r] [heads*hd] f16 over keys 0..start+r, for rows
+    r < n_rows (rows beyond are left as they are); k_cache/v_cache [kv_heads, max_seq, hd] f16 already
+    hold the chunk. grid[0] is the kv-head count; grid[1] (blocks of ROWS_Q rows) does not matter here."""
+    kv_heads, rows = int(grid[0]), int(n_rows)
     hd = k_cache.shape[2]
     group = q_rows.shape[1] // (kv_heads * hd)
     end = min(int(start) + rows, int(max_seq))  # keys any row sees

@@ -8,10 +8,13 @@ SOURCE = "gemm.cu"
 VARIANTS = [()]  # no compile-time constants: the tile shape is GEMM_TILE_M / GEMM_TILE_N in cullama/plan.py
 
 
-def gemm(A, W, C, M, N, K, accumulate):
+def gemm(A, W, C, workspace, tile_count, M, N, K, accumulate):
     """C[:M, :N] (+)= A[:M, :K] · W[:N, :K]^T in float32 from the FP16 inputs (+= when accumulate != 0).
 
     A [rows >= M, K] FP16, W [N, K] FP16, C [rows >= M, N] float32 (row stride N, as in the kernel).
+    workspace (float32) and tile_count (uint32) are the kernel's split-K scratch: the kernel leaves
+    tile_count all zero and workspace holds nothing anyone reads afterwards, so the twin (which does
+    not split K: the split changes only the float32 summation order) leaves both untouched.
     """
     prod = A[:M, :K].astype(np.float32) @ W[:N, :K].astype(np.float32).T  # [M, N]
     if accumulate:

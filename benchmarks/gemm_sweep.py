@@ -1,0 +1,181 @@
+"""GEMM sweep: the prefill GEMM (gemm.cu) with and without split-K on the LLaMA-2-7B prefill shapes.
+
+    python benchmarks/gemm_sweep.py [--json FILE] [--rows 1,10,64,256] [--splits 2,4] [--trials N]
+
+For each prefill matrix of LLaMA-2-7B (qkv 12288x4096, o_proj 4096x4096, gate_up 22016x4096,
+down 4096x11008; o_proj and down accumulate into the residual, as in the plan) and each prompt
+length M in --rows, times gemm.cu at S = 1 (no split), at the S that cullama.plan.gemm_splits picks
+(marked "plan"), and at each S in --splits. Launches are captured in a CUDA graph that rotates over
+copies of the weight matrix totalling several times the L2, so no launch finds its weights in the
+cache; CUDA events time the replays. GB/s counts the FP16 weight bytes once per launch (what a
+short prompt's GEMM is bound by); TFLOP/s is 2 M N K per launch; % is of the read bandwidth as
+`cullama bench` measures it. Before timing, each S is checked: S = 1 against the NumPy twin (M <= 64;
+the GPU tests cover the rest), every S against S = 1 (float32 rounding), and S > 1 against itself
+on a rerun (bitwise: the split-K is deterministic). Run it on a GPU; without one it says so in one line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import sys
+
+import numpy as np
+
+from cullama import plan as plans
+from cullama.config import preset
+from cullama.errors import CullamaError
+from cullama.ops import gemm as twin
+from gemv_sweep import events_ms, random_fp16, read_bandwidth, require_gpu
+
+TILE_FLOATS = plans.GEMM_TILE_M * plans.GEMM_TILE_N  # one partial tile in the split-K workspace
+
+
+def shapes(cfg):
+    """(label, N, K, accumulate) of each prefill GEMM of a layer, as prefill_plan launches them."""
+    d, ff = cfg.hidden_size, cfg.intermediate_size
+    return [(f"qkv {cfg.qkv_dim}x{d}", cfg.qkv_dim, d, 0),
+            (f"o_proj {d}x{cfg.q_dim}", d, cfg.q_dim, 1),
+            (f"gate_up {2 * ff}x{d}", 2 * ff, d, 0),
+            (f"down {d}x{ff}", d, ff, 1)]
+
+
+def launcher(cp, fn, A, C, workspace, count, M, N, K, accumulate, splits):
+    grid = (plans.cdiv(N, plans.GEMM_TILE_N), plans.cdiv(M, plans.GEMM_TILE_M), splits)
+    scalars = (np.int32(M), np.int32(N), np.int32(K), np.int32(accumulate))
+    return lambda W: fn(grid, (plans.GEMM_THREADS,), (A, W, C, workspace, count) + scalars)
+
+
+def sweep_shape(cp, loader, label, N, K, accumulate, args) -> list[dict]:
+    fn = loader.function(plans.GEMM)
+    nbytes = 2 * N * K
+    l2 = cp.cuda.runtime.getDeviceProperties(cp.cuda.Device().id)["l2CacheSize"]
+    n_copies = max(3, math.ceil(args.l2_multiple * l2 / nbytes))
+    copies = [random_fp16(cp, loader, (N, K), seed=1 + i) for i in range(n_copies)]
+    W_host = None  # copies[0] on the host as float16, fetched once for the twin
+    launches = n_copies * math.ceil(args.launches / n_copies)
+    stream = cp.cuda.Stream(non_blocking=True)
+    rng = np.random.default_rng(0)
+    rows = []
+    for M in args.rows:
+        plan_s = plans.gemm_splits(M, N, K)
+        candidates = sorted({1, plan_s, *args.splits})
+        tiles = plans.cdiv(N, plans.GEMM_TILE_N) * plans.cdiv(M, plans.GEMM_TILE_M)
+        A = random_fp16(cp, loader, (M, K), seed=1000 + M, std=1.0)
+        C0 = rng.standard_normal((M, N)).astype(np.float32)
+        C = cp.asarray(C0)
+        workspace = cp.zeros(max(candidates) * tiles * TILE_FLOATS, dtype=cp.float32)
+        count = cp.zeros(tiles, dtype=cp.uint32)
+        cp.cuda.Device().synchronize()  # made on the default stream; used on `stream`
+        results = {}
+        for splits in candidates:
+            run = launcher(cp, fn, A, C, workspace, count, M, N, K, accumulate, splits)
+            outs = []
+            with stream:
+                for _ in range(2 if splits > 1 else 1):  # S > 1 twice: bitwise the same
+                    C.set(C0, stream=stream)
+                    run(copies[0])
+                    outs.append(C.get(stream=stream))
+            stream.synchronize()
+            results[splits] = outs[0]
+            ok, notes = bool(np.isfinite(outs[0]).all() and not count.get().any()), []
+            if splits == 1 and M <= 64:
+                if W_host is None:
+                    W_host = copies[0].get()
+                ref = C0.copy()
+                twin.gemm(A.get(), W_host, ref, None, None, M, N, K, accumulate)
+                err = float(np.linalg.norm(outs[0] - ref) / np.linalg.norm(ref - (C0 if accumulate else 0)))
+                ok &= err <= 1e-3
+                notes.append(f"twin rel err {err:.1e}")
+            if splits > 1:
+                diff = float(np.max(np.abs(outs[0] - results[1])) / max(float(np.max(np.abs(results[1]))), 1e-30))
+                ok &= diff <= 1e-5
+                notes.append(f"vs S=1 {diff:.1e}")
+                same = bool(np.array_equal(outs[0], outs[1]))
+                ok &= same
+                if not same:
+                    notes.append("NOT DETERMINISTIC")
+            with stream:
+                stream.begin_capture()
+                try:
+                    for i in range(launches):
+                        run(copies[i % n_copies])
+                finally:
+                    graph = stream.end_capture()
+                graph.launch(stream)  # warm-up
+                per_launch = [events_ms(cp, stream, lambda: graph.launch(stream), 1) / launches
+                              for _ in range(args.trials)]
+            us = statistics.median(per_launch) * 1e3
+            rows.append({"shape": label, "M": M, "N": N, "K": K, "accumulate": accumulate, "splits": splits,
+                         "plan_splits": plan_s, "tiles": tiles, "blocks": tiles * splits, "us": us,
+                         "us_min": min(per_launch) * 1e3, "us_max": max(per_launch) * 1e3,
+                         "gb_s": nbytes / us / 1e3, "tflop_s": 2 * M * N * K / us / 1e6, "weight_bytes": nbytes,
+                         "copies": n_copies, "launches_per_graph": launches, "check_ok": ok,
+                         "check": "; ".join(notes)})
+        base = next(r["us"] for r in rows if r["shape"] == label and r["M"] == M and r["splits"] == 1)
+        for r in rows:
+            if r["shape"] == label and r["M"] == M:
+                r["speedup_vs_s1"] = base / r["us"]
+        del A, C, workspace, count
+    del copies
+    cp.get_default_memory_pool().free_all_blocks()
+    return rows
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--json", metavar="FILE", help="write every row and the environment here")
+    ints = lambda text: [int(x) for x in text.split(",") if x]  # noqa: E731
+    parser.add_argument("--rows", type=ints, default=[1, 10, 64, 256], help="prompt rows M (comma-separated)")
+    parser.add_argument("--splits", type=ints, default=[2, 4], help="split counts timed besides 1 and the plan's")
+    parser.add_argument("--trials", type=int, default=10, help="timed graph replays per case (median)")
+    parser.add_argument("--launches", type=int, default=24, help="launches per captured graph (at least)")
+    parser.add_argument("--l2-multiple", type=float, default=4.0,
+                        help="weight copies totalling at least this many times the L2")
+    args = parser.parse_args(argv)
+    require_gpu("gemm_sweep")
+    import cupy as cp
+
+    from cullama.device import environment
+    from cullama.registry import KernelLoader
+
+    try:
+        cfg, loader = preset("llama-2-7b"), KernelLoader()
+        bps, bandwidth = read_bandwidth()
+        print(f"read bandwidth: {bps / 1e9:.0f} GB/s (cullama.bench.measure_bandwidth, {bandwidth['statistic']}); "
+              f"GEMM_SPLIT_K={plans.GEMM_SPLIT_K}")
+        rows = []
+        for label, N, K, accumulate in shapes(cfg):
+            rows += sweep_shape(cp, loader, label, N, K, accumulate, args)
+    except CullamaError as exc:
+        sys.exit(f"gemm_sweep: {exc}")
+    best = {}
+    for r in rows:
+        r["pct_read_bw"] = 100 * r["gb_s"] * 1e9 / bps
+        key = (r["shape"], r["M"])
+        if r["check_ok"] and r["us"] < best.get(key, {"us": math.inf})["us"]:
+            best[key] = r
+    print(f"{'shape':<20} {'M':>4} {'S':>2} {'blocks':>6} {'us':>8} {'min-max us':>15} {'GB/s':>6} {'% bw':>6} "
+          f"{'TFLOP/s':>7} {'x S=1':>6}  check")
+    for r in rows:
+        mark = ("*" if best.get((r["shape"], r["M"])) is r else " ") + ("p" if r["splits"] == r["plan_splits"] else " ")
+        spread = f"{r['us_min']:.1f}-{r['us_max']:.1f}"
+        check = ("ok" if r["check_ok"] else "WRONG") + (f" ({r['check']})" if r["check"] else "")
+        print(f"{r['shape']:<20} {r['M']:>4} {r['splits']:>2} {r['blocks']:>6} {r['us']:>8.1f} {spread:>15} "
+              f"{r['gb_s']:>6.0f} {r['pct_read_bw']:>5.1f}% {r['tflop_s']:>7.1f} {r['speedup_vs_s1']:>5.2f}x"
+              f"{mark} {check}")
+    print("* fastest correct S per shape and M; p: the S that cullama.plan.gemm_splits picks")
+    agree = sum(best[k]["splits"] == best[k]["plan_splits"] for k in best)
+    print(f"the plan's S is the fastest in {agree} of {len(best)} cases")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"read_bandwidth_bytes_per_s": bps, "bandwidth": bandwidth, "environment": environment(),
+                       "gemm_split_k": plans.GEMM_SPLIT_K, "rows": rows}, f, indent=1)
+        print(f"wrote {args.json}")
+    return 0 if all(r["check_ok"] for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
