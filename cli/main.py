@@ -67,37 +67,31 @@ def parse_ids(text: str) -> list[int]:
         raise click.BadParameter(f"{text!r} is not a list of integers", param_hint="--prompt-ids") from None
 
 
-@main.command()
-@click.option("--model", "model_dir", required=True, type=click.Path(), help="HF LLaMA checkpoint directory.")
-@click.argument("prompt", required=False)
-@click.option("--prompt-ids", help="Token ids instead of text, e.g. '1,450,7483'.")
-@click.option("--max-new-tokens", default=256, show_default=True, type=int)
-@click.option("--temperature", default=0.0, show_default=True, type=float, help="0 = greedy.")
-@click.option("--top-k", default=0, show_default=True, type=int, help="0 = off.")
-@click.option("--top-p", default=1.0, show_default=True, type=float, help="1 = off.")
-@click.option("--repetition-penalty", default=1.0, show_default=True, type=float)
-@click.option("--seed", type=int, help="Seed for sampling (reproducible); random when omitted.")
-@click.option("--stop", multiple=True, help="Stop when this text appears (repeatable).")
-@click.option("--ignore-eos", is_flag=True, help="Keep generating past the end-of-sequence token.")
-@click.option("--chat", is_flag=True, help="Wrap the prompt in the LLaMA-2 chat template.")
-@click.option("--system", help="System prompt for --chat.")
-@click.option("--device", default="auto", show_default=True, type=click.Choice(["auto", "cpu", "cuda"]))
-@click.option("--max-seq-len", type=int, help="Context to allocate (default: the model's).")
-@click.option("--tokenizer", type=click.Path(), help="tokenizer.model to use instead of the checkpoint's.")
-@click.option("--json", "as_json", is_flag=True, help="Print one JSON object: ids, text, finish reason, timings.")
-@friendly_errors
-def generate(model_dir, prompt, prompt_ids, max_new_tokens, temperature, top_k, top_p, repetition_penalty,
-             seed, stop, ignore_eos, chat, system, device, max_seq_len, tokenizer, as_json):
-    """Generate text from PROMPT (or standard input; an empty prompt starts from BOS alone)."""
-    from ..llama import Llama
-    from ..errors import PromptError
+def shared_options(command):
+    """The options `generate` and `chat` share: the model, the device and the sampling."""
+    options = [
+        click.option("--model", "model_dir", required=True, type=click.Path(), help="HF LLaMA checkpoint directory."),
+        click.option("--max-new-tokens", default=256, show_default=True, type=int),
+        click.option("--temperature", default=0.0, show_default=True, type=float, help="0 = greedy."),
+        click.option("--top-k", default=0, show_default=True, type=int, help="0 = off."),
+        click.option("--top-p", default=1.0, show_default=True, type=float, help="1 = off."),
+        click.option("--repetition-penalty", default=1.0, show_default=True, type=float),
+        click.option("--seed", type=int, help="Seed for sampling (reproducible); random when omitted."),
+        click.option("--stop", multiple=True, help="Stop when this text appears (repeatable)."),
+        click.option("--ignore-eos", is_flag=True, help="Keep generating past the end-of-sequence token."),
+        click.option("--device", default="auto", show_default=True, type=click.Choice(["auto", "cpu", "cuda"])),
+        click.option("--max-seq-len", type=int, help="Context to allocate (default: the model's)."),
+        click.option("--tokenizer", type=click.Path(), help="tokenizer.model to use instead of the checkpoint's."),
+        click.option("--json", "as_json", is_flag=True, help="Print JSON: ids, text, finish reason, timings."),
+    ]
+    for option in reversed(options):
+        command = option(command)
+    return command
 
-    if prompt is not None and prompt_ids is not None:
-        raise PromptError("give either PROMPT or --prompt-ids, not both")
-    if system is not None and not chat:
-        raise PromptError("--system needs --chat")
-    if prompt is None and prompt_ids is None:
-        prompt = "" if sys.stdin is None or sys.stdin.isatty() else sys.stdin.read().rstrip("\n")
+
+def load(model_dir, device, max_seq_len, tokenizer):
+    """The model, with a progress bar while the weights load and its notes said once."""
+    from ..llama import Llama
 
     progress = LoadProgress("loading weights")
     try:
@@ -107,15 +101,11 @@ def generate(model_dir, prompt, prompt_ids, max_new_tokens, temperature, top_k, 
         progress.close()
     for note in llm.notes:
         click.echo(f"note: {note}", err=True)
-    if prompt_ids is not None:
-        request = parse_ids(prompt_ids)
-    elif chat:
-        request = llm.chat_ids([{"role": "user", "content": prompt}], system=system)
-    else:
-        request = prompt
-    stream = llm.stream(request, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
-                        top_p=top_p, repetition_penalty=repetition_penalty, seed=seed, stop=stop,
-                        ignore_eos=ignore_eos)
+    return llm
+
+
+def stream_out(stream, as_json: bool) -> None:
+    """Print the pieces as they become final; Ctrl-C keeps what was printed and exits with 130."""
     try:
         for piece in stream:
             if not as_json:
@@ -125,6 +115,40 @@ def generate(model_dir, prompt, prompt_ids, max_new_tokens, temperature, top_k, 
             click.echo("")
         click.echo("interrupted", err=True)
         sys.exit(130)
+
+
+def sampling(kwargs: dict) -> dict:
+    keys = ("max_new_tokens", "temperature", "top_k", "top_p", "repetition_penalty", "seed", "stop", "ignore_eos")
+    return {k: kwargs[k] for k in keys}
+
+
+@main.command()
+@shared_options
+@click.argument("prompt", required=False)
+@click.option("--prompt-ids", help="Token ids instead of text, e.g. '1,450,7483'.")
+@click.option("--chat", is_flag=True, help="Wrap the prompt in the LLaMA-2 chat template.")
+@click.option("--system", help="System prompt for --chat.")
+@friendly_errors
+def generate(model_dir, prompt, prompt_ids, chat, system, device, max_seq_len, tokenizer, as_json, **kwargs):
+    """Generate text from PROMPT (or standard input; an empty prompt starts from BOS alone)."""
+    from ..errors import PromptError
+
+    if prompt is not None and prompt_ids is not None:
+        raise PromptError("give either PROMPT or --prompt-ids, not both")
+    if system is not None and not chat:
+        raise PromptError("--system needs --chat")
+    if prompt is None and prompt_ids is None:
+        prompt = "" if sys.stdin is None or sys.stdin.isatty() else sys.stdin.read().rstrip("\n")
+
+    llm = load(model_dir, device, max_seq_len, tokenizer)
+    if prompt_ids is not None:
+        request = parse_ids(prompt_ids)
+    elif chat:
+        request = llm.chat_ids([{"role": "user", "content": prompt}], system=system)
+    else:
+        request = prompt
+    stream = llm.stream(request, **sampling(kwargs))
+    stream_out(stream, as_json)
     result = stream.result
     if as_json:
         click.echo(json.dumps({**result.to_dict(), "device": llm.device}))
@@ -132,6 +156,34 @@ def generate(model_dir, prompt, prompt_ids, max_new_tokens, temperature, top_k, 
         click.echo(" ".join(map(str, result.token_ids)))
     else:
         click.echo("")
+
+
+@main.command()
+@shared_options
+@click.option("--system", help="System prompt for the whole conversation.")
+@friendly_errors
+def chat(model_dir, system, device, max_seq_len, tokenizer, as_json, **kwargs):
+    """A multi-turn LLaMA-2 chat: each line of standard input is a user turn; replies stream back.
+
+    The whole conversation goes through the chat template at every turn; an empty line is skipped,
+    end of input ends the conversation."""
+    llm = load(model_dir, device, max_seq_len, tokenizer)
+    interactive = sys.stdin is not None and sys.stdin.isatty()
+    messages: list[dict] = []
+    while True:
+        if interactive:
+            click.echo("> ", nl=False, err=True)
+        line = sys.stdin.readline()
+        if not line:
+            break
+        if not line.strip():
+            continue
+        messages.append({"role": "user", "content": line.strip()})
+        stream = llm.stream(llm.chat_ids(messages, system=system), **sampling(kwargs))
+        stream_out(stream, as_json)
+        result = stream.result
+        messages.append({"role": "assistant", "content": result.text})
+        click.echo(json.dumps({**result.to_dict(), "device": llm.device}) if as_json else "")
 
 
 @main.command()

@@ -103,15 +103,23 @@ def test_truncated_weights(tmp_path):
     one_line_error(run("generate", "--model", tmp_path, "--device", "cpu", "--prompt-ids", "1"), "model.safetensors")
 
 
-def test_chat_template_with_the_llama2_tokenizer(tmp_path):
+@pytest.fixture
+def chat_model(tmp_path):
+    """A random model with LLaMA-2's vocabulary, and the real LLaMA-2 tokenizer."""
     from cullama.config import LlamaConfig
-    from cullama.tokenizer import Tokenizer
     from conftest import shared_path
 
     tokenizer = shared_path("tokenizers", "llama2", "tokenizer.model")
     cfg = LlamaConfig(vocab_size=32000, hidden_size=32, intermediate_size=48, num_layers=1, num_heads=2,
-                      num_kv_heads=1, head_dim=16, max_seq_len=128, name="chat-test")
+                      num_kv_heads=1, head_dim=16, max_seq_len=256, name="chat-test")
     write_random(tmp_path, cfg, seed=3)
+    return tmp_path, tokenizer
+
+
+def test_chat_template_with_the_llama2_tokenizer(chat_model):
+    from cullama.tokenizer import Tokenizer
+
+    tmp_path, tokenizer = chat_model
     result = run("generate", "--model", tmp_path, "--tokenizer", tokenizer, "--device", "cpu", "--chat",
                  "--system", "Be brief.", "--max-new-tokens", 3, "--json", "Hi there")
     assert result.exit_code == 0, result.output
@@ -134,3 +142,16 @@ def test_ctrl_c_keeps_what_was_printed(stories_dir, monkeypatch):
     result = run("generate", "--model", stories_dir, "--device", "cpu", "")
     assert result.exit_code == 130
     assert result.stdout.startswith("Once upon") and "interrupted" in result.stderr
+
+
+def test_chat_command_keeps_the_conversation(chat_model):
+    from cullama.tokenizer import Tokenizer
+
+    model, tokenizer = chat_model
+    result = run("chat", "--model", model, "--tokenizer", tokenizer, "--device", "cpu", "--system", "Be brief.",
+                 "--max-new-tokens", 4, "--json", input="Hi there\n\nAnd then?\n")
+    assert result.exit_code == 0, result.output
+    first, second = (json.loads(line) for line in result.stdout.splitlines())
+    history = [{"role": "user", "content": "Hi there"}, {"role": "assistant", "content": first["text"]},
+               {"role": "user", "content": "And then?"}]
+    assert second["prompt_ids"] == Tokenizer(tokenizer).chat_ids(history, system="Be brief.")
