@@ -36,7 +36,6 @@
 #ifndef UNROLL
 #define UNROLL (GROUP >= 4 ? 2 : 4)              // keys per lane group per batch (loads in flight)
 #endif
-#define KEYS_PER_ITER (LANE_GROUPS * UNROLL)
 #define PART_STRIDE (HEAD_DIM + 2)
 
 #if HEAD_DIM < 8 || HEAD_DIM > 128 || (HEAD_DIM & (HEAD_DIM - 1))
@@ -49,80 +48,86 @@
 // e^(a - b), where a may be -inf (an empty state or a masked key) and b >= a: 0 then, never NaN.
 __device__ __forceinline__ float exp_diff(float a, float b) { return a == NEG_INF ? 0.f : expf(a - b); }
 
-// Each warp's softmax state of the GROUP heads (acc rows stay 16-byte aligned for float4 stores).
-struct BlockState {
-    float acc[WARPS][GROUP][HEAD_DIM];
-    float m[WARPS][GROUP];
-    float l[WARPS][GROUP];
+// Each warp's softmax state of NQ queries (acc rows stay 16-byte aligned for float4 stores).
+template <int NQ>
+struct State {
+    float acc[WARPS][NQ][HEAD_DIM];
+    float m[WARPS][NQ];
+    float l[WARPS][NQ];
 };
 
-// Online softmax of the GROUP heads in q over keys [begin, end) of one kv head. q holds this lane's
-// 8 dimensions (sub * 8 ..) of each head. On return (after a barrier) red holds each warp's state;
+// Online softmax of the NQ queries in q over keys [begin, end) of one kv head, UNR keys per lane group
+// per batch. q holds this lane's 8 dimensions (sub * 8 ..) of each query. CAUSAL (prefill): query j is
+// row j / GROUP and sees only keys < first_end + j / GROUP (first_end is row 0's limit, end the last
+// row's); otherwise first_end is unused. On return (after a barrier) red holds each warp's state;
 // combine_warps() merges them.
-__device__ __forceinline__ void attend(const float (&q)[GROUP][8], const half_t* __restrict__ kc,
-                                       const half_t* __restrict__ vc, int begin, int end, float scale,
-                                       BlockState* red) {
+template <int NQ, int UNR, bool CAUSAL>
+__device__ __forceinline__ void attend_queries(const float (&q)[NQ][8], const half_t* __restrict__ kc,
+                                               const half_t* __restrict__ vc, int begin, int end, int first_end,
+                                               float scale, State<NQ>* red) {
     const int lane = threadIdx.x % WARP, warp = threadIdx.x / WARP;
     const int sub = lane % LPK, grp = threadIdx.x / LPK;
-    float m[GROUP], l[GROUP], acc[GROUP][8];
+    float m[NQ], l[NQ], acc[NQ][8];
 #pragma unroll
-    for (int g = 0; g < GROUP; ++g) {
-        m[g] = NEG_INF;
-        l[g] = 0.f;
+    for (int j = 0; j < NQ; ++j) {
+        m[j] = NEG_INF;
+        l[j] = 0.f;
 #pragma unroll
-        for (int i = 0; i < 8; ++i) acc[g][i] = 0.f;
+        for (int i = 0; i < 8; ++i) acc[j][i] = 0.f;
     }
     kc += sub * 8;
     vc += sub * 8;
-    for (int base = begin; base < end; base += KEYS_PER_ITER) {  // base is block-uniform
-        uint4 kr[UNROLL], vr[UNROLL];
+    for (int base = begin; base < end; base += LANE_GROUPS * UNR) {  // base is block-uniform
+        uint4 kr[UNR], vr[UNR];
 #pragma unroll
-        for (int u = 0; u < UNROLL; ++u) {  // every load of the batch before the first use
+        for (int u = 0; u < UNR; ++u) {  // every load of the batch before the first use
             const int key = base + u * LANE_GROUPS + grp;
             kr[u] = key < end ? load_stream(kc + (size_t)key * HEAD_DIM) : make_uint4(0, 0, 0, 0);
         }
 #pragma unroll
-        for (int u = 0; u < UNROLL; ++u) {
+        for (int u = 0; u < UNR; ++u) {
             const int key = base + u * LANE_GROUPS + grp;
             vr[u] = key < end ? load_stream(vc + (size_t)key * HEAD_DIM) : make_uint4(0, 0, 0, 0);
         }
-        float s[UNROLL][GROUP];
+        float s[UNR][NQ];
 #pragma unroll
-        for (int u = 0; u < UNROLL; ++u) {
+        for (int u = 0; u < UNR; ++u) {
             float kf[8];
             unpack8(kr[u], kf);
-            const bool valid = base + u * LANE_GROUPS + grp < end;
+            const int key = base + u * LANE_GROUPS + grp;
+            const bool valid = key < end;
+            const int past = key - first_end;  // causal: row r sees this key iff past < r
 #pragma unroll
-            for (int g = 0; g < GROUP; ++g) {
+            for (int j = 0; j < NQ; ++j) {
                 float dot = 0.f;
 #pragma unroll
-                for (int i = 0; i < 8; ++i) dot += q[g][i] * kf[i];
+                for (int i = 0; i < 8; ++i) dot += q[j][i] * kf[i];
 #pragma unroll
                 for (int o = LPK / 2; o > 0; o >>= 1) dot += __shfl_xor_sync(0xffffffffu, dot, o);
-                s[u][g] = valid ? dot * scale : NEG_INF;
+                s[u][j] = valid && (!CAUSAL || past < j / GROUP) ? dot * scale : NEG_INF;
             }
         }
 #pragma unroll
-        for (int g = 0; g < GROUP; ++g) {
-            float mx = m[g];
+        for (int j = 0; j < NQ; ++j) {
+            float mx = m[j];
 #pragma unroll
-            for (int u = 0; u < UNROLL; ++u) mx = fmaxf(mx, s[u][g]);
-            const float c = exp_diff(m[g], mx);
-            l[g] *= c;
+            for (int u = 0; u < UNR; ++u) mx = fmaxf(mx, s[u][j]);
+            const float c = exp_diff(m[j], mx);
+            l[j] *= c;
 #pragma unroll
-            for (int i = 0; i < 8; ++i) acc[g][i] *= c;
-            m[g] = mx;
+            for (int i = 0; i < 8; ++i) acc[j][i] *= c;
+            m[j] = mx;
         }
 #pragma unroll
-        for (int u = 0; u < UNROLL; ++u) {
+        for (int u = 0; u < UNR; ++u) {
             float vf[8];
             unpack8(vr[u], vf);
 #pragma unroll
-            for (int g = 0; g < GROUP; ++g) {
-                const float p = exp_diff(s[u][g], m[g]);
-                l[g] += p;
+            for (int j = 0; j < NQ; ++j) {
+                const float p = exp_diff(s[u][j], m[j]);
+                l[j] += p;
 #pragma unroll
-                for (int i = 0; i < 8; ++i) acc[g][i] += p * vf[i];
+                for (int i = 0; i < 8; ++i) acc[j][i] += p * vf[i];
             }
         }
     }
@@ -130,44 +135,45 @@ __device__ __forceinline__ void attend(const float (&q)[GROUP][8], const half_t*
 #pragma unroll
     for (int o = LPK; o < WARP; o <<= 1) {
 #pragma unroll
-        for (int g = 0; g < GROUP; ++g) {
-            const float mo = __shfl_xor_sync(0xffffffffu, m[g], o);
-            const float lo = __shfl_xor_sync(0xffffffffu, l[g], o);
-            const float mx = fmaxf(m[g], mo);
-            const float c = exp_diff(m[g], mx), co = exp_diff(mo, mx);
-            l[g] = l[g] * c + lo * co;
+        for (int j = 0; j < NQ; ++j) {
+            const float mo = __shfl_xor_sync(0xffffffffu, m[j], o);
+            const float lo = __shfl_xor_sync(0xffffffffu, l[j], o);
+            const float mx = fmaxf(m[j], mo);
+            const float c = exp_diff(m[j], mx), co = exp_diff(mo, mx);
+            l[j] = l[j] * c + lo * co;
 #pragma unroll
-            for (int i = 0; i < 8; ++i) acc[g][i] = acc[g][i] * c + __shfl_xor_sync(0xffffffffu, acc[g][i], o) * co;
-            m[g] = mx;
+            for (int i = 0; i < 8; ++i) acc[j][i] = acc[j][i] * c + __shfl_xor_sync(0xffffffffu, acc[j][i], o) * co;
+            m[j] = mx;
         }
     }
     if (lane < LPK) {
 #pragma unroll
-        for (int g = 0; g < GROUP; ++g) {
-            float4* a = reinterpret_cast<float4*>(red->acc[warp][g] + sub * 8);
-            a[0] = make_float4(acc[g][0], acc[g][1], acc[g][2], acc[g][3]);
-            a[1] = make_float4(acc[g][4], acc[g][5], acc[g][6], acc[g][7]);
+        for (int j = 0; j < NQ; ++j) {
+            float4* a = reinterpret_cast<float4*>(red->acc[warp][j] + sub * 8);
+            a[0] = make_float4(acc[j][0], acc[j][1], acc[j][2], acc[j][3]);
+            a[1] = make_float4(acc[j][4], acc[j][5], acc[j][6], acc[j][7]);
             if (sub == 0) {
-                red->m[warp][g] = m[g];
-                red->l[warp][g] = l[g];
+                red->m[warp][j] = m[j];
+                red->l[warp][j] = l[j];
             }
         }
     }
     __syncthreads();
 }
 
-// The block's state of head g: acc[d] (d < HEAD_DIM), m and l, merged over the warps in a fixed order.
-__device__ __forceinline__ float combine_warps(const BlockState* red, int g, int d, float& m, float& l) {
+// The block's state of query j: acc[d] (d < HEAD_DIM), m and l, merged over the warps in a fixed order.
+template <int NQ>
+__device__ __forceinline__ float combine_warps(const State<NQ>* red, int j, int d, float& m, float& l) {
     m = NEG_INF;
 #pragma unroll
-    for (int w = 0; w < WARPS; ++w) m = fmaxf(m, red->m[w][g]);
+    for (int w = 0; w < WARPS; ++w) m = fmaxf(m, red->m[w][j]);
     float a = 0.f;
     l = 0.f;
 #pragma unroll
     for (int w = 0; w < WARPS; ++w) {
-        const float c = exp_diff(red->m[w][g], m);
-        a += red->acc[w][g][d] * c;
-        l += red->l[w][g] * c;
+        const float c = exp_diff(red->m[w][j], m);
+        a += red->acc[w][j][d] * c;
+        l += red->l[w][j] * c;
     }
     return a;
 }
@@ -180,7 +186,7 @@ extern "C" __global__ void __launch_bounds__(THREADS)
 attention_decode(const float* __restrict__ q, const half_t* __restrict__ k_cache, const half_t* __restrict__ v_cache,
                  float* part, unsigned int* count, float* __restrict__ out, const int* __restrict__ state,
                  int max_seq, float scale) {
-    __shared__ __align__(16) BlockState red;
+    __shared__ __align__(16) State<GROUP> red;
     __shared__ bool is_last;
     const int kv = blockIdx.x, split = blockIdx.y, splits = gridDim.y;
     const int n = min(state[STATE_POS] + 1, max_seq);
@@ -197,7 +203,7 @@ attention_decode(const float* __restrict__ q, const half_t* __restrict__ k_cache
         qr[g][4] = b.x; qr[g][5] = b.y; qr[g][6] = b.z; qr[g][7] = b.w;
     }
     const size_t kv_off = (size_t)kv * max_seq * HEAD_DIM;
-    attend(qr, k_cache + kv_off, v_cache + kv_off, begin, end, scale, &red);
+    attend_queries<GROUP, UNROLL, false>(qr, k_cache + kv_off, v_cache + kv_off, begin, end, 0, scale, &red);
 
     for (int e = threadIdx.x; e < GROUP * HEAD_DIM; e += THREADS) {
         const int g = e / HEAD_DIM, d = e % HEAD_DIM;
@@ -235,127 +241,18 @@ attention_decode(const float* __restrict__ q, const half_t* __restrict__ k_cache
 }
 
 // -- prefill: ROWS_Q consecutive rows x GROUP heads per block ----------------------------------------
-// The same lane layout as attend(), with QUERIES = ROWS_Q * GROUP queries (query j = row r * GROUP + head
-// g) sharing every K/V load: a key's 16-byte loads serve all of the block's rows instead of one. Separate
-// from attend() so that the decode path stays exactly as reviewed; with ROWS_Q = 1 it computes what
-// attend() computes, with the causal mask per row.
+// The same attend_queries() loop as decode, with QUERIES = ROWS_Q * GROUP queries (query j = row r * GROUP +
+// head g) sharing every K/V load: a key's 16-byte loads serve all of the block's rows instead of one, and
+// the causal mask per row. Keys [0, end), end the last row's limit, so only the last ROWS_Q - 1 keys are
+// ever masked per row.
 #define QUERIES (ROWS_Q * GROUP)
 #ifndef PREFILL_UNROLL
 #define PREFILL_UNROLL (QUERIES >= 4 ? 2 : 4)   // keys per lane group per batch; QUERIES <= 4: <= 128 registers
 #endif
-#define PREFILL_KEYS_PER_ITER (LANE_GROUPS * PREFILL_UNROLL)
 
 #if ROWS_Q < 1 || ROWS_Q > 8
 #error "ROWS_Q must be 1..8"
 #endif
-
-struct RowsState {
-    float acc[WARPS][QUERIES][HEAD_DIM];
-    float m[WARPS][QUERIES];
-    float l[WARPS][QUERIES];
-};
-
-// Online softmax of the QUERIES queries in q over keys [0, end) of one kv head, row r seeing only keys
-// < first_end + r (its causal limit; first_end is row 0's). end is the last row's limit, so only the
-// last ROWS_Q - 1 keys are ever masked per row. On return (after a barrier) red holds each warp's state.
-__device__ __forceinline__ void attend_rows(const float (&q)[QUERIES][8], const half_t* __restrict__ kc,
-                                            const half_t* __restrict__ vc, int first_end, int end, float scale,
-                                            RowsState* red) {
-    const int lane = threadIdx.x % WARP, warp = threadIdx.x / WARP;
-    const int sub = lane % LPK, grp = threadIdx.x / LPK;
-    float m[QUERIES], l[QUERIES], acc[QUERIES][8];
-#pragma unroll
-    for (int j = 0; j < QUERIES; ++j) {
-        m[j] = NEG_INF;
-        l[j] = 0.f;
-#pragma unroll
-        for (int i = 0; i < 8; ++i) acc[j][i] = 0.f;
-    }
-    kc += sub * 8;
-    vc += sub * 8;
-    for (int base = 0; base < end; base += PREFILL_KEYS_PER_ITER) {  // base is block-uniform
-        uint4 kr[PREFILL_UNROLL], vr[PREFILL_UNROLL];
-#pragma unroll
-        for (int u = 0; u < PREFILL_UNROLL; ++u) {  // every load of the batch before the first use
-            const int key = base + u * LANE_GROUPS + grp;
-            kr[u] = key < end ? load_stream(kc + (size_t)key * HEAD_DIM) : make_uint4(0, 0, 0, 0);
-        }
-#pragma unroll
-        for (int u = 0; u < PREFILL_UNROLL; ++u) {
-            const int key = base + u * LANE_GROUPS + grp;
-            vr[u] = key < end ? load_stream(vc + (size_t)key * HEAD_DIM) : make_uint4(0, 0, 0, 0);
-        }
-        float s[PREFILL_UNROLL][QUERIES];
-#pragma unroll
-        for (int u = 0; u < PREFILL_UNROLL; ++u) {
-            float kf[8];
-            unpack8(kr[u], kf);
-            const int key = base + u * LANE_GROUPS + grp;
-            const bool in_range = key < end;
-            const int past = key - first_end;  // row r sees this key iff past < r
-#pragma unroll
-            for (int j = 0; j < QUERIES; ++j) {
-                float dot = 0.f;
-#pragma unroll
-                for (int i = 0; i < 8; ++i) dot += q[j][i] * kf[i];
-#pragma unroll
-                for (int o = LPK / 2; o > 0; o >>= 1) dot += __shfl_xor_sync(0xffffffffu, dot, o);
-                s[u][j] = in_range && past < j / GROUP ? dot * scale : NEG_INF;
-            }
-        }
-#pragma unroll
-        for (int j = 0; j < QUERIES; ++j) {
-            float mx = m[j];
-#pragma unroll
-            for (int u = 0; u < PREFILL_UNROLL; ++u) mx = fmaxf(mx, s[u][j]);
-            const float c = exp_diff(m[j], mx);
-            l[j] *= c;
-#pragma unroll
-            for (int i = 0; i < 8; ++i) acc[j][i] *= c;
-            m[j] = mx;
-        }
-#pragma unroll
-        for (int u = 0; u < PREFILL_UNROLL; ++u) {
-            float vf[8];
-            unpack8(vr[u], vf);
-#pragma unroll
-            for (int j = 0; j < QUERIES; ++j) {
-                const float p = exp_diff(s[u][j], m[j]);
-                l[j] += p;
-#pragma unroll
-                for (int i = 0; i < 8; ++i) acc[j][i] += p * vf[i];
-            }
-        }
-    }
-    // Merge the lane groups of this warp: lanes sub, sub + LPK, sub + 2 LPK, ... hold the same dims.
-#pragma unroll
-    for (int o = LPK; o < WARP; o <<= 1) {
-#pragma unroll
-        for (int j = 0; j < QUERIES; ++j) {
-            const float mo = __shfl_xor_sync(0xffffffffu, m[j], o);
-            const float lo = __shfl_xor_sync(0xffffffffu, l[j], o);
-            const float mx = fmaxf(m[j], mo);
-            const float c = exp_diff(m[j], mx), co = exp_diff(mo, mx);
-            l[j] = l[j] * c + lo * co;
-#pragma unroll
-            for (int i = 0; i < 8; ++i) acc[j][i] = acc[j][i] * c + __shfl_xor_sync(0xffffffffu, acc[j][i], o) * co;
-            m[j] = mx;
-        }
-    }
-    if (lane < LPK) {
-#pragma unroll
-        for (int j = 0; j < QUERIES; ++j) {
-            float4* a = reinterpret_cast<float4*>(red->acc[warp][j] + sub * 8);
-            a[0] = make_float4(acc[j][0], acc[j][1], acc[j][2], acc[j][3]);
-            a[1] = make_float4(acc[j][4], acc[j][5], acc[j][6], acc[j][7]);
-            if (sub == 0) {
-                red->m[warp][j] = m[j];
-                red->l[warp][j] = l[j];
-            }
-        }
-    }
-    __syncthreads();
-}
 
 // grid (n_kv_heads, ceil(n_rows / ROWS_Q)). Block y takes rows row0 = y ROWS_Q .. row0 + ROWS_Q - 1 (those
 // < n_rows) of kv head x's GROUP query heads; row r is the token at position start + r and attends to keys
@@ -366,7 +263,7 @@ extern "C" __global__ void __launch_bounds__(THREADS)
 attention_prefill(const half_t* __restrict__ q_rows, const half_t* __restrict__ k_cache,
                   const half_t* __restrict__ v_cache, half_t* __restrict__ out_rows, int start, int n_rows,
                   int max_seq, float scale) {
-    __shared__ __align__(16) RowsState red;
+    __shared__ __align__(16) State<QUERIES> red;
     const int kv = blockIdx.x, row0 = blockIdx.y * ROWS_Q;
     if (row0 >= n_rows) return;  // a grid taller than needed (block-uniform, before any barrier)
     const int rows = min(ROWS_Q, n_rows - row0);  // the block's real rows
@@ -384,22 +281,15 @@ attention_prefill(const half_t* __restrict__ q_rows, const half_t* __restrict__ 
             unpack8(*reinterpret_cast<const uint4*>(q_rows + off + g * HEAD_DIM), qr[r * GROUP + g]);
     }
     const size_t kv_off = (size_t)kv * max_seq * HEAD_DIM;
-    attend_rows(qr, k_cache + kv_off, v_cache + kv_off, first_end, end, scale, &red);
+    attend_queries<QUERIES, PREFILL_UNROLL, true>(qr, k_cache + kv_off, v_cache + kv_off, 0, end, first_end,
+                                                  scale, &red);
 
     // Query j = r * GROUP + g, dim d: element e = j * HEAD_DIM + d, written once, real rows only. A row's
     // GROUP heads are contiguous in out_rows: e goes to (row0 + r) * row_stride + head_off + g * HEAD_DIM + d.
     for (int e = threadIdx.x; e < rows * GROUP * HEAD_DIM; e += THREADS) {
         const int j = e / HEAD_DIM, d = e % HEAD_DIM, r = j / GROUP;
-        float m = NEG_INF;
-#pragma unroll
-        for (int w = 0; w < WARPS; ++w) m = fmaxf(m, red.m[w][j]);
-        float a = 0.f, l = 0.f;
-#pragma unroll
-        for (int w = 0; w < WARPS; ++w) {  // the warps in a fixed order, as combine_warps()
-            const float c = exp_diff(red.m[w][j], m);
-            a += red.acc[w][j][d] * c;
-            l += red.l[w][j] * c;
-        }
+        float m, l;
+        const float a = combine_warps(&red, j, d, m, l);
         out_rows[(size_t)(row0 + r) * row_stride + head_off + (e - r * GROUP * HEAD_DIM)] = f2h(a / l);
     }
 }
