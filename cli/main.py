@@ -179,7 +179,8 @@ def chat(model_dir, system, device, max_seq_len, tokenizer, as_json, **kwargs):
         if not line.strip():
             continue
         messages.append({"role": "user", "content": line.strip()})
-        stream = llm.stream(llm.chat_ids(messages, system=system), **sampling(kwargs))
+        # Each turn's prompt starts with the last one's: only the new tokens are prefilled.
+        stream = llm.stream(llm.chat_ids(messages, system=system), reuse_cache=True, **sampling(kwargs))
         stream_out(stream, as_json)
         result = stream.result
         messages.append({"role": "assistant", "content": result.text})

@@ -107,7 +107,8 @@ class PlanRunner:
         backend.set("rope", plans.rope_table(cfg, max_seq_len))
         self.decode = plans.decode_plan(cfg, max_seq_len)
         self._prefills: dict[tuple, plans.Plan] = {}
-        self.pos = 0  # host copy of state[POS]: where the next decode step writes its K and V
+        self.cached: list[int] = []  # the ids whose K and V are in the cache, at positions 0..len - 1
+        self.last: int | None = None  # the last sampled token: the next decode step's input
 
     @property
     def device(self) -> str:
@@ -121,10 +122,12 @@ class PlanRunner:
             self._prefills[key] = plans.prefill_plan(self.cfg, self.max_seq_len, start, n, output)
         return self._prefills[key]
 
-    def _prefill(self, ids: Sequence[int], output: str, state: np.ndarray | None = None) -> list[np.ndarray]:
-        """Run the prompt through in chunks; output applies to the last chunk ("logits": to all)."""
+    def _prefill(self, ids: Sequence[int], output: str, state: np.ndarray | None = None,
+                 begin: int = 0) -> list[np.ndarray]:
+        """Run ids[begin:] through in chunks (the cache already holds ids[:begin]); output applies to the
+        last chunk ("logits": to all)."""
         logits = []
-        for start in range(0, len(ids), plans.PREFILL_CHUNK):
+        for start in range(begin, len(ids), plans.PREFILL_CHUNK):
             chunk = np.asarray(ids[start:start + plans.PREFILL_CHUNK], dtype=np.int32)
             n, last = len(chunk), start + len(chunk) == len(ids)
             self.backend.set("prefill_ids", chunk)
@@ -137,7 +140,11 @@ class PlanRunner:
                 logits.append(self.backend.read("logits_rows")[:n])
         return logits
 
-    def start(self, prompt_ids: Sequence[int], params: SamplingParams) -> int:
+    def start(self, prompt_ids: Sequence[int], params: SamplingParams, reuse: bool = False) -> int:
+        """Prefill the prompt and sample its first token. With `reuse`, the longest prefix of the prompt
+        that the KV cache already holds (from the last generation) is not computed again: a chat turn
+        prefills only what is new. The reused K and V may differ from a fresh prefill's in the last FP16
+        bit, so a seeded run is reproducible only with reuse off (the default)."""
         sampler = Sampler(params, self.cfg.vocab_size, prompt_ids)  # resolves the seed, marks the prompt seen
         p = sampler.params
         seed = p.seed & (2**64 - 1)
@@ -149,19 +156,35 @@ class PlanRunner:
         if not 0 < len(prompt_ids) < self.max_seq_len:
             raise PromptError(f"a prompt of {len(prompt_ids)} tokens needs 1 to {self.max_seq_len - 1} tokens "
                               f"(the context is {self.max_seq_len})")
-        self._prefill(list(prompt_ids), "sample", state)
-        self.pos = len(prompt_ids)
-        return self.backend.read_token()
+        prompt = list(prompt_ids)
+        begin = min(common_prefix(self.cached, prompt), len(prompt) - 1) if reuse else 0  # the last id runs
+        self._prefill(prompt, "sample", state, begin)
+        self.cached, self.last = prompt, self.backend.read_token()
+        return self.last
 
     def next(self) -> int:
-        if self.pos >= self.max_seq_len:  # the kernels would write past the KV cache
+        if self.last is None:
+            raise PromptError("decoding needs a prompt first: call start()")
+        if len(self.cached) >= self.max_seq_len:  # the kernels would write past the KV cache
             raise PromptError(f"the context of {self.max_seq_len} tokens is full")
-        self.backend.replay(self.decode)
-        self.pos += 1
-        return self.backend.read_token()
+        self.backend.replay(self.decode)  # writes the K and V of `last` at position len(cached)
+        self.cached.append(self.last)
+        self.last = self.backend.read_token()
+        return self.last
 
     def logits(self, token_ids: Sequence[int]) -> np.ndarray:
         if not 0 < len(token_ids) <= self.max_seq_len:
             raise PromptError(f"logits() takes 1 to {self.max_seq_len} tokens, got {len(token_ids)}")
-        self.pos = self.max_seq_len  # the cache now holds these ids: decoding needs a new start()
-        return np.concatenate(self._prefill(list(token_ids), "logits"))
+        logits = np.concatenate(self._prefill(list(token_ids), "logits"))
+        self.cached, self.last = list(token_ids), None  # nothing was sampled: decoding needs a start()
+        return logits
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many leading ids a and b share."""
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n

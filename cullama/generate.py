@@ -22,7 +22,7 @@ from .sampling import SamplingParams
 class Runner(Protocol):
     max_seq_len: int
 
-    def start(self, prompt_ids: Sequence[int], params: SamplingParams) -> int: ...
+    def start(self, prompt_ids: Sequence[int], params: SamplingParams, reuse: bool = False) -> int: ...
 
     def next(self) -> int: ...
 
@@ -93,7 +93,8 @@ class GenerationStream:
     """Iterates over text pieces as they become final; `.result` holds the Generation at the end."""
 
     def __init__(self, runner: Runner, detokenizer, prompt_ids: list[int], max_new_tokens: int,
-                 params: SamplingParams, stop: Sequence[str], eos_ids: Sequence[int], ignore_eos: bool):
+                 params: SamplingParams, stop: Sequence[str], eos_ids: Sequence[int], ignore_eos: bool,
+                 reuse_cache: bool = False):
         if max_new_tokens < 0:
             raise PromptError(f"--max-new-tokens must be >= 0, got {max_new_tokens}")
         if not prompt_ids:
@@ -105,6 +106,7 @@ class GenerationStream:
         self.max_new_tokens, self.params = max_new_tokens, params
         self.stop = StopMatcher(stop)
         self.eos_ids = () if ignore_eos else tuple(eos_ids)
+        self.reuse_cache = reuse_cache
         self.result: Generation | None = None
 
     def __iter__(self) -> Iterator[str]:
@@ -113,7 +115,7 @@ class GenerationStream:
         budget = min(self.max_new_tokens, self.runner.max_seq_len - len(self.prompt_ids))
         last = time.perf_counter()
         for i in range(budget):
-            token = self.runner.start(self.prompt_ids, self.params) if i == 0 else self.runner.next()
+            token = self.runner.start(self.prompt_ids, self.params, self.reuse_cache) if i == 0 else self.runner.next()
             now = time.perf_counter()
             if i == 0:
                 timings.prefill_s = now - last

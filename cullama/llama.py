@@ -78,8 +78,12 @@ class Llama:
     # -- generation ------------------------------------------------------------------------------
     def stream(self, prompt: str | Sequence[int], max_new_tokens: int = 256, temperature: float = 0.0,
                top_k: int = 0, top_p: float = 1.0, repetition_penalty: float = 1.0, seed: int | None = None,
-               stop: Sequence[str] = (), ignore_eos: bool = False) -> GenerationStream:
-        """Iterate over text pieces as they become final; the stream's `.result` is the Generation."""
+               stop: Sequence[str] = (), ignore_eos: bool = False, reuse_cache: bool = False) -> GenerationStream:
+        """Iterate over text pieces as they become final; the stream's `.result` is the Generation.
+
+        reuse_cache: skip the prompt prefix the KV cache still holds from the last generation (a chat
+        turn then prefills only what is new); off by default, since reused K and V can differ from a
+        fresh prefill's in the last FP16 bit."""
         params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p,
                                 repetition_penalty=repetition_penalty, seed=seed)
         params.validate()
@@ -87,7 +91,7 @@ class Llama:
             stop = (stop,)
         detok = self.tokenizer.stream_decoder() if self.tokenizer else None
         return GenerationStream(self.runner, detok, self.encode(prompt), max_new_tokens, params, stop,
-                                self.config.eos_token_ids, ignore_eos)
+                                self.config.eos_token_ids, ignore_eos, reuse_cache)
 
     def generate(self, prompt: str | Sequence[int], **options) -> Generation:
         """Generate to the end; same options as `stream`."""

@@ -103,3 +103,11 @@ def test_long_runs_do_not_grow_device_memory(stories_dir):
         runner.next()
     assert int(runner.backend.read("state")[0]) == 2001
     assert pool.used_bytes() == before
+
+
+def test_prefix_reuse_matches_a_fresh_prefill(stories_dir):
+    runner, fresh = runner_on(CudaBackend(), stories_dir), runner_on(CudaBackend(), stories_dir)
+    first = [runner.start([1, 403, 407], GREEDY)] + [runner.next() for _ in range(20)]
+    follow_up = [1, 403, 407] + first[:10] + [261, 378]
+    assert runner.start(follow_up, GREEDY, reuse=True) == fresh.start(follow_up, GREEDY)
+    np.testing.assert_allclose(runner.backend.read("logits"), fresh.backend.read("logits"), atol=2e-2)

@@ -113,3 +113,34 @@ def test_decoding_stops_at_the_end_of_the_kv_cache(stories_dir):
         runner.next()
     with pytest.raises(PromptError, match="context is 8"):
         runner.start(list(range(1, 9)), GREEDY)
+
+
+def test_reuse_prefills_only_what_the_cache_does_not_hold(stories_dir, monkeypatch):
+    runner, _ = numpy_runner(stories_dir)
+    first = [runner.start([1, 403, 407], GREEDY)] + [runner.next() for _ in range(6)]
+    assert runner.cached == [1, 403, 407] + first[:-1]  # the last sampled token is not in the cache yet
+    starts = []
+    real = runner._prefill_plan
+    monkeypatch.setattr(runner, "_prefill_plan", lambda start, n, out: starts.append(start) or real(start, n, out))
+    follow_up = [1, 403, 407] + first[:4] + [261, 378]  # shares 7 ids with the cache
+    reused = runner.start(follow_up, GREEDY, reuse=True)
+    reused_logits = runner.backend.read("logits")
+    assert starts == [7]
+    fresh_runner, _ = numpy_runner(stories_dir)
+    assert fresh_runner.start(follow_up, GREEDY) == reused
+    assert fp16_close(reused_logits, fresh_runner.backend.read("logits"))
+    starts.clear()
+    runner.start(follow_up, GREEDY, reuse=True)  # all of it cached: only the last id runs again
+    assert starts == [len(follow_up) - 1]
+    starts.clear()
+    runner.start(follow_up, GREEDY)  # reuse off: everything again
+    assert starts == [0]
+
+
+def test_decoding_after_logits_needs_a_start(stories_dir):
+    from cullama.errors import PromptError
+
+    runner, _ = numpy_runner(stories_dir)
+    runner.logits([1, 403])
+    with pytest.raises(PromptError, match="start"):
+        runner.next()
