@@ -7,6 +7,8 @@ prefill of an L-token prompt, then CUDA events around --steps back-to-back repla
 captured decode graph (each replay advances the position: the steps run at L .. L+steps-1);
 then the same from a fresh prefill with eager launches of the same plan (backend.run), and the
 host-observed time of runner.next() (replay + reading the token id back), the latency a user sees.
+Last, a per-kernel breakdown at context 500: the same launches captured with an event between
+each pair, so each kernel's share of the step (and its GB/s) can be read off.
 The floor is the bytes a step must read (decode_weight_bytes) over the measured read bandwidth.
 Medians over --trials. Run it on a GPU; without one it says so in one line.
 """
@@ -52,6 +54,59 @@ def measure(llm, cp, prompt: list[int], steps: int) -> dict:
     return {"graph_ms": graph, "eager_ms": eager, "next_ms": statistics.median(host)}
 
 
+LAYER_LABELS = ("qkv_rope", "attention", "o_proj", "gate_up_silu", "down")
+
+
+def launch_bytes(cfg, label: str, context: int) -> int:
+    """Bytes one launch must read: its weight matrix, or the K and V of one layer (attention)."""
+    d, ff = cfg.hidden_size, cfg.intermediate_size
+    return 2 * {"qkv_rope": cfg.qkv_dim * d, "o_proj": d * cfg.q_dim, "gate_up_silu": 2 * ff * d,
+                "down": d * ff, "lm_head": cfg.vocab_size * d, "attention": 2 * cfg.kv_dim * context,
+                "sample": 2 * cfg.vocab_size}[label]
+
+
+def breakdown(llm, cp, prompt: list[int], steps: int) -> list[dict]:
+    """Per-kernel time inside the decode graph: a second graph of the same launches with an event
+    recorded between each pair (event-record nodes), replayed `steps` times; median us per launch,
+    grouped by role (qkv_rope, attention, o_proj, gate_up_silu, down per layer; lm_head; sample)."""
+    from cullama.bench import GREEDY as greedy
+
+    runner = llm.runner
+    backend, plan = runner.backend, runner.decode
+    launches = backend._prepared(plan)
+    labels = [LAYER_LABELS[i % 5] for i in range(len(launches) - 2)] + ["lm_head", "sample"]
+    events = [cp.cuda.Event() for _ in range(len(launches) + 1)]
+    stream = backend.stream
+    runner.start(prompt, greedy)
+    stream.synchronize()
+    with stream:
+        stream.begin_capture()
+        try:
+            for event, (fn, grid, block, args) in zip(events, launches):
+                event.record(stream)
+                fn(grid, block, args)
+            events[-1].record(stream)
+        finally:
+            graph = stream.end_capture()
+    per_launch = [[] for _ in launches]
+    for _ in range(steps):
+        graph.launch(stream=stream)
+        stream.synchronize()
+        for i in range(len(launches)):
+            per_launch[i].append(cp.cuda.get_elapsed_time(events[i], events[i + 1]) * 1e3)
+    rows = {}
+    for label, times in zip(labels, per_launch):
+        row = rows.setdefault(label, {"kernel": label, "count": 0, "us_each": [], "bytes": 0})
+        row["count"] += 1
+        row["us_each"].append(statistics.median(times))
+    context = len(prompt) + steps // 2
+    for row in rows.values():
+        row["us_each"] = statistics.median(row["us_each"])
+        row["us_per_step"] = row["us_each"] * row["count"]
+        row["gb_s"] = launch_bytes(llm.config, row["kernel"], context) / row["us_each"] / 1e3
+    return list(rows.values())
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--contexts", type=parse_ints, default=[10, 100, 500, 1000],
@@ -77,7 +132,7 @@ def main(argv=None) -> int:
         bps, bandwidth = read_bandwidth()  # before the weights arrive: the buffer is a few GiB
         t0 = time.perf_counter()
         llm = Llama.synthetic(args.model, device="cuda", max_seq_len=args.max_seq_len)
-        cp.cuda.Device().synchronize()  # the random weights are written on the default stream
+        cp.cuda.Device().synchronize()
         cfg = llm.config
         weight_bytes = cfg.decode_weight_bytes()
         floor_ms = weight_bytes / bps * 1e3
@@ -100,6 +155,7 @@ def main(argv=None) -> int:
             row["floor_kv_ms"] = step_bytes(cfg, L + (args.steps - 1) / 2) / bps * 1e3
             rows.append(row)
             print(f"  context {L}: graph {row['graph_ms']:.3f} ms/step", flush=True)
+        parts = breakdown(llm, cp, prompt_ids(500, cfg.vocab_size, seed=500), args.steps)
     except CullamaError as exc:
         sys.exit(f"decode_step: {exc}")
     print(f"\n{'context':>8} {'graph ms':>9} {'min-max':>13} {'GB/s':>6} {'% bw':>6} {'floor ms':>9} "
@@ -112,11 +168,18 @@ def main(argv=None) -> int:
     print(f"each row: {args.steps} steps at positions L..L+{args.steps - 1}, median of {args.trials} trials. "
           f"GB/s counts the weights only; floor = weights / read bandwidth; +KV floor adds the K and V read; "
           f"eager = backend.run of the same plan; next() = replay + token id read back, host clock")
+    total = sum(p["us_per_step"] for p in parts)
+    print(f"\nper kernel, inside the graph (events between launches), context 500, {args.steps} steps:")
+    print(f"{'kernel':<14} {'per step':>8} {'us each':>8} {'us/step':>8} {'share':>6} {'GB/s':>6}")
+    for p in parts:
+        print(f"{p['kernel']:<14} {p['count']:>8} {p['us_each']:>8.2f} {p['us_per_step']:>8.1f} "
+              f"{100 * p['us_per_step'] / total:>5.1f}% {p['gb_s']:>6.0f}")
+    print(f"{'sum':<14} {'':>8} {'':>8} {total:>8.1f}  (event nodes add their own small gaps)")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"model": args.model, "read_bandwidth_bytes_per_s": bps, "bandwidth": bandwidth,
                        "weight_bytes": weight_bytes, "floor_ms": floor_ms, "environment": environment(),
-                       "rows": rows}, f, indent=1)
+                       "rows": rows, "kernels": parts}, f, indent=1)
         print(f"wrote {args.json}")
     return 0
 
