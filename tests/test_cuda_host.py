@@ -1,0 +1,146 @@
+"""The CUDA backend's host code (cuda_backend, load_checkpoint's GPU branch, random_weights' fill kernel,
+graph capture and replay, the pinned token read) run end to end on the CPU: CuPy is tests/fake_cupy.py,
+whose kernels are the NumPy twins, so every result must equal the numpy backend's bit for bit."""
+
+import sys
+
+import numpy as np
+import pytest
+
+import fake_cupy
+from conftest import load_golden
+from cullama import Llama, device, plan as plans
+from cullama.backends.cuda_backend import CudaBackend
+from cullama.backends.numpy_backend import NumpyBackend
+from cullama.checkpoint import open_checkpoint
+from cullama.engine import FILL, PlanRunner, device_config, load_checkpoint
+from cullama.errors import PromptError
+from cullama.registry import KernelLoader
+from cullama.sampling import SamplingParams
+
+GREEDY = SamplingParams(seed=0)
+
+
+@pytest.fixture
+def fake(monkeypatch):
+    fake_cupy.reset()
+    monkeypatch.setitem(sys.modules, "cupy", fake_cupy)
+    monkeypatch.setitem(sys.modules, "cupyx", fake_cupy.cupyx)
+    monkeypatch.setattr(KernelLoader, "function", lambda self, spec: fake_cupy.Kernel(spec))
+    monkeypatch.setattr(device, "cuda_status", lambda: (True, "1 GPU(s) (fake CuPy)"))
+    return fake_cupy.state
+
+
+def runner_on(backend, directory, max_seq=None):
+    ckpt = open_checkpoint(directory)
+    load_checkpoint(backend, ckpt)
+    return PlanRunner(ckpt.config, backend, max_seq or ckpt.config.max_seq_len)
+
+
+def weights_equal(a, b, cfg):
+    for buffer in plans.weight_buffers(device_config(cfg)):
+        np.testing.assert_array_equal(a.read(buffer.name), b.read(buffer.name), err_msg=buffer.name)
+
+
+def test_stories260k_equals_the_numpy_backend_bit_for_bit(fake, stories_dir, stories_expected):
+    llm = Llama.from_pretrained(stories_dir, device="cuda")
+    gpu, cpu = llm.runner, Llama.from_pretrained(stories_dir, device="cpu").runner
+    assert isinstance(gpu.backend, CudaBackend) and gpu.cfg.intermediate_size == 176  # padded from 172
+    weights_equal(gpu.backend, cpu.backend, gpu.cfg)
+    w_down, w_gate_up = gpu.backend.read("layers.0.w_down"), gpu.backend.read("layers.0.w_gate_up")
+    assert not w_down[:, 172:].any() and not w_gate_up[172:176].any() and w_gate_up[176:348].any()
+    assert llm.generate([1], max_new_tokens=40, ignore_eos=True).token_ids == stories_expected["ids"][:40]
+    tokens = {r: [r.start([1], GREEDY)] for r in (gpu, cpu)}
+    for _ in range(39):
+        for r in (gpu, cpu):
+            tokens[r].append(r.next())
+        np.testing.assert_array_equal(gpu.backend.read("logits"), cpu.backend.read("logits"))
+        np.testing.assert_array_equal(gpu.backend.read("state"), cpu.backend.read("state"))
+    assert tokens[gpu] == tokens[cpu] == stories_expected["ids"][:40]
+    assert all(l.stream is gpu.backend.stream for l in fake.launches)  # never the legacy stream
+
+
+def test_decode_graph_is_captured_once_and_replayed_per_token(fake, stories_dir):
+    runner = runner_on(CudaBackend(), stories_dir)
+    stream = runner.backend.stream
+    assert stream.non_blocking and stream.ptr != 0
+    first = runner.start([1, 403], GREEDY)
+    assert fake.graphs == [] and not any(l.captured for l in fake.launches)
+    eager, ran = len(fake.launches), len(fake.runs)
+    tokens = [runner.next() for _ in range(6)]
+    (graph,) = fake.graphs  # one capture, on the first next()
+    assert runner.backend.graphs == {"decode": graph} and graph.replays == 6
+    n = len(graph.launches)  # during next(): the capture, nothing launched eagerly
+    assert len(fake.launches) == eager + n and all(a is b for a, b in zip(fake.launches[eager:], graph.launches))
+    assert all(l.captured and l.stream is stream for l in graph.launches)
+    assert [(l.spec, l.grid, l.block[0]) for l in graph.launches] == \
+        [(l.spec, l.grid, l.block) for l in runner.decode.launches]
+    for launch, planned in zip(graph.launches, runner.decode.launches):  # the plan's buffers, not copies
+        for arg, ref in zip(launch.args, planned.args):
+            if isinstance(ref, plans.Ref):
+                assert np.shares_memory(arg, runner.backend.arrays[ref.name])
+    replayed = fake.runs[ran:]
+    assert len(replayed) == 6 * n
+    for i in range(6):  # each replay ran the captured launches, the same argument objects, in order
+        assert all(ran is captured for ran, captured in zip(replayed[i * n:(i + 1) * n], graph.launches))
+    assert int(runner.backend.read("state")[0]) == 2 + 6  # the position advanced on the device
+    cpu = runner_on(NumpyBackend(), stories_dir)
+    assert [first] + tokens == [cpu.start([1, 403], GREEDY)] + [cpu.next() for _ in range(6)]
+
+
+def test_the_fake_enforces_capture_rules(fake):
+    backend = CudaBackend()
+    kernel, out = fake_cupy.Kernel(FILL), fake_cupy.zeros((4,), "float16")
+    args = (out, np.uint64(4), np.uint64(1), np.float32(1), np.float32(0.1))
+    with pytest.raises(TypeError):
+        kernel((1, 1, 1), (256, 1, 1), (out, 4, 1, 0.0, 1.0))  # Python scalars: not a kernel's types
+    with backend.stream:
+        backend.stream.begin_capture()
+        kernel((1, 1, 1), (256, 1, 1), args)
+    with pytest.raises(fake_cupy.CaptureError):
+        kernel((1, 1, 1), (256, 1, 1), args)  # outside the stream context: the legacy stream
+    with pytest.raises(fake_cupy.CaptureError):
+        backend.stream.synchronize()
+    graph = backend.stream.end_capture()
+    assert not out.get(stream=backend.stream).any()  # captured, not run
+    graph.launch(stream=backend.stream)
+    assert not out.get().any()  # queued on backend.stream: the legacy stream's get does not wait for it
+    assert out.get(stream=backend.stream).all()
+
+
+def test_synthetic_tiny_equals_the_cpu_weights_and_tokens(fake):
+    gpu, cpu = Llama.synthetic("tiny", device="cuda"), Llama.synthetic("tiny", device="cpu")
+    buffers = plans.weight_buffers(device_config(gpu.config))
+    assert [l.spec for l in fake.launches[:len(buffers)]] == [FILL] * len(buffers)
+    weights_equal(gpu.runner.backend, cpu.runner.backend, gpu.config)
+    for options in ({}, {"temperature": 0.8, "top_k": 40, "top_p": 0.9, "seed": 7}):
+        ids = [llm.generate([1, 5, 9], max_new_tokens=8, ignore_eos=True, **options).token_ids for llm in (gpu, cpu)]
+        assert ids[0] == ids[1]
+
+
+def test_golden_logits_equal_the_cpu_path(fake):
+    directory, cases, _ = load_golden("tiny-gqa-sharded")
+    gpu, cpu = (Llama.from_pretrained(directory, device=d) for d in ("cuda", "cpu"))
+    for case in cases:
+        np.testing.assert_array_equal(gpu.logits(case["prompt_ids"]), cpu.logits(case["prompt_ids"]))
+
+
+def test_prefix_reuse_and_the_full_context_match_numpy(fake, stories_dir):
+    results = []
+    for backend in (CudaBackend(), NumpyBackend()):
+        r = runner_on(backend, stories_dir, max_seq=24)
+        first = [r.start([1, 403, 407], GREEDY)] + [r.next() for _ in range(8)]
+        follow_up = [1, 403, 407] + first[:5] + [400, 378]  # shares 8 ids with the cache
+        first.append(r.start(follow_up, GREEDY, reuse=True))
+        assert (8, 2, "sample") in r._prefills  # only what the cache did not hold was prefilled
+        logits = backend.read("logits")
+        while len(r.cached) < 24:
+            first.append(r.next())
+        with pytest.raises(PromptError, match="full"):
+            r.next()
+        with pytest.raises(PromptError):
+            r.start(list(range(1, 25)), GREEDY)
+        results.append((first, logits, backend.read("state"), backend.read("k_cache")))
+    for gpu, cpu in zip(*results):
+        np.testing.assert_array_equal(gpu, cpu)
+    assert fake.graphs[0].replays == 8 + 24 - 10  # the full-context guard stops before replaying
