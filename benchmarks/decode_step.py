@@ -73,7 +73,7 @@ def breakdown(llm, cp, prompt: list[int], steps: int) -> list[dict]:
 
     runner = llm.runner
     backend, plan = runner.backend, runner.decode
-    launches = backend._prepared(plan)
+    launches = backend.prepared(plan)
     labels = [LAYER_LABELS[i % 5] for i in range(len(launches) - 2)] + ["lm_head", "sample"]
     events = [cp.cuda.Event() for _ in range(len(launches) + 1)]
     stream = backend.stream

@@ -144,3 +144,15 @@ def test_prefix_reuse_and_the_full_context_match_numpy(fake, stories_dir):
     for gpu, cpu in zip(*results):
         np.testing.assert_array_equal(gpu, cpu)
     assert fake.graphs[0].replays == 8 + 24 - 10  # the full-context guard stops before replaying
+
+
+def test_a_plan_is_resolved_once_and_reused(fake, stories_dir, monkeypatch):
+    runner = runner_on(CudaBackend(), stories_dir)
+    resolved = []
+    real = CudaBackend._arg
+    monkeypatch.setattr(CudaBackend, "_arg", lambda self, a: resolved.append(a) or real(self, a))
+    first = runner.start([1, 403, 407], GREEDY)
+    count = len(resolved)
+    assert count > 0
+    assert runner.start([1, 403, 407], GREEDY) == first  # the same prefill plan again: nothing re-resolved
+    assert len(resolved) == count
