@@ -188,6 +188,8 @@ attention_decode(const float* __restrict__ q, const half_t* __restrict__ k_cache
                  int max_seq, float scale) {
     __shared__ __align__(16) State<GROUP> red;
     __shared__ bool is_last;
+    pdl_launch_dependents();  // o_proj's blocks may start streaming their weights next to this grid
+    pdl_wait();               // q and this position's k, v come from the kernel before
     const int kv = blockIdx.x, split = blockIdx.y, splits = gridDim.y;
     const int n = min(state[STATE_POS] + 1, max_seq);
     const int chunk = (n + splits - 1) / splits;

@@ -52,6 +52,24 @@ __device__ __forceinline__ float load_coherent(const float* p) {
     return v;
 }
 
+// Programmatic dependent launch (sm_90+). A kernel launched with the attribute may start while the
+// kernel before it in the stream is still running; it must call pdl_wait() before it touches anything
+// an earlier kernel writes (activations, the KV cache, the state) and may only read weights before
+// that. pdl_launch_dependents() lets the next kernel's blocks be scheduled once every block of this
+// grid has issued it or exited. Both are no-ops when the kernel was launched without the attribute
+// (prefill, eager launches, CPU-less compiles for older archs).
+__device__ __forceinline__ void pdl_wait() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
+__device__ __forceinline__ void pdl_launch_dependents() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
 __device__ __forceinline__ float warp_sum(float v) {
 #pragma unroll
     for (int o = WARP / 2; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);

@@ -12,6 +12,9 @@
 // Shapes: W [M, K] FP16 row-major, K % 8 == 0, any M; x, in: [K] float32; 16-byte aligned rows.
 // Rows that need each other share a block: RoPE pairs (j, j + hd/2) of one head, and the gate
 // and up rows (r, ff + r) of one SwiGLU unit.
+// Overlap: each kernel lets the next one launch at once (pdl_launch_dependents) and issues its first
+// batch of weight loads before pdl_wait(), so under programmatic dependent launch (the decode graph's
+// `overlap` mode) a block streams its weights while the previous kernel's tail runs.
 #include "common.cuh"
 #include "rope.cuh"
 
@@ -22,31 +25,51 @@
 #define UNROLL 4  // 16-byte loads per row per thread in one batch
 #endif
 #define THREADS 128
+// Resident blocks per SM that ptxas must leave room for: at most 65536 / (5 * 128) = 102 registers.
+// Without it the split first batch (below) takes 108-115 registers and only 4 blocks fit: fewer
+// loads in flight per SM. 0 spills either way (CI checks).
+#ifndef MIN_BLOCKS
+#define MIN_BLOCKS 5
+#endif
 #define PAIRS (ROWS / 2)
 
-// acc[r] = W[rows[r], :] · (x ⊙ g)  (g = 1 without NORM); ss = Σ x² (NORM only). Block-wide: on return,
-// thread 0 holds the reduced sums.
+// One block's weight rows and the batch of streaming loads in flight: w[u][r] is row r's vector
+// base + u * THREADS. Kernels issue the first batch before pdl_wait(): it reads only W, which no kernel
+// writes, so under programmatic dependent launch the block streams its weights while the kernel before
+// it is still finishing. For K = 4096 (ROWS 4, UNROLL 4) that first batch is the block's whole slice.
+struct RowLoads {
+    const uint4* row[ROWS];
+    uint4 w[UNROLL][ROWS];
+};
+
+__device__ __forceinline__ void load_batch(RowLoads& b, int base, int nvec) {
+#pragma unroll
+    for (int u = 0; u < UNROLL; ++u) {  // issue every load of the batch before the first use
+        const int v = base + u * THREADS;
+#pragma unroll
+        for (int r = 0; r < ROWS; ++r) b.w[u][r] = v < nvec ? load_stream(b.row[r] + v) : make_uint4(0, 0, 0, 0);
+    }
+}
+
+__device__ __forceinline__ void first_batch(RowLoads& b, const half_t* __restrict__ W, const int (&rows)[ROWS],
+                                            int K) {
+#pragma unroll
+    for (int r = 0; r < ROWS; ++r) b.row[r] = reinterpret_cast<const uint4*>(W + (size_t)rows[r] * K);
+    load_batch(b, threadIdx.x, K / 8);
+}
+
+// acc[r] = W[rows[r], :] · (x ⊙ g)  (g = 1 without NORM); ss = Σ x² (NORM only), over the rows that
+// first_batch set up. Block-wide: on return, thread 0 holds the reduced sums.
 template <bool NORM>
-__device__ __forceinline__ void block_dot_rows(const half_t* __restrict__ W, const int (&rows)[ROWS], int K,
-                                               const float* __restrict__ x, const half_t* __restrict__ g,
-                                               float (&acc)[ROWS], float& ss) {
+__device__ __forceinline__ void block_dot_rows(RowLoads& b, int K, const float* __restrict__ x,
+                                               const half_t* __restrict__ g, float (&acc)[ROWS], float& ss) {
     __shared__ float partial[THREADS / WARP][ROWS + 1];
     const int nvec = K / 8;
-    const uint4* wrow[ROWS];
 #pragma unroll
-    for (int r = 0; r < ROWS; ++r) {
-        acc[r] = 0.f;
-        wrow[r] = reinterpret_cast<const uint4*>(W + (size_t)rows[r] * K);
-    }
+    for (int r = 0; r < ROWS; ++r) acc[r] = 0.f;
     ss = 0.f;
     for (int base = threadIdx.x; base < nvec; base += THREADS * UNROLL) {
-        uint4 w[UNROLL][ROWS];
-#pragma unroll
-        for (int u = 0; u < UNROLL; ++u) {  // issue every load of the batch before the first use
-            const int v = base + u * THREADS;
-#pragma unroll
-            for (int r = 0; r < ROWS; ++r) w[u][r] = v < nvec ? load_stream(wrow[r] + v) : make_uint4(0, 0, 0, 0);
-        }
+        if (base != (int)threadIdx.x) load_batch(b, base, nvec);  // the first batch is already in flight
 #pragma unroll
         for (int u = 0; u < UNROLL; ++u) {
             const int v = base + u * THREADS;
@@ -66,7 +89,7 @@ __device__ __forceinline__ void block_dot_rows(const half_t* __restrict__ W, con
 #pragma unroll
             for (int r = 0; r < ROWS; ++r) {
                 float wv[8];
-                unpack8(w[u][r], wv);
+                unpack8(b.w[u][r], wv);
 #pragma unroll
                 for (int i = 0; i < 8; ++i) acc[r] += wv[i] * xv[i];
             }
@@ -100,11 +123,12 @@ __device__ __forceinline__ float silu(float a) { return a / (1.f + expf(-a)); }
 // grid: ceil(qkv_dim / ROWS); rows are RoPE pairs. W_qkv [(n_heads + 2 n_kv_heads) * hd, d].
 // q_out [n_heads * hd] float32 (after RoPE); k_cache, v_cache [n_kv_heads, max_seq, hd] FP16 (this
 // layer's), written at position state[STATE_POS]; rope [max_seq, hd / 2, 2] float32 (cos, sin).
-extern "C" __global__ void __launch_bounds__(THREADS)
+extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS)
 gemv_qkv_rope(const float* __restrict__ x, const half_t* __restrict__ norm_w, const half_t* __restrict__ W,
               float* __restrict__ q_out, half_t* __restrict__ k_cache, half_t* __restrict__ v_cache,
               const float* __restrict__ rope, const int* __restrict__ state, int d, int n_heads, int n_kv_heads,
               int hd, int max_seq, float eps) {
+    pdl_launch_dependents();  // the next kernel may start streaming its weights
     const int half_hd = hd / 2, n_pairs = (n_heads + 2 * n_kv_heads) * half_hd;
     int rows[ROWS];
 #pragma unroll
@@ -114,8 +138,11 @@ gemv_qkv_rope(const float* __restrict__ x, const half_t* __restrict__ norm_w, co
         rows[2 * i] = row0;
         rows[2 * i + 1] = row0 + half_hd;
     }
+    RowLoads loads;
+    first_batch(loads, W, rows, d);
+    pdl_wait();  // everything below may read what the previous kernel wrote
     float acc[ROWS], ss;
-    block_dot_rows<true>(W, rows, d, x, norm_w, acc, ss);
+    block_dot_rows<true>(loads, d, x, norm_w, acc, ss);
     if (threadIdx.x != 0) return;
     const float scale = rms_scale(ss, d, eps);
     const int pos = state[STATE_POS];
@@ -129,13 +156,17 @@ gemv_qkv_rope(const float* __restrict__ x, const half_t* __restrict__ norm_w, co
 }
 
 // grid: ceil(M / ROWS). x [M] float32 += W [M, K] · in [K].
-extern "C" __global__ void __launch_bounds__(THREADS)
+extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS)
 gemv_residual(const float* __restrict__ in, const half_t* __restrict__ W, float* __restrict__ x, int M, int K) {
+    pdl_launch_dependents();  // the next kernel may start streaming its weights
     int rows[ROWS];
 #pragma unroll
     for (int r = 0; r < ROWS; ++r) rows[r] = min((int)blockIdx.x * ROWS + r, M - 1);
+    RowLoads loads;
+    first_batch(loads, W, rows, K);
+    pdl_wait();  // everything below may read what the previous kernel wrote
     float acc[ROWS], ss;
-    block_dot_rows<false>(W, rows, K, in, nullptr, acc, ss);
+    block_dot_rows<false>(loads, K, in, nullptr, acc, ss);
     if (threadIdx.x != 0) return;
 #pragma unroll
     for (int r = 0; r < ROWS; ++r) {
@@ -145,9 +176,10 @@ gemv_residual(const float* __restrict__ in, const half_t* __restrict__ W, float*
 }
 
 // grid: ceil(ff / PAIRS). W [2 ff, d]: gate rows then up rows. h [ff] float32.
-extern "C" __global__ void __launch_bounds__(THREADS)
+extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS)
 gemv_gate_up_silu(const float* __restrict__ x, const half_t* __restrict__ norm_w, const half_t* __restrict__ W,
                   float* __restrict__ h, int ff, int d, float eps) {
+    pdl_launch_dependents();  // the next kernel may start streaming its weights
     int rows[ROWS];
 #pragma unroll
     for (int i = 0; i < PAIRS; ++i) {
@@ -155,8 +187,11 @@ gemv_gate_up_silu(const float* __restrict__ x, const half_t* __restrict__ norm_w
         rows[2 * i] = r;
         rows[2 * i + 1] = ff + r;
     }
+    RowLoads loads;
+    first_batch(loads, W, rows, d);
+    pdl_wait();  // everything below may read what the previous kernel wrote
     float acc[ROWS], ss;
-    block_dot_rows<true>(W, rows, d, x, norm_w, acc, ss);
+    block_dot_rows<true>(loads, d, x, norm_w, acc, ss);
     if (threadIdx.x != 0) return;
     const float scale = rms_scale(ss, d, eps);
 #pragma unroll
@@ -167,14 +202,18 @@ gemv_gate_up_silu(const float* __restrict__ x, const half_t* __restrict__ norm_w
 }
 
 // grid: ceil(V / ROWS). logits [V] float32 = W [V, d] · rmsnorm(x).
-extern "C" __global__ void __launch_bounds__(THREADS)
+extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS)
 gemv_logits(const float* __restrict__ x, const half_t* __restrict__ norm_w, const half_t* __restrict__ W,
             float* __restrict__ logits, int V, int d, float eps) {
+    pdl_launch_dependents();  // the next kernel may start streaming its weights
     int rows[ROWS];
 #pragma unroll
     for (int r = 0; r < ROWS; ++r) rows[r] = min((int)blockIdx.x * ROWS + r, V - 1);
+    RowLoads loads;
+    first_batch(loads, W, rows, d);
+    pdl_wait();  // everything below may read what the previous kernel wrote
     float acc[ROWS], ss;
-    block_dot_rows<true>(W, rows, d, x, norm_w, acc, ss);
+    block_dot_rows<true>(loads, d, x, norm_w, acc, ss);
     if (threadIdx.x != 0) return;
     const float scale = rms_scale(ss, d, eps);
 #pragma unroll

@@ -304,6 +304,7 @@ extern "C" __global__ void __launch_bounds__(THREADS)
 sample(const float* __restrict__ logits, unsigned char* __restrict__ seen, int* __restrict__ state,
        const float* __restrict__ fparams, const half_t* __restrict__ embed, float* __restrict__ x, int V, int d) {
     __shared__ uint64_t scratch[WARPS];
+    pdl_wait();  // the logits come from the kernel before
     const float temperature = fparams[FP_TEMPERATURE], top_p = fparams[FP_TOP_P];
     const float penalty = fparams[FP_REP_PENALTY];
     const int step = state[STATE_STEP], top_k = state[STATE_TOP_K];
