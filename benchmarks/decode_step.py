@@ -4,7 +4,8 @@
 
 Random LLaMA-2-7B weights are made on the GPU (Llama.synthetic). For each context L, a fresh
 prefill of an L-token prompt, then CUDA events around --steps back-to-back replays of the
-captured decode graph (each replay advances the position: the steps run at L .. L+steps-1);
+captured decode graph (each replay advances the position: the steps run at L .. L+steps-1), once
+captured plainly and once with its kernels overlapped (programmatic dependent launch, sm_90+);
 then the same from a fresh prefill with eager launches of the same plan (backend.run), and the
 host-observed time of runner.next() (replay + reading the token id back), the latency a user sees.
 Last, a per-kernel breakdown at context 500: the same launches captured with an event between
@@ -36,13 +37,25 @@ def parse_ints(text: str) -> list[int]:
 
 
 def measure(llm, cp, prompt: list[int], steps: int) -> dict:
-    """One trial at one context: graph replays, eager launches, host-observed next(); ms per step."""
+    """One trial at one context, ms per step: graph replays, plain and overlapped (programmatic dependent
+    launch; None where the GPU has none), eager launches, and the host-observed next() (in the backend's
+    default mode)."""
     from cullama.bench import GREEDY as greedy
 
     runner = llm.runner
     backend, plan = runner.backend, runner.decode
-    runner.start(prompt, greedy)
-    graph = events_ms(cp, backend.stream, lambda: backend.replay(plan), steps)
+    default = backend.overlap
+    timed = {}
+    for overlap in (False, True):
+        backend.set_overlap(overlap)  # drops the captured graph when the mode changes
+        if backend.overlap != overlap:  # before sm_90: no programmatic dependent launch
+            timed[overlap] = None
+            continue
+        runner.start(prompt, greedy)
+        backend.replay(plan)  # captured here, untimed
+        runner.start(prompt, greedy)
+        timed[overlap] = events_ms(cp, backend.stream, lambda: backend.replay(plan), steps)
+    backend.set_overlap(default)
     runner.start(prompt, greedy)
     eager = events_ms(cp, backend.stream, lambda: backend.run(plan), steps)
     runner.start(prompt, greedy)
@@ -51,7 +64,8 @@ def measure(llm, cp, prompt: list[int], steps: int) -> dict:
         t0 = time.perf_counter()
         runner.next()
         host.append((time.perf_counter() - t0) * 1e3)
-    return {"graph_ms": graph, "eager_ms": eager, "next_ms": statistics.median(host)}
+    return {"graph_ms": timed[False], "overlap_ms": timed[True], "eager_ms": eager,
+            "next_ms": statistics.median(host)}
 
 
 LAYER_LABELS = ("qkv_rope", "attention", "o_proj", "gate_up_silu", "down")
@@ -146,27 +160,30 @@ def main(argv=None) -> int:
             prompt = prompt_ids(L, cfg.vocab_size, seed=L)
             trials = [measure(llm, cp, prompt, args.steps) for _ in range(args.trials)]
             row = {"context": L, "steps": args.steps, "trials": trials}
-            for key in ("graph_ms", "eager_ms", "next_ms"):
-                row[key] = statistics.median(t[key] for t in trials)
+            for key in ("graph_ms", "overlap_ms", "eager_ms", "next_ms"):
+                row[key] = None if trials[0][key] is None else statistics.median(t[key] for t in trials)
             row["graph_spread_ms"] = [min(t["graph_ms"] for t in trials), max(t["graph_ms"] for t in trials)]
             row["graph_gb_s"] = weight_bytes / row["graph_ms"] / 1e6
             row["pct_of_floor"] = 100 * floor_ms / row["graph_ms"]
             # with the K and V the steps read too, at their mean context (as cullama bench counts GB/s)
             row["floor_kv_ms"] = step_bytes(cfg, L + (args.steps - 1) / 2) / bps * 1e3
             rows.append(row)
-            print(f"  context {L}: graph {row['graph_ms']:.3f} ms/step", flush=True)
+            overlapped = "n/a" if row["overlap_ms"] is None else f"{row['overlap_ms']:.3f}"
+            print(f"  context {L}: graph {row['graph_ms']:.3f} ms/step, overlapped {overlapped}", flush=True)
         parts = breakdown(llm, cp, prompt_ids(500, cfg.vocab_size, seed=500), args.steps)
     except CullamaError as exc:
         sys.exit(f"decode_step: {exc}")
     print(f"\n{'context':>8} {'graph ms':>9} {'min-max':>13} {'GB/s':>6} {'% bw':>6} {'floor ms':>9} "
-          f"{'floor/graph':>11} {'+KV floor':>9} {'eager ms':>9} {'next() ms':>10}")
+          f"{'floor/graph':>11} {'+KV floor':>9} {'overlap ms':>10} {'eager ms':>9} {'next() ms':>10}")
     for r in rows:
         lo, hi = r["graph_spread_ms"]
         print(f"{r['context']:>8} {r['graph_ms']:>9.3f} {f'{lo:.3f}-{hi:.3f}':>13} {r['graph_gb_s']:>6.0f} "
               f"{100 * r['graph_gb_s'] * 1e9 / bps:>5.1f}% {floor_ms:>9.3f} {r['pct_of_floor']:>10.1f}% "
-              f"{r['floor_kv_ms']:>9.3f} {r['eager_ms']:>9.3f} {r['next_ms']:>10.3f}")
+              f"{r['floor_kv_ms']:>9.3f} {'n/a' if r['overlap_ms'] is None else format(r['overlap_ms'], '.3f'):>10} "
+              f"{r['eager_ms']:>9.3f} {r['next_ms']:>10.3f}")
     print(f"each row: {args.steps} steps at positions L..L+{args.steps - 1}, median of {args.trials} trials. "
           f"GB/s counts the weights only; floor = weights / read bandwidth; +KV floor adds the K and V read; "
+          f"overlap = the same graph with programmatic dependent launch between its kernels (CULLAMA_OVERLAP=1); "
           f"eager = backend.run of the same plan; next() = replay + token id read back, host clock")
     total = sum(p["us_per_step"] for p in parts)
     print(f"\nper kernel, inside the graph (events between launches), context 500, {args.steps} steps:")

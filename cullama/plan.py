@@ -34,6 +34,11 @@ GEMM_SMS = 132  # streaming multiprocessors of the target GPU (H100 / H200 SXM),
 GEMM_MAX_SPLIT = 4  # most K splits of one prefill GEMM (partials per tile in gemm_workspace)
 GEMM_SPLIT_K = True  # False: every prefill GEMM runs with S = 1 (no split-K), to compare; read at plan time
 ROW_THREADS = 256  # the row-wise prefill kernels: one block per token row
+# Kernels that may start before the kernel ahead of them has finished (programmatic dependent launch,
+# the CUDA backend's `overlap` mode): before pdl_wait() they read only weights, which no kernel writes,
+# and write nothing. tests/test_contracts.py checks this in their sources.
+OVERLAP_SAFE = frozenset({"gemv_qkv_rope", "attention_decode", "gemv_residual", "gemv_gate_up_silu",
+                          "gemv_logits", "sample"})
 
 
 @dataclasses.dataclass(frozen=True)

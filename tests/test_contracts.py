@@ -81,3 +81,60 @@ def test_grids_cover_every_output_row():
     assert grid["gemv_gate_up_silu"][0] * pairs >= cfg.intermediate_size
     assert grid["gemv_logits"][0] * rows >= cfg.vocab_size
     assert grid["attention_decode"][:2] == (cfg.num_kv_heads, plans.attention_splits(cfg))
+
+
+def kernel_body(text: str, name: str) -> str:
+    """The text between a kernel's opening brace and its matching closing brace."""
+    match = re.search(r'extern "C" __global__ void\s+(?:__launch_bounds__\([^)]*\)\s+)?' + name + r"\s*\([^)]*\)\s*\{",
+                      text, re.S)
+    assert match, name
+    depth, i = 1, match.end()
+    while depth:
+        depth += {"{": 1, "}": -1}.get(text[i], 0)
+        i += 1
+    return text[match.end():i - 1]
+
+
+def pre_wait_reads(body: str, pointer_params: list[str]) -> set[str] | None:
+    """The pointer parameters a kernel body names before its pdl_wait() (None: it never waits)."""
+    if "pdl_wait();" not in body:
+        return None
+    before = re.sub(r"//[^\n]*", "", body.split("pdl_wait();")[0])
+    return {p for p in pointer_params if re.search(rf"(?<![.\w]){p}\b", before)}  # not blockIdx.x
+
+
+def weight_params(cfg, name: str) -> dict[str, bool]:
+    """For each pointer parameter of kernel `name`: is it bound to a weight buffer in every decode launch?"""
+    bufs = buffers(cfg, 512)
+    launches = [l for l in plans.decode_plan(cfg, 512).launches if l.spec.name == name]
+    assert launches, f"{name} is not in the decode plan"
+    params = SIGNATURES[launches[0].spec.source, name]
+    return {pname: all(bufs[l.args[i].name].kind == "weight" for l in launches)
+            for i, (_, pname, is_pointer) in enumerate(params) if is_pointer}
+
+
+@pytest.mark.parametrize("name", sorted(plans.OVERLAP_SAFE))
+def test_overlap_safe_kernels_touch_only_weights_before_pdl_wait(name):
+    """Launched overlapped, a kernel runs next to the one before it until pdl_wait(): reading an
+    activation there would read a stale value, writing one would race. Weights never change."""
+    cfg = device_config(preset("llama-2-7b"))
+    weights = weight_params(cfg, name)
+    source = next(src for src, kernel in SIGNATURES if kernel == name)
+    touched = pre_wait_reads(kernel_body((SOURCE_DIR / source).read_text(), name), list(weights))
+    assert touched is not None, f"{name} never calls pdl_wait()"
+    assert all(weights[p] for p in touched), f"{name} touches {sorted(p for p in touched if not weights[p])} " \
+                                             "before pdl_wait()"
+
+
+def test_the_pre_wait_check_catches_a_read_of_an_activation():
+    body = kernel_body((SOURCE_DIR / "gemv.cu").read_text(), "gemv_residual")
+    assert pre_wait_reads(body, ["in", "W", "x"]) == {"W"}
+    planted = body.replace("pdl_wait();", "").replace("first_batch(loads, W, rows, K);",
+                                                      "first_batch(loads, W, rows, K);\n    x[0] = 0.f;\n    pdl_wait();")
+    assert pre_wait_reads(planted, ["in", "W", "x"]) == {"W", "x"}
+    assert pre_wait_reads(body.replace("pdl_wait();", ""), ["W"]) is None
+
+
+def test_every_decode_kernel_may_overlap():
+    cfg = device_config(preset("llama-2-7b"))
+    assert {l.spec.name for l in plans.decode_plan(cfg, 512).launches} <= plans.OVERLAP_SAFE

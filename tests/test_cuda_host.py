@@ -2,6 +2,7 @@
 graph capture and replay, the pinned token read) run end to end on the CPU: CuPy is tests/fake_cupy.py,
 whose kernels are the NumPy twins, so every result must equal the numpy backend's bit for bit."""
 
+import ctypes
 import sys
 
 import numpy as np
@@ -156,3 +157,48 @@ def test_a_plan_is_resolved_once_and_reused(fake, stories_dir, monkeypatch):
     assert count > 0
     assert runner.start([1, 403, 407], GREEDY) == first  # the same prefill plan again: nothing re-resolved
     assert len(resolved) == count
+
+
+class RecordingPdl:
+    """Stands in for backends.pdl.PdlLauncher: checks the parameter array it would pass the driver, notes
+    the launch as overlapped and launches it (the fake kernel records it in the capturing stream)."""
+
+    launches: list = []
+
+    def __init__(self):
+        from cullama.backends.pdl import kernel_params
+        self.kernel_params = kernel_params
+
+    def __call__(self, fn, grid, block, args, stream_ptr):
+        params, _ = self.kernel_params(args)
+        assert len(params) == len(args)
+        for value, arg in zip(params, args):
+            if not isinstance(arg, np.generic):  # device arrays: their address
+                assert ctypes.cast(value, ctypes.POINTER(ctypes.c_void_p)).contents.value == arg.data.ptr
+        assert stream_ptr == fake_cupy.get_current_stream().ptr
+        RecordingPdl.launches.append(fn.spec.name)
+        fn(grid, block, args)
+
+
+def test_overlap_links_every_decode_kernel_but_the_first_and_changes_no_token(fake, stories_dir, monkeypatch):
+    import cullama.backends.pdl as pdl_module
+    monkeypatch.setattr(pdl_module, "PdlLauncher", RecordingPdl)
+    RecordingPdl.launches = []
+    plain = runner_on(CudaBackend(overlap=False), stories_dir)
+    monkeypatch.setenv("CULLAMA_OVERLAP", "1")
+    overlapped = runner_on(CudaBackend(), stories_dir)
+    assert overlapped.backend.overlap and not plain.backend.overlap
+    tokens = {r: [r.start([1, 403], GREEDY)] + [r.next() for _ in range(6)] for r in (plain, overlapped)}
+    assert tokens[plain] == tokens[overlapped]
+    np.testing.assert_array_equal(plain.backend.read("logits"), overlapped.backend.read("logits"))
+    names = [l.spec.name for l in overlapped.decode.launches]
+    assert RecordingPdl.launches == names[1:]  # the first node waits for whatever ran before the graph
+    overlapped.backend.set_overlap(False)  # a captured graph is dropped, and the next capture is plain
+    assert overlapped.backend.graphs == {}
+    overlapped.next()
+    assert RecordingPdl.launches == names[1:] and len(fake.graphs) == 3
+
+
+def test_overlap_stays_off_before_sm_90(fake, monkeypatch):
+    monkeypatch.setattr(fake_cupy.device, "compute_capability", "80")
+    assert not CudaBackend(overlap=True).overlap

@@ -3,13 +3,19 @@
 The decode step is captured once, on its first replay, and replayed at every position after that:
 its kernels read the position from device memory, so nothing is recompiled, re-captured or copied
 per token except the 4-byte sampled token id read back into pinned memory.
+
+With `overlap` on (CULLAMA_OVERLAP=1, or set_overlap), the captured decode step links its kernels by
+programmatic dependent launch (backends/pdl.py): each kernel of plan.OVERLAP_SAFE may start while the
+one before it finishes, streaming its weights until its pdl_wait(). Off by default until measured.
 """
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 
-from ..plan import Buffer, Plan, Ref
+from ..plan import OVERLAP_SAFE, Buffer, Plan, Ref
 from ..registry import KernelLoader
 
 STATE_TOKEN = 1  # kernels_cu/common.cuh
@@ -18,7 +24,7 @@ STATE_TOKEN = 1  # kernels_cu/common.cuh
 class CudaBackend:
     device = "cuda"
 
-    def __init__(self):
+    def __init__(self, overlap: bool | None = None):
         import cupy
         import cupyx
 
@@ -29,6 +35,9 @@ class CudaBackend:
         self.graphs: dict[str, object] = {}
         self._prepared: dict[int, tuple[Plan, list[tuple]]] = {}  # id(plan) -> (plan, its launches)
         self._token = cupyx.empty_pinned((1,), dtype=np.int32)  # the sampled id lands here
+        self.overlap = False
+        self._pdl = None  # the PdlLauncher, made on first use
+        self.set_overlap(os.environ.get("CULLAMA_OVERLAP", "0") == "1" if overlap is None else overlap)
 
     def allocate(self, buffers: list[Buffer]) -> None:
         with self.stream:  # the zero-fill is ordered before this stream's copies and kernels
@@ -68,6 +77,17 @@ class CudaBackend:
             for fn, grid, block, args in self.prepared(plan):
                 fn(grid, block, args)
 
+    def set_overlap(self, on: bool) -> None:
+        """Link the captured decode step's kernels by programmatic dependent launch (sm_90 and newer;
+        elsewhere this stays off). Graphs already captured are dropped and re-captured on next replay."""
+        on = bool(on) and int(self.loader.arch.removeprefix("sm_").rstrip("a")) >= 90
+        if on and self._pdl is None:
+            from .pdl import PdlLauncher
+            self._pdl = PdlLauncher()
+        if on != self.overlap:
+            self.overlap = on
+            self.graphs.clear()
+
     def replay(self, plan: Plan) -> None:
         graph = self.graphs.get(plan.name)
         if graph is None:
@@ -76,8 +96,12 @@ class CudaBackend:
             with self.stream:  # a RawKernel launches on the current stream
                 self.stream.begin_capture()
                 try:
-                    for fn, grid, block, args in launches:
-                        fn(grid, block, args)
+                    for i, (fn, grid, block, args) in enumerate(launches):
+                        # the first node waits for everything before the graph, as a plain launch does
+                        if self.overlap and i > 0 and plan.launches[i].spec.name in OVERLAP_SAFE:
+                            self._pdl(fn, grid, block, args, self.stream.ptr)
+                        else:
+                            fn(grid, block, args)
                 finally:
                     graph = self.stream.end_capture()
             self.graphs[plan.name] = graph

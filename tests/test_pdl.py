@@ -1,0 +1,86 @@
+"""backends/pdl.py on the CPU: the ctypes mirrors of cuda.h's launch structures, the kernel parameter
+array, and the launcher's call into cuLaunchKernelEx (a stand-in for the driver records it)."""
+
+import ctypes
+
+import numpy as np
+import pytest
+
+from cullama.backends import pdl
+from cullama.errors import DeviceError
+
+
+def test_structures_have_cuda_h_layout():
+    # CUlaunchAttribute: int id, 4 bytes of padding, a 64-byte union; CUlaunchConfig: 7 uints, padding,
+    # CUstream, CUlaunchAttribute*, unsigned int (+ tail padding)
+    assert ctypes.sizeof(pdl.LaunchAttribute) == 72 and pdl.LaunchAttribute.value.offset == 8
+    assert ctypes.sizeof(pdl.LaunchAttributeValue) == 64
+    assert [getattr(pdl.LaunchConfig, f).offset for f in ("shared_mem_bytes", "stream", "attrs", "num_attrs")] \
+        == [24, 32, 40, 48]
+    assert ctypes.sizeof(pdl.LaunchConfig) == 56
+
+
+class DeviceArray:  # what the launcher needs of a CuPy array
+    def __init__(self, ptr):
+        self.data = type("MemoryPointer", (), {"ptr": ptr})()
+
+
+def test_kernel_params_point_at_each_argument_in_its_c_type():
+    args = (DeviceArray(0x7f0012345600), np.int32(-5), np.float32(1.5), np.uint32(4000000000), np.uint64(2**40 + 3))
+    params, alive = pdl.kernel_params(args)
+    assert len(params) == 5 and len(alive) == 5
+    read = lambda i, t: ctypes.cast(params[i], ctypes.POINTER(t)).contents.value  # noqa: E731
+    assert read(0, ctypes.c_uint64) == 0x7f0012345600
+    assert read(1, ctypes.c_int32) == -5
+    assert read(2, ctypes.c_float) == 1.5
+    assert read(3, ctypes.c_uint32) == 4000000000
+    assert read(4, ctypes.c_uint64) == 2**40 + 3
+    with pytest.raises(DeviceError, match="float64"):
+        pdl.kernel_params((np.float64(1.0),))
+
+
+class Symbol:  # a ctypes function as far as the launcher goes: callable, takes argtypes and restype
+    def __init__(self, call):
+        self.call = call
+
+    def __call__(self, *args):
+        return self.call(*args)
+
+
+class FakeDriver:
+    """cuLaunchKernelEx and cuGetErrorString as the launcher calls them; records each launch."""
+
+    def __init__(self, status=0):
+        self.status, self.calls = status, []
+        self.cuLaunchKernelEx = Symbol(self._launch)
+        self.cuGetErrorString = Symbol(self._error_string)
+
+    def _launch(self, config_ref, function, params, extra):
+        config = config_ref._obj  # ctypes.byref keeps the object it points at
+        attr = config.attrs[0]
+        self.calls.append({"grid": (config.grid_x, config.grid_y, config.grid_z),
+                           "block": (config.block_x, config.block_y, config.block_z),
+                           "smem": config.shared_mem_bytes, "stream": config.stream, "num_attrs": config.num_attrs,
+                           "attr": (attr.id, attr.value.programmatic_stream_serialization_allowed),
+                           "function": function, "first_param": ctypes.cast(params[0], ctypes.POINTER(ctypes.c_int32))
+                           .contents.value, "extra": extra})
+        return self.status
+
+    def _error_string(self, status, out):
+        out._obj.value = b"an illegal memory access was encountered"
+        return 0
+
+
+def test_launcher_passes_grid_block_stream_and_the_pdl_attribute():
+    driver = FakeDriver()
+    fn = type("Function", (), {"ptr": 0xABC})()
+    pdl.PdlLauncher(driver)(fn, (96, 2, 1), (128, 1, 1), (np.int32(7),), 0x5000)
+    assert driver.calls == [{"grid": (96, 2, 1), "block": (128, 1, 1), "smem": 0, "stream": 0x5000, "num_attrs": 1,
+                             "attr": (pdl.PROGRAMMATIC_STREAM_SERIALIZATION, 1), "function": 0xABC,
+                             "first_param": 7, "extra": None}]
+
+
+def test_a_failed_launch_is_a_one_line_device_error():
+    fn = type("Function", (), {"ptr": 1})()
+    with pytest.raises(DeviceError, match=r"cuLaunchKernelEx .*illegal memory access.*CUresult 700"):
+        pdl.PdlLauncher(FakeDriver(status=700))(fn, (1, 1, 1), (32, 1, 1), (np.int32(0),), 0)
