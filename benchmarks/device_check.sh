@@ -4,13 +4,13 @@
 #   bash benchmarks/device_check.sh          (from anywhere; on the device machine $OUT is set)
 #
 # Steps: install the package, `cullama info`, `cullama kernels --arch sm_90`, `pytest -m gpu`,
-# `cullama bench`, then benchmarks/gemv_sweep.py, gemm_sweep.py, decode_step.py and compare_hf.py
-# --quick. Each step runs under `timeout` inside one overall budget (BUDGET_S, default 460 s), and a
+# `cullama bench`, `cullama bench --overlap` at 10, 100 and 500 tokens, then benchmarks/gemv_sweep.py,
+# gemm_sweep.py, decode_step.py and compare_hf.py --quick. Each step runs under `timeout` inside one overall budget (BUDGET_S, default 460 s), and a
 # failing step does not stop the next. ../shared (the test data beside the repo) is used when present;
-# the device machine's copy has none, so the tests that need it skip. Under $OUT (7 files; the device
-# tool returns at most 8): steps.log (every step's output), summary.txt, bench.json, gemv.json,
-# gemm.json, decode.json, compare.json. Environment: PYTHON (default python3), SKIP_INSTALL=1 (already
-# installed), BENCH_SAMPLES (default 500), BUDGET_S.
+# the device machine's copy has none, so the tests that need it skip. Under $OUT (8 files; the device
+# tool returns at most 8): steps.log (every step's output), summary.txt, bench.json, bench_overlap.json,
+# gemv.json, gemm.json, decode.json, compare.json. Environment: PYTHON (default python3), SKIP_INSTALL=1
+# (already installed), BENCH_SAMPLES (default 500), BUDGET_S.
 set -u
 cd "$(dirname "$0")/.." || exit 1
 OUT=${OUT:-/tmp/cullama-device-check}
@@ -75,6 +75,7 @@ step info 30 "${CULLAMA[@]}" info
 step kernels 100 "${CULLAMA[@]}" kernels --arch sm_90
 step pytest 150 "$PY" -m pytest -m gpu -q -rs -p no:cacheprovider  # no -x: one run, every failure
 step bench 110 "${CULLAMA[@]}" bench --json "$OUT/bench.json" --samples "${BENCH_SAMPLES:-500}"
+step overlap 45 "${CULLAMA[@]}" bench --overlap --lengths 10,100,500 --samples 300 --json "$OUT/bench_overlap.json"
 step gemv 60 "$PY" benchmarks/gemv_sweep.py --json "$OUT/gemv.json"
 step gemm 45 "$PY" benchmarks/gemm_sweep.py --json "$OUT/gemm.json"
 step decode 60 "$PY" benchmarks/decode_step.py --trials 2 --json "$OUT/decode.json"

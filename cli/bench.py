@@ -40,8 +40,11 @@ class BenchProgress:
 @click.option("--prompt-len", default=8, show_default=True, type=int, help="Prompt tokens before each decode trial.")
 @click.option("--max-seq-len", type=int, help="Context to allocate (default: the model's).")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), help="Write every sample and the environment here.")
+@click.option("--overlap/--no-overlap", default=None,
+              help="Link the decode graph's kernels by programmatic dependent launch (sm_90+) "
+                   "[default: CULLAMA_OVERLAP=1 turns it on; off otherwise].")
 @friendly_errors
-def bench(model_dir, synthetic, device, lengths, samples, warmup, prompt_len, max_seq_len, json_path):
+def bench(model_dir, synthetic, device, lengths, samples, warmup, prompt_len, max_seq_len, json_path, overlap):
     """Per-token decode latency (p50/p90/p99/max), tokens/s, GB/s and TTFT at each length."""
     from .. import bench as protocol
     from ..config import from_pretrained as read_config, preset
@@ -51,7 +54,7 @@ def bench(model_dir, synthetic, device, lengths, samples, warmup, prompt_len, ma
 
     command = {"model": model_dir, "synthetic": synthetic, "device": device, "lengths": lengths,
                "samples": samples, "warmup": warmup, "prompt_len": prompt_len, "max_seq_len": max_seq_len,
-               "json": json_path}
+               "json": json_path, "overlap": overlap}
     if model_dir is not None and synthetic is not None:
         raise PromptError("give either --model or --synthetic, not both")
     lengths = protocol.parse_lengths(lengths)
@@ -74,14 +77,23 @@ def bench(model_dir, synthetic, device, lengths, samples, warmup, prompt_len, ma
     else:
         llm = Llama.synthetic(synthetic, device=dev, max_seq_len=max_seq_len)
 
+    overlapped = False
+    if dev == "cuda":
+        if overlap is not None:
+            llm.runner.backend.set_overlap(overlap)
+        overlapped = llm.runner.backend.overlap
+    elif overlap:
+        BenchProgress.note("--overlap: the CPU has no kernel overlap; ignored")
     label = model_dir or f"{synthetic} (synthetic)"
     result = protocol.run(llm.runner, llm.config, lengths, samples, warmup, prompt_len, bandwidth=bandwidth,
-                          device=dev, progress=BenchProgress(), extra_options={"command": command})
+                          device=dev, progress=BenchProgress(),
+                          extra_options={"command": command, "overlap": overlapped})
     gpu = ""
     if dev == "cuda":
         from ..device import environment
         gpu = f" ({environment().get('gpu')})"
-    click.echo(protocol.format_table(result, title=f"cullama bench: {label}, {dev}{gpu}"))
+    click.echo(protocol.format_table(result, title=f"cullama bench: {label}, {dev}{gpu}"
+                                                             f"{', overlap on' if overlapped else ''}"))
     if json_path:
         protocol.write_json(result, json_path, model=label)
         BenchProgress.note(f"wrote {json_path}")

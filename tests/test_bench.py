@@ -160,3 +160,13 @@ def test_bench_command_on_the_cpu(tmp_path):
     assert record["device"] == "cpu" and record["model"] == "tiny (synthetic)"
     assert [len(r["decode_ns"]) for r in record["results"]] == [12, 10]
     assert record["options"]["command"]["lengths"] == "3,5"
+
+
+def test_overlap_is_recorded_and_ignored_on_the_cpu(tmp_path):
+    out = tmp_path / "out.json"
+    result = CliRunner().invoke(main, ["bench", "--device", "cpu", "--lengths", "3", "--samples", "4",
+                                       "--warmup", "0", "--overlap", "--json", str(out)])
+    assert result.exit_code == 0, result.output
+    assert "--overlap: the CPU has no kernel overlap; ignored" in result.stderr
+    record = json.loads(out.read_text())
+    assert record["options"]["overlap"] is False and record["options"]["command"]["overlap"] is True
