@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 from . import ops
-from .registry import Resources, compile_module
+from .registry import Resources, compile_module, target_arch
 
 
 @dataclasses.dataclass
@@ -21,12 +21,14 @@ class KernelReport:
 
 
 def compile_all(arch: str = "sm_90") -> list[KernelReport]:
-    """Every kernel in every variant its ops module declares, compiled with NVRTC for `arch`."""
+    """Every kernel in every variant its ops module declares, compiled with NVRTC for `arch` (or its
+    arch-specific form, sm_90a, where the module sets ARCH_SPECIFIC)."""
     reports = []
     for stem in ops.STEMS:
         module = ops.module(stem)
+        target = target_arch(arch, getattr(module, "ARCH_SPECIFIC", False))  # e.g. wgmma kernels: sm_90a
         for defines in module.VARIANTS:
-            compiled = compile_module(module.SOURCE, tuple(defines), arch)
+            compiled = compile_module(module.SOURCE, tuple(defines), target)
             for name, res in sorted(compiled.resources.items()):
                 reports.append(KernelReport(module.SOURCE, tuple(defines), name, res))
     return reports

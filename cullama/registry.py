@@ -32,9 +32,16 @@ class KernelSpec:
     source: str  # e.g. "gemv.cu"
     name: str  # e.g. "gemv_residual"
     defines: tuple[tuple[str, int], ...] = ()
+    arch_specific: bool = False  # compiled for the arch-specific target (sm_90 -> sm_90a: wgmma, setmaxnreg)
 
     def module_key(self) -> tuple:
-        return (self.source, self.defines)
+        return (self.source, self.defines, self.arch_specific)
+
+
+def target_arch(arch: str, arch_specific: bool) -> str:
+    """The NVRTC target for a kernel: `arch`, or its arch-specific form (sm_90a), which runs on that exact
+    arch only."""
+    return arch + "a" if arch_specific and not arch.endswith("a") else arch
 
 
 @dataclasses.dataclass(frozen=True)
@@ -183,7 +190,7 @@ class KernelLoader:
         if fn is None:
             module = self._modules.get(spec.module_key())
             if module is None:
-                compiled = compile_module(spec.source, spec.defines, self.arch)
+                compiled = compile_module(spec.source, spec.defines, target_arch(self.arch, spec.arch_specific))
                 module = self._modules[spec.module_key()] = self._cupy.RawModule(path=str(compiled.cubin_path))
             fn = self._functions[spec] = module.get_function(spec.name)
         return fn

@@ -77,3 +77,11 @@ ptxas         .     8 bytes stack frame, 4 bytes spill stores, 4 bytes spill loa
 ptxas info    : Used 40 registers, used 1 barriers, 1024 bytes smem"""
     res = registry.parse_ptxas_log(log)["k"]
     assert (res.registers, res.smem_bytes, res.stack_bytes, res.spills) == (40, 1024, 8, True)
+
+
+def test_arch_specific_kernels_compile_for_the_a_target():
+    from cullama.registry import KernelSpec, target_arch
+    assert target_arch("sm_90", True) == "sm_90a" and target_arch("sm_90", False) == "sm_90"
+    assert target_arch("sm_90a", True) == "sm_90a"
+    plain, specific = KernelSpec("gemm.cu", "gemm"), KernelSpec("gemm.cu", "gemm", arch_specific=True)
+    assert plain.module_key() != specific.module_key()  # loaded as two modules

@@ -3,7 +3,8 @@
 A twin has the kernel's name and parameters in the same order (arrays where the kernel takes
 pointers, shaped as the plan's buffers; numbers where it takes scalars), writes its outputs in
 place, and computes the same function: it is the kernel's specification and its CPU implementation.
-Each module also names its SOURCE file and the VARIANTS (compile-time defines) that CI compiles.
+Each module also names its SOURCE file and the VARIANTS (compile-time defines) that CI compiles, and
+sets ARCH_SPECIFIC = True where its kernels need the arch-specific target (sm_90a: wgmma).
 """
 
 from importlib import import_module
