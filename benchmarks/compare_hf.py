@@ -72,7 +72,7 @@ class HFEager:
         self.cache = self.transformers.DynamicCache()
         return self._step(self.torch.tensor([list(prompt)], device=DEVICE))
 
-    def next(self) -> int:
+    def next(self, ahead: bool = False) -> int:  # transformers has no step queued ahead
         return self._step(self.tok)
 
     def _step(self, ids) -> int:
@@ -104,7 +104,7 @@ class HFCompiled:
         self.pos = torch.tensor([len(ids)], device=DEVICE)
         return int(self.tok.item())
 
-    def next(self) -> int:
+    def next(self, ahead: bool = False) -> int:  # gpt-fast style: reads each token back before the next step
         self.torch.compiler.cudagraph_mark_step_begin()
         self.tok = self.compiled(self.tok, self.pos).clone()  # the graph's output buffer is reused by the next replay
         self.pos.add_(1)  # after the replay copied pos into the graph's input, in stream order

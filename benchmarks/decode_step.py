@@ -1,15 +1,18 @@
 """Decode-step timing: the captured CUDA graph of one LLaMA-2-7B decode step against the bandwidth floor.
 
-    python benchmarks/decode_step.py [--contexts 10,100,500,1000] [--steps 100] [--json FILE]
+    python benchmarks/decode_step.py [--contexts 10,100,500,1000] [--steps 100] [--trials N] [--json FILE]
+                                     [--model PRESET] [--max-seq-len N] [--breakdown-context L]
 
 Random LLaMA-2-7B weights are made on the GPU (Llama.synthetic). For each context L, a fresh
 prefill of an L-token prompt, then CUDA events around --steps back-to-back replays of the
 captured decode graph (each replay advances the position: the steps run at L .. L+steps-1), once
 captured plainly and once with its kernels overlapped (programmatic dependent launch, sm_90+);
 then the same from a fresh prefill with eager launches of the same plan (backend.run), and the
-host-observed time of runner.next() (replay + reading the token id back), the latency a user sees.
-Last, a per-kernel breakdown at context 500: the same launches captured with an event between
-each pair, so each kernel's share of the step (and its GB/s) can be read off.
+host-observed time from one runner.next() token to the next (replay + reading the token id back),
+plain and with next(ahead=True) (the next step queued before the token is read: what generation does).
+Last, a per-kernel breakdown at context 500 (--breakdown-context): the same launches captured with
+an event-record node between each pair, so each kernel's share of the step (and its GB/s) can be
+read off. --model synthesizes another preset (the tests run `tiny` on a fake CuPy).
 The floor is the bytes a step must read (decode_weight_bytes) over the measured read bandwidth.
 Medians over --trials. Run it on a GPU; without one it says so in one line.
 """
@@ -17,13 +20,16 @@ Medians over --trials. Run it on a GPU; without one it says so in one line.
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import statistics
 import sys
 import time
 
-from cullama.errors import CullamaError
-from gemv_sweep import events_ms, read_bandwidth, require_gpu  # benchmarks/ is on sys.path when run as a script
+from cullama.errors import CullamaError, DeviceError
+from gemv_sweep import events_ms, positive_int, read_bandwidth, require_gpu  # benchmarks/ is on sys.path as a script
+
+WARMUP_CONTEXT, WARMUP_STEPS = 10, 8  # the untimed first measure(): kernels loaded, graphs captured
 
 
 def parse_ints(text: str) -> list[int]:
@@ -38,8 +44,8 @@ def parse_ints(text: str) -> list[int]:
 
 def measure(llm, cp, prompt: list[int], steps: int) -> dict:
     """One trial at one context, ms per step: graph replays, plain and overlapped (programmatic dependent
-    launch; None where the GPU has none), eager launches, and the host-observed next() (in the backend's
-    default mode)."""
+    launch; None where the GPU has none), eager launches, and the host-observed next() from one token's
+    arrival to the next, plain and ahead (both in the backend's default overlap mode)."""
     from cullama.bench import GREEDY as greedy
 
     runner = llm.runner
@@ -59,16 +65,46 @@ def measure(llm, cp, prompt: list[int], steps: int) -> dict:
     runner.start(prompt, greedy)
     eager = events_ms(cp, backend.stream, lambda: backend.run(plan), steps)
     runner.start(prompt, greedy)
-    host = []
-    for _ in range(steps):
-        t0 = time.perf_counter()
-        runner.next()
-        host.append((time.perf_counter() - t0) * 1e3)
+    host = {}
+    for ahead in (False, True):  # each token read back before the next replay; or the next step queued first
+        runner.start(prompt, greedy)
+        times, last = [], time.perf_counter()
+        for _ in range(steps):
+            runner.next(ahead=ahead)
+            now = time.perf_counter()
+            times.append((now - last) * 1e3)
+            last = now
+        runner.drain()
+        host[ahead] = statistics.median(times)
     return {"graph_ms": timed[False], "overlap_ms": timed[True], "eager_ms": eager,
-            "next_ms": statistics.median(host)}
+            "next_ms": host[False], "ahead_ms": host[True]}
 
 
 LAYER_LABELS = ("qkv_rope", "attention", "o_proj", "gate_up_silu", "down")
+CU_EVENT_RECORD_EXTERNAL = 1  # cuda.h: in a capturing stream, record the event as a graph node
+
+
+def load_driver():
+    """The CUDA driver library (ctypes), for the one call CuPy does not wrap; tests substitute a fake."""
+    try:
+        return ctypes.CDLL("libcuda.so.1")
+    except OSError as exc:
+        raise DeviceError(f"the per-kernel breakdown needs the CUDA driver (libcuda.so.1): {exc}") from None
+
+
+def node_recorder(driver):
+    """record(event, stream): an event-record node in the capturing stream's graph, recorded at each replay.
+    A plain Event.record inside a capture only marks a dependency: CUDA then refuses to time the event
+    (cudaErrorCapturedEvent); a node needs cuEventRecordWithFlags(..., CU_EVENT_RECORD_EXTERNAL)."""
+    fn = driver.cuEventRecordWithFlags
+    fn.argtypes, fn.restype = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint], ctypes.c_int
+
+    def record(event, stream) -> None:
+        status = fn(event.ptr, stream.ptr, CU_EVENT_RECORD_EXTERNAL)
+        if status != 0:
+            raise DeviceError(f"cuEventRecordWithFlags (an event node in the graph) failed: CUresult {status}")
+
+    return record
 
 
 def launch_bytes(cfg, label: str, context: int) -> int:
@@ -90,6 +126,7 @@ def breakdown(llm, cp, prompt: list[int], steps: int) -> list[dict]:
     launches = backend.prepared(plan)
     labels = [LAYER_LABELS[i % 5] for i in range(len(launches) - 2)] + ["lm_head", "sample"]
     events = [cp.cuda.Event() for _ in range(len(launches) + 1)]
+    record = node_recorder(load_driver())
     stream = backend.stream
     runner.start(prompt, greedy)
     stream.synchronize()
@@ -97,9 +134,9 @@ def breakdown(llm, cp, prompt: list[int], steps: int) -> list[dict]:
         stream.begin_capture()
         try:
             for event, (fn, grid, block, args) in zip(events, launches):
-                event.record(stream)
+                record(event, stream)
                 fn(grid, block, args)
-            events[-1].record(stream)
+            record(events[-1], stream)
         finally:
             graph = stream.end_capture()
     per_launch = [[] for _ in launches]
@@ -110,14 +147,15 @@ def breakdown(llm, cp, prompt: list[int], steps: int) -> list[dict]:
             per_launch[i].append(cp.cuda.get_elapsed_time(events[i], events[i + 1]) * 1e3)
     rows = {}
     for label, times in zip(labels, per_launch):
-        row = rows.setdefault(label, {"kernel": label, "count": 0, "us_each": [], "bytes": 0})
+        row = rows.setdefault(label, {"kernel": label, "count": 0, "us_each": []})
         row["count"] += 1
         row["us_each"].append(statistics.median(times))
     context = len(prompt) + steps // 2
     for row in rows.values():
         row["us_each"] = statistics.median(row["us_each"])
         row["us_per_step"] = row["us_each"] * row["count"]
-        row["gb_s"] = launch_bytes(llm.config, row["kernel"], context) / row["us_each"] / 1e3
+        row["bytes"] = launch_bytes(llm.config, row["kernel"], context)  # one launch's
+        row["gb_s"] = row["bytes"] / row["us_each"] / 1e3
     return list(rows.values())
 
 
@@ -125,15 +163,18 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--contexts", type=parse_ints, default=[10, 100, 500, 1000],
                         help="prompt lengths: the context each timed run starts at")
-    parser.add_argument("--steps", type=int, default=100, help="decode steps timed per trial")
-    parser.add_argument("--trials", type=int, default=3, help="fresh prefill + timing per context (median)")
-    parser.add_argument("--max-seq-len", type=int, default=2048, help="KV-cache length")
+    parser.add_argument("--steps", type=positive_int, default=100, help="decode steps timed per trial")
+    parser.add_argument("--trials", type=positive_int, default=3, help="fresh prefill + timing per context (median)")
+    parser.add_argument("--max-seq-len", type=positive_int, default=2048, help="KV-cache length")
     parser.add_argument("--model", default="llama-2-7b", help="preset to synthesize")
+    parser.add_argument("--breakdown-context", type=positive_int, default=500,
+                        help="the context the per-kernel breakdown starts at")
     parser.add_argument("--json", metavar="FILE", help="write the rows and the environment here")
     args = parser.parse_args(argv)
-    if max(args.contexts) + args.steps + 1 > args.max_seq_len:
-        parser.error(f"context {max(args.contexts)} + {args.steps} steps does not fit in --max-seq-len "
-                     f"{args.max_seq_len}")
+    longest = max(args.contexts + [args.breakdown_context])
+    if max(longest + args.steps, WARMUP_CONTEXT + WARMUP_STEPS) + 1 > args.max_seq_len:  # replays are unchecked
+        parser.error(f"context {longest} + {args.steps} steps (or the warm-up's {WARMUP_CONTEXT} + {WARMUP_STEPS}) "
+                     f"does not fit in --max-seq-len {args.max_seq_len}")
     require_gpu("decode_step")
     import cupy as cp
 
@@ -154,13 +195,13 @@ def main(argv=None) -> int:
               f"{len(llm.runner.decode.launches)} launches per decode step; read bandwidth {bps / 1e9:.0f} GB/s "
               f"(cullama.bench.measure_bandwidth); {weight_bytes / 1e9:.2f} GB of weights per step: floor "
               f"{floor_ms:.3f} ms")
-        measure(llm, cp, prompt_ids(10, cfg.vocab_size), 8)  # warm-up: kernels loaded, the graph captured
+        measure(llm, cp, prompt_ids(WARMUP_CONTEXT, cfg.vocab_size), WARMUP_STEPS)
         rows = []
         for L in args.contexts:
             prompt = prompt_ids(L, cfg.vocab_size, seed=L)
             trials = [measure(llm, cp, prompt, args.steps) for _ in range(args.trials)]
             row = {"context": L, "steps": args.steps, "trials": trials}
-            for key in ("graph_ms", "overlap_ms", "eager_ms", "next_ms"):
+            for key in ("graph_ms", "overlap_ms", "eager_ms", "next_ms", "ahead_ms"):
                 row[key] = None if trials[0][key] is None else statistics.median(t[key] for t in trials)
             row["graph_spread_ms"] = [min(t["graph_ms"] for t in trials), max(t["graph_ms"] for t in trials)]
             row["graph_gb_s"] = weight_bytes / row["graph_ms"] / 1e6
@@ -170,23 +211,26 @@ def main(argv=None) -> int:
             rows.append(row)
             overlapped = "n/a" if row["overlap_ms"] is None else f"{row['overlap_ms']:.3f}"
             print(f"  context {L}: graph {row['graph_ms']:.3f} ms/step, overlapped {overlapped}", flush=True)
-        parts = breakdown(llm, cp, prompt_ids(500, cfg.vocab_size, seed=500), args.steps)
+        L = args.breakdown_context
+        parts = breakdown(llm, cp, prompt_ids(L, cfg.vocab_size, seed=L), args.steps)
     except CullamaError as exc:
         sys.exit(f"decode_step: {exc}")
     print(f"\n{'context':>8} {'graph ms':>9} {'min-max':>13} {'GB/s':>6} {'% bw':>6} {'floor ms':>9} "
-          f"{'floor/graph':>11} {'+KV floor':>9} {'overlap ms':>10} {'eager ms':>9} {'next() ms':>10}")
+          f"{'floor/graph':>11} {'+KV floor':>9} {'overlap ms':>10} {'eager ms':>9} {'next() ms':>10} {'ahead ms':>9}")
     for r in rows:
         lo, hi = r["graph_spread_ms"]
         print(f"{r['context']:>8} {r['graph_ms']:>9.3f} {f'{lo:.3f}-{hi:.3f}':>13} {r['graph_gb_s']:>6.0f} "
               f"{100 * r['graph_gb_s'] * 1e9 / bps:>5.1f}% {floor_ms:>9.3f} {r['pct_of_floor']:>10.1f}% "
               f"{r['floor_kv_ms']:>9.3f} {'n/a' if r['overlap_ms'] is None else format(r['overlap_ms'], '.3f'):>10} "
-              f"{r['eager_ms']:>9.3f} {r['next_ms']:>10.3f}")
+              f"{r['eager_ms']:>9.3f} {r['next_ms']:>10.3f} {r['ahead_ms']:>9.3f}")
     print(f"each row: {args.steps} steps at positions L..L+{args.steps - 1}, median of {args.trials} trials. "
           f"GB/s counts the weights only; floor = weights / read bandwidth; +KV floor adds the K and V read; "
           f"overlap = the same graph with programmatic dependent launch between its kernels (CULLAMA_OVERLAP=1); "
-          f"eager = backend.run of the same plan; next() = replay + token id read back, host clock")
+          f"eager = backend.run of the same plan; next() = replay + token id read back, arrival to arrival on "
+          f"the host clock; ahead = the same with next(ahead=True), the next step queued first (as generation)")
     total = sum(p["us_per_step"] for p in parts)
-    print(f"\nper kernel, inside the graph (events between launches), context 500, {args.steps} steps:")
+    print(f"\nper kernel, inside the graph (events between launches), context {args.breakdown_context}, "
+          f"{args.steps} steps:")
     print(f"{'kernel':<14} {'per step':>8} {'us each':>8} {'us/step':>8} {'share':>6} {'GB/s':>6}")
     for p in parts:
         print(f"{p['kernel']:<14} {p['count']:>8} {p['us_each']:>8.2f} {p['us_per_step']:>8.1f} "

@@ -1,17 +1,20 @@
 """GEMM sweep: the prefill GEMM (gemm.cu) with and without split-K on the LLaMA-2-7B prefill shapes.
 
-    python benchmarks/gemm_sweep.py [--json FILE] [--rows 1,10,64,256] [--splits 2,4] [--trials N]
+    python benchmarks/gemm_sweep.py [--json FILE] [--rows 1,10,64,256] [--splits 2,4] [--trials N] [--launches N]
+                                    [--l2-multiple K] [--model PRESET]
 
 For each prefill matrix of LLaMA-2-7B (qkv 12288x4096, o_proj 4096x4096, gate_up 22016x4096,
-down 4096x11008; o_proj and down accumulate into the residual, as in the plan) and each prompt
-length M in --rows, times gemm.cu at S = 1 (no split), at the S that cullama.plan.gemm_splits picks
-(marked "plan"), and at each S in --splits. Launches are captured in a CUDA graph that rotates over
-copies of the weight matrix totalling several times the L2, so no launch finds its weights in the
-cache; CUDA events time the replays. GB/s counts the FP16 weight bytes once per launch (what a
-short prompt's GEMM is bound by); TFLOP/s is 2 M N K per launch; % is of the read bandwidth as
-`cullama bench` measures it. Before timing, each S is checked: S = 1 against the NumPy twin (M <= 64;
-the GPU tests cover the rest), every S against S = 1 (float32 rounding), and S > 1 against itself
-on a rerun (bitwise: the split-K is deterministic). Run it on a GPU; without one it says so in one line.
+down 4096x11008; o_proj and down accumulate into the residual, as in the plan), or of --model's
+preset as the plan runs it (cullama.engine.device_config; the tests run `tiny` on a fake CuPy),
+and each prompt length M in --rows, times gemm.cu at S = 1 (no split), at the S that
+cullama.plan.gemm_splits picks (marked "plan"), and at each S in --splits. Launches are captured in
+a CUDA graph that rotates over copies of the weight matrix totalling several times the L2, so no
+launch finds its weights in the cache; CUDA events time the replays. GB/s counts the FP16 weight
+bytes once per launch (what a short prompt's GEMM is bound by); TFLOP/s is 2 M N K per launch; % is
+of the read bandwidth as `cullama bench` measures it. Before timing, each S is checked: S = 1
+against the NumPy twin (M <= 64; the GPU tests cover the rest), every S against S = 1 (float32
+rounding), and S > 1 against itself on a rerun (bitwise: the split-K is deterministic). Run it on a
+GPU; without one it says so in one line.
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ from cullama import plan as plans
 from cullama.config import preset
 from cullama.errors import CullamaError
 from cullama.ops import gemm as twin
-from gemv_sweep import events_ms, random_fp16, read_bandwidth, require_gpu
+from gemv_sweep import events_ms, positive_int, random_fp16, read_bandwidth, require_gpu
 
 TILE_FLOATS = plans.GEMM_TILE_M * plans.GEMM_TILE_N  # one partial tile in the split-K workspace
 
@@ -127,22 +130,24 @@ def sweep_shape(cp, loader, label, N, K, accumulate, args) -> list[dict]:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--json", metavar="FILE", help="write every row and the environment here")
-    ints = lambda text: [int(x) for x in text.split(",") if x]  # noqa: E731
+    ints = lambda text: [positive_int(x) for x in text.split(",") if x]  # noqa: E731
     parser.add_argument("--rows", type=ints, default=[1, 10, 64, 256], help="prompt rows M (comma-separated)")
     parser.add_argument("--splits", type=ints, default=[2, 4], help="split counts timed besides 1 and the plan's")
-    parser.add_argument("--trials", type=int, default=10, help="timed graph replays per case (median)")
-    parser.add_argument("--launches", type=int, default=24, help="launches per captured graph (at least)")
+    parser.add_argument("--trials", type=positive_int, default=10, help="timed graph replays per case (median)")
+    parser.add_argument("--launches", type=positive_int, default=24, help="launches per captured graph (at least)")
     parser.add_argument("--l2-multiple", type=float, default=4.0,
                         help="weight copies totalling at least this many times the L2")
+    parser.add_argument("--model", default="llama-2-7b", help="preset whose prefill GEMM shapes are swept")
     args = parser.parse_args(argv)
     require_gpu("gemm_sweep")
     import cupy as cp
 
     from cullama.device import environment
+    from cullama.engine import device_config
     from cullama.registry import KernelLoader
 
     try:
-        cfg, loader = preset("llama-2-7b"), KernelLoader()
+        cfg, loader = device_config(preset(args.model)), KernelLoader()
         bps, bandwidth = read_bandwidth()
         print(f"read bandwidth: {bps / 1e9:.0f} GB/s (cullama.bench.measure_bandwidth, {bandwidth['statistic']}); "
               f"GEMM_SPLIT_K={plans.GEMM_SPLIT_K}")

@@ -1,15 +1,17 @@
 """GEMV sweep: every gemv.cu variant on every LLaMA-2-7B matrix shape, in GB/s and % of read bandwidth.
 
-    python benchmarks/gemv_sweep.py [--json FILE] [--trials N] [--l2-multiple K]
+    python benchmarks/gemv_sweep.py [--json FILE] [--trials N] [--launches N] [--l2-multiple K] [--model PRESET]
 
 Each shape is timed with the kernel the decode step uses for it (qkv: gemv_qkv_rope, o_proj and
 down: gemv_residual, gate_up: gemv_gate_up_silu, lm_head: gemv_logits), in every (ROWS, UNROLL)
-variant of cullama.ops.gemv.VARIANTS. Launches are captured in a CUDA graph (as in the decode
-step) that rotates over copies of the weight matrix totalling several times the L2, so no launch
-finds its weights in the cache; CUDA events time the replays. GB/s counts the FP16 weight bytes
-only (the vectors are < 0.2 % of the traffic); % is of the read bandwidth as `cullama bench`
-measures it (cullama.bench.measure_bandwidth). Before timing, each variant's output is checked
-against the kernel's NumPy twin. Run it on a GPU; without one it says so in one line.
+variant of cullama.ops.gemv.VARIANTS. --model sweeps another preset's shapes instead, as the decode
+step runs them (cullama.engine.device_config; the tests run `tiny` on a fake CuPy). Launches are
+captured in a CUDA graph (as in the decode step) that rotates over copies of the weight matrix
+totalling several times the L2, so no launch finds its weights in the cache; CUDA events time the
+replays. GB/s counts the FP16 weight bytes only (the vectors are < 0.2 % of the traffic); % is of
+the read bandwidth as `cullama bench` measures it (cullama.bench.measure_bandwidth). Before timing,
+each variant's output is checked against the kernel's NumPy twin. Run it on a GPU; without one it
+says so in one line.
 """
 
 from __future__ import annotations
@@ -36,6 +38,14 @@ def require_gpu(prog: str) -> None:
     ok, why = cuda_status()
     if not ok:
         sys.exit(f"{prog}: needs an NVIDIA GPU: {why}")
+
+
+def positive_int(text: str) -> int:
+    """argparse type of a count: 0 would divide by zero, or take the median of nothing."""
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: give a positive integer")
+    return value
 
 
 def events_ms(cp, stream, fn, reps: int) -> float:
@@ -154,18 +164,20 @@ def sweep_shape(cp, loader, cfg, label, kernel, M, K, args) -> list[dict]:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--json", metavar="FILE", help="write every row and the environment here")
-    parser.add_argument("--trials", type=int, default=20, help="timed graph replays per variant (median)")
-    parser.add_argument("--launches", type=int, default=64, help="launches per captured graph (at least)")
+    parser.add_argument("--trials", type=positive_int, default=20, help="timed graph replays per variant (median)")
+    parser.add_argument("--launches", type=positive_int, default=64, help="launches per captured graph (at least)")
     parser.add_argument("--l2-multiple", type=float, default=6.0,
                         help="weight copies totalling at least this many times the L2")
+    parser.add_argument("--model", default="llama-2-7b", help="preset whose decode-step shapes are swept")
     args = parser.parse_args(argv)
     require_gpu("gemv_sweep")
     import cupy as cp
 
     from cullama.device import environment
+    from cullama.engine import device_config
 
     try:
-        cfg, loader = preset("llama-2-7b"), KernelLoader()
+        cfg, loader = device_config(preset(args.model)), KernelLoader()
         bps, bandwidth = read_bandwidth()
         print(f"read bandwidth: {bps / 1e9:.0f} GB/s (cullama.bench.measure_bandwidth, {bandwidth['statistic']})")
         rows = []

@@ -1,7 +1,8 @@
 """The benchmark protocol of record (`cullama bench`, DESIGN.md §5), as a library.
 
 For each L in `lengths`, batch 1, greedy, EOS ignored (a runner never stops by itself):
-- decode: trials of `runner.start(prompt)` then L `runner.next()` calls; a token's latency is the
+- decode: trials of `runner.start(prompt)` then L `runner.next(ahead=...)` calls, each queueing the
+  following step before it waits, as `cullama generate` does; a token's latency is the
   host time from the previous token's arrival to its own (what a streaming user sees). The token
   that `start` returns is the prefill's, not a decode step's: it only starts the clock. Trials
   repeat until L has at least `samples` latencies; `warmup` trials before them are thrown away.
@@ -131,11 +132,13 @@ def decode_latencies(runner, prompt: Sequence[int], length: int, samples: int, w
         runner.start(prompt, GREEDY)
         last = clock()  # the prefill's token arrived: the first decode step's clock starts here
         times = []
-        for _ in range(length):
-            runner.next()
+        for n in range(length):
+            runner.next(ahead=n + 1 < length)  # as GenerationStream: the next step queued behind this one
             now = clock()
             times.append(now - last)
             last = now
+        if hasattr(runner, "drain"):
+            runner.drain()
         if trial >= warmup:
             latencies.extend(times)
             if progress:

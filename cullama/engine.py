@@ -1,7 +1,9 @@
 """PlanRunner: runs the plans on a backend and speaks the generation loop's Runner protocol.
 
     start(prompt, params): reset the state, prefill the prompt in chunks, sample the first token
-    next():                replay the decode step (a CUDA graph on the GPU), read the sampled token
+    next(ahead):           replay the decode step (a CUDA graph on the GPU), read the sampled token;
+                           with `ahead`, the following step is queued before this one's token is read
+    drain():               wait for a step queued ahead (its token is kept for the next next())
     logits(ids):           prefill with every row's logits kept
 """
 
@@ -109,6 +111,8 @@ class PlanRunner:
         self._prefills: dict[tuple, plans.Plan] = {}
         self.cached: list[int] = []  # the ids whose K and V are in the cache, at positions 0..len - 1
         self.last: int | None = None  # the last sampled token: the next decode step's input
+        self._queued: int | None = None  # the token slot of a decode step already queued for `last`
+        self._slot = 0  # the token slot the next queued step uses (two alternate)
 
     @property
     def device(self) -> str:
@@ -158,23 +162,43 @@ class PlanRunner:
                               f"(the context is {self.max_seq_len})")
         prompt = list(prompt_ids)
         begin = min(common_prefix(self.cached, prompt), len(prompt) - 1) if reuse else 0  # the last id runs
+        self._queued = None  # a step still queued is ordered before this prefill on the stream; dropped
         self._prefill(prompt, "sample", state, begin)
         self.cached, self.last = prompt, self.backend.read_token()
         return self.last
 
-    def next(self) -> int:
+    def _queue_step(self) -> int:
+        slot, self._slot = self._slot, self._slot ^ 1
+        self.backend.launch_step(self.decode, slot)  # writes the K and V of `last` at position len(cached)
+        return slot
+
+    def next(self, ahead: bool = False) -> int:
+        """The next token. With `ahead` on an asynchronous backend, the step after it is queued first (it
+        needs no host input: the sample kernel wrote its token, embedding and position on the device),
+        so the GPU runs it while the host handles this token; the next call then only waits for it.
+        Until then the backend's buffers (logits, state) are that queued step's."""
         if self.last is None:
             raise PromptError("decoding needs a prompt first: call start()")
-        if len(self.cached) >= self.max_seq_len:  # the kernels would write past the KV cache
-            raise PromptError(f"the context of {self.max_seq_len} tokens is full")
-        self.backend.replay(self.decode)  # writes the K and V of `last` at position len(cached)
+        if self._queued is None:
+            if len(self.cached) >= self.max_seq_len:  # the kernels would write past the KV cache
+                raise PromptError(f"the context of {self.max_seq_len} tokens is full")
+            self._queued = self._queue_step()
+        slot, self._queued = self._queued, None
         self.cached.append(self.last)
-        self.last = self.backend.read_token()
+        if ahead and self.backend.asynchronous and len(self.cached) < self.max_seq_len:
+            self._queued = self._queue_step()  # for the token `slot` will hold
+        self.last = self.backend.token(slot)
         return self.last
+
+    def drain(self) -> None:
+        """Wait for a step queued ahead; the next next() returns its token without a launch."""
+        if self._queued is not None:
+            self.backend.token(self._queued)
 
     def logits(self, token_ids: Sequence[int]) -> np.ndarray:
         if not 0 < len(token_ids) <= self.max_seq_len:
             raise PromptError(f"logits() takes 1 to {self.max_seq_len} tokens, got {len(token_ids)}")
+        self._queued = None
         logits = np.concatenate(self._prefill(list(token_ids), "logits"))
         self.cached, self.last = list(token_ids), None  # nothing was sampled: decoding needs a start()
         return logits

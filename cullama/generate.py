@@ -4,7 +4,13 @@ A backend is a `Runner`: it owns the weights and the KV cache, and samples on it
 GPU samples inside its CUDA graph), so the loop only ever sees token ids:
 
     first = runner.start(prompt_ids, params)   # reset, prefill the prompt, sample the first token
-    tok = runner.next()                        # feed the last sampled token, sample the next one
+    tok = runner.next(ahead=True)              # feed the last sampled token, sample the next one
+    runner.drain()                             # (optional) wait for a step queued ahead
+
+With `ahead`, a runner on an asynchronous device (the GPU) queues the following step before it waits
+for this one's token, so the device never idles while the host handles a token; the loop calls
+`drain()` when it stops, so that the extra step is paid for at the end of this generation rather than
+at the start of the next.
 """
 
 from __future__ import annotations
@@ -24,7 +30,7 @@ class Runner(Protocol):
 
     def start(self, prompt_ids: Sequence[int], params: SamplingParams, reuse: bool = False) -> int: ...
 
-    def next(self) -> int: ...
+    def next(self, ahead: bool = False) -> int: ...
 
     def logits(self, token_ids: Sequence[int]) -> np.ndarray: ...
 
@@ -115,7 +121,8 @@ class GenerationStream:
         budget = min(self.max_new_tokens, self.runner.max_seq_len - len(self.prompt_ids))
         last = time.perf_counter()
         for i in range(budget):
-            token = self.runner.start(self.prompt_ids, self.params, self.reuse_cache) if i == 0 else self.runner.next()
+            token = self.runner.start(self.prompt_ids, self.params, self.reuse_cache) if i == 0 \
+                else self.runner.next(ahead=i + 1 < budget)
             now = time.perf_counter()
             if i == 0:
                 timings.prefill_s = now - last
@@ -133,6 +140,9 @@ class GenerationStream:
             if self.stop.stopped:
                 finish = "stop"
                 break
+        drain = getattr(self.runner, "drain", None)
+        if drain is not None:
+            drain()  # a step queued ahead of a stop: finish it now, not in the next prompt's TTFT
         if not self.stop.stopped and self.detok:
             tail = self.stop.feed(self.detok.flush())
             tail += "" if self.stop.stopped else self.stop.flush()

@@ -34,7 +34,7 @@ class FakeRunner:
         self.now += self.ttft_ns
         return 7
 
-    def next(self):
+    def next(self, ahead=False):
         self.n += 1
         self.now += self.step_ns(self.trial, self.n)
         return 7
@@ -82,7 +82,7 @@ def test_cpu_result_has_no_bandwidth_percentage():
 def test_real_clock_sees_real_sleeps():
     import time
     runner = FakeRunner(lambda trial, n: 0)
-    runner.next = lambda: time.sleep(0.002)
+    runner.next = lambda ahead=False: time.sleep(0.002)
     latencies, _ = bench.decode_latencies(runner, [3], 3, samples=3, warmup=0)
     assert len(latencies) == 3 and min(latencies) >= 2_000_000
 

@@ -202,3 +202,37 @@ def test_overlap_links_every_decode_kernel_but_the_first_and_changes_no_token(fa
 def test_overlap_stays_off_before_sm_90(fake, monkeypatch):
     monkeypatch.setattr(fake_cupy.device, "compute_capability", "80")
     assert not CudaBackend(overlap=True).overlap
+
+
+def test_a_step_queued_ahead_runs_before_its_token_is_asked_for(fake, stories_dir):
+    runner, cpu = runner_on(CudaBackend(), stories_dir, max_seq=24), runner_on(NumpyBackend(), stories_dir, max_seq=24)
+    prompt = [1, 403, 407]
+    expected = [cpu.start(prompt, GREEDY)] + [cpu.next() for _ in range(21)]
+    got = [runner.start(prompt, GREEDY)]
+    for i in range(10):
+        got.append(runner.next(ahead=True))
+        assert fake.graphs[0].replays == i + 2  # this token's step and the one queued behind it
+    runner.drain()  # waits for the queued step; its token is kept for the next call
+    replays = fake.graphs[0].replays
+    got.append(runner.next())
+    assert fake.graphs[0].replays == replays  # nothing launched: the drained step's token
+    while len(runner.cached) < 23:
+        got.append(runner.next(ahead=True))
+    assert fake.graphs[0].replays == 21  # positions 3..23: the last one queued ahead
+    got.append(runner.next(ahead=True))  # position 23, the context's last: nothing queued behind it
+    assert got == expected and len(runner.cached) == 24 and fake.graphs[0].replays == 21
+    with pytest.raises(PromptError, match="full"):
+        runner.next(ahead=True)
+    assert runner.start(prompt, GREEDY) == expected[0]
+
+
+def test_generation_queues_ahead_and_drains_at_a_stop(fake, stories_dir):
+    gpu, cpu = (Llama.from_pretrained(stories_dir, device=d) for d in ("cuda", "cpu"))
+    for options in ({"max_new_tokens": 30}, {"max_new_tokens": 30, "stop": [" the"]}):
+        outs = [llm.generate([1], ignore_eos=True, **options) for llm in (gpu, cpu)]
+        assert outs[0].token_ids == outs[1].token_ids and outs[0].text == outs[1].text
+    assert outs[0].finish_reason == "stop"
+    assert gpu.runner._queued is not None  # stopped with a step queued: drained, kept, unused
+    assert not gpu.runner.backend.stream.pending  # drain ran it
+    second = gpu.generate([1], max_new_tokens=5, ignore_eos=True).token_ids
+    assert second == cpu.generate([1], max_new_tokens=5, ignore_eos=True).token_ids

@@ -132,3 +132,16 @@ def test_overlapped_decode_graph_equals_the_plain_one_bit_for_bit(sampling):
         np.testing.assert_array_equal(*(r.backend.read("logits") for r in runners))
         np.testing.assert_array_equal(*(r.backend.read("x") for r in runners))
     assert tokens[0] == tokens[1]
+
+
+def test_steps_queued_ahead_give_the_same_tokens(stories_dir):
+    """next(ahead=True) queues the following step before reading this one's token; drain() waits for it
+    and keeps its token: the sequence must equal plain next() calls, through a drain and a new start."""
+    plain, ahead = runner_on(CudaBackend(), stories_dir), runner_on(CudaBackend(), stories_dir)
+    params = SamplingParams(temperature=0.9, top_k=50, seed=4)
+    expected = [plain.start([1, 403], params)] + [plain.next() for _ in range(60)]
+    got = [ahead.start([1, 403], params)] + [ahead.next(ahead=True) for _ in range(30)]
+    ahead.drain()
+    got += [ahead.next(ahead=True) for _ in range(29)] + [ahead.next()]
+    assert got == expected
+    assert ahead.start([1, 403], params) == expected[0]  # a queued step does not leak into a new prompt

@@ -23,6 +23,7 @@ STATE_TOKEN = 1  # kernels_cu/common.cuh
 
 class CudaBackend:
     device = "cuda"
+    asynchronous = True  # launches return before the GPU has run them
 
     def __init__(self, overlap: bool | None = None):
         import cupy
@@ -34,7 +35,10 @@ class CudaBackend:
         self.arrays: dict = {}
         self.graphs: dict[str, object] = {}
         self._prepared: dict[int, tuple[Plan, list[tuple]]] = {}  # id(plan) -> (plan, its launches)
-        self._token = cupyx.empty_pinned((1,), dtype=np.int32)  # the sampled id lands here
+        # [3] int32, pinned: the sampled ids land here. Slots 0 and 1 for launch_step (a step queued ahead
+        # must not overwrite the id of the step before it), 2 for read_token.
+        self._tokens = cupyx.empty_pinned((3,), dtype=np.int32)
+        self._token_ready = [cupy.cuda.Event(disable_timing=True) for _ in range(2)]
         self.overlap = False
         self._pdl = None  # the PdlLauncher, made on first use
         self.set_overlap(os.environ.get("CULLAMA_OVERLAP", "0") == "1" if overlap is None else overlap)
@@ -107,12 +111,27 @@ class CudaBackend:
             self.graphs[plan.name] = graph
         graph.launch(stream=self.stream)
 
-    def read_token(self) -> int:
+    def _copy_token(self, slot: int) -> None:
+        """Queue the copy of state[TOKEN] into pinned slot `slot` on the stream."""
         state = self.arrays["state"]
-        self.cp.cuda.runtime.memcpyAsync(self._token.ctypes.data, state.data.ptr + 4 * STATE_TOKEN, 4,
+        self.cp.cuda.runtime.memcpyAsync(self._tokens.ctypes.data + 4 * slot, state.data.ptr + 4 * STATE_TOKEN, 4,
                                          self.cp.cuda.runtime.memcpyDeviceToHost, self.stream.ptr)
+
+    def read_token(self) -> int:
+        self._copy_token(2)
         self.stream.synchronize()
-        return int(self._token[0])
+        return int(self._tokens[2])
+
+    def launch_step(self, plan: Plan, slot: int) -> None:
+        """Replay the step and queue the copy of its sampled id into slot `slot` (0 or 1); returns at once."""
+        self.replay(plan)
+        self._copy_token(slot)
+        self._token_ready[slot].record(self.stream)
+
+    def token(self, slot: int) -> int:
+        """The id that launch_step(..., slot) sampled, once its copy has landed (waits for that only)."""
+        self._token_ready[slot].synchronize()
+        return int(self._tokens[slot])
 
     def synchronize(self) -> None:
         self.stream.synchronize()

@@ -14,6 +14,7 @@ STATE_TOKEN = 1  # kernels_cu/common.cuh
 
 class NumpyBackend:
     device = "cpu"
+    asynchronous = False  # every call returns with its work done: nothing to gain from queuing ahead
 
     def __init__(self):
         self.arrays: dict[str, np.ndarray] = {}
@@ -57,3 +58,9 @@ class NumpyBackend:
 
     def read_token(self) -> int:
         return int(self.arrays["state"][STATE_TOKEN])
+
+    def launch_step(self, plan: Plan, slot: int) -> None:
+        self.run(plan)
+
+    def token(self, slot: int) -> int:
+        return self.read_token()

@@ -1,0 +1,337 @@
+"""benchmarks/gemv_sweep.py, gemm_sweep.py and decode_step.py end to end on the CPU: CuPy is tests/fake_cupy.py
+(kernels are the NumPy twins, events time them on the host clock), the shapes are the `tiny` preset's and every
+count is the smallest that still runs each branch. A GPU session has minutes: none of them should go to a typo."""
+
+import ctypes
+import json
+import runpy
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import fake_cupy
+from cullama import device
+from cullama.backends import pdl
+from cullama.config import preset
+from cullama.engine import FILL
+from cullama.errors import DeviceError
+from cullama.ops import gemv as gemv_twins
+from cullama.plan import GEMM, gemm_splits
+from cullama.registry import KernelLoader
+
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+sys.path.insert(0, str(BENCHMARKS))  # as when they run as scripts: they import each other (from gemv_sweep ...)
+
+import decode_step  # noqa: E402
+import gemm_sweep  # noqa: E402
+import gemv_sweep  # noqa: E402
+
+TINY = preset("tiny")
+SCRIPTS = {"gemv_sweep": gemv_sweep, "gemm_sweep": gemm_sweep, "decode_step": decode_step}
+
+
+class FakePdl:
+    """Stands in for backends.pdl.PdlLauncher (which calls libcuda): launches on the stream it is handed,
+    which must be the current one (the capturing stream), and counts the launches."""
+
+    def __init__(self):
+        self.launches = 0
+
+    def __call__(self, fn, grid, block, args, stream_ptr):
+        assert stream_ptr == fake_cupy.get_current_stream().ptr
+        self.launches += 1
+        fn(grid, block, args)
+
+
+@pytest.fixture
+def fake(monkeypatch):
+    """The fake CuPy installed as in test_cuda_host.py, with a fake driver for PDL and event-record nodes."""
+    fake_cupy.reset()
+    monkeypatch.setitem(sys.modules, "cupy", fake_cupy)
+    monkeypatch.setitem(sys.modules, "cupyx", fake_cupy.cupyx)
+    monkeypatch.setattr(KernelLoader, "function", lambda self, spec: fake_cupy.Kernel(spec))
+    monkeypatch.setattr(device, "cuda_status", lambda: (True, "1 GPU(s) (fake CuPy)"))
+    monkeypatch.delenv("CULLAMA_OVERLAP", raising=False)  # plain by default: only measure() links by PDL
+    launcher = FakePdl()
+    monkeypatch.setattr(pdl, "PdlLauncher", lambda: launcher)
+    monkeypatch.setattr(decode_step, "load_driver", lambda: fake_cupy.libcuda)
+    fake_cupy.state.pdl = launcher
+    return fake_cupy.state
+
+
+def run_main(script, argv, capsys) -> tuple[int, str]:
+    code = SCRIPTS[script].main(argv)
+    return code, capsys.readouterr().out
+
+
+def check_bandwidth(record):
+    bandwidth = record["bandwidth"]
+    assert bandwidth["buffer_bytes"] == fake_cupy.DEVICE_MEMORY // 4  # sized by the (fake) free memory
+    assert bandwidth["reps_s"] and min(bandwidth["reps_s"]) > 0
+    assert record["read_bandwidth_bytes_per_s"] == pytest.approx(bandwidth["buffer_bytes"] / min(bandwidth["reps_s"]))
+    assert record["environment"]["gpu"] == fake_cupy.PROPERTIES["name"].decode()
+
+
+def check_timing(row):
+    assert 0 < row["us_min"] <= row["us"] <= row["us_max"]
+    assert row["gb_s"] == pytest.approx(row["weight_bytes"] / row["us"] / 1e3)
+    assert row["copies"] == max(3, -(-fake_cupy.L2_BYTES // row["weight_bytes"]))  # --l2-multiple 1
+    assert row["launches_per_graph"] % row["copies"] == 0
+
+
+# -- gemv_sweep -----------------------------------------------------------------------------------
+def test_gemv_sweep_times_and_checks_every_variant_of_every_shape(fake, tmp_path, capsys):
+    out = tmp_path / "gemv.json"
+    code, stdout = run_main("gemv_sweep", ["--model", "tiny", "--trials", "2", "--launches", "2",
+                                           "--l2-multiple", "1", "--json", str(out)], capsys)
+    assert code == 0
+    record = json.loads(out.read_text())
+    check_bandwidth(record)
+    variants = [" ".join(f"{k}={v}" for k, v in d) for d in gemv_twins.VARIANTS]
+    shapes = gemv_sweep.shapes(TINY)
+    assert [(r["shape"], r["variant"]) for r in record["rows"]] == [(s[0], v) for s in shapes for v in variants]
+    for row, (label, kernel, M, K) in zip(record["rows"], [s for s in shapes for _ in variants]):
+        assert (row["kernel"], row["M"], row["K"], row["weight_bytes"]) == (kernel, M, K, 2 * M * K)
+        assert row["check_ok"] and row["check_rel_err"] == 0  # the device ran the very twin the check runs
+        check_timing(row)
+        assert row["pct_read_bw"] == pytest.approx(100 * row["gb_s"] * 1e9 / record["read_bandwidth_bytes_per_s"])
+    for graph, row in zip(fake.graphs, record["rows"]):  # each graph rotates over every copy of W
+        assert graph.replays == 1 + 2 and len(graph.launches) == row["launches_per_graph"]
+        weights = {a.ctypes.data for launch in graph.launches for a in launch.args if a.shape == (row["M"], row["K"])}
+        assert len(weights) == row["copies"]
+    lines = stdout.splitlines()
+    assert lines[0].startswith("read bandwidth:") and lines[1].split()[:3] == ["shape", "kernel", "variant"]
+    assert len(lines) == 2 + len(record["rows"]) + 2 and lines[-1] == f"wrote {out}"
+    assert sum("*" in line for line in lines[2:-2]) == len(shapes)  # one fastest variant per shape
+
+
+def test_gemv_sweep_flags_a_wrong_variant_and_fails(fake, monkeypatch, capsys):
+    def kernel(self, spec):  # the ROWS=8 build of every GEMV kernel writes nothing
+        fn = fake_cupy.Kernel(spec)
+        if ("ROWS", 8) in spec.defines:
+            fn.twin = lambda *args: None
+        return fn
+
+    monkeypatch.setattr(KernelLoader, "function", kernel)
+    code, stdout = run_main("gemv_sweep", ["--model", "tiny", "--trials", "1", "--launches", "1",
+                                           "--l2-multiple", "0"], capsys)
+    assert code == 1
+    wrong = [line for line in stdout.splitlines() if "WRONG" in line]
+    assert len(wrong) == len(gemv_sweep.shapes(TINY)) and all("ROWS=8" in line and "*" not in line for line in wrong)
+
+
+# -- gemm_sweep -----------------------------------------------------------------------------------
+def test_gemm_sweep_times_and_checks_every_split(fake, tmp_path, capsys):
+    out = tmp_path / "gemm.json"
+    code, stdout = run_main("gemm_sweep", ["--model", "tiny", "--rows", "1,65", "--splits", "3", "--trials", "2",
+                                           "--launches", "2", "--l2-multiple", "1", "--json", str(out)], capsys)
+    assert code == 0
+    record = json.loads(out.read_text())
+    check_bandwidth(record)
+    expected = [(label, M, s) for label, N, K, _ in gemm_sweep.shapes(TINY) for M in (1, 65)
+                for s in sorted({1, 3, gemm_splits(M, N, K)})]
+    assert [(r["shape"], r["M"], r["splits"]) for r in record["rows"]] == expected
+    assert {r["plan_splits"] for r in record["rows"]} == {1, 2}  # down's plan splits K: three S at once
+    for r in record["rows"]:
+        assert r["check_ok"] and r["plan_splits"] == gemm_splits(r["M"], r["N"], r["K"])
+        assert ("twin rel err" in r["check"]) == (r["splits"] == 1 and r["M"] <= 64)
+        assert ("vs S=1" in r["check"]) == (r["splits"] > 1)
+        check_timing(r)
+        assert r["tflop_s"] == pytest.approx(2 * r["M"] * r["N"] * r["K"] / r["us"] / 1e6)
+        assert r["speedup_vs_s1"] > 0 and (r["splits"] > 1 or r["speedup_vs_s1"] == 1)
+    lines = stdout.splitlines()
+    assert "GEMM_SPLIT_K=True" in lines[0] and lines[1].split()[:3] == ["shape", "M", "S"]
+    assert len(lines) == 2 + len(expected) + 3 and lines[-1] == f"wrote {out}"
+    assert lines[-2].startswith("the plan's S is the fastest in") and lines[-2].endswith(f"of {4 * 2} cases")
+
+
+def test_gemm_sweep_flags_a_nondeterministic_split(fake, monkeypatch, capsys):
+    def kernel(self, spec):  # the split-K GEMM adds a different tiny amount at every launch
+        fn = fake_cupy.Kernel(spec)
+        if spec != GEMM:
+            return fn
+        twin, calls = fn.twin, []
+
+        def jittery(A, W, C, workspace, count, M, N, K, accumulate, **grid):
+            twin(A, W, C, workspace, count, M, N, K, accumulate)
+            if grid["grid"][2] > 1:  # within the 1e-5 of "vs S=1", not bitwise the same
+                calls.append(1)
+                C[:M, :N] += np.float32(1e-6) * len(calls)
+
+        fn.twin, fn.wants_grid = jittery, True
+        return fn
+
+    monkeypatch.setattr(KernelLoader, "function", kernel)
+    code, stdout = run_main("gemm_sweep", ["--model", "tiny", "--rows", "1", "--splits", "2", "--trials", "1",
+                                           "--launches", "1", "--l2-multiple", "0"], capsys)
+    assert code == 1
+    assert all(("NOT DETERMINISTIC" in line) == (line.split()[3] == "2") for line in stdout.splitlines()[2:-2])
+
+
+# -- decode_step ----------------------------------------------------------------------------------
+DECODE_ARGS = ["--model", "tiny", "--contexts", "3,7", "--steps", "3", "--trials", "2", "--max-seq-len", "24",
+               "--breakdown-context", "5"]
+
+
+def test_decode_step_times_every_mode_and_every_kernel(fake, tmp_path, capsys):
+    out = tmp_path / "decode.json"
+    code, stdout = run_main("decode_step", DECODE_ARGS + ["--json", str(out)], capsys)
+    assert code == 0
+    record = json.loads(out.read_text())
+    check_bandwidth(record)
+    assert record["model"] == "tiny" and record["weight_bytes"] == TINY.decode_weight_bytes()
+    assert record["floor_ms"] == pytest.approx(record["weight_bytes"] / record["read_bandwidth_bytes_per_s"] * 1e3)
+    assert [r["context"] for r in record["rows"]] == [3, 7]
+    for r in record["rows"]:
+        assert r["steps"] == 3 and len(r["trials"]) == 2
+        for key in ("graph_ms", "overlap_ms", "eager_ms", "next_ms", "ahead_ms"):
+            assert all(t[key] > 0 for t in r["trials"]) and r[key] > 0, key
+        assert r["graph_spread_ms"][0] <= r["graph_ms"] <= r["graph_spread_ms"][1]
+        assert r["pct_of_floor"] == pytest.approx(100 * record["floor_ms"] / r["graph_ms"])
+        assert r["floor_kv_ms"] > record["floor_ms"]
+    launches = 5 * TINY.num_layers + 2
+    # overlapped captures: the warm-up's and each trial's; every kernel but the graph's first is linked
+    assert fake.pdl.launches == (1 + 2 * 2) * (launches - 1)
+    breakdown = fake.graphs[-1]  # an event-record node before each launch and after the last
+    assert len(breakdown.nodes) == 2 * launches + 1 and breakdown.replays == 3
+    assert all(isinstance(n, fake_cupy.Event) == (i % 2 == 0) for i, n in enumerate(breakdown.nodes))
+    kernels = {k["kernel"]: k for k in record["kernels"]}
+    assert list(kernels) == list(decode_step.LAYER_LABELS) + ["lm_head", "sample"]
+    for name, k in kernels.items():
+        assert k["count"] == (1 if name in ("lm_head", "sample") else TINY.num_layers)
+        assert k["us_each"] > 0 and k["us_per_step"] == pytest.approx(k["us_each"] * k["count"])
+        assert k["bytes"] == decode_step.launch_bytes(TINY, name, 5 + 3 // 2)  # at the steps' middle context
+        assert k["gb_s"] == pytest.approx(k["bytes"] / k["us_each"] / 1e3)
+    assert f"{launches} launches per decode step" in stdout
+    progress = [line for line in stdout.splitlines() if line.startswith("  context ")]
+    assert len(progress) == 2 and not any("n/a" in line for line in progress)
+    table = stdout[stdout.index("overlap ms"):]
+    assert "n/a" not in table and "context 5, 3 steps" in table and table.rstrip().endswith(f"wrote {out}")
+
+
+def test_decode_step_before_sm_90_has_no_overlapped_time(fake, monkeypatch, tmp_path, capsys):
+    monkeypatch.setattr(fake_cupy.device, "compute_capability", "80")
+    out = tmp_path / "decode.json"
+    code, stdout = run_main("decode_step", ["--model", "tiny", "--contexts", "2", "--steps", "1", "--trials", "1",
+                                            "--max-seq-len", "19", "--breakdown-context", "2", "--json", str(out)],
+                            capsys)
+    assert code == 0 and fake.pdl.launches == 0
+    (row,) = json.loads(out.read_text())["rows"]
+    assert row["overlap_ms"] is None and row["trials"][0]["overlap_ms"] is None and row["graph_ms"] > 0
+    assert "overlapped n/a" in stdout
+
+
+def fill_launch():
+    """A kernel and its arguments, for the tests of events alone."""
+    out = fake_cupy.zeros((8,), "float16")
+    args = (out, fake_cupy.uint64(8), fake_cupy.uint64(1), fake_cupy.float32(0), fake_cupy.float32(1))
+    return fake_cupy.Kernel(FILL), args
+
+
+def test_decode_step_breakdown_events_are_graph_nodes_not_captured_records(fake):
+    """The bug the breakdown had: a plain Event.record inside the capture leaves an event CUDA will not time."""
+    stream, (kernel, args) = fake_cupy.Stream(non_blocking=True), fill_launch()
+    plain, nodes = fake_cupy.Event(), [fake_cupy.Event(), fake_cupy.Event()]
+    record = decode_step.node_recorder(fake_cupy.libcuda)
+    with stream:
+        stream.begin_capture()
+        plain.record(stream)
+        record(nodes[0], stream)
+        kernel((1,), (256,), args)
+        record(nodes[1], stream)
+        graph = stream.end_capture()
+    graph.launch(stream)
+    stream.synchronize()
+    assert fake_cupy.get_elapsed_time(*nodes) > 0
+    with pytest.raises(fake_cupy.CaptureError, match="cudaErrorCapturedEvent"):
+        fake_cupy.get_elapsed_time(plain, nodes[1])
+    with pytest.raises(DeviceError, match="cuEventRecordWithFlags"):
+        record(nodes[0], stream)  # an event-record node outside a capture: CUDA_ERROR_INVALID_VALUE
+
+
+def test_load_driver_without_libcuda_is_a_device_error(monkeypatch):
+    def missing(name):
+        raise OSError(f"{name}: cannot open shared object file")
+
+    monkeypatch.setattr(ctypes, "CDLL", missing)
+    with pytest.raises(DeviceError, match="libcuda.so.1"):
+        decode_step.load_driver()
+
+
+# -- the fake's events ----------------------------------------------------------------------------
+def test_fake_events_time_their_stream_in_order_and_refuse_what_cuda_refuses(fake):
+    stream, (kernel, args) = fake_cupy.Stream(non_blocking=True), fill_launch()
+    start, middle, end = fake_cupy.Event(), fake_cupy.Event(), fake_cupy.Event()
+    with pytest.raises(fake_cupy.CudaError, match="never recorded"):
+        fake_cupy.get_elapsed_time(start, end)
+    with stream:
+        start.record()
+        kernel((1,), (256,), args)
+        middle.record()
+        kernel((1,), (256,), args)
+        end.record(stream)
+    with pytest.raises(fake_cupy.CudaError, match="NotReady"):
+        fake_cupy.get_elapsed_time(start, middle)
+    middle.synchronize()
+    assert len(fake.runs) == 1  # the stream ran up to the event, no further
+    assert fake_cupy.get_elapsed_time(start, middle) > 0
+    end.synchronize()
+    assert len(fake.runs) == 2 and fake_cupy.get_elapsed_time(middle, end) > 0
+    with pytest.raises(TypeError):
+        kernel([1, 1, 1], (256,), args)  # CuPy takes tuples only
+
+
+# -- one line when there is no GPU, argument errors, running as a script --------------------------
+@pytest.mark.parametrize("script", SCRIPTS)
+@pytest.mark.parametrize("why", ["no CuPy", "no device"])
+def test_without_a_gpu_each_script_says_so_in_one_line(script, why, monkeypatch):
+    if why == "no CuPy":
+        monkeypatch.setitem(sys.modules, "cupy", None)  # import cupy raises ImportError
+    else:
+        monkeypatch.setitem(sys.modules, "cupy", fake_cupy)
+        monkeypatch.setattr(fake_cupy.runtime, "getDeviceCount", lambda: 0)
+    with pytest.raises(SystemExit) as exit_:
+        SCRIPTS[script].main([])
+    message = str(exit_.value.code)
+    assert message.startswith(f"{script}: needs an NVIDIA GPU: ") and "\n" not in message
+    assert ("CuPy" if why == "no CuPy" else "no NVIDIA GPU found") in message
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_an_unknown_model_is_one_line(script, fake):
+    with pytest.raises(SystemExit) as exit_:
+        SCRIPTS[script].main(["--model", "nope"])
+    assert str(exit_.value.code).startswith(f"{script}: unknown preset 'nope'")
+
+
+@pytest.mark.parametrize("script,argv,needle", [
+    ("gemv_sweep", ["--trials", "0"], "positive integer"),
+    ("gemm_sweep", ["--rows", "1,0"], "positive integer"),
+    ("gemm_sweep", ["--launches", "x"], "invalid positive_int value"),
+    ("decode_step", ["--steps", "0"], "positive integer"),
+    ("decode_step", ["--contexts", "1,x"], "comma-separated"),
+    ("decode_step", ["--contexts", "0"], "positive integers"),
+    ("decode_step", ["--contexts", "100", "--max-seq-len", "64"], "does not fit"),
+    ("decode_step", ["--contexts", "10", "--breakdown-context", "500", "--max-seq-len", "400"], "does not fit"),
+    ("decode_step", ["--contexts", "1", "--steps", "1", "--max-seq-len", "12", "--breakdown-context", "1"],
+     "warm-up"),
+])
+def test_bad_arguments_are_usage_errors(script, argv, needle, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        SCRIPTS[script].main(argv)
+    assert exit_.value.code == 2 and needle in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("script,options", [
+    ("gemv_sweep", ["--model", "--launches", "--l2-multiple"]),
+    ("gemm_sweep", ["--model", "--rows", "--splits"]),
+    ("decode_step", ["--model", "--breakdown-context", "--max-seq-len"]),
+])
+def test_each_runs_as_a_script(script, options, monkeypatch, capsys):
+    monkeypatch.setattr(sys, "argv", [f"{script}.py", "--help"])
+    with pytest.raises(SystemExit) as exit_:
+        runpy.run_path(str(BENCHMARKS / f"{script}.py"), run_name="__main__")
+    usage = capsys.readouterr().out
+    assert exit_.value.code == 0 and all(option in usage for option in options)
