@@ -18,6 +18,7 @@ import ctypes
 import numpy as np
 
 from ..errors import DeviceError
+from .func_attr import function_handle
 
 PROGRAMMATIC_STREAM_SERIALIZATION = 6  # CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
 
@@ -58,8 +59,9 @@ def kernel_params(args) -> tuple[ctypes.Array, list]:
 
 
 class PdlLauncher:
-    """launch(fn, grid, block, args, stream_ptr): fn is a loaded kernel (CuPy's Function: `.ptr` is its
-    CUfunction), launched on the stream with programmatic stream serialization allowed."""
+    """launch(fn, grid, block, args, stream_ptr): fn is a loaded kernel (the RawKernel that
+    RawModule.get_function returns; its CUfunction is `.kernel.ptr`), launched on the stream with
+    programmatic stream serialization allowed."""
 
     def __init__(self, library=None):
         if library is None:
@@ -77,7 +79,7 @@ class PdlLauncher:
     def __call__(self, fn, grid, block, args, stream_ptr: int) -> None:
         config = LaunchConfig(*grid, *block, 0, stream_ptr, ctypes.pointer(self._attribute), 1)
         params, _alive = kernel_params(args)
-        status = self._launch(ctypes.byref(config), fn.ptr, params, None)
+        status = self._launch(ctypes.byref(config), function_handle(fn), params, None)
         if status != 0:
             raise DeviceError(f"cuLaunchKernelEx (overlapped launch) failed: {self._describe(status)}")
 
