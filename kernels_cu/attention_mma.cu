@@ -79,7 +79,7 @@
 // tests/test_attention_mma.py compiles the block marked "layout" below on the host and runs a lane-level NumPy
 // emulation of this kernel on those functions (PTX fragment semantics, cp.async/barrier hazards) against the
 // twin.
-#include "common.cuh"
+#include "mma.cuh"
 
 // ---- layout: begin (plain C++; tests/test_attention_mma.py compiles this block on the host) -------------
 #ifndef HEAD_DIM
@@ -168,44 +168,6 @@ AM_FN bool am_tile_masked(int warp, int key0, int pos0, int end) {
 
 #define LOG2E 1.4426950408889634f
 
-// Shared address (32-bit, .shared window) of a generic pointer into shared memory.
-__device__ __forceinline__ uint32_t smem_addr(const void* p) {
-    uint32_t a;
-    asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(a) : "l"(p));
-    return a;
-}
-
-// 16 bytes global -> shared, bypassing L1. valid == false copies 0 source bytes and writes 16 zeros (src
-// must still be a valid address: callers pass the base pointer).
-__device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, bool valid) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(valid ? 16 : 0)
-                 : "memory");
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
-__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_group 0;" ::: "memory"); }
-
-__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], uint32_t addr) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                 : "r"(addr)
-                 : "memory");
-}
-
-__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], uint32_t addr) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                 : "r"(addr)
-                 : "memory");
-}
-
-// d += A (16 x 16) · B (16 x 8), FP16 inputs, FP32 accumulators (layouts in the header).
-__device__ __forceinline__ void mma_16816(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
-    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-        "{%0, %1, %2, %3};"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-
 // 2^x (MUFU.EX2; -inf -> +0).
 __device__ __forceinline__ float ex2(float x) {
     float y;
@@ -264,7 +226,7 @@ attention_prefill_mma(const half_t* __restrict__ q_rows, const half_t* __restric
     }
     load_kv_tile(s.k, kc, 0, end);
     cp_async_commit();
-    cp_async_wait_all();
+    cp_async_wait<0>();
     __syncthreads();
     uint32_t qf[AM_KSTEPS][4];
 #pragma unroll
@@ -288,7 +250,7 @@ attention_prefill_mma(const half_t* __restrict__ q_rows, const half_t* __restric
 
     for (int kt = 0; kt < n_tiles; ++kt) {
         const int key0 = kt * AM_TILE_K;
-        cp_async_wait_all();
+        cp_async_wait<0>();
         __syncthreads();  // K_kt visible to all; every warp is done with the V slot (V_{kt-1}, or Q)
         load_kv_tile(s.v, vc, key0, end);
         cp_async_commit();
@@ -357,7 +319,7 @@ attention_prefill_mma(const half_t* __restrict__ q_rows, const half_t* __restric
                                            sc[am_p_tile(kk, r)][am_p_elem(r, 1)]);
         }
 
-        cp_async_wait_all();
+        cp_async_wait<0>();
         __syncthreads();  // V_kt visible to all; every warp is done with K_kt
         if (kt + 1 < n_tiles) load_kv_tile(s.k, kc, key0 + AM_TILE_K, end);
         cp_async_commit();

@@ -50,7 +50,7 @@
 //   W, two n8 tiles x k16:   lane -> W row (lane % 8) + (lane / 16) * 8, k offset ((lane / 8) % 2) * 8
 //     matrix 0 = n 0-7 k 0-7 -> b0 of n-tile 0,   1 = n 0-7 k 8-15 -> b1 of n-tile 0,
 //     matrix 2 = n 8-15 k 0-7 -> b0 of n-tile 1,  3 = n 8-15 k 8-15 -> b1 of n-tile 1.
-#include "common.cuh"
+#include "mma.cuh"
 
 #define TILE_M 64    // GEMM_TILE_M in cullama/plan.py
 #define TILE_N 128   // GEMM_TILE_N
@@ -65,52 +65,6 @@
 #define MMA_N (WARP_TILE_N / 8)   // 4 n8 tiles per warp
 #define CHUNKS (TILE_K / 8)       // 16-byte chunks per tile row
 #define SLOT_FLOAT2 (TILE_M * TILE_N / 2)  // float2s per split-K workspace slot (one partial tile)
-
-// Shared address (32-bit, .shared window) of a generic pointer into shared memory.
-__device__ __forceinline__ uint32_t smem_addr(const void* p) {
-    uint32_t a;
-    asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(a) : "l"(p));
-    return a;
-}
-
-// 16 bytes global -> shared, bypassing L1 (.cg). valid == false copies 0 source bytes and fills the
-// 16 destination bytes with zeros (src must still be a valid address; callers pass the base).
-__device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, bool valid) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(valid ? 16 : 0)
-                 : "memory");
-}
-
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
-
-// Wait until at most `pending` of this thread's committed groups are still in flight.
-template <int pending>
-__device__ __forceinline__ void cp_async_wait() {
-    asm volatile("cp.async.wait_group %0;" ::"n"(pending) : "memory");
-}
-
-__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], uint32_t addr) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                 : "r"(addr)
-                 : "memory");
-}
-
-// d += A (16 x 16) · B (16 x 8), FP16 inputs, FP32 accumulators (layouts in the header).
-__device__ __forceinline__ void mma_16816(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
-    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-        "{%0, %1, %2, %3};"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-
-// Two floats written by another block of this launch (8-byte aligned): ld.global.cg bypasses L1, as
-// load_coherent in common.cuh. asm volatile with a memory clobber (unlike __ldcg) so that the compiler
-// never moves it above the arrival barrier and fence (ptxas remains free to batch a partial's 16 loads).
-__device__ __forceinline__ float2 load_coherent2(const float2* p) {
-    float2 v;
-    asm volatile("ld.global.cg.v2.f32 {%0, %1}, [%2];" : "=f"(v.x), "=f"(v.y) : "l"(p) : "memory");
-    return v;
-}
 
 // Shared tiles, [stage][row][k] with padded rows: 3 x (64 + 128) x 40 x 2 B = 46080 B (static limit 48 KB;
 // 46081 B with the split-K arrival flag).

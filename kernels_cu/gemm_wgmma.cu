@@ -86,7 +86,7 @@
 // matrix D"), thread t of warpgroup g, lane l = t % 32, warp w = (t / 32) % 4, register j < GW_TILE_N / 2:
 //   row 64 g + 16 w + l / 4 + 8 ((j / 2) % 2), column 8 (j / 4) + 2 (l % 4) + j % 2   (gw_acc_row/col)
 // so acc[2p], acc[2p + 1] are two adjacent columns of one row (a float2 of the workspace).
-#include "common.cuh"
+#include "mma.cuh"
 
 // ---- layout: begin (plain C++; tests/test_gemm_wgmma.py compiles this block on the host) -------------
 #ifndef GW_TILE_N
@@ -182,27 +182,6 @@ GW_FN void gw_k_range(int K, int splits, int z, int* k0, int* k1) {
 }
 // ---- layout: end -----------------------------------------------------------------------------------------
 
-// Shared address (32-bit, .shared window) of a generic pointer into shared memory.
-__device__ __forceinline__ uint32_t smem_addr(const void* p) {
-    uint32_t a;
-    asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(a) : "l"(p));
-    return a;
-}
-
-// 16 bytes global -> shared, bypassing L1. valid == false copies 0 source bytes and writes 16 zeros (src
-// must still be a valid address: callers pass the base pointer).
-__device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, bool valid) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(valid ? 16 : 0)
-                 : "memory");
-}
-
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
-
-template <int pending>
-__device__ __forceinline__ void cp_async_wait() {
-    asm volatile("cp.async.wait_group %0;" ::"n"(pending) : "memory");
-}
-
 // This thread's completed shared-memory writes (generic proxy: cp.async) become visible to the async
 // proxy (wgmma operand reads). Each writing thread issues it before the barrier that precedes the wgmma.
 __device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
@@ -272,13 +251,6 @@ __device__ __forceinline__ void wgmma_k16(float (&d)[GW_ACC], uint64_t da, uint6
         : GW_OPERANDS(d)
         : "l"(da), "l"(db), "r"(1)
         : "memory");
-}
-
-// Two floats written by another block of this launch (as gemm.cu's load_coherent2).
-__device__ __forceinline__ float2 load_coherent2(const float2* p) {
-    float2 v;
-    asm volatile("ld.global.cg.v2.f32 {%0, %1}, [%2];" : "=f"(v.x), "=f"(v.y) : "l"(p) : "memory");
-    return v;
 }
 
 // Issue the cp.asyncs of K tile `kt` (columns k0 + 64 kt ..) into ring slot `stage`: A rows m0.. and W rows
