@@ -133,9 +133,9 @@ def breakdown(llm, cp, prompt: list[int], steps: int) -> list[dict]:
     with stream:
         stream.begin_capture()
         try:
-            for event, (fn, grid, block, args) in zip(events, launches):
+            for event, (fn, grid, block, args, smem) in zip(events, launches):
                 record(event, stream)
-                fn(grid, block, args)
+                fn(grid, block, args, shared_mem=smem)
             record(events[-1], stream)
         finally:
             graph = stream.end_capture()

@@ -3,23 +3,27 @@
 #
 #   bash benchmarks/device_check.sh          (from anywhere; on the device machine $OUT is set)
 #
-# Steps: install the package, `cullama info`, `cullama kernels --arch sm_90`, `pytest -m gpu`,
-# `cullama bench`, `cullama bench --overlap` at 10, 100 and 500 tokens, then benchmarks/gemv_sweep.py,
-# gemm_sweep.py, decode_step.py and compare_hf.py --quick. Each step runs under `timeout` inside one overall budget (BUDGET_S, default 460 s), and a
-# failing step does not stop the next. ../shared (the test data beside the repo) is used when present;
-# the device machine's copy has none, so the tests that need it skip. Under $OUT (8 files; the device
-# tool returns at most 8): steps.log (every step's output), summary.txt, bench.json, bench_overlap.json,
-# gemv.json, gemm.json, decode.json, compare.json. Environment: PYTHON (default python3), SKIP_INSTALL=1
-# (already installed), BENCH_SAMPLES (default 500), BUDGET_S.
+# Steps, most decisive first: install the package, `cullama info`, `cullama kernels --arch sm_90`,
+# `pytest -m gpu`, `cullama bench`, `cullama bench --overlap` at 10, 100 and 500 tokens, then
+# benchmarks/decode_step.py (plain vs overlapped graph), prefill_step.py (TTFT per prefill kernel pair),
+# gemv_sweep.py, gemm_sweep.py (mma vs wgmma) and compare_hf.py --quick. Each step runs under `timeout`
+# inside one overall budget (BUDGET_S, default 500 s), and a failing step does not stop the next.
+# ../shared (the test data beside the repo) is used when present; a copy carried as .shared otherwise.
+# Under $OUT (the device tool returns at most 8 files): steps.log (every step's output), summary.txt and
+# results.tgz (bench.json, bench_overlap.json, decode.json, prefill.json, gemv.json, gemm.json,
+# compare.json; re-packed after every step, so a run cut short still returns what it finished).
+# Environment: PYTHON (default python3), SKIP_INSTALL=1 (already installed), BENCH_SAMPLES (default 300),
+# BUDGET_S.
 set -u
 cd "$(dirname "$0")/.." || exit 1
 OUT=${OUT:-/tmp/cullama-device-check}
 PY=${PYTHON:-python3}
-BUDGET_S=${BUDGET_S:-460}
+BUDGET_S=${BUDGET_S:-500}
 export PYTHONUNBUFFERED=1
 mkdir -p "$OUT"
 LOG=$OUT/steps.log
 SUMMARY=$OUT/summary.txt
+RESULTS=$(mktemp -d)  # the JSON files, packed into $OUT/results.tgz after each step
 : >"$LOG"
 : >"$SUMMARY"
 START=$SECONDS
@@ -50,6 +54,7 @@ step() {
         status="FAILED (exit $rc)"
     fi
     printf '%-10s %-26s %4ds\n' "$name" "$status" $((SECONDS - t0)) >>"$SUMMARY"
+    tar -czf "$OUT/results.tgz" -C "$RESULTS" .
 }
 
 if [ -z "${CULLAMA_SHARED:-}" ] && [ ! -d ../shared ] && [ -d .shared ]; then
@@ -73,15 +78,16 @@ else
 fi
 step info 30 "${CULLAMA[@]}" info
 step kernels 100 "${CULLAMA[@]}" kernels --arch sm_90
-step pytest 150 "$PY" -m pytest -m gpu -q -rs -p no:cacheprovider  # no -x: one run, every failure
-step bench 110 "${CULLAMA[@]}" bench --json "$OUT/bench.json" --samples "${BENCH_SAMPLES:-500}"
-step overlap 45 "${CULLAMA[@]}" bench --overlap --lengths 10,100,500 --samples 300 --json "$OUT/bench_overlap.json"
-step gemv 60 "$PY" benchmarks/gemv_sweep.py --json "$OUT/gemv.json"
-step gemm 45 "$PY" benchmarks/gemm_sweep.py --json "$OUT/gemm.json"
-step decode 60 "$PY" benchmarks/decode_step.py --trials 2 --json "$OUT/decode.json"
+step pytest 170 "$PY" -m pytest -m gpu -q -rs -p no:cacheprovider  # no -x: one run, every failure
+step bench 90 "${CULLAMA[@]}" bench --json "$RESULTS/bench.json" --samples "${BENCH_SAMPLES:-300}"
+step overlap 40 "${CULLAMA[@]}" bench --overlap --lengths 10,100,500 --samples 300 --json "$RESULTS/bench_overlap.json"
+step decode 60 "$PY" benchmarks/decode_step.py --trials 2 --json "$RESULTS/decode.json"
+step prefill 45 "$PY" benchmarks/prefill_step.py --json "$RESULTS/prefill.json"
+step gemv 45 "$PY" benchmarks/gemv_sweep.py --json "$RESULTS/gemv.json"
+step gemm 75 "$PY" benchmarks/gemm_sweep.py --rows 10,64,256 --json "$RESULTS/gemm.json"
 budget=$(($(left) - 30))  # compare_hf starts no new engine or length after this; it saves after each engine
 ((budget < 1)) && budget=1
-step compare 300 "$PY" benchmarks/compare_hf.py --quick --json "$OUT/compare.json" --budget-s "$budget"
+step compare 300 "$PY" benchmarks/compare_hf.py --quick --json "$RESULTS/compare.json" --budget-s "$budget"
 
 {
     echo
@@ -89,4 +95,6 @@ step compare 300 "$PY" benchmarks/compare_hf.py --quick --json "$OUT/compare.jso
     cat "$SUMMARY"
     echo "files under $OUT:"
     ls -l "$OUT"
+    echo "in results.tgz:"
+    tar -tzvf "$OUT/results.tgz"
 } | tee -a "$LOG"

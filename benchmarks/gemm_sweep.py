@@ -1,13 +1,15 @@
-"""GEMM sweep: the prefill GEMM (gemm.cu) with and without split-K on the LLaMA-2-7B prefill shapes.
+"""GEMM sweep: the prefill GEMMs (gemm.cu, gemm_wgmma.cu) with and without split-K on the LLaMA-2-7B shapes.
 
-    python benchmarks/gemm_sweep.py [--json FILE] [--rows 1,10,64,256] [--splits 2,4] [--trials N] [--launches N]
-                                    [--l2-multiple K] [--model PRESET]
+    python benchmarks/gemm_sweep.py [--json FILE] [--kernels mma,wgmma] [--rows 1,10,64,256] [--splits 2,4]
+                                    [--trials N] [--launches N] [--l2-multiple K] [--model PRESET]
 
 For each prefill matrix of LLaMA-2-7B (qkv 12288x4096, o_proj 4096x4096, gate_up 22016x4096,
 down 4096x11008; o_proj and down accumulate into the residual, as in the plan), or of --model's
 preset as the plan runs it (cullama.engine.device_config; the tests run `tiny` on a fake CuPy),
-and each prompt length M in --rows, times gemm.cu at S = 1 (no split), at the S that
-cullama.plan.gemm_splits picks (marked "plan"), and at each S in --splits. Launches are captured in
+each GEMM kernel in --kernels (cullama.prefill_kernels: `mma` is gemm.cu, `wgmma` gemm_wgmma.cu as the
+plan launches it, `wgmma-n128` / `wgmma-n256` / `wgmma-m64` / `wgmma-noswizzle` its other compiled
+variants; default: mma, and wgmma on an sm_90 GPU) and each prompt length M in --rows, times the kernel
+at S = 1 (no split), at the S that its split rule picks (marked "plan"), and at each S in --splits. Launches are captured in
 a CUDA graph that rotates over copies of the weight matrix totalling several times the L2, so no
 launch finds its weights in the cache; CUDA events time the replays. GB/s counts the FP16 weight
 bytes once per launch (what a short prompt's GEMM is bound by); TFLOP/s is 2 M N K per launch; % is
@@ -27,13 +29,31 @@ import sys
 
 import numpy as np
 
-from cullama import plan as plans
+import dataclasses
+
+from cullama import prefill_kernels
 from cullama.config import preset
 from cullama.errors import CullamaError
 from cullama.ops import gemm as twin
+from cullama.ops import gemm_wgmma as wgmma_ops
+from cullama.prefill_kernels import MMA_GEMM, WGMMA_GEMM, GemmKernel, cdiv
 from gemv_sweep import events_ms, positive_int, random_fp16, read_bandwidth, require_gpu
 
-TILE_FLOATS = plans.GEMM_TILE_M * plans.GEMM_TILE_N  # one partial tile in the split-K workspace
+
+def wgmma_variant(defines: tuple) -> GemmKernel:
+    """The plan's wgmma GEMM with another compiled variant's defines and geometry (same split rule)."""
+    g = wgmma_ops.geometry(defines)
+    return dataclasses.replace(WGMMA_GEMM, spec=dataclasses.replace(WGMMA_GEMM.spec, defines=defines),
+                               tile_m=g.tile_m, tile_n=g.tile_n, threads=g.threads, smem=g.smem_bytes)
+
+
+# --kernels names: the plan's two GEMMs, then gemm_wgmma's other compiled variants (ops/gemm_wgmma.VARIANTS)
+KERNELS = {"mma": MMA_GEMM, "wgmma": WGMMA_GEMM,
+           "wgmma-n256": wgmma_variant((("GW_TILE_N", 256), ("GW_STAGES", 4))),
+           "wgmma-n128": wgmma_variant((("GW_TILE_N", 128), ("GW_STAGES", 6))),
+           "wgmma-m64": wgmma_variant((("GW_WARPGROUPS", 1), ("GW_TILE_N", 256), ("GW_STAGES", 5))),
+           "wgmma-noswizzle": wgmma_variant((("GW_SWIZZLE", 0),))}
+assert all(k.spec.defines in wgmma_ops.VARIANTS for k in KERNELS.values() if k.spec.arch_specific)
 
 
 def shapes(cfg):
@@ -45,14 +65,25 @@ def shapes(cfg):
             (f"down {d}x{ff}", d, ff, 1)]
 
 
-def launcher(cp, fn, A, C, workspace, count, M, N, K, accumulate, splits):
-    grid = (plans.cdiv(N, plans.GEMM_TILE_N), plans.cdiv(M, plans.GEMM_TILE_M), splits)
+def launcher(kernel: GemmKernel, fn, A, C, workspace, count, M, N, K, accumulate, splits):
+    grid = (cdiv(N, kernel.tile_n), cdiv(M, kernel.tile_m), splits)
     scalars = (np.int32(M), np.int32(N), np.int32(K), np.int32(accumulate))
-    return lambda W: fn(grid, (plans.GEMM_THREADS,), (A, W, C, workspace, count) + scalars)
+    return lambda W: fn(grid, (kernel.threads,), (A, W, C, workspace, count) + scalars, shared_mem=kernel.smem)
 
 
-def sweep_shape(cp, loader, label, N, K, accumulate, args) -> list[dict]:
-    fn = loader.function(plans.GEMM)
+def load(loader, kernel: GemmKernel):
+    """The loaded kernel, allowed its dynamic shared memory (wgmma: ~200 KB, beyond the default 48 KB)."""
+    from cullama.backends.func_attr import allow_dynamic_shared
+
+    fn = loader.function(kernel.spec)
+    if kernel.smem > 48 * 1024:
+        allow_dynamic_shared(fn, kernel.smem)
+    return fn
+
+
+def sweep_shape(cp, loader, name, label, N, K, accumulate, args) -> list[dict]:
+    kernel = KERNELS[name]
+    fn = load(loader, kernel)
     nbytes = 2 * N * K
     l2 = cp.cuda.runtime.getDeviceProperties(cp.cuda.Device().id)["l2CacheSize"]
     n_copies = max(3, math.ceil(args.l2_multiple * l2 / nbytes))
@@ -63,18 +94,18 @@ def sweep_shape(cp, loader, label, N, K, accumulate, args) -> list[dict]:
     rng = np.random.default_rng(0)
     rows = []
     for M in args.rows:
-        plan_s = plans.gemm_splits(M, N, K)
+        plan_s = kernel.splits(M, N, K)
         candidates = sorted({1, plan_s, *args.splits})
-        tiles = plans.cdiv(N, plans.GEMM_TILE_N) * plans.cdiv(M, plans.GEMM_TILE_M)
+        tiles = kernel.tiles(M, N)
         A = random_fp16(cp, loader, (M, K), seed=1000 + M, std=1.0)
         C0 = rng.standard_normal((M, N)).astype(np.float32)
         C = cp.asarray(C0)
-        workspace = cp.zeros(max(candidates) * tiles * TILE_FLOATS, dtype=cp.float32)
+        workspace = cp.zeros(max(candidates) * tiles * kernel.tile_m * kernel.tile_n, dtype=cp.float32)
         count = cp.zeros(tiles, dtype=cp.uint32)
         cp.cuda.Device().synchronize()  # made on the default stream; used on `stream`
         results = {}
         for splits in candidates:
-            run = launcher(cp, fn, A, C, workspace, count, M, N, K, accumulate, splits)
+            run = launcher(kernel, fn, A, C, workspace, count, M, N, K, accumulate, splits)
             outs = []
             with stream:
                 for _ in range(2 if splits > 1 else 1):  # S > 1 twice: bitwise the same
@@ -111,7 +142,7 @@ def sweep_shape(cp, loader, label, N, K, accumulate, args) -> list[dict]:
                 per_launch = [events_ms(cp, stream, lambda: graph.launch(stream), 1) / launches
                               for _ in range(args.trials)]
             us = statistics.median(per_launch) * 1e3
-            rows.append({"shape": label, "M": M, "N": N, "K": K, "accumulate": accumulate, "splits": splits,
+            rows.append({"kernel": name, "shape": label, "M": M, "N": N, "K": K, "accumulate": accumulate, "splits": splits,
                          "plan_splits": plan_s, "tiles": tiles, "blocks": tiles * splits, "us": us,
                          "us_min": min(per_launch) * 1e3, "us_max": max(per_launch) * 1e3,
                          "gb_s": nbytes / us / 1e3, "tflop_s": 2 * M * N * K / us / 1e6, "weight_bytes": nbytes,
@@ -127,9 +158,19 @@ def sweep_shape(cp, loader, label, N, K, accumulate, args) -> list[dict]:
     return rows
 
 
+def kernel_names(text: str) -> list[str]:
+    names = [t for t in text.split(",") if t]
+    unknown = [n for n in names if n not in KERNELS]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(f"{text!r}: choose among {', '.join(KERNELS)}")
+    return names
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--json", metavar="FILE", help="write every row and the environment here")
+    parser.add_argument("--kernels", type=kernel_names, help=f"GEMM kernels among {', '.join(KERNELS)} "
+                        "[default: mma, and wgmma on an sm_90 GPU]")
     ints = lambda text: [positive_int(x) for x in text.split(",") if x]  # noqa: E731
     parser.add_argument("--rows", type=ints, default=[1, 10, 64, 256], help="prompt rows M (comma-separated)")
     parser.add_argument("--splits", type=ints, default=[2, 4], help="split counts timed besides 1 and the plan's")
@@ -148,36 +189,48 @@ def main(argv=None) -> int:
 
     try:
         cfg, loader = device_config(preset(args.model)), KernelLoader()
+        names = args.kernels or (["mma", "wgmma"] if loader.arch == "sm_90" else ["mma"])
+        if any(KERNELS[n].spec.arch_specific for n in names) and loader.arch != "sm_90":
+            raise CullamaError(f"--kernels {','.join(names)}: the wgmma kernels need an sm_90 GPU, this is {loader.arch}")
         bps, bandwidth = read_bandwidth()
         print(f"read bandwidth: {bps / 1e9:.0f} GB/s (cullama.bench.measure_bandwidth, {bandwidth['statistic']}); "
-              f"GEMM_SPLIT_K={plans.GEMM_SPLIT_K}")
+              f"SPLIT_K={prefill_kernels.SPLIT_K}; kernels {', '.join(names)}")
         rows = []
-        for label, N, K, accumulate in shapes(cfg):
-            rows += sweep_shape(cp, loader, label, N, K, accumulate, args)
+        for name in names:
+            for label, N, K, accumulate in shapes(cfg):
+                rows += sweep_shape(cp, loader, name, label, N, K, accumulate, args)
     except CullamaError as exc:
         sys.exit(f"gemm_sweep: {exc}")
-    best = {}
+    best, fastest = {}, {}
     for r in rows:
         r["pct_read_bw"] = 100 * r["gb_s"] * 1e9 / bps
-        key = (r["shape"], r["M"])
+        key = (r["kernel"], r["shape"], r["M"])
         if r["check_ok"] and r["us"] < best.get(key, {"us": math.inf})["us"]:
             best[key] = r
-    print(f"{'shape':<20} {'M':>4} {'S':>2} {'blocks':>6} {'us':>8} {'min-max us':>15} {'GB/s':>6} {'% bw':>6} "
-          f"{'TFLOP/s':>7} {'x S=1':>6}  check")
+        if r["check_ok"] and r["us"] < fastest.get(key[1:], {"us": math.inf})["us"]:
+            fastest[key[1:]] = r
+    print(f"{'kernel':<15} {'shape':<20} {'M':>4} {'S':>2} {'blocks':>6} {'us':>8} {'min-max us':>15} {'GB/s':>6} "
+          f"{'% bw':>6} {'TFLOP/s':>7} {'x S=1':>6}  check")
     for r in rows:
-        mark = ("*" if best.get((r["shape"], r["M"])) is r else " ") + ("p" if r["splits"] == r["plan_splits"] else " ")
+        mark = ("*" if best.get((r["kernel"], r["shape"], r["M"])) is r else " ")
+        mark += "p" if r["splits"] == r["plan_splits"] else " "
+        mark += "!" if fastest.get((r["shape"], r["M"])) is r else " "
         spread = f"{r['us_min']:.1f}-{r['us_max']:.1f}"
         check = ("ok" if r["check_ok"] else "WRONG") + (f" ({r['check']})" if r["check"] else "")
-        print(f"{r['shape']:<20} {r['M']:>4} {r['splits']:>2} {r['blocks']:>6} {r['us']:>8.1f} {spread:>15} "
-              f"{r['gb_s']:>6.0f} {r['pct_read_bw']:>5.1f}% {r['tflop_s']:>7.1f} {r['speedup_vs_s1']:>5.2f}x"
-              f"{mark} {check}")
-    print("* fastest correct S per shape and M; p: the S that cullama.plan.gemm_splits picks")
+        print(f"{r['kernel']:<15} {r['shape']:<20} {r['M']:>4} {r['splits']:>2} {r['blocks']:>6} {r['us']:>8.1f} "
+              f"{spread:>15} {r['gb_s']:>6.0f} {r['pct_read_bw']:>5.1f}% {r['tflop_s']:>7.1f} "
+              f"{r['speedup_vs_s1']:>5.2f}x{mark} {check}")
+    print("* fastest correct S per kernel, shape and M; p: the S that the kernel's split rule picks "
+          "(cullama.prefill_kernels); !: the fastest of all kernels for that shape and M")
     agree = sum(best[k]["splits"] == best[k]["plan_splits"] for k in best)
     print(f"the plan's S is the fastest in {agree} of {len(best)} cases")
+    for name in names:
+        wins = sum(r["kernel"] == name for r in fastest.values())
+        print(f"{name}: fastest in {wins} of {len(fastest)} (shape, M) cases")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"read_bandwidth_bytes_per_s": bps, "bandwidth": bandwidth, "environment": environment(),
-                       "gemm_split_k": plans.GEMM_SPLIT_K, "rows": rows}, f, indent=1)
+                       "split_k": prefill_kernels.SPLIT_K, "kernels": names, "rows": rows}, f, indent=1)
         print(f"wrote {args.json}")
     return 0 if all(r["check_ok"] for r in rows) else 1
 

@@ -20,6 +20,7 @@ from .checkpoint import Checkpoint, expected_shapes
 from .config import LlamaConfig
 from .errors import PromptError
 from .ops import fill as fill_twin
+from .prefill_kernels import PrefillKernels
 from .registry import KernelSpec
 from .sampling import Sampler, SamplingParams
 
@@ -109,6 +110,7 @@ class PlanRunner:
         backend.set("rope", plans.rope_table(cfg, max_seq_len))
         self.decode = plans.decode_plan(cfg, max_seq_len)
         self._prefills: dict[tuple, plans.Plan] = {}
+        self.prefill_kernels = PrefillKernels()  # the GEMM and attention of the prompt path: set_prefill_kernels
         self.cached: list[int] = []  # the ids whose K and V are in the cache, at positions 0..len - 1
         self.last: int | None = None  # the last sampled token: the next decode step's input
         self._queued: int | None = None  # the token slot of a decode step already queued for `last`
@@ -118,12 +120,18 @@ class PlanRunner:
     def device(self) -> str:
         return self.backend.device
 
+    def set_prefill_kernels(self, kernels: PrefillKernels) -> None:
+        """Use these prefill kernels from the next prompt on; a KernelError where this GPU cannot run them."""
+        kernels.check_arch(getattr(self.backend, "arch", None))
+        self.prefill_kernels = kernels
+
     def _prefill_plan(self, start: int, n: int, output: str) -> plans.Plan:
-        key = (start, n, output)
+        key = (start, n, output, self.prefill_kernels)
         if key not in self._prefills:
             if len(self._prefills) > 64:
                 self._prefills.clear()
-            self._prefills[key] = plans.prefill_plan(self.cfg, self.max_seq_len, start, n, output)
+            self._prefills[key] = plans.prefill_plan(self.cfg, self.max_seq_len, start, n, output,
+                                                     self.prefill_kernels)
         return self._prefills[key]
 
     def _prefill(self, ids: Sequence[int], output: str, state: np.ndarray | None = None,

@@ -21,6 +21,8 @@ import numpy as np
 
 from .config import LlamaConfig
 from .errors import KernelError
+from .ops import attention_mma as attention_mma_ops
+from .prefill_kernels import GemmKernel, PrefillKernels, cdiv, tile_counters, workspace_floats
 from .reference import rope_tables
 from .registry import KernelSpec
 
@@ -28,11 +30,6 @@ GEMV_ROWS, GEMV_UNROLL, GEMV_THREADS = 4, 4, 128
 ATTENTION_THREADS = 128
 SAMPLE_THREADS = 1024
 PREFILL_CHUNK = 256  # prompt tokens per prefill pass: bounds the prefill buffers, any prompt length works
-GEMM_TILE_M, GEMM_TILE_N, GEMM_THREADS = 64, 128, 256
-GEMM_TILE_K = 32  # K per pipeline stage of gemm.cu: a split-K range is a multiple of it
-GEMM_SMS = 132  # streaming multiprocessors of the target GPU (H100 / H200 SXM), for gemm_splits
-GEMM_MAX_SPLIT = 4  # most K splits of one prefill GEMM (partials per tile in gemm_workspace)
-GEMM_SPLIT_K = True  # False: every prefill GEMM runs with S = 1 (no split-K), to compare; read at plan time
 ROW_THREADS = 256  # the row-wise prefill kernels: one block per token row
 # Kernels that may start before the kernel ahead of them has finished (programmatic dependent launch,
 # the CUDA backend's `overlap` mode): before pdl_wait() they read only weights, which no kernel writes,
@@ -67,6 +64,7 @@ class Launch:
     grid: tuple[int, int, int]
     block: int
     args: tuple  # Ref, np.int32, np.uint32 or np.float32, in the kernel's parameter order
+    smem: int = 0  # dynamic shared memory per block, bytes
 
 
 @dataclasses.dataclass
@@ -76,10 +74,6 @@ class Plan:
 
     def kernels(self) -> set[KernelSpec]:
         return {launch.spec for launch in self.launches}
-
-
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 def check_supported(cfg: LlamaConfig) -> None:
@@ -108,43 +102,6 @@ def attention_rows_q(cfg: LlamaConfig) -> int:
     every query in registers: 4 queries fit in 128 registers (4 blocks per SM), 8 need ~215 (2 blocks),
     so ROWS_Q = 4 / GROUP rows (1 for GROUP 4 and 8, which already share each key 4 or 8 ways)."""
     return max(1, ATTENTION_PREFILL_QUERIES // cfg.group_size)
-
-
-def _split_rule(m: int, n: int, k: int) -> int:
-    tiles = cdiv(n, GEMM_TILE_N) * cdiv(m, GEMM_TILE_M)
-    if tiles >= GEMM_SMS // 2:
-        return 1
-    return max(1, min(GEMM_MAX_SPLIT, GEMM_SMS // tiles, k // 256))
-
-
-def gemm_splits(m: int, n: int, k: int) -> int:
-    """K splits S of a prefill GEMM (its grid's z; see gemm.cu for the deterministic split-K).
-
-    tiles = ceil(n / 128) * ceil(m / 64) blocks fill the GPU when tiles >= GEMM_SMS // 2 (two blocks
-    fit on an SM): then S = 1. Below that, S = min(GEMM_MAX_SPLIT, GEMM_SMS // tiles, k // 256), at
-    least 1: at most one wave of S * tiles blocks, at most 4 partials to sum, and at least 256 of K (8
-    pipeline tiles) per block. It does not depend on accumulate (the last block adds C either way).
-    On LLaMA-2-7B it splits o_proj and down_proj (n = 4096: 32 tiles) 4 ways for prompts of up to 64
-    rows and 2 ways for 65..128 rows. A first guess, not a measurement: benchmarks/gemm_sweep.py
-    times S = 1, 2, 4 and this rule, and decides. GEMM_SPLIT_K = False makes it 1 everywhere.
-    """
-    return _split_rule(m, n, k) if GEMM_SPLIT_K else 1
-
-
-def gemm_shapes(cfg: LlamaConfig) -> list[tuple[int, int]]:
-    """(n, k) of every prefill GEMM: qkv, o_proj, gate_up, down, lm_head."""
-    d, ff = cfg.hidden_size, cfg.intermediate_size
-    return [(cfg.qkv_dim, d), (d, cfg.q_dim), (2 * ff, d), (d, ff), (cfg.vocab_size, d)]
-
-
-def gemm_split_tiles(cfg: LlamaConfig, chunk: int = PREFILL_CHUNK) -> int:
-    """Most tiles (blocks per split) of any split-K GEMM a prefill plan of up to `chunk` rows can make
-    (whatever GEMM_SPLIT_K says), at least 1: gemm_workspace holds GEMM_MAX_SPLIT partials of that many
-    tiles, gemm_tile_count one counter each. A launch of S splits and t tiles uses the first S * t slots."""
-    tiles = [cdiv(n, GEMM_TILE_N) * row_tiles for n, k in gemm_shapes(cfg)
-             for row_tiles in range(1, cdiv(chunk, GEMM_TILE_M) + 1)
-             if _split_rule(row_tiles * GEMM_TILE_M, n, k) > 1]
-    return max(tiles, default=1)
 
 
 # -- buffers --------------------------------------------------------------------------------------
@@ -192,10 +149,11 @@ def runtime_buffers(cfg: LlamaConfig, max_seq: int, chunk: int = PREFILL_CHUNK) 
         Buffer("gu_rows", (chunk, 2 * ff), "float32", "activation"),  # [n, 2 ff] gate | up
         Buffer("h_rows", (chunk, ff), "float16", "activation"),  # [n, ff]
         Buffer("logits_rows", (chunk, V), "float32", "activation"),  # [n, vocab] (Llama.logits only)
-        # split-K prefill GEMMs (gemm_splits): partial tiles, and arrivals per tile (zero; reset by the kernel)
-        Buffer("gemm_workspace", (GEMM_MAX_SPLIT, gemm_split_tiles(cfg, chunk), GEMM_TILE_M * GEMM_TILE_N), "float32",
-               "activation"),  # [max split, max tiles of a split-K launch, 64 * 128]
-        Buffer("gemm_tile_count", (gemm_split_tiles(cfg, chunk),), "uint32", "activation"),  # [those tiles]
+        # split-K prefill GEMMs (prefill_kernels): partial tiles, and arrivals per tile (zero; reset by the
+        # kernel), sized for every GEMM kernel so that the choice can change at run time
+        Buffer("gemm_workspace", (workspace_floats(cfg, chunk),), "float32",
+               "activation"),  # [max split x max tiles of a split-K launch x tile_m x tile_n]
+        Buffer("gemm_tile_count", (tile_counters(cfg, chunk),), "uint32", "activation"),  # [those tiles]
     ]
 
 
@@ -220,8 +178,12 @@ def attention_prefill_spec(cfg: LlamaConfig) -> KernelSpec:
                       attention("attention_prefill", cfg).defines + (("ROWS_Q", attention_rows_q(cfg)),))
 
 
+def attention_prefill_mma_spec(cfg: LlamaConfig) -> KernelSpec:
+    return KernelSpec("attention_mma.cu", "attention_prefill_mma", (("HEAD_DIM", cfg.head_dim),
+                      ("GROUP", cfg.group_size), ("WARPS", attention_mma_ops.WARPS)))
+
+
 SAMPLE = KernelSpec("sampling.cu", "sample")
-GEMM = KernelSpec("gemm.cu", "gemm")
 
 
 def prefill(name: str) -> KernelSpec:
@@ -270,17 +232,30 @@ def _logits_and_sample(cfg: LlamaConfig, x: Ref) -> list[Launch]:
     ]
 
 
-def _gemm(a: str, w: Ref, c: str, m: int, n: int, k: int, accumulate: bool) -> Launch:
-    return Launch(GEMM, (cdiv(n, GEMM_TILE_N), cdiv(m, GEMM_TILE_M), gemm_splits(m, n, k)), GEMM_THREADS,
+def _gemm(kernel: GemmKernel, a: str, w: Ref, c: str, m: int, n: int, k: int, accumulate: bool) -> Launch:
+    return Launch(kernel.spec, kernel.grid(m, n, k), kernel.threads,
                   (Ref(a), w, Ref(c), Ref("gemm_workspace"), Ref("gemm_tile_count"), i32(m), i32(n), i32(k),
-                   i32(accumulate)))
+                   i32(accumulate)), kernel.smem)
+
+
+def _attention_prefill(cfg: LlamaConfig, kernels: PrefillKernels, max_seq: int, i: int, start: int,
+                       n: int) -> Launch:
+    args = (Ref("q_rows"), Ref("k_cache", i), Ref("v_cache", i), Ref("attn_rows"), i32(start), i32(n),
+            i32(max_seq), f32(1.0 / np.sqrt(cfg.head_dim)))
+    if kernels.mma_attention(cfg):
+        return Launch(attention_prefill_mma_spec(cfg), attention_mma_ops.grid(cfg.num_kv_heads, n, cfg.group_size),
+                      attention_mma_ops.THREADS, args)
+    return Launch(attention_prefill_spec(cfg), (cfg.num_kv_heads, cdiv(n, attention_rows_q(cfg)), 1),
+                  ATTENTION_THREADS, args)
 
 
 PREFILL_OUTPUTS = ("sample", "logits", "none")
 
 
-def prefill_plan(cfg: LlamaConfig, max_seq: int, start: int, n: int, output: str = "sample") -> Plan:
-    """Prompt tokens prefill_ids[:n] at positions start..start+n-1 (n <= PREFILL_CHUNK).
+def prefill_plan(cfg: LlamaConfig, max_seq: int, start: int, n: int, output: str = "sample",
+                 kernels: PrefillKernels = PrefillKernels()) -> Plan:
+    """Prompt tokens prefill_ids[:n] at positions start..start+n-1 (n <= PREFILL_CHUNK), with the GEMM and
+    attention kernels `kernels` names (prefill_kernels.py).
 
     output "sample": the last row's logits go through the decode step's gemv_logits + sample (which
     sets pos = start + n, so the host sets state[POS] = start + n - 1 first); "logits":
@@ -295,25 +270,24 @@ def prefill_plan(cfg: LlamaConfig, max_seq: int, start: int, n: int, output: str
     d, ff, V = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
     nh, nkv, hd, eps = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, f32(cfg.rms_norm_eps)
     rows = lambda name, *args: Launch(prefill(name), (n, 1, 1), ROW_THREADS, args)  # noqa: E731
+    gemm = kernels.gemm_kernel
     launches = [rows("embed_rows", Ref("prefill_ids"), Ref("embed"), Ref("x_rows"), i32(d))]
     for i in range(cfg.num_layers):
         launches += [
             rows("rmsnorm_rows", Ref("x_rows"), _layer(i, "attn_norm"), Ref("xn_rows"), i32(d), eps),
-            _gemm("xn_rows", _layer(i, "wqkv"), "qkv_rows", n, cfg.qkv_dim, d, False),
+            _gemm(gemm, "xn_rows", _layer(i, "wqkv"), "qkv_rows", n, cfg.qkv_dim, d, False),
             rows("rope_kv_rows", Ref("qkv_rows"), Ref("rope"), Ref("q_rows"), Ref("k_cache", i),
                  Ref("v_cache", i), i32(start), i32(nh), i32(nkv), i32(hd), i32(max_seq)),
-            Launch(attention_prefill_spec(cfg), (nkv, cdiv(n, attention_rows_q(cfg)), 1), ATTENTION_THREADS,
-                   (Ref("q_rows"), Ref("k_cache", i), Ref("v_cache", i), Ref("attn_rows"), i32(start), i32(n),
-                    i32(max_seq), f32(1.0 / np.sqrt(hd)))),
-            _gemm("attn_rows", _layer(i, "wo"), "x_rows", n, d, cfg.q_dim, True),
+            _attention_prefill(cfg, kernels, max_seq, i, start, n),
+            _gemm(gemm, "attn_rows", _layer(i, "wo"), "x_rows", n, d, cfg.q_dim, True),
             rows("rmsnorm_rows", Ref("x_rows"), _layer(i, "ffn_norm"), Ref("xn_rows"), i32(d), eps),
-            _gemm("xn_rows", _layer(i, "w_gate_up"), "gu_rows", n, 2 * ff, d, False),
+            _gemm(gemm, "xn_rows", _layer(i, "w_gate_up"), "gu_rows", n, 2 * ff, d, False),
             rows("silu_mul_rows", Ref("gu_rows"), Ref("h_rows"), i32(ff)),
-            _gemm("h_rows", _layer(i, "w_down"), "x_rows", n, d, ff, True),
+            _gemm(gemm, "h_rows", _layer(i, "w_down"), "x_rows", n, d, ff, True),
         ]
     if output == "logits":
         launches += [rows("rmsnorm_rows", Ref("x_rows"), Ref("final_norm"), Ref("xn_rows"), i32(d), eps),
-                     _gemm("xn_rows", Ref("lm_head"), "logits_rows", n, V, d, False)]
+                     _gemm(gemm, "xn_rows", Ref("lm_head"), "logits_rows", n, V, d, False)]
     elif output == "sample":
         launches += _logits_and_sample(cfg, Ref("x_rows", n - 1))
     return Plan(f"prefill[{start}:{start + n}]", launches)

@@ -48,9 +48,51 @@ def stories_expected(stories_dir) -> dict:
     return json.loads((stories_dir / "expected_greedy.json").read_text())
 
 
+# CULLAMA_FAKE_GPU=1: the tests marked `gpu` run on the CPU against tests/fake_cupy.py, whose kernels are the
+# NumPy twins. That proves nothing about the kernels, but it runs every line of the GPU tests' own code
+# (arguments, shapes, fixtures), so a lent GPU's few minutes are not lost to a typo in a test.
+FAKE_GPU = os.environ.get("CULLAMA_FAKE_GPU") == "1"
+
+
+def _install_fake_gpu() -> None:
+    import ctypes
+    import sys
+    import types
+
+    import fake_cupy
+    from cullama import device
+    from cullama.backends import func_attr, pdl
+    from cullama.registry import KernelLoader
+
+    sys.modules["cupy"], sys.modules["cupyx"] = fake_cupy, fake_cupy.cupyx
+
+    def function(self, spec):  # one fake kernel per spec and loader, as the real loader caches its functions
+        fn = self._functions.get(spec)
+        if fn is None:
+            fn = self._functions[spec] = fake_cupy.Kernel(spec)
+        return fn
+
+    KernelLoader.function = function
+    device.cuda_status = lambda: (True, "1 GPU(s) (fake CuPy: CULLAMA_FAKE_GPU=1)")
+
+    # backends/func_attr.py and pdl.py load the driver with ctypes.CDLL("libcuda.so.1"): they get the fake's
+    # (cuFuncSetAttribute, cuLaunchKernelEx on the fake streams, cuGetErrorString); every other name is ctypes'.
+    def cdll(name, *args, **kwargs):
+        return fake_cupy.libcuda if name == "libcuda.so.1" else ctypes.CDLL(name, *args, **kwargs)
+
+    driver_ctypes = types.ModuleType("ctypes")
+    driver_ctypes.__dict__.update(vars(ctypes))
+    driver_ctypes.CDLL = cdll
+    func_attr.ctypes = pdl.ctypes = driver_ctypes
+
+
+if FAKE_GPU:
+    _install_fake_gpu()
+
+
 def pytest_collection_modifyitems(config, items):
     """Tests marked `gpu` are skipped, with the reason, where CuPy sees no GPU."""
-    if not any(item.get_closest_marker("gpu") for item in items):
+    if FAKE_GPU or not any(item.get_closest_marker("gpu") for item in items):
         return
     from cullama.device import cuda_status
 

@@ -12,7 +12,7 @@ from cullama.cli.main import main
 from cullama.config import preset
 from cullama.ops import bandwidth as twin
 from cullama.registry import KernelSpec, compile_module
-from conftest import poisoned
+from conftest import FAKE_GPU, poisoned
 
 TINY = preset("tiny")
 
@@ -140,7 +140,9 @@ def test_gpu_read_sum(kernels, n_vec, grid):
     d_out[...] = 0
     kernels.function(KernelSpec("bandwidth.cu", "read_sum"))((grid,), (256,), (cp.asarray(data), np.uint64(n_vec), d_out))
     np.testing.assert_allclose(d_out.get(), out, rtol=1e-4)
-    assert bench.measure_bandwidth(1 << 28, reps=2)["bytes_per_s"] > 1e11
+    measured = bench.measure_bandwidth(1 << 28, reps=2)
+    if not FAKE_GPU:  # CULLAMA_FAKE_GPU=1 times NumPy twins on the CPU: a speed there says nothing of the GPU's
+        assert measured["bytes_per_s"] > 1e11
 
 
 # -- end to end on the CPU --------------------------------------------------------------------------

@@ -18,7 +18,7 @@ from cullama.config import preset
 from cullama.engine import FILL
 from cullama.errors import DeviceError
 from cullama.ops import gemv as gemv_twins
-from cullama.plan import GEMM, gemm_splits
+from cullama.prefill_kernels import MMA_GEMM, WGMMA_GEMM
 from cullama.registry import KernelLoader
 
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
@@ -27,9 +27,11 @@ sys.path.insert(0, str(BENCHMARKS))  # as when they run as scripts: they import 
 import decode_step  # noqa: E402
 import gemm_sweep  # noqa: E402
 import gemv_sweep  # noqa: E402
+import prefill_step  # noqa: E402
 
 TINY = preset("tiny")
-SCRIPTS = {"gemv_sweep": gemv_sweep, "gemm_sweep": gemm_sweep, "decode_step": decode_step}
+SCRIPTS = {"gemv_sweep": gemv_sweep, "gemm_sweep": gemm_sweep, "decode_step": decode_step,
+           "prefill_step": prefill_step}
 
 
 class FakePdl:
@@ -39,10 +41,10 @@ class FakePdl:
     def __init__(self):
         self.launches = 0
 
-    def __call__(self, fn, grid, block, args, stream_ptr):
+    def __call__(self, fn, grid, block, args, stream_ptr, smem=0):
         assert stream_ptr == fake_cupy.get_current_stream().ptr
         self.launches += 1
-        fn(grid, block, args)
+        fn(grid, block, args, shared_mem=smem)
 
 
 @pytest.fixture
@@ -125,32 +127,62 @@ def test_gemv_sweep_flags_a_wrong_variant_and_fails(fake, monkeypatch, capsys):
 # -- gemm_sweep -----------------------------------------------------------------------------------
 def test_gemm_sweep_times_and_checks_every_split(fake, tmp_path, capsys):
     out = tmp_path / "gemm.json"
-    code, stdout = run_main("gemm_sweep", ["--model", "tiny", "--rows", "1,65", "--splits", "3", "--trials", "2",
-                                           "--launches", "2", "--l2-multiple", "1", "--json", str(out)], capsys)
+    code, stdout = run_main("gemm_sweep", ["--model", "tiny", "--kernels", "mma", "--rows", "1,65", "--splits", "3",
+                                           "--trials", "2", "--launches", "2", "--l2-multiple", "1", "--json",
+                                           str(out)], capsys)
     assert code == 0
     record = json.loads(out.read_text())
     check_bandwidth(record)
-    expected = [(label, M, s) for label, N, K, _ in gemm_sweep.shapes(TINY) for M in (1, 65)
-                for s in sorted({1, 3, gemm_splits(M, N, K)})]
-    assert [(r["shape"], r["M"], r["splits"]) for r in record["rows"]] == expected
+    expected = [("mma", label, M, s) for label, N, K, _ in gemm_sweep.shapes(TINY) for M in (1, 65)
+                for s in sorted({1, 3, MMA_GEMM.splits(M, N, K)})]
+    assert [(r["kernel"], r["shape"], r["M"], r["splits"]) for r in record["rows"]] == expected
     assert {r["plan_splits"] for r in record["rows"]} == {1, 2}  # down's plan splits K: three S at once
     for r in record["rows"]:
-        assert r["check_ok"] and r["plan_splits"] == gemm_splits(r["M"], r["N"], r["K"])
+        assert r["check_ok"] and r["plan_splits"] == MMA_GEMM.splits(r["M"], r["N"], r["K"])
         assert ("twin rel err" in r["check"]) == (r["splits"] == 1 and r["M"] <= 64)
         assert ("vs S=1" in r["check"]) == (r["splits"] > 1)
         check_timing(r)
         assert r["tflop_s"] == pytest.approx(2 * r["M"] * r["N"] * r["K"] / r["us"] / 1e6)
         assert r["speedup_vs_s1"] > 0 and (r["splits"] > 1 or r["speedup_vs_s1"] == 1)
     lines = stdout.splitlines()
-    assert "GEMM_SPLIT_K=True" in lines[0] and lines[1].split()[:3] == ["shape", "M", "S"]
-    assert len(lines) == 2 + len(expected) + 3 and lines[-1] == f"wrote {out}"
-    assert lines[-2].startswith("the plan's S is the fastest in") and lines[-2].endswith(f"of {4 * 2} cases")
+    assert "SPLIT_K=True" in lines[0] and lines[1].split()[:4] == ["kernel", "shape", "M", "S"]
+    assert len(lines) == 2 + len(expected) + 4 and lines[-1] == f"wrote {out}"
+    assert lines[-3].startswith("the plan's S is the fastest in") and lines[-3].endswith(f"of {4 * 2} cases")
+    assert lines[-2] == f"mma: fastest in {4 * 2} of {4 * 2} (shape, M) cases"
+
+
+def test_gemm_sweep_compares_the_wgmma_kernels_on_sm90(fake, monkeypatch, tmp_path, capsys):
+    """On an sm_90 GPU the default sweeps both plan kernels; each wgmma variant is allowed its dynamic
+    shared memory before its first launch and launched with it."""
+    from cullama.backends import func_attr
+
+    allowed, launched, real_allow = [], [], func_attr.allow_dynamic_shared
+    monkeypatch.setattr(func_attr, "allow_dynamic_shared", lambda fn, n: allowed.append((fn.spec, n)) or
+                        real_allow(fn, n, library=fake_cupy.libcuda))
+    real = fake_cupy.Kernel.__call__
+    monkeypatch.setattr(fake_cupy.Kernel, "__call__", lambda self, grid, block, args, shared_mem=0:
+                        launched.append((self.spec, shared_mem)) or real(self, grid, block, args, shared_mem))
+    out = tmp_path / "gemm.json"
+    code, stdout = run_main("gemm_sweep", ["--model", "tiny", "--rows", "1,130", "--splits", "2", "--trials", "1",
+                                           "--launches", "1", "--l2-multiple", "0", "--json", str(out)], capsys)
+    assert code == 0
+    record = json.loads(out.read_text())
+    assert record["kernels"] == ["mma", "wgmma"]
+    rows = [r for r in record["rows"] if r["kernel"] == "wgmma"]
+    assert rows and all(r["check_ok"] and r["plan_splits"] == WGMMA_GEMM.splits(r["M"], r["N"], r["K"]) for r in rows)
+    assert {r["blocks"] // r["splits"] for r in rows} >= {WGMMA_GEMM.tiles(130, rows[0]["N"])}
+    assert (WGMMA_GEMM.spec, WGMMA_GEMM.smem) in allowed
+    assert {n for spec, n in launched if spec == WGMMA_GEMM.spec} == {WGMMA_GEMM.smem}
+    assert "wgmma: fastest in" in stdout
+    with pytest.raises(SystemExit):
+        gemm_sweep.main(["--kernels", "cublas"])
+    assert "choose among mma, wgmma" in capsys.readouterr().err
 
 
 def test_gemm_sweep_flags_a_nondeterministic_split(fake, monkeypatch, capsys):
     def kernel(self, spec):  # the split-K GEMM adds a different tiny amount at every launch
         fn = fake_cupy.Kernel(spec)
-        if spec != GEMM:
+        if spec != MMA_GEMM.spec:
             return fn
         twin, calls = fn.twin, []
 
@@ -164,10 +196,10 @@ def test_gemm_sweep_flags_a_nondeterministic_split(fake, monkeypatch, capsys):
         return fn
 
     monkeypatch.setattr(KernelLoader, "function", kernel)
-    code, stdout = run_main("gemm_sweep", ["--model", "tiny", "--rows", "1", "--splits", "2", "--trials", "1",
-                                           "--launches", "1", "--l2-multiple", "0"], capsys)
+    code, stdout = run_main("gemm_sweep", ["--model", "tiny", "--kernels", "mma", "--rows", "1", "--splits", "2",
+                                           "--trials", "1", "--launches", "1", "--l2-multiple", "0"], capsys)
     assert code == 1
-    assert all(("NOT DETERMINISTIC" in line) == (line.split()[3] == "2") for line in stdout.splitlines()[2:-2])
+    assert all(("NOT DETERMINISTIC" in line) == (line.split()[4] == "2") for line in stdout.splitlines()[2:-3])
 
 
 # -- decode_step ----------------------------------------------------------------------------------
@@ -335,3 +367,30 @@ def test_each_runs_as_a_script(script, options, monkeypatch, capsys):
         runpy.run_path(str(BENCHMARKS / f"{script}.py"), run_name="__main__")
     usage = capsys.readouterr().out
     assert exit_.value.code == 0 and all(option in usage for option in options)
+
+
+# -- prefill_step ---------------------------------------------------------------------------------
+def test_prefill_step_times_every_kernel_pair_and_checks_it(fake, monkeypatch, tmp_path, capsys):
+    from functools import partial
+
+    from cullama.backends import func_attr
+
+    monkeypatch.setattr(func_attr, "allow_dynamic_shared", partial(func_attr.allow_dynamic_shared,
+                                                                   library=fake_cupy.libcuda))
+    out = tmp_path / "prefill.json"
+    code, stdout = run_main("prefill_step", ["--model", "tiny", "--lengths", "3,40", "--trials", "2",
+                                             "--json", str(out)], capsys)
+    assert code == 0
+    record = json.loads(out.read_text())
+    check_bandwidth(record)
+    pairs = [(r["gemm"], r["attention"]) for r in record["rows"]]
+    assert pairs == [(g, a) for g, a in (("mma", "scalar"), ("mma", "mma"), ("wgmma", "scalar"), ("wgmma", "mma"))
+                     for _ in (3, 40)]
+    for r in record["rows"]:
+        assert r["check_ok"] and r["logits_max_diff"] == 0.0  # the twins: the same function, bit for bit
+        assert len(r["trials"]) == 2 and 0 < r["ttft_min_ms"] <= r["ttft_ms"] and r["floor_ms"] > 0
+    lines = stdout.splitlines()
+    assert "pairs mma+scalar, mma+mma, wgmma+scalar, wgmma+mma" in lines[0] and lines[-1] == f"wrote {out}"
+    monkeypatch.setattr(fake_cupy.device, "compute_capability", "80")  # no wgmma before sm_90
+    code, stdout = run_main("prefill_step", ["--model", "tiny", "--lengths", "3", "--trials", "1"], capsys)
+    assert code == 0 and "pairs mma+scalar, mma+mma" in stdout.splitlines()[0] and "wgmma" not in stdout

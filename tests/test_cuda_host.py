@@ -15,11 +15,19 @@ from cullama.backends.cuda_backend import CudaBackend
 from cullama.backends.numpy_backend import NumpyBackend
 from cullama.checkpoint import open_checkpoint
 from cullama.engine import FILL, PlanRunner, device_config, load_checkpoint
-from cullama.errors import PromptError
+from cullama.errors import KernelError, PromptError
 from cullama.registry import KernelLoader
 from cullama.sampling import SamplingParams
 
 GREEDY = SamplingParams(seed=0)
+
+
+def loaded_once(loader, spec):
+    """KernelLoader.function on the fake: one fake kernel per spec and loader, as the real one caches them."""
+    kernels = loader.__dict__.setdefault("_fake_kernels", {})
+    if spec not in kernels:
+        kernels[spec] = fake_cupy.Kernel(spec)
+    return kernels[spec]
 
 
 @pytest.fixture
@@ -27,7 +35,7 @@ def fake(monkeypatch):
     fake_cupy.reset()
     monkeypatch.setitem(sys.modules, "cupy", fake_cupy)
     monkeypatch.setitem(sys.modules, "cupyx", fake_cupy.cupyx)
-    monkeypatch.setattr(KernelLoader, "function", lambda self, spec: fake_cupy.Kernel(spec))
+    monkeypatch.setattr(KernelLoader, "function", loaded_once)
     monkeypatch.setattr(device, "cuda_status", lambda: (True, "1 GPU(s) (fake CuPy)"))
     return fake_cupy.state
 
@@ -133,7 +141,7 @@ def test_prefix_reuse_and_the_full_context_match_numpy(fake, stories_dir):
         first = [r.start([1, 403, 407], GREEDY)] + [r.next() for _ in range(8)]
         follow_up = [1, 403, 407] + first[:5] + [400, 378]  # shares 8 ids with the cache
         first.append(r.start(follow_up, GREEDY, reuse=True))
-        assert (8, 2, "sample") in r._prefills  # only what the cache did not hold was prefilled
+        assert (8, 2, "sample", r.prefill_kernels) in r._prefills  # only what the cache did not hold was prefilled
         logits = backend.read("logits")
         while len(r.cached) < 24:
             first.append(r.next())
@@ -169,7 +177,7 @@ class RecordingPdl:
         from cullama.backends.pdl import kernel_params
         self.kernel_params = kernel_params
 
-    def __call__(self, fn, grid, block, args, stream_ptr):
+    def __call__(self, fn, grid, block, args, stream_ptr, smem=0):
         params, _ = self.kernel_params(args)
         assert len(params) == len(args)
         for value, arg in zip(params, args):
@@ -177,7 +185,7 @@ class RecordingPdl:
                 assert ctypes.cast(value, ctypes.POINTER(ctypes.c_void_p)).contents.value == arg.data.ptr
         assert stream_ptr == fake_cupy.get_current_stream().ptr
         RecordingPdl.launches.append(fn.spec.name)
-        fn(grid, block, args)
+        fn(grid, block, args, shared_mem=smem)
 
 
 def test_overlap_links_every_decode_kernel_but_the_first_and_changes_no_token(fake, stories_dir, monkeypatch):
@@ -236,3 +244,27 @@ def test_generation_queues_ahead_and_drains_at_a_stop(fake, stories_dir):
     assert not gpu.runner.backend.stream.pending  # drain ran it
     second = gpu.generate([1], max_new_tokens=5, ignore_eos=True).token_ids
     assert second == cpu.generate([1], max_new_tokens=5, ignore_eos=True).token_ids
+
+
+def test_the_wgmma_prefill_launches_with_its_shared_memory_allowed(fake, stories_dir, monkeypatch):
+    """gemm_wgmma needs ~200 KB of dynamic shared memory: the backend raises each kernel's limit once, before
+    its first launch (the fake refuses a launch above the limit, as CUDA does), and launches with it."""
+    from functools import partial
+
+    from cullama.backends import func_attr
+    from cullama.prefill_kernels import WGMMA_GEMM, PrefillKernels
+
+    allowed = []
+    real = partial(func_attr.allow_dynamic_shared, library=fake_cupy.libcuda)
+    monkeypatch.setattr(func_attr, "allow_dynamic_shared", lambda fn, n: allowed.append((fn.spec, n)) or real(fn, n))
+    gpu, cpu = runner_on(CudaBackend(), stories_dir), runner_on(NumpyBackend(), stories_dir)
+    gpu.set_prefill_kernels(PrefillKernels(gemm="wgmma", attention="mma"))
+    prompt = [1, 403, 407, 261, 378, 43]
+    assert gpu.start(prompt, GREEDY) == cpu.start(prompt, GREEDY)
+    assert gpu.start(prompt + [9], GREEDY) == cpu.start(prompt + [9], GREEDY)
+    assert allowed == [(WGMMA_GEMM.spec, WGMMA_GEMM.smem)]  # once: the same loaded kernel for every launch
+    wgmma = [l for l in fake.launches if l.spec == WGMMA_GEMM.spec]
+    assert wgmma and all(l.shared_mem == WGMMA_GEMM.smem and l.block == (WGMMA_GEMM.threads, 1, 1) for l in wgmma)
+    monkeypatch.setattr(fake_cupy.device, "compute_capability", "80")
+    with pytest.raises(KernelError, match="needs an sm_90 GPU"):
+        runner_on(CudaBackend(), stories_dir).set_prefill_kernels(PrefillKernels(gemm="wgmma"))

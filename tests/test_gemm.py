@@ -5,10 +5,10 @@ import numpy as np
 import pytest
 
 from cullama.ops import gemm as twin
-from cullama import plan as plans
+from cullama import plan as plans, prefill_kernels
 from cullama.config import preset
 from cullama.engine import device_config
-from cullama.plan import GEMM, GEMM_MAX_SPLIT, GEMM_THREADS, GEMM_TILE_M, GEMM_TILE_N, cdiv
+from cullama.prefill_kernels import GEMMS, MAX_SPLIT, MMA_GEMM, WGMMA_GEMM, PrefillKernels, cdiv
 from cullama.registry import compile_module
 from conftest import poisoned
 
@@ -57,44 +57,57 @@ def test_twin_matches_float64_matmul(M, N, K):
     (1, 136, 40, 1), (1, 136, 511, 1), (1, 136, 512, 2), (1, 136, 11008, 4),  # k // 256 caps S
 ])
 def test_gemm_splits_rule(m, n, k, splits):
-    assert plans.gemm_splits(m, n, k) == splits
+    assert MMA_GEMM.splits(m, n, k) == splits
+
+
+@pytest.mark.parametrize("m,n,k,splits", [
+    (256, 4096, 4096, 3), (256, 4096, 11008, 3), (128, 4096, 4096, 4),  # o_proj / down: 44, 22 tiles
+    (256, 12288, 4096, 1), (128, 12288, 4096, 2), (256, 22016, 4096, 1),  # 128, 64, 230 tiles
+    (10, 32000, 4096, 1), (1, 136, 2047, 1), (1, 136, 2048, 2),  # 167 tiles; k // 1024 caps S
+])
+def test_wgmma_splits_rule(m, n, k, splits):
+    """One 128 x 192 block per SM: split below 99 tiles, with at least 1024 of K a split."""
+    assert WGMMA_GEMM.splits(m, n, k) == splits
 
 
 def test_gemm_split_k_toggle_forces_one_split(monkeypatch):
-    monkeypatch.setattr(plans, "GEMM_SPLIT_K", False)
-    assert plans.gemm_splits(1, 4096, 4096) == 1
+    monkeypatch.setattr(prefill_kernels, "SPLIT_K", False)
+    assert MMA_GEMM.splits(1, 4096, 4096) == 1 and WGMMA_GEMM.splits(1, 4096, 4096) == 1
     cfg = device_config(preset("llama-2-7b"))
-    assert all(l.grid[2] == 1 for l in plans.prefill_plan(cfg, 512, 0, 10).launches if l.spec == GEMM)
+    assert all(l.grid[2] == 1 for l in plans.prefill_plan(cfg, 512, 0, 10).launches if l.spec == MMA_GEMM.spec)
 
 
+@pytest.mark.parametrize("gemm", sorted(GEMMS))
 @pytest.mark.parametrize("name", ["llama-2-7b", "tiny"])
-def test_split_k_buffers_hold_every_prefill_gemm(name):
-    """Every GEMM a prefill plan makes, at every chunk length, fits gemm_workspace and gemm_tile_count."""
+def test_split_k_buffers_hold_every_prefill_gemm(name, gemm):
+    """Every GEMM a prefill plan makes with either kernel, at every chunk length, fits gemm_workspace and
+    gemm_tile_count (sized once for both, so the choice can change at run time)."""
     cfg = device_config(preset(name))
+    kernel = GEMMS[gemm]
     bufs = {b.name: b for b in plans.runtime_buffers(cfg, 512)}
     workspace, count = bufs["gemm_workspace"], bufs["gemm_tile_count"]
-    assert workspace.dtype == "float32" and count.dtype == "uint32"
-    assert workspace.shape[0] == GEMM_MAX_SPLIT and workspace.shape[2] == GEMM_TILE_M * GEMM_TILE_N
+    assert workspace.dtype == "float32" and count.dtype == "uint32" and len(workspace.shape) == 1
     split_seen = False
     for n in range(1, plans.PREFILL_CHUNK + 1):
-        for launch in plans.prefill_plan(cfg, 512, 0, n, "logits").launches:
-            if launch.spec != GEMM:
+        for launch in plans.prefill_plan(cfg, 512, 0, n, "logits", PrefillKernels(gemm=gemm)).launches:
+            if launch.spec.source not in ("gemm.cu", "gemm_wgmma.cu"):
                 continue
+            assert launch.spec == kernel.spec and launch.block == kernel.threads and launch.smem == kernel.smem
             (x, y, splits), (M, N, K) = launch.grid, (int(a) for a in launch.args[5:8])
-            assert (x, y) == (cdiv(N, GEMM_TILE_N), cdiv(M, GEMM_TILE_M)) and 1 <= splits <= GEMM_MAX_SPLIT
-            assert splits == plans.gemm_splits(M, N, K)
+            assert (x, y) == (cdiv(N, kernel.tile_n), cdiv(M, kernel.tile_m)) and 1 <= splits <= MAX_SPLIT
+            assert splits == kernel.splits(M, N, K)
             assert launch.args[3:5] == (plans.Ref("gemm_workspace"), plans.Ref("gemm_tile_count"))
             if splits > 1:
                 split_seen = True
-                assert x * y <= count.shape[0] and splits * x * y <= workspace.shape[0] * workspace.shape[1]
-                assert cdiv(cdiv(K, splits), plans.GEMM_TILE_K) * plans.GEMM_TILE_K * (splits - 1) < K  # none empty
-    assert split_seen  # 7B: o_proj and down; tiny: down (k = 688)
-    if name == "llama-2-7b":  # n = 4096 at up to 128 rows: 64 tiles of 2 splits (4 x 64 x 32 KiB = 8 MiB)
-        assert workspace.shape == (4, 64, 8192) and count.shape == (64,)
+                assert x * y <= count.shape[0] and splits * x * y * kernel.tile_m * kernel.tile_n <= workspace.shape[0]
+                assert cdiv(cdiv(K, splits), kernel.tile_k) * kernel.tile_k * (splits - 1) < K  # none empty
+    assert split_seen or (name, gemm) == ("tiny", "wgmma")  # tiny's K (<= 688) is too short to split 1024 a split
+    if name == "llama-2-7b":  # wgmma's: 4 splits x 64 tiles (n = 12288 at 128 rows) x 128 x 192 floats = 24 MiB
+        assert workspace.shape == (4 * 64 * 128 * 192,) and count.shape == (64,)
 
 
 def test_compiles_for_sm90_without_spills():
-    res = compile_module(GEMM.source, GEMM.defines, "sm_90").resources["gemm"]
+    res = compile_module(MMA_GEMM.spec.source, MMA_GEMM.spec.defines, "sm_90").resources["gemm"]
     assert not res.spills, res
     assert res.registers <= 128, res  # two blocks of 256 threads fit on an SM
     assert res.smem_bytes <= 48 * 1024, res  # static shared memory only
@@ -106,14 +119,15 @@ def run_gpu(kernels, cp, A, W, C, M, N, K, accumulate, splits=1, workspace=None,
 
     S = 1 gets a one-element NaN workspace and a one-element counter (it must touch neither); S > 1
     gets a NaN-poisoned workspace of exactly splits * tiles partial tiles and zeroed counters, unless given."""
-    grid = (cdiv(N, GEMM_TILE_N), cdiv(M, GEMM_TILE_M), splits)
+    grid = (cdiv(N, MMA_GEMM.tile_n), cdiv(M, MMA_GEMM.tile_m), splits)
     tiles = grid[0] * grid[1]
     if workspace is None:
-        workspace = poisoned(cp, (splits * tiles * GEMM_TILE_M * GEMM_TILE_N if splits > 1 else 1,), np.float32)
+        workspace = poisoned(cp, (splits * tiles * MMA_GEMM.tile_m * MMA_GEMM.tile_n if splits > 1 else 1,),
+                             np.float32)
     if tile_count is None:
         tile_count = cp.zeros(tiles if splits > 1 else 1, dtype=cp.uint32)
-    kernels.function(GEMM)(grid, (GEMM_THREADS,), (A, W, C, workspace, tile_count, np.int32(M), np.int32(N),
-                                                  np.int32(K), np.int32(accumulate)))
+    kernels.function(MMA_GEMM.spec)(grid, (MMA_GEMM.threads,), (A, W, C, workspace, tile_count, np.int32(M),
+                                                                np.int32(N), np.int32(K), np.int32(accumulate)))
     cp.cuda.runtime.deviceSynchronize()
     return workspace, tile_count
 
@@ -130,7 +144,7 @@ def test_gpu_gemm_matches_twin(kernels, M, N, K):
     rng = np.random.default_rng()
     A, W = rand(rng, M, K), rand(rng, N, K, scale=0.05)
     ref = np.empty((M, N), np.float32)
-    twin.gemm(A, W, ref, M, N, K, 0)
+    twin.gemm(A, W, ref, None, None, M, N, K, 0)
     dC = poisoned(cp, (M, N), np.float32)  # NaN: every element must be written
     run_gpu(kernels, cp, cp.asarray(A), cp.asarray(W), dC, M, N, K, 0)
     out = dC.get()
@@ -146,7 +160,7 @@ def test_gpu_gemm_accumulates(kernels, M, N, K):
     rng = np.random.default_rng()
     A, W, C0 = rand(rng, M, K), rand(rng, N, K, scale=0.05), rand(rng, M, N, dtype=np.float32)
     ref = C0.copy()
-    twin.gemm(A, W, ref, M, N, K, 1)
+    twin.gemm(A, W, ref, None, None, M, N, K, 1)
     dC = cp.asarray(C0)
     run_gpu(kernels, cp, cp.asarray(A), cp.asarray(W), dC, M, N, K, 1)
     assert rel_err(dC.get(), ref) <= 1e-3
@@ -161,8 +175,9 @@ def test_gpu_gemm_does_not_write_outside_c(kernels):
     M, N, K = 70, 200, 48
     rng = np.random.default_rng()
     A, W = rand(rng, M, K), rand(rng, N, K)
-    buf = poisoned(cp, ((M + 64) * N,), np.float32)
-    run_gpu(kernels, cp, cp.asarray(A), cp.asarray(W), buf, M, N, K, 0)
+    buf = poisoned(cp, ((M + 64) * N,), np.float32)  # C: its first M rows (row stride N), as a
+    # [M + 64, N] view: the kernel gets the same pointer, the twin (CULLAMA_FAKE_GPU=1) the rows it indexes
+    run_gpu(kernels, cp, cp.asarray(A), cp.asarray(W), buf.reshape(M + 64, N), M, N, K, 0)
     out = buf.get()
     assert np.isfinite(out[:M * N]).all() and np.isnan(out[M * N:]).all()
 
@@ -176,7 +191,7 @@ def test_gpu_gemm_llama2_7b_down_proj(kernels):
     rng = np.random.default_rng()
     A, W, C0 = rand(rng, M, K), rand(rng, N, K, scale=0.02), rand(rng, M, N, dtype=np.float32)
     ref = C0.copy()
-    twin.gemm(A, W, ref, M, N, K, 1)
+    twin.gemm(A, W, ref, None, None, M, N, K, 1)
     dC = cp.asarray(C0)
     run_gpu(kernels, cp, cp.asarray(A), cp.asarray(W), dC, M, N, K, 1)
     assert rel_err(dC.get() - C0, ref - C0) <= 1e-3
@@ -201,8 +216,8 @@ def test_gpu_split_k_matches_one_split(kernels, M, N, K, accumulate):
     A, W = rand(rng, M, K), rand(rng, N, K, scale=0.05)
     C0 = rand(rng, M, N, dtype=np.float32) if accumulate else np.full((M, N), np.nan, np.float32)
     dA, dW = cp.asarray(A), cp.asarray(W)
-    tiles = cdiv(N, GEMM_TILE_N) * cdiv(M, GEMM_TILE_M)
-    workspace = cp.empty(4 * tiles * GEMM_TILE_M * GEMM_TILE_N, dtype=cp.float32)
+    tiles = MMA_GEMM.tiles(M, N)
+    workspace = cp.empty(4 * tiles * MMA_GEMM.tile_m * MMA_GEMM.tile_n, dtype=cp.float32)
     count = cp.zeros(tiles, dtype=cp.uint32)  # zeroed once: every launch must leave it so for the next
 
     def launch(splits):
@@ -235,8 +250,9 @@ def test_gpu_split_k_does_not_write_outside_c(kernels):
     M, N, K = 50, 200, 808
     rng = np.random.default_rng()
     A, W = rand(rng, M, K), rand(rng, N, K)
-    buf = poisoned(cp, ((M + 64) * N,), np.float32)
-    _, count = run_gpu(kernels, cp, cp.asarray(A), cp.asarray(W), buf, M, N, K, 0, splits=3)
+    buf = poisoned(cp, ((M + 64) * N,), np.float32)  # C: its first M rows (row stride N), as a
+    # [M + 64, N] view: the kernel gets the same pointer, the twin (CULLAMA_FAKE_GPU=1) the rows it indexes
+    _, count = run_gpu(kernels, cp, cp.asarray(A), cp.asarray(W), buf.reshape(M + 64, N), M, N, K, 0, splits=3)
     out = buf.get()
     assert np.isfinite(out[:M * N]).all() and np.isnan(out[M * N:]).all()
     ref = np.empty((M, N), np.float32)

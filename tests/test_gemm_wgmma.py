@@ -582,7 +582,7 @@ def test_gpu_gemm_wgmma_equals_gemm_within_rounding(kernels):
     another order: a few ulps of the sum of |products| over K = 4096; a layout bug is off by O(1))."""
     import cupy as cp
 
-    from cullama.plan import GEMM, GEMM_THREADS, GEMM_TILE_M, GEMM_TILE_N, cdiv
+    from cullama.prefill_kernels import MMA_GEMM, cdiv
 
     M, N, K = 244, 4096, 4096
     rng = np.random.default_rng()
@@ -590,9 +590,9 @@ def test_gpu_gemm_wgmma_equals_gemm_within_rounding(kernels):
     dA, dW = cp.asarray(A), cp.asarray(W)
     ours, theirs = poisoned(cp, (M, N), np.float32), poisoned(cp, (M, N), np.float32)
     launch(kernels, cp, (), dA, dW, ours, M, N, K, 0)
-    kernels.function(GEMM)((cdiv(N, GEMM_TILE_N), cdiv(M, GEMM_TILE_M), 1), (GEMM_THREADS,),
-                           (dA, dW, theirs, cp.full(1, np.nan, cp.float32), cp.zeros(1, cp.uint32), np.int32(M),
-                            np.int32(N), np.int32(K), np.int32(0)))
+    kernels.function(MMA_GEMM.spec)((cdiv(N, MMA_GEMM.tile_n), cdiv(M, MMA_GEMM.tile_m), 1), (MMA_GEMM.threads,),
+                                    (dA, dW, theirs, cp.full(1, np.nan, cp.float32), cp.zeros(1, cp.uint32),
+                                     np.int32(M), np.int32(N), np.int32(K), np.int32(0)))
     cp.cuda.runtime.deviceSynchronize()
     bound = np.abs(A).astype(np.float32) @ np.abs(W).astype(np.float32).T
     assert (np.abs(ours.get().astype(np.float64) - theirs.get()) <= 1e-4 * bound).all()

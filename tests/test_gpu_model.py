@@ -15,7 +15,7 @@ from cullama.engine import PlanRunner, load_checkpoint
 from cullama.checkpoint import open_checkpoint
 from cullama.reference import ReferenceModel
 from cullama.sampling import SamplingParams
-from conftest import load_golden
+from conftest import FAKE_GPU, load_golden
 
 pytestmark = pytest.mark.gpu
 GREEDY = SamplingParams(seed=0)
@@ -71,10 +71,12 @@ def test_graph_replay_equals_eager_launches_and_the_numpy_backend(stories_dir):
 
 def test_two_layers_of_llama2_7b_shape_match_the_reference(tmp_path):
     cfg = dataclasses.replace(preset("llama-2-7b"), num_layers=2, max_seq_len=256, name="7b-2-layers")
+    if FAKE_GPU:  # the NumPy twins and the reference at 7B shapes take ~1 min here: tiny's shapes, 2 layers
+        cfg = dataclasses.replace(preset("tiny"), num_layers=2, max_seq_len=256, name="tiny-2-layers")
     write_random(tmp_path, cfg, seed=5)
     llm = cullama.Llama.from_pretrained(tmp_path, device="cuda")
     reference = ReferenceModel(load_weights(tmp_path))
-    prompt = list(np.random.default_rng(0).integers(3, 32000, size=37))
+    prompt = list(np.random.default_rng(0).integers(3, cfg.vocab_size, size=37))
     ours, theirs = llm.logits(prompt), reference.forward(prompt)
     assert np.max(np.abs(ours - theirs)) <= 2e-2 * max(1.0, np.abs(theirs).max())
     runner = llm.runner  # decode logits vs the reference, fed the same tokens
@@ -95,13 +97,14 @@ def test_long_runs_do_not_grow_device_memory(stories_dir):
     pool = cp.get_default_memory_pool()
     llm.generate([1], max_new_tokens=50, ignore_eos=True)
     before = pool.used_bytes()
-    for _ in range(200):
+    runs, tokens = (200, 2000) if not FAKE_GPU else (20, 300)  # the NumPy twins: ~25 s here at full length
+    for _ in range(runs):
         llm.generate([1, 403], max_new_tokens=10, ignore_eos=True, temperature=0.8, seed=1)
     runner = llm.runner
     runner.start([1], GREEDY)
-    for _ in range(2000):  # 2,000 consecutive tokens in one generation
+    for _ in range(tokens):  # 2,000 consecutive tokens in one generation (on a GPU)
         runner.next()
-    assert int(runner.backend.read("state")[0]) == 2001
+    assert int(runner.backend.read("state")[0]) == tokens + 1
     assert pool.used_bytes() == before
 
 
@@ -119,11 +122,13 @@ def test_overlapped_decode_graph_equals_the_plain_one_bit_for_bit(sampling):
     read an activation before its pdl_wait() would see a stale value: with 7B shapes and 4 layers (20
     kernel boundaries a token), 64 tokens of identical logits is the check."""
     cfg = dataclasses.replace(preset("llama-2-7b"), num_layers=4, max_seq_len=512, name="7b-4-layers")
+    if FAKE_GPU:  # the NumPy twins run one after another (nothing overlaps); at 7B shapes they take ~8 min here
+        cfg = dataclasses.replace(preset("tiny"), max_seq_len=512, name="tiny-4-layers")
     plain, overlapped = (cullama.Llama.synthetic(cfg, device="cuda", seed=11) for _ in range(2))
     overlapped.runner.backend.set_overlap(True)
     assert overlapped.runner.backend.overlap and not plain.runner.backend.overlap
     params = SamplingParams(**sampling) if sampling else GREEDY
-    prompt = list(np.random.default_rng(1).integers(3, 32000, size=100))
+    prompt = list(np.random.default_rng(1).integers(3, cfg.vocab_size, size=100))
     runners = (plain.runner, overlapped.runner)
     tokens = [[r.start(prompt, params)] for r in runners]
     for _ in range(64):

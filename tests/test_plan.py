@@ -1,6 +1,8 @@
 """The decode and prefill plans on the numpy backend (the kernels' twins) against the FP32 reference,
 step by step, on the goldens and stories260K."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -10,6 +12,7 @@ from cullama.checkpoint import open_checkpoint
 from cullama.config import preset
 from cullama.engine import PlanRunner, load_checkpoint
 from cullama.errors import KernelError
+from cullama.prefill_kernels import PrefillKernels
 from cullama.reference import ReferenceModel
 from cullama.sampling import SamplingParams
 from conftest import load_golden
@@ -144,3 +147,39 @@ def test_decoding_after_logits_needs_a_start(stories_dir):
     runner.logits([1, 403])
     with pytest.raises(PromptError, match="start"):
         runner.next()
+
+
+# -- the prefill kernel choice (prefill_kernels.py) -------------------------------------------------
+@pytest.mark.parametrize("gemm,attention", [("wgmma", "scalar"), ("mma", "mma"), ("wgmma", "mma")])
+def test_every_prefill_kernel_choice_gives_the_same_logits(gemm, attention, monkeypatch):
+    """The plan launches the chosen kernels with their own grids and shared memory; their twins compute the
+    same function, so the logits equal the default's bit for bit (the GPU tests compare the kernels)."""
+    monkeypatch.setattr(plans, "PREFILL_CHUNK", 16)  # several chunks: start > 0 for the attention
+    directory, cases, _ = load_golden("tiny-gqa-sharded")
+    default, chosen = numpy_runner(directory)[0], numpy_runner(directory)[0]
+    kernels = PrefillKernels(gemm=gemm, attention=attention)
+    chosen.set_prefill_kernels(kernels)
+    prompt = cases[-1]["prompt_ids"]
+    np.testing.assert_array_equal(chosen.logits(prompt), default.logits(prompt))
+    assert chosen.start(prompt, GREEDY) == default.start(prompt, GREEDY)
+    names = {l.spec.name for p in chosen._prefills.values() for l in p.launches}
+    assert ("gemm_wgmma" in names) == (gemm == "wgmma") and ("gemm" in names) == (gemm == "mma")
+    assert ("attention_prefill_mma" in names) == (attention == "mma")
+    assert ("attention_prefill" in names) == (attention == "scalar")
+
+
+def test_mma_attention_falls_back_to_scalar_for_head_dim_8():
+    cfg = dataclasses.replace(preset("tiny"), num_heads=8, num_kv_heads=4, head_dim=8, name="hd8")  # as stories260K
+    names = [l.spec.name for l in plans.prefill_plan(cfg, 64, 0, 5, "none", PrefillKernels(attention="mma")).launches]
+    assert "attention_prefill" in names and "attention_prefill_mma" not in names
+
+
+def test_prefill_kernel_choices_are_checked():
+    with pytest.raises(KernelError, match="not one of mma, wgmma"):
+        PrefillKernels(gemm="cublas")
+    with pytest.raises(KernelError, match="not one of scalar, mma"):
+        PrefillKernels(attention="flash")
+    with pytest.raises(KernelError, match="needs an sm_90 GPU"):
+        PrefillKernels(gemm="wgmma").check_arch("sm_80")
+    PrefillKernels(gemm="wgmma").check_arch("sm_90")
+    PrefillKernels(gemm="wgmma").check_arch(None)  # the CPU twins

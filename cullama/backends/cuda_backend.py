@@ -35,6 +35,7 @@ class CudaBackend:
         self.arrays: dict = {}
         self.graphs: dict[str, object] = {}
         self._prepared: dict[int, tuple[Plan, list[tuple]]] = {}  # id(plan) -> (plan, its launches)
+        self._smem_allowed: dict[int, int] = {}  # id(kernel) -> the dynamic shared memory it may use
         # [3] int32, pinned: the sampled ids land here. Slots 0 and 1 for launch_step (a step queued ahead
         # must not overwrite the id of the step before it), 2 for read_token.
         self._tokens = cupyx.empty_pinned((3,), dtype=np.int32)
@@ -63,23 +64,37 @@ class CudaBackend:
             return array if arg.index is None else array[arg.index]
         return arg
 
+    @property
+    def arch(self) -> str:
+        return self.loader.arch
+
+    def _kernel(self, spec, smem: int):
+        """A loaded kernel, allowed `smem` bytes of dynamic shared memory (beyond 48 KB the driver must be
+        asked first, once per kernel)."""
+        fn = self.loader.function(spec)
+        if smem > self._smem_allowed.get(id(fn), 48 * 1024):
+            from .func_attr import allow_dynamic_shared
+            allow_dynamic_shared(fn, smem)
+            self._smem_allowed[id(fn)] = smem
+        return fn
+
     def prepared(self, plan: Plan) -> list[tuple]:
-        """(kernel, grid, block, args) per launch, resolved once per plan: a prefill chunk of LLaMA-2-7B
-        is ~300 launches, and resolving their buffer views again at every prompt costs milliseconds of
-        host time on the time to first token."""
+        """(kernel, grid, block, args, smem) per launch, resolved once per plan: a prefill chunk of
+        LLaMA-2-7B is ~300 launches, and resolving their buffer views again at every prompt costs
+        milliseconds of host time on the time to first token."""
         entry = self._prepared.get(id(plan))
         if entry is None or entry[0] is not plan:  # the plan is kept in the entry, so its id stays unique
             if len(self._prepared) >= 128:
                 self._prepared.clear()
-            launches = [(self.loader.function(l.spec), l.grid, (l.block, 1, 1),
-                         tuple(self._arg(a) for a in l.args)) for l in plan.launches]
+            launches = [(self._kernel(l.spec, l.smem), l.grid, (l.block, 1, 1),
+                         tuple(self._arg(a) for a in l.args), l.smem) for l in plan.launches]
             entry = self._prepared[id(plan)] = (plan, launches)
         return entry[1]
 
     def run(self, plan: Plan) -> None:
         with self.stream:
-            for fn, grid, block, args in self.prepared(plan):
-                fn(grid, block, args)
+            for fn, grid, block, args, smem in self.prepared(plan):
+                fn(grid, block, args, shared_mem=smem)
 
     def set_overlap(self, on: bool) -> None:
         """Link the captured decode step's kernels by programmatic dependent launch (sm_90 and newer;
@@ -100,12 +115,12 @@ class CudaBackend:
             with self.stream:  # a RawKernel launches on the current stream
                 self.stream.begin_capture()
                 try:
-                    for i, (fn, grid, block, args) in enumerate(launches):
+                    for i, (fn, grid, block, args, smem) in enumerate(launches):
                         # the first node waits for everything before the graph, as a plain launch does
                         if self.overlap and i > 0 and plan.launches[i].spec.name in OVERLAP_SAFE:
-                            self._pdl(fn, grid, block, args, self.stream.ptr)
+                            self._pdl(fn, grid, block, args, self.stream.ptr, smem)
                         else:
-                            fn(grid, block, args)
+                            fn(grid, block, args, shared_mem=smem)
                 finally:
                     graph = self.stream.end_capture()
             self.graphs[plan.name] = graph

@@ -15,6 +15,7 @@ STATE_TOKEN = 1  # kernels_cu/common.cuh
 class NumpyBackend:
     device = "cpu"
     asynchronous = False  # every call returns with its work done: nothing to gain from queuing ahead
+    arch = None  # the twins run any kernel choice
 
     def __init__(self):
         self.arrays: dict[str, np.ndarray] = {}

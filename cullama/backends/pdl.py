@@ -59,7 +59,7 @@ def kernel_params(args) -> tuple[ctypes.Array, list]:
 
 
 class PdlLauncher:
-    """launch(fn, grid, block, args, stream_ptr): fn is a loaded kernel (the RawKernel that
+    """launch(fn, grid, block, args, stream_ptr, smem=0): fn is a loaded kernel (the RawKernel that
     RawModule.get_function returns; its CUfunction is `.kernel.ptr`), launched on the stream with
     programmatic stream serialization allowed."""
 
@@ -76,8 +76,8 @@ class PdlLauncher:
         self._attribute = LaunchAttribute(id=PROGRAMMATIC_STREAM_SERIALIZATION)
         self._attribute.value.programmatic_stream_serialization_allowed = 1
 
-    def __call__(self, fn, grid, block, args, stream_ptr: int) -> None:
-        config = LaunchConfig(*grid, *block, 0, stream_ptr, ctypes.pointer(self._attribute), 1)
+    def __call__(self, fn, grid, block, args, stream_ptr: int, smem: int = 0) -> None:
+        config = LaunchConfig(*grid, *block, smem, stream_ptr, ctypes.pointer(self._attribute), 1)
         params, _alive = kernel_params(args)
         status = self._launch(ctypes.byref(config), function_handle(fn), params, None)
         if status != 0:

@@ -1,0 +1,135 @@
+"""Prefill timing: time to first token of LLaMA-2-7B prompts with each choice of prefill kernels.
+
+    python benchmarks/prefill_step.py [--lengths 10,100,256,500] [--trials 5] [--json FILE] [--model PRESET]
+
+Random weights of the preset are made on the GPU (Llama.synthetic). For each (GEMM, attention) pair of
+cullama.prefill_kernels that this GPU runs (mma or wgmma, scalar or mma; wgmma on sm_90 only) and each
+prompt length L: one untimed prefill (kernels loaded, plans resolved), then --trials timed
+`runner.start(prompt)` on the host clock, as `cullama bench` times TTFT (the prefill chunks, the first
+token's gemv_logits + sample, and reading it back). Each pair's last-row logits are checked against the
+default pair's (mma + scalar): within FP16 tolerance, and the same first token. The floor of a length is
+max(weights read once per chunk / read bandwidth, its matmul FLOPs at --peak-tflops): what a prefill
+could not beat. Run it on a GPU; without one it says so in one line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+
+import numpy as np
+
+from cullama.errors import CullamaError
+from cullama.prefill_kernels import ATTENTIONS, GEMMS, PrefillKernels
+from gemv_sweep import positive_int, read_bandwidth, require_gpu
+
+DEFAULT = PrefillKernels()
+
+
+def parse_ints(text: str) -> list[int]:
+    return [positive_int(t) for t in text.split(",") if t.strip()]
+
+
+def choices(arch: str) -> list[PrefillKernels]:
+    """Every pair this GPU runs, the default first."""
+    out = [DEFAULT]
+    for gemm in GEMMS:
+        for attention in ATTENTIONS:
+            kernels = PrefillKernels(gemm=gemm, attention=attention)
+            try:
+                kernels.check_arch(arch)
+            except CullamaError:
+                continue
+            if kernels != DEFAULT:
+                out.append(kernels)
+    return out
+
+
+def floor_ms(cfg, length: int, chunk: int, bps: float, peak_tflops: float) -> float:
+    """max(weight reads, matmul FLOPs): every chunk streams all linear weights once; each row costs 2 FLOPs a
+    layer weight, and the lm_head runs on the last row only."""
+    chunks = -(-length // chunk)
+    weight_bytes = cfg.decode_weight_bytes()
+    head_params = cfg.vocab_size * cfg.hidden_size
+    flops = 2 * (weight_bytes / 2 - head_params) * length + 2 * head_params
+    return max(chunks * weight_bytes / bps, flops / (peak_tflops * 1e12)) * 1e3
+
+
+def measure(runner, prompt: list[int], trials: int) -> tuple[list[float], int, np.ndarray]:
+    """(TTFT ms of each trial, the first token, the last row's logits)."""
+    from cullama.bench import GREEDY as greedy
+
+    runner.start(prompt, greedy)  # untimed: kernels loaded, the plans resolved
+    times = []
+    for _ in range(trials):
+        t0 = time.perf_counter()
+        token = runner.start(prompt, greedy)
+        times.append((time.perf_counter() - t0) * 1e3)
+    return times, token, runner.backend.read("logits")
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--lengths", type=parse_ints, default=[10, 100, 256, 500], help="prompt lengths")
+    parser.add_argument("--trials", type=positive_int, default=5, help="timed prefills per length and pair")
+    parser.add_argument("--model", default="llama-2-7b", help="preset to synthesize")
+    parser.add_argument("--peak-tflops", type=float, default=790.0,
+                        help="matrix rate for the floor (the H200's measured dense bf16 matmul: ~790)")
+    parser.add_argument("--json", metavar="FILE", help="write the rows and the environment here")
+    args = parser.parse_args(argv)
+    require_gpu("prefill_step")
+
+    from cullama import Llama, plan as plans
+    from cullama.bench import prompt_ids
+    from cullama.device import environment
+
+    try:
+        bps, bandwidth = read_bandwidth()
+        llm = Llama.synthetic(args.model, device="cuda", max_seq_len=max(args.lengths) + 1)
+        runner, cfg = llm.runner, llm.config
+        pairs = choices(runner.backend.arch)
+        print(f"{args.model} on {runner.backend.arch}: read bandwidth {bps / 1e9:.0f} GB/s; pairs "
+              + ", ".join(f"{k.gemm}+{k.attention}" for k in pairs), flush=True)
+        rows, reference = [], {}
+        for kernels in pairs:
+            runner.set_prefill_kernels(kernels)
+            for length in args.lengths:
+                times, token, logits = measure(runner, prompt_ids(length, cfg.vocab_size, seed=length), args.trials)
+                if kernels == DEFAULT:
+                    reference[length] = (token, logits)
+                ref_token, ref_logits = reference[length]
+                diff = float(np.max(np.abs(logits - ref_logits)))
+                ok = token == ref_token and diff <= 2e-2 * max(1.0, float(np.max(np.abs(ref_logits))))
+                rows.append({"gemm": kernels.gemm, "attention": kernels.attention, "length": length,
+                             "ttft_ms": statistics.median(times), "ttft_min_ms": min(times), "trials": times,
+                             "floor_ms": floor_ms(cfg, length, plans.PREFILL_CHUNK, bps, args.peak_tflops),
+                             "first_token": token, "logits_max_diff": diff, "check_ok": ok})
+                print(f"  {kernels.gemm}+{kernels.attention} L={length}: {rows[-1]['ttft_ms']:.2f} ms", flush=True)
+    except CullamaError as exc:
+        sys.exit(f"prefill_step: {exc}")
+    print(f"\n{'gemm':<6} {'attention':<9} {'L':>5} {'TTFT ms':>8} {'min ms':>7} {'floor ms':>8} {'floor/TTFT':>10} "
+          f"{'vs default':>10}  check")
+    for r in rows:
+        base = next(b["ttft_ms"] for b in rows if b["length"] == r["length"] and (b["gemm"], b["attention"]) ==
+                    (DEFAULT.gemm, DEFAULT.attention))
+        r["speedup_vs_default"] = base / r["ttft_ms"]
+        check = "ok" if r["check_ok"] else f"WRONG (token {r['first_token']}, max diff {r['logits_max_diff']:.2e})"
+        print(f"{r['gemm']:<6} {r['attention']:<9} {r['length']:>5} {r['ttft_ms']:>8.2f} {r['ttft_min_ms']:>7.2f} "
+              f"{r['floor_ms']:>8.2f} {100 * r['floor_ms'] / r['ttft_ms']:>9.1f}% {r['speedup_vs_default']:>9.2f}x  "
+              f"{check}")
+    print(f"TTFT: median of {args.trials} runner.start() on the host clock; floor: max(weights read once per "
+          f"{plans.PREFILL_CHUNK}-row chunk / read bandwidth, 2 x layer params x L FLOPs / {args.peak_tflops:.0f} "
+          f"TFLOP/s)")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"model": args.model, "read_bandwidth_bytes_per_s": bps, "bandwidth": bandwidth,
+                       "environment": environment(), "rows": rows}, f, indent=1)
+        print(f"wrote {args.json}")
+    return 0 if all(r["check_ok"] for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
