@@ -86,10 +86,9 @@ CU_EVENT_RECORD_EXTERNAL = 1  # cuda.h: in a capturing stream, record the event 
 
 def load_driver():
     """The CUDA driver library (ctypes), for the one call CuPy does not wrap; tests substitute a fake."""
-    try:
-        return ctypes.CDLL("libcuda.so.1")
-    except OSError as exc:
-        raise DeviceError(f"the per-kernel breakdown needs the CUDA driver (libcuda.so.1): {exc}") from None
+    from cullama.backends import driver
+
+    return driver.load("event nodes (the per-kernel breakdown)")
 
 
 def node_recorder(driver):

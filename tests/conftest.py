@@ -61,7 +61,7 @@ def _install_fake_gpu() -> None:
 
     import fake_cupy
     from cullama import device
-    from cullama.backends import func_attr, pdl
+    from cullama.backends import driver
     from cullama.registry import KernelLoader
 
     sys.modules["cupy"], sys.modules["cupyx"] = fake_cupy, fake_cupy.cupyx
@@ -75,15 +75,15 @@ def _install_fake_gpu() -> None:
     KernelLoader.function = function
     device.cuda_status = lambda: (True, "1 GPU(s) (fake CuPy: CULLAMA_FAKE_GPU=1)")
 
-    # backends/func_attr.py and pdl.py load the driver with ctypes.CDLL("libcuda.so.1"): they get the fake's
-    # (cuFuncSetAttribute, cuLaunchKernelEx on the fake streams, cuGetErrorString); every other name is ctypes'.
+    # backends/driver.py loads the driver with ctypes.CDLL("libcuda.so.1"): it gets the fake's (cuFuncSetAttribute,
+    # cuLaunchKernelEx on the fake streams, cuGetErrorString); every other name is ctypes'.
     def cdll(name, *args, **kwargs):
         return fake_cupy.libcuda if name == "libcuda.so.1" else ctypes.CDLL(name, *args, **kwargs)
 
     driver_ctypes = types.ModuleType("ctypes")
     driver_ctypes.__dict__.update(vars(ctypes))
     driver_ctypes.CDLL = cdll
-    func_attr.ctypes = pdl.ctypes = driver_ctypes
+    driver.ctypes = driver_ctypes
 
 
 if FAKE_GPU:

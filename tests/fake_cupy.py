@@ -573,7 +573,7 @@ def _driver_function(fn):  # each entry point its own object: callers set argtyp
     return call
 
 
-# the driver, as ctypes loads it (conftest's CULLAMA_FAKE_GPU=1 hands it to backends/func_attr.py and pdl.py)
+# the driver, as ctypes loads it (conftest's CULLAMA_FAKE_GPU=1 hands it to backends/driver.py)
 libcuda = types.SimpleNamespace(cuEventRecordWithFlags=_driver_function(_event_record_with_flags),
                                 cuFuncSetAttribute=_driver_function(_func_set_attribute),
                                 cuLaunchKernelEx=_driver_function(_launch_kernel_ex),

@@ -2,7 +2,7 @@
 stream is still running, so that a GEMV's blocks stream their weights during the previous kernel's tail.
 
 CuPy launches through cuLaunchKernel, which takes no launch attributes; this calls the driver's
-cuLaunchKernelEx through ctypes (libcuda is present wherever a GPU is: no extra dependency). Launched
+cuLaunchKernelEx through ctypes (backends/driver.py). Launched
 inside stream capture, the kernel becomes a graph node with a programmatic edge to the node before it.
 Only kernels that read nothing but weights before `pdl_wait()` (kernels_cu/common.cuh) may be launched
 this way: plan.OVERLAP_SAFE names them and tests/test_contracts.py checks their sources.
@@ -18,7 +18,7 @@ import ctypes
 import numpy as np
 
 from ..errors import DeviceError
-from .func_attr import function_handle
+from . import driver
 
 PROGRAMMATIC_STREAM_SERIALIZATION = 6  # CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
 
@@ -64,27 +64,16 @@ class PdlLauncher:
     programmatic stream serialization allowed."""
 
     def __init__(self, library=None):
-        if library is None:
-            try:
-                library = ctypes.CDLL("libcuda.so.1")
-            except OSError as exc:
-                raise DeviceError(f"overlapped launches need the CUDA driver (libcuda.so.1): {exc}") from None
+        self._library = library = library or driver.load("overlapped launches")
         self._launch = library.cuLaunchKernelEx
         self._launch.argtypes = [ctypes.POINTER(LaunchConfig), ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
         self._launch.restype = ctypes.c_int
-        self._error_string = getattr(library, "cuGetErrorString", None)
         self._attribute = LaunchAttribute(id=PROGRAMMATIC_STREAM_SERIALIZATION)
         self._attribute.value.programmatic_stream_serialization_allowed = 1
 
     def __call__(self, fn, grid, block, args, stream_ptr: int, smem: int = 0) -> None:
         config = LaunchConfig(*grid, *block, smem, stream_ptr, ctypes.pointer(self._attribute), 1)
         params, _alive = kernel_params(args)
-        status = self._launch(ctypes.byref(config), function_handle(fn), params, None)
+        status = self._launch(ctypes.byref(config), driver.function_handle(fn), params, None)
         if status != 0:
-            raise DeviceError(f"cuLaunchKernelEx (overlapped launch) failed: {self._describe(status)}")
-
-    def _describe(self, status: int) -> str:
-        text = ctypes.c_char_p()
-        if self._error_string is not None and self._error_string(status, ctypes.byref(text)) == 0 and text.value:
-            return f"{text.value.decode()} (CUresult {status})"
-        return f"CUresult {status}"
+            raise DeviceError(f"cuLaunchKernelEx (overlapped launch) failed: {driver.describe(self._library, status)}")
