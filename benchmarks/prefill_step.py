@@ -1,13 +1,15 @@
 """Prefill timing: time to first token of LLaMA-2-7B prompts with each choice of prefill kernels.
 
-    python benchmarks/prefill_step.py [--lengths 10,100,256,500] [--trials 5] [--json FILE] [--model PRESET]
+    python benchmarks/prefill_step.py [--lengths 10,100,256,500] [--chunks 256,512] [--trials 5] [--json FILE]
+                                      [--model PRESET] [--peak-tflops T]
 
 Random weights of the preset are made on the GPU (Llama.synthetic). For each (GEMM, attention) pair of
-cullama.prefill_kernels that this GPU runs (mma or wgmma, scalar or mma; wgmma on sm_90 only) and each
+cullama.prefill_kernels that this GPU runs (mma or wgmma, scalar or mma; wgmma on sm_90 only), each
+prefill chunk in --chunks (prompt rows per pass: a runner of its own on the same weights) and each
 prompt length L: one untimed prefill (kernels loaded, plans resolved), then --trials timed
 `runner.start(prompt)` on the host clock, as `cullama bench` times TTFT (the prefill chunks, the first
 token's gemv_logits + sample, and reading it back). Each pair's last-row logits are checked against the
-default pair's (mma + scalar): within FP16 tolerance, and the same first token. The floor of a length is
+default pair at the first chunk size: within FP16 tolerance, and the same first token. The floor of a length is
 max(weights read once per chunk / read bandwidth, its matmul FLOPs at --peak-tflops): what a prefill
 could not beat. Run it on a GPU; without one it says so in one line.
 """
@@ -74,6 +76,7 @@ def measure(runner, prompt: list[int], trials: int) -> tuple[list[float], int, n
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--lengths", type=parse_ints, default=[10, 100, 256, 500], help="prompt lengths")
+    parser.add_argument("--chunks", type=parse_ints, default=[256, 512], help="prompt rows per prefill pass")
     parser.add_argument("--trials", type=positive_int, default=5, help="timed prefills per length and pair")
     parser.add_argument("--model", default="llama-2-7b", help="preset to synthesize")
     parser.add_argument("--peak-tflops", type=float, default=790.0,
@@ -82,47 +85,51 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     require_gpu("prefill_step")
 
-    from cullama import Llama, plan as plans
+    from cullama import Llama
     from cullama.bench import prompt_ids
     from cullama.device import environment
+    from cullama.engine import PlanRunner
 
     try:
         bps, bandwidth = read_bandwidth()
-        llm = Llama.synthetic(args.model, device="cuda", max_seq_len=max(args.lengths) + 1)
-        runner, cfg = llm.runner, llm.config
-        pairs = choices(runner.backend.arch)
-        print(f"{args.model} on {runner.backend.arch}: read bandwidth {bps / 1e9:.0f} GB/s; pairs "
-              + ", ".join(f"{k.gemm}+{k.attention}" for k in pairs), flush=True)
+        max_seq = max(args.lengths) + 1
+        llm = Llama.synthetic(args.model, device="cuda", max_seq_len=max_seq)
+        backend, cfg = llm.runner.backend, llm.config
+        pairs = choices(backend.arch)
+        print(f"{args.model} on {backend.arch}: read bandwidth {bps / 1e9:.0f} GB/s; pairs "
+              + ", ".join(f"{k.gemm}+{k.attention}" for k in pairs)
+              + "; chunks " + ", ".join(map(str, args.chunks)), flush=True)
         rows, reference = [], {}
-        for kernels in pairs:
-            runner.set_prefill_kernels(kernels)
-            for length in args.lengths:
-                times, token, logits = measure(runner, prompt_ids(length, cfg.vocab_size, seed=length), args.trials)
-                if kernels == DEFAULT:
-                    reference[length] = (token, logits)
-                ref_token, ref_logits = reference[length]
-                diff = float(np.max(np.abs(logits - ref_logits)))
-                ok = token == ref_token and diff <= 2e-2 * max(1.0, float(np.max(np.abs(ref_logits))))
-                rows.append({"gemm": kernels.gemm, "attention": kernels.attention, "length": length,
-                             "ttft_ms": statistics.median(times), "ttft_min_ms": min(times), "trials": times,
-                             "floor_ms": floor_ms(cfg, length, plans.PREFILL_CHUNK, bps, args.peak_tflops),
-                             "first_token": token, "logits_max_diff": diff, "check_ok": ok})
-                print(f"  {kernels.gemm}+{kernels.attention} L={length}: {rows[-1]['ttft_ms']:.2f} ms", flush=True)
+        for chunk in args.chunks:
+            runner = PlanRunner(cfg, backend, max_seq, prefill_chunk=chunk)  # its own prefill buffers, same weights
+            for kernels in pairs:
+                runner.set_prefill_kernels(kernels)
+                for length in args.lengths:
+                    prompt = prompt_ids(length, cfg.vocab_size, seed=length)
+                    times, token, logits = measure(runner, prompt, args.trials)
+                    ref_token, ref_logits = reference.setdefault(length, (token, logits))
+                    diff = float(np.max(np.abs(logits - ref_logits)))
+                    ok = token == ref_token and diff <= 2e-2 * max(1.0, float(np.max(np.abs(ref_logits))))
+                    rows.append({"gemm": kernels.gemm, "attention": kernels.attention, "chunk": chunk,
+                                 "length": length, "ttft_ms": statistics.median(times), "ttft_min_ms": min(times),
+                                 "trials": times, "floor_ms": floor_ms(cfg, length, chunk, bps, args.peak_tflops),
+                                 "first_token": token, "logits_max_diff": diff, "check_ok": ok})
+                    print(f"  chunk {chunk} {kernels.gemm}+{kernels.attention} L={length}: "
+                          f"{rows[-1]['ttft_ms']:.2f} ms", flush=True)
     except CullamaError as exc:
         sys.exit(f"prefill_step: {exc}")
-    print(f"\n{'gemm':<6} {'attention':<9} {'L':>5} {'TTFT ms':>8} {'min ms':>7} {'floor ms':>8} {'floor/TTFT':>10} "
-          f"{'vs default':>10}  check")
+    print(f"\n{'chunk':>5} {'gemm':<6} {'attention':<9} {'L':>5} {'TTFT ms':>8} {'min ms':>7} {'floor ms':>8} "
+          f"{'floor/TTFT':>10} {'vs default':>10}  check")
     for r in rows:
-        base = next(b["ttft_ms"] for b in rows if b["length"] == r["length"] and (b["gemm"], b["attention"]) ==
-                    (DEFAULT.gemm, DEFAULT.attention))
+        base = rows[[b["length"] for b in rows].index(r["length"])]["ttft_ms"]  # the default pair, first chunk
         r["speedup_vs_default"] = base / r["ttft_ms"]
         check = "ok" if r["check_ok"] else f"WRONG (token {r['first_token']}, max diff {r['logits_max_diff']:.2e})"
-        print(f"{r['gemm']:<6} {r['attention']:<9} {r['length']:>5} {r['ttft_ms']:>8.2f} {r['ttft_min_ms']:>7.2f} "
-              f"{r['floor_ms']:>8.2f} {100 * r['floor_ms'] / r['ttft_ms']:>9.1f}% {r['speedup_vs_default']:>9.2f}x  "
+        print(f"{r['chunk']:>5} {r['gemm']:<6} {r['attention']:<9} {r['length']:>5} {r['ttft_ms']:>8.2f} "
+              f"{r['ttft_min_ms']:>7.2f} {r['floor_ms']:>8.2f} {100 * r['floor_ms'] / r['ttft_ms']:>9.1f}% {r['speedup_vs_default']:>9.2f}x  "
               f"{check}")
     print(f"TTFT: median of {args.trials} runner.start() on the host clock; floor: max(weights read once per "
-          f"{plans.PREFILL_CHUNK}-row chunk / read bandwidth, 2 x layer params x L FLOPs / {args.peak_tflops:.0f} "
-          f"TFLOP/s)")
+          f"chunk / read bandwidth, 2 x layer params x L FLOPs / {args.peak_tflops:.0f} TFLOP/s); vs default: "
+          f"against {DEFAULT.gemm}+{DEFAULT.attention} at chunk {args.chunks[0]}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"model": args.model, "read_bandwidth_bytes_per_s": bps, "bandwidth": bandwidth,

@@ -102,11 +102,14 @@ def random_weights(backend, cfg: LlamaConfig, seed: int = 0, std: float = 0.02) 
 
 
 class PlanRunner:
-    def __init__(self, cfg: LlamaConfig, backend, max_seq_len: int):
+    def __init__(self, cfg: LlamaConfig, backend, max_seq_len: int, prefill_chunk: int | None = None):
+        """`prefill_chunk`: prompt rows per prefill pass (default plan.PREFILL_CHUNK); it sizes the prefill
+        buffers, and any prompt length works."""
         cfg = device_config(cfg)
         plans.check_supported(cfg)
         self.cfg, self.backend, self.max_seq_len = cfg, backend, max_seq_len
-        backend.allocate(plans.runtime_buffers(cfg, max_seq_len))
+        self.prefill_chunk = prefill_chunk or plans.PREFILL_CHUNK
+        backend.allocate(plans.runtime_buffers(cfg, max_seq_len, self.prefill_chunk))
         backend.set("rope", plans.rope_table(cfg, max_seq_len))
         self.decode = plans.decode_plan(cfg, max_seq_len)
         self._prefills: dict[tuple, plans.Plan] = {}
@@ -131,7 +134,7 @@ class PlanRunner:
             if len(self._prefills) > 64:
                 self._prefills.clear()
             self._prefills[key] = plans.prefill_plan(self.cfg, self.max_seq_len, start, n, output,
-                                                     self.prefill_kernels)
+                                                     self.prefill_kernels, self.prefill_chunk)
         return self._prefills[key]
 
     def _prefill(self, ids: Sequence[int], output: str, state: np.ndarray | None = None,
@@ -139,8 +142,8 @@ class PlanRunner:
         """Run ids[begin:] through in chunks (the cache already holds ids[:begin]); output applies to the
         last chunk ("logits": to all)."""
         logits = []
-        for start in range(begin, len(ids), plans.PREFILL_CHUNK):
-            chunk = np.asarray(ids[start:start + plans.PREFILL_CHUNK], dtype=np.int32)
+        for start in range(begin, len(ids), self.prefill_chunk):
+            chunk = np.asarray(ids[start:start + self.prefill_chunk], dtype=np.int32)
             n, last = len(chunk), start + len(chunk) == len(ids)
             self.backend.set("prefill_ids", chunk)
             out = output if output == "logits" or last else "none"

@@ -29,7 +29,7 @@ from .registry import KernelSpec
 GEMV_ROWS, GEMV_UNROLL, GEMV_THREADS = 4, 4, 128
 ATTENTION_THREADS = 128
 SAMPLE_THREADS = 1024
-PREFILL_CHUNK = 256  # prompt tokens per prefill pass: bounds the prefill buffers, any prompt length works
+PREFILL_CHUNK = 256  # default prompt tokens per prefill pass: bounds the prefill buffers, any prompt length works
 ROW_THREADS = 256  # the row-wise prefill kernels: one block per token row
 # Kernels that may start before the kernel ahead of them has finished (programmatic dependent launch,
 # the CUDA backend's `overlap` mode): before pdl_wait() they read only weights, which no kernel writes,
@@ -120,8 +120,10 @@ def weight_buffers(cfg: LlamaConfig) -> list[Buffer]:
     return out
 
 
-def runtime_buffers(cfg: LlamaConfig, max_seq: int, chunk: int = PREFILL_CHUNK) -> list[Buffer]:
-    """Everything but the weights: KV cache, state, and the decode and prefill activations."""
+def runtime_buffers(cfg: LlamaConfig, max_seq: int, chunk: int | None = None) -> list[Buffer]:
+    """Everything but the weights: KV cache, state, and the decode and prefill activations (prefill chunks
+    of up to `chunk` rows, default PREFILL_CHUNK)."""
+    chunk = chunk or PREFILL_CHUNK
     d, ff, V, hd = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size, cfg.head_dim
     kv = (cfg.num_layers, cfg.num_kv_heads, max_seq, hd)
     return [
@@ -253,9 +255,9 @@ PREFILL_OUTPUTS = ("sample", "logits", "none")
 
 
 def prefill_plan(cfg: LlamaConfig, max_seq: int, start: int, n: int, output: str = "sample",
-                 kernels: PrefillKernels = PrefillKernels()) -> Plan:
-    """Prompt tokens prefill_ids[:n] at positions start..start+n-1 (n <= PREFILL_CHUNK), with the GEMM and
-    attention kernels `kernels` names (prefill_kernels.py).
+                 kernels: PrefillKernels = PrefillKernels(), chunk: int | None = None) -> Plan:
+    """Prompt tokens prefill_ids[:n] at positions start..start+n-1 (n <= chunk: the rows runtime_buffers
+    made, default PREFILL_CHUNK), with the GEMM and attention kernels `kernels` names (prefill_kernels.py).
 
     output "sample": the last row's logits go through the decode step's gemv_logits + sample (which
     sets pos = start + n, so the host sets state[POS] = start + n - 1 first); "logits":
@@ -264,8 +266,9 @@ def prefill_plan(cfg: LlamaConfig, max_seq: int, start: int, n: int, output: str
     check_supported(cfg)
     if output not in PREFILL_OUTPUTS:
         raise KernelError(f"prefill output {output!r} is not one of {PREFILL_OUTPUTS}")
-    if not 0 < n <= PREFILL_CHUNK or start + n > max_seq:
-        raise KernelError(f"prefill chunk of {n} tokens at {start} does not fit (chunk {PREFILL_CHUNK}, "
+    chunk = chunk or PREFILL_CHUNK
+    if not 0 < n <= chunk or start + n > max_seq:
+        raise KernelError(f"prefill chunk of {n} tokens at {start} does not fit (chunk {chunk}, "
                           f"context {max_seq})")
     d, ff, V = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
     nh, nkv, hd, eps = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, f32(cfg.rms_norm_eps)

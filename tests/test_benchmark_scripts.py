@@ -378,19 +378,22 @@ def test_prefill_step_times_every_kernel_pair_and_checks_it(fake, monkeypatch, t
     monkeypatch.setattr(func_attr, "allow_dynamic_shared", partial(func_attr.allow_dynamic_shared,
                                                                    library=fake_cupy.libcuda))
     out = tmp_path / "prefill.json"
-    code, stdout = run_main("prefill_step", ["--model", "tiny", "--lengths", "3,40", "--trials", "2",
-                                             "--json", str(out)], capsys)
+    code, stdout = run_main("prefill_step", ["--model", "tiny", "--lengths", "3,40", "--chunks", "16,40",
+                                             "--trials", "2", "--json", str(out)], capsys)
     assert code == 0
     record = json.loads(out.read_text())
     check_bandwidth(record)
-    pairs = [(r["gemm"], r["attention"]) for r in record["rows"]]
-    assert pairs == [(g, a) for g, a in (("mma", "scalar"), ("mma", "mma"), ("wgmma", "scalar"), ("wgmma", "mma"))
-                     for _ in (3, 40)]
+    cases = [(r["chunk"], r["gemm"], r["attention"], r["length"]) for r in record["rows"]]
+    assert cases == [(c, g, a, n) for c in (16, 40)
+                     for g, a in (("mma", "scalar"), ("mma", "mma"), ("wgmma", "scalar"), ("wgmma", "mma"))
+                     for n in (3, 40)]
     for r in record["rows"]:
         assert r["check_ok"] and r["logits_max_diff"] == 0.0  # the twins: the same function, bit for bit
         assert len(r["trials"]) == 2 and 0 < r["ttft_min_ms"] <= r["ttft_ms"] and r["floor_ms"] > 0
     lines = stdout.splitlines()
-    assert "pairs mma+scalar, mma+mma, wgmma+scalar, wgmma+mma" in lines[0] and lines[-1] == f"wrote {out}"
+    assert "pairs mma+scalar, mma+mma, wgmma+scalar, wgmma+mma; chunks 16, 40" in lines[0]
+    assert lines[-1] == f"wrote {out}"
     monkeypatch.setattr(fake_cupy.device, "compute_capability", "80")  # no wgmma before sm_90
-    code, stdout = run_main("prefill_step", ["--model", "tiny", "--lengths", "3", "--trials", "1"], capsys)
+    code, stdout = run_main("prefill_step", ["--model", "tiny", "--lengths", "3", "--chunks", "8", "--trials", "1"],
+                            capsys)
     assert code == 0 and "pairs mma+scalar, mma+mma" in stdout.splitlines()[0] and "wgmma" not in stdout

@@ -183,3 +183,19 @@ def test_prefill_kernel_choices_are_checked():
         PrefillKernels(gemm="wgmma").check_arch("sm_80")
     PrefillKernels(gemm="wgmma").check_arch("sm_90")
     PrefillKernels(gemm="wgmma").check_arch(None)  # the CPU twins
+
+
+def test_the_prefill_chunk_is_a_runner_choice(stories_dir):
+    """A runner's prefill_chunk sizes its prefill buffers and cuts prompts into passes of that many rows."""
+    default = numpy_runner(stories_dir)[0]
+    ckpt = open_checkpoint(stories_dir)
+    backend = NumpyBackend()
+    load_checkpoint(backend, ckpt)
+    short = PlanRunner(ckpt.config, backend, ckpt.config.max_seq_len, prefill_chunk=7)
+    assert backend.arrays["x_rows"].shape[0] == 7 and default.backend.arrays["x_rows"].shape[0] == plans.PREFILL_CHUNK
+    prompt = [1] + list(range(300, 319))  # 20 tokens: passes of 7, 7 and 6 rows
+    assert fp16_close(short.logits(prompt), default.logits(prompt))
+    assert short.start(prompt, GREEDY) == default.start(prompt, GREEDY)
+    assert {key[:2] for key in short._prefills} >= {(0, 7), (7, 7), (14, 6)}
+    with pytest.raises(KernelError, match="does not fit"):
+        plans.prefill_plan(short.cfg, 64, 0, 8, chunk=7)
