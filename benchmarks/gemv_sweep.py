@@ -8,10 +8,12 @@ variant of cullama.ops.gemv.VARIANTS. --model sweeps another preset's shapes ins
 step runs them (cullama.engine.device_config; the tests run `tiny` on a fake CuPy). Launches are
 captured in a CUDA graph (as in the decode step) that rotates over copies of the weight matrix
 totalling several times the L2, so no launch finds its weights in the cache; CUDA events time the
-replays. GB/s counts the FP16 weight bytes only (the vectors are < 0.2 % of the traffic); % is of
-the read bandwidth as `cullama bench` measures it (cullama.bench.measure_bandwidth). Before timing,
-each variant's output is checked against the kernel's NumPy twin. Run it on a GPU; without one it
-says so in one line.
+replays. On sm_90 and newer the same launches are timed again linked by programmatic dependent launch
+(the decode graph's overlap mode, CULLAMA_OVERLAP=1: each launch streams its weights during the
+previous one's tail). GB/s counts the FP16 weight bytes only (the vectors are < 0.2 % of the
+traffic); % is of the read bandwidth as `cullama bench` measures it (cullama.bench.measure_bandwidth).
+Before timing, each variant's output is checked against the kernel's NumPy twin. Run it on a GPU;
+without one it says so in one line.
 """
 
 from __future__ import annotations
@@ -111,7 +113,29 @@ def random_fp16(cp, loader, shape, seed: int, std: float = 0.02):
     return out
 
 
-def sweep_shape(cp, loader, cfg, label, kernel, M, K, args) -> list[dict]:
+def overlap_launcher(loader):
+    """backends.pdl's launcher where the GPU has programmatic dependent launch (sm_90 and newer), else None."""
+    if int(loader.arch.removeprefix("sm_").rstrip("a")) < 90:
+        return None
+    from cullama.backends.pdl import PdlLauncher
+
+    return PdlLauncher()
+
+
+def graph_us(cp, stream, launches: int, launch, trials: int) -> list[float]:
+    """Microseconds per launch of `trials` replays of one graph of launch(0) .. launch(launches - 1)."""
+    with stream:
+        stream.begin_capture()
+        try:
+            for i in range(launches):
+                launch(i)
+        finally:
+            graph = stream.end_capture()
+        graph.launch(stream)  # warm-up
+        return [events_ms(cp, stream, lambda: graph.launch(stream), 1) / launches * 1e3 for _ in range(trials)]
+
+
+def sweep_shape(cp, loader, cfg, label, kernel, M, K, args, pdl=None) -> list[dict]:
     rng = np.random.default_rng(0)
     named, outputs = case(kernel, cfg, M, K, rng)
     nbytes = 2 * M * K
@@ -141,22 +165,20 @@ def sweep_shape(cp, loader, cfg, label, kernel, M, K, args) -> list[dict]:
         got = np.concatenate([dev[n].get().astype(np.float32).ravel() for n in outputs])
         err = float(np.max(np.abs(got - expected)) / max(float(np.max(np.abs(expected))), 1e-30))
         ok = bool(np.isfinite(got).all() and err < 2e-3)
-        with stream:
-            stream.begin_capture()
-            try:
-                for i in range(launches):
-                    fn(grid, (plans.GEMV_THREADS,), argv(copies[i % n_copies]))
-            finally:
-                graph = stream.end_capture()
-            graph.launch(stream)  # warm-up
-            per_launch = [events_ms(cp, stream, lambda: graph.launch(stream), 1) / launches
-                          for _ in range(args.trials)]
-        us = statistics.median(per_launch) * 1e3
-        rows.append({"shape": label, "kernel": kernel, "M": M, "K": K, "variant": variant,
-                     "defines": dict(defines), "us": us, "us_min": min(per_launch) * 1e3,
-                     "us_max": max(per_launch) * 1e3, "gb_s": nbytes / us / 1e3, "weight_bytes": nbytes,
-                     "copies": n_copies, "launches_per_graph": launches, "check_rel_err": err, "check_ok": ok})
-    del copies
+        block = (plans.GEMV_THREADS,)
+        per_launch = graph_us(cp, stream, launches, lambda i: fn(grid, block, argv(copies[i % n_copies])), args.trials)
+        us = statistics.median(per_launch)
+        row = {"shape": label, "kernel": kernel, "M": M, "K": K, "variant": variant, "defines": dict(defines),
+               "us": us, "us_min": min(per_launch), "us_max": max(per_launch), "gb_s": nbytes / us / 1e3,
+               "weight_bytes": nbytes, "copies": n_copies, "launches_per_graph": launches, "check_rel_err": err,
+               "check_ok": ok, "us_overlap": None, "gb_s_overlap": None}
+        if pdl is not None:  # the first launch waits for what came before the graph, as in the decode step
+            overlapped = graph_us(cp, stream, launches, lambda i: fn(grid, block, argv(copies[0])) if i == 0 else
+                                  pdl(fn, grid, (block[0], 1, 1), argv(copies[i % n_copies]), stream.ptr), args.trials)
+            row["us_overlap"] = statistics.median(overlapped)
+            row["gb_s_overlap"] = nbytes / row["us_overlap"] / 1e3
+        rows.append(row)
+    copies.clear()  # the weight copies go back to the pool (a closure above still names the list)
     cp.get_default_memory_pool().free_all_blocks()
     return rows
 
@@ -178,11 +200,13 @@ def main(argv=None) -> int:
 
     try:
         cfg, loader = device_config(preset(args.model)), KernelLoader()
+        pdl = overlap_launcher(loader)
         bps, bandwidth = read_bandwidth()
-        print(f"read bandwidth: {bps / 1e9:.0f} GB/s (cullama.bench.measure_bandwidth, {bandwidth['statistic']})")
+        print(f"read bandwidth: {bps / 1e9:.0f} GB/s (cullama.bench.measure_bandwidth, {bandwidth['statistic']}); "
+              f"overlapped launches: {'timed too' if pdl else 'not on ' + loader.arch}")
         rows = []
         for label, kernel, M, K in shapes(cfg):
-            rows += sweep_shape(cp, loader, cfg, label, kernel, M, K, args)
+            rows += sweep_shape(cp, loader, cfg, label, kernel, M, K, args, pdl)
     except CullamaError as exc:
         sys.exit(f"gemv_sweep: {exc}")
     best = {}
@@ -191,14 +215,17 @@ def main(argv=None) -> int:
         if r["check_ok"] and r["gb_s"] > best.get(r["shape"], {"gb_s": 0})["gb_s"]:
             best[r["shape"]] = r
     print(f"{'shape':<22} {'kernel':<18} {'variant':<16} {'us':>8} {'min-max us':>15} {'GB/s':>7} "
-          f"{'% bw':>6}  check")
+          f"{'% bw':>6} {'ov GB/s':>7} {'ov % bw':>7}  check")
     for r in rows:
         mark = "*" if best.get(r["shape"]) is r else " "
         spread = f"{r['us_min']:.1f}-{r['us_max']:.1f}"
         check = "ok" if r["check_ok"] else f"WRONG (rel err {r['check_rel_err']:.1e})"
+        overlap = ("-", "-") if r["gb_s_overlap"] is None else \
+            (f"{r['gb_s_overlap']:.0f}", f"{100 * r['gb_s_overlap'] * 1e9 / bps:.1f}%")
         print(f"{r['shape']:<22} {r['kernel']:<18} {r['variant']:<16} {r['us']:>8.1f} {spread:>15} "
-              f"{r['gb_s']:>7.0f} {r['pct_read_bw']:>5.1f}%{mark} {check}")
-    print(f"* fastest correct variant per shape; the plan uses ROWS={plans.GEMV_ROWS} UNROLL={plans.GEMV_UNROLL}")
+              f"{r['gb_s']:>7.0f} {r['pct_read_bw']:>5.1f}%{mark} {overlap[0]:>7} {overlap[1]:>7} {check}")
+    print(f"* fastest correct variant per shape; the plan uses ROWS={plans.GEMV_ROWS} UNROLL={plans.GEMV_UNROLL}; "
+          f"ov: the same launches linked by programmatic dependent launch (CULLAMA_OVERLAP=1)")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"read_bandwidth_bytes_per_s": bps, "bandwidth": bandwidth,

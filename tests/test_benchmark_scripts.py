@@ -99,14 +99,29 @@ def test_gemv_sweep_times_and_checks_every_variant_of_every_shape(fake, tmp_path
         assert row["check_ok"] and row["check_rel_err"] == 0  # the device ran the very twin the check runs
         check_timing(row)
         assert row["pct_read_bw"] == pytest.approx(100 * row["gb_s"] * 1e9 / record["read_bandwidth_bytes_per_s"])
-    for graph, row in zip(fake.graphs, record["rows"]):  # each graph rotates over every copy of W
+    assert len(fake.graphs) == 2 * len(record["rows"])  # per row: the plain graph, then the overlapped one
+    for graph, row in zip(fake.graphs[::2], record["rows"]):  # each graph rotates over every copy of W
         assert graph.replays == 1 + 2 and len(graph.launches) == row["launches_per_graph"]
         weights = {a.ctypes.data for launch in graph.launches for a in launch.args if a.shape == (row["M"], row["K"])}
         assert len(weights) == row["copies"]
+        assert row["gb_s_overlap"] == pytest.approx(row["weight_bytes"] / row["us_overlap"] / 1e3)
+    # overlapped: all but each graph's first launch went through the PDL launcher
+    assert fake.pdl.launches == sum(r["launches_per_graph"] - 1 for r in record["rows"])
     lines = stdout.splitlines()
-    assert lines[0].startswith("read bandwidth:") and lines[1].split()[:3] == ["shape", "kernel", "variant"]
+    assert lines[0].startswith("read bandwidth:") and "overlapped launches: timed too" in lines[0]
+    assert lines[1].split()[:3] == ["shape", "kernel", "variant"]
     assert len(lines) == 2 + len(record["rows"]) + 2 and lines[-1] == f"wrote {out}"
     assert sum("*" in line for line in lines[2:-2]) == len(shapes)  # one fastest variant per shape
+
+
+def test_gemv_sweep_times_no_overlap_before_sm90(fake, monkeypatch, capsys, tmp_path):
+    monkeypatch.setattr(fake_cupy.device, "compute_capability", "80")
+    out = tmp_path / "gemv.json"
+    code, stdout = run_main("gemv_sweep", ["--model", "tiny", "--trials", "1", "--launches", "1",
+                                           "--l2-multiple", "0", "--json", str(out)], capsys)
+    assert code == 0 and "overlapped launches: not on sm_80" in stdout.splitlines()[0]
+    assert all(r["us_overlap"] is None and r["gb_s_overlap"] is None for r in json.loads(out.read_text())["rows"])
+    assert fake.pdl.launches == 0 and len(fake.graphs) == len(json.loads(out.read_text())["rows"])
 
 
 def test_gemv_sweep_flags_a_wrong_variant_and_fails(fake, monkeypatch, capsys):
