@@ -14,6 +14,7 @@
 # compare.json; re-packed after every step, so a run cut short still returns what it finished).
 # Environment: PYTHON (default python3), SKIP_INSTALL=1 (already installed), BENCH_SAMPLES (default 300),
 # BUDGET_S.
+# Summarize: python benchmarks/summarize.py "$OUT" (or results.tgz) [--markdown FILE]: Markdown for RESULTS.md.
 set -u
 cd "$(dirname "$0")/.." || exit 1
 OUT=${OUT:-/tmp/cullama-device-check}
