@@ -13,6 +13,7 @@ One table: p50/p99 per L, ratio peer / cullama. Without torch/transformers, one 
 from __future__ import annotations
 
 import argparse
+import datetime
 import inspect
 import json
 import sys
@@ -190,7 +191,9 @@ def main(argv=None) -> int:
     except CullamaError as exc:
         sys.exit(f"compare_hf: {exc}")
     prompt = bench.prompt_ids(args.prompt_len, llm.config.vocab_size)
-    record = {"protocol": {"lengths": list(lengths), "samples": samples, "warmup": warmup, "prompt": prompt},
+    record = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+              "commit": bench.git_commit(), "cullama_overlap": llm.runner.backend.overlap,
+              "protocol": {"lengths": list(lengths), "samples": samples, "warmup": warmup, "prompt": prompt},
               "bandwidth": bandwidth, "environment": environment(), "engines": {}}
     engines = [("cullama", llm.runner)]
     try:
@@ -201,6 +204,7 @@ def main(argv=None) -> int:
     for name, runner in engines:
         results = record["engines"][name] = {}
         if over_budget():
+            results["skipped"] = "over the --budget-s"
             log(f"{name}: skipped, over the --budget-s")
             continue
         try:
@@ -209,6 +213,7 @@ def main(argv=None) -> int:
             runner.warm_up(prompt, n) if isinstance(runner, HFCompiled) else warm_up(runner, prompt, n)
             for L in lengths:
                 if over_budget():
+                    results["skipped"] = f"lengths from {L} on: over the --budget-s"
                     log(f"  {name}: over the --budget-s, lengths from {L} on skipped")
                     break
                 ns, trials = bench.decode_latencies(runner, prompt, L, samples, warmup)

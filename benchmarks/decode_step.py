@@ -21,13 +21,12 @@ from __future__ import annotations
 
 import argparse
 import ctypes
-import json
 import statistics
 import sys
 import time
 
 from cullama.errors import CullamaError, DeviceError
-from gemv_sweep import events_ms, positive_int, read_bandwidth, require_gpu  # benchmarks/ is on sys.path as a script
+from gemv_sweep import events_ms, positive_int, read_bandwidth, require_gpu, save_json  # benchmarks/ on sys.path
 
 WARMUP_CONTEXT, WARMUP_STEPS = 10, 8  # the untimed first measure(): kernels loaded, graphs captured
 
@@ -195,7 +194,10 @@ def main(argv=None) -> int:
               f"(cullama.bench.measure_bandwidth); {weight_bytes / 1e9:.2f} GB of weights per step: floor "
               f"{floor_ms:.3f} ms")
         measure(llm, cp, prompt_ids(WARMUP_CONTEXT, cfg.vocab_size), WARMUP_STEPS)
-        rows = []
+        rows, parts = [], []
+        record = {"model": args.model, "read_bandwidth_bytes_per_s": bps, "bandwidth": bandwidth,
+                  "weight_bytes": weight_bytes, "floor_ms": floor_ms, "environment": environment(), "rows": rows,
+                  "kernels": parts}
         for L in args.contexts:
             prompt = prompt_ids(L, cfg.vocab_size, seed=L)
             trials = [measure(llm, cp, prompt, args.steps) for _ in range(args.trials)]
@@ -210,8 +212,10 @@ def main(argv=None) -> int:
             rows.append(row)
             overlapped = "n/a" if row["overlap_ms"] is None else f"{row['overlap_ms']:.3f}"
             print(f"  context {L}: graph {row['graph_ms']:.3f} ms/step, overlapped {overlapped}", flush=True)
+            if args.json:
+                save_json(args.json, record, args, complete=False)
         L = args.breakdown_context
-        parts = breakdown(llm, cp, prompt_ids(L, cfg.vocab_size, seed=L), args.steps)
+        parts += breakdown(llm, cp, prompt_ids(L, cfg.vocab_size, seed=L), args.steps)
     except CullamaError as exc:
         sys.exit(f"decode_step: {exc}")
     print(f"\n{'context':>8} {'graph ms':>9} {'min-max':>13} {'GB/s':>6} {'% bw':>6} {'floor ms':>9} "
@@ -236,10 +240,7 @@ def main(argv=None) -> int:
               f"{100 * p['us_per_step'] / total:>5.1f}% {p['gb_s']:>6.0f}")
     print(f"{'sum':<14} {'':>8} {'':>8} {total:>8.1f}  (event nodes add their own small gaps)")
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"model": args.model, "read_bandwidth_bytes_per_s": bps, "bandwidth": bandwidth,
-                       "weight_bytes": weight_bytes, "floor_ms": floor_ms, "environment": environment(),
-                       "rows": rows, "kernels": parts}, f, indent=1)
+        save_json(args.json, record, args, complete=True)
         print(f"wrote {args.json}")
     return 0
 

@@ -22,7 +22,6 @@ GPU; without one it says so in one line.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import statistics
 import sys
@@ -37,7 +36,7 @@ from cullama.errors import CullamaError
 from cullama.ops import gemm as twin
 from cullama.ops import gemm_wgmma as wgmma_ops
 from cullama.prefill_kernels import MMA_GEMM, WGMMA_GEMM, GemmKernel, cdiv
-from gemv_sweep import events_ms, positive_int, random_fp16, read_bandwidth, require_gpu
+from gemv_sweep import events_ms, positive_int, random_fp16, read_bandwidth, require_gpu, save_json
 
 
 def wgmma_variant(defines: tuple) -> GemmKernel:
@@ -196,14 +195,19 @@ def main(argv=None) -> int:
         print(f"read bandwidth: {bps / 1e9:.0f} GB/s (cullama.bench.measure_bandwidth, {bandwidth['statistic']}); "
               f"SPLIT_K={prefill_kernels.SPLIT_K}; kernels {', '.join(names)}")
         rows = []
+        record = {"model": args.model, "read_bandwidth_bytes_per_s": bps, "bandwidth": bandwidth,
+                  "environment": environment(), "split_k": prefill_kernels.SPLIT_K, "kernels": names, "rows": rows}
         for name in names:
             for label, N, K, accumulate in shapes(cfg):
-                rows += sweep_shape(cp, loader, name, label, N, K, accumulate, args)
+                for r in sweep_shape(cp, loader, name, label, N, K, accumulate, args):
+                    r["pct_read_bw"] = 100 * r["gb_s"] * 1e9 / bps
+                    rows.append(r)
+                if args.json:
+                    save_json(args.json, record, args, complete=False)
     except CullamaError as exc:
         sys.exit(f"gemm_sweep: {exc}")
     best, fastest = {}, {}
     for r in rows:
-        r["pct_read_bw"] = 100 * r["gb_s"] * 1e9 / bps
         key = (r["kernel"], r["shape"], r["M"])
         if r["check_ok"] and r["us"] < best.get(key, {"us": math.inf})["us"]:
             best[key] = r
@@ -228,9 +232,7 @@ def main(argv=None) -> int:
         wins = sum(r["kernel"] == name for r in fastest.values())
         print(f"{name}: fastest in {wins} of {len(fastest)} (shape, M) cases")
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"read_bandwidth_bytes_per_s": bps, "bandwidth": bandwidth, "environment": environment(),
-                       "split_k": prefill_kernels.SPLIT_K, "kernels": names, "rows": rows}, f, indent=1)
+        save_json(args.json, record, args, complete=True)
         print(f"wrote {args.json}")
     return 0 if all(r["check_ok"] for r in rows) else 1
 

@@ -19,8 +19,10 @@ without one it says so in one line.
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import math
+import os
 import statistics
 import sys
 
@@ -59,6 +61,21 @@ def events_ms(cp, stream, fn, reps: int) -> float:
     end.record(stream)
     end.synchronize()
     return cp.cuda.get_elapsed_time(start, end) / reps
+
+
+def save_json(path: str, record: dict, args: argparse.Namespace, complete: bool) -> None:
+    """Write a script's record with the date, the commit, its options and whether it ran to the end. The
+    scripts call it after each unit of work, so that a step cut short by its timeout still leaves what it
+    measured; written to a temporary file first, so a reader never sees half a file."""
+    from cullama.bench import git_commit
+
+    options = {k: v for k, v in vars(args).items() if k != "json"}
+    full = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "commit": git_commit(), "options": options, "complete": complete, **record}
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(full, f, indent=1)
+    os.replace(tmp, path)
 
 
 def read_bandwidth() -> tuple[float, dict]:
@@ -205,13 +222,19 @@ def main(argv=None) -> int:
         print(f"read bandwidth: {bps / 1e9:.0f} GB/s (cullama.bench.measure_bandwidth, {bandwidth['statistic']}); "
               f"overlapped launches: {'timed too' if pdl else 'not on ' + loader.arch}")
         rows = []
+        record = {"model": args.model, "plan_variant": f"ROWS={plans.GEMV_ROWS} UNROLL={plans.GEMV_UNROLL}",
+                  "read_bandwidth_bytes_per_s": bps, "bandwidth": bandwidth, "environment": environment(),
+                  "rows": rows}
         for label, kernel, M, K in shapes(cfg):
-            rows += sweep_shape(cp, loader, cfg, label, kernel, M, K, args, pdl)
+            for r in sweep_shape(cp, loader, cfg, label, kernel, M, K, args, pdl):
+                r["pct_read_bw"] = 100 * r["gb_s"] * 1e9 / bps
+                rows.append(r)
+            if args.json:
+                save_json(args.json, record, args, complete=False)
     except CullamaError as exc:
         sys.exit(f"gemv_sweep: {exc}")
     best = {}
     for r in rows:
-        r["pct_read_bw"] = 100 * r["gb_s"] * 1e9 / bps
         if r["check_ok"] and r["gb_s"] > best.get(r["shape"], {"gb_s": 0})["gb_s"]:
             best[r["shape"]] = r
     print(f"{'shape':<22} {'kernel':<18} {'variant':<16} {'us':>8} {'min-max us':>15} {'GB/s':>7} "
@@ -227,9 +250,7 @@ def main(argv=None) -> int:
     print(f"* fastest correct variant per shape; the plan uses ROWS={plans.GEMV_ROWS} UNROLL={plans.GEMV_UNROLL}; "
           f"ov: the same launches linked by programmatic dependent launch (CULLAMA_OVERLAP=1)")
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"read_bandwidth_bytes_per_s": bps, "bandwidth": bandwidth,
-                       "environment": environment(), "rows": rows}, f, indent=1)
+        save_json(args.json, record, args, complete=True)
         print(f"wrote {args.json}")
     return 0 if all(r["check_ok"] for r in rows) else 1
 

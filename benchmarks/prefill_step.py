@@ -17,7 +17,6 @@ could not beat. Run it on a GPU; without one it says so in one line.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -26,7 +25,7 @@ import numpy as np
 
 from cullama.errors import CullamaError
 from cullama.prefill_kernels import ATTENTIONS, GEMMS, PrefillKernels
-from gemv_sweep import positive_int, read_bandwidth, require_gpu
+from gemv_sweep import positive_int, read_bandwidth, require_gpu, save_json
 
 DEFAULT = PrefillKernels()
 
@@ -100,6 +99,10 @@ def main(argv=None) -> int:
               + ", ".join(f"{k.gemm}+{k.attention}" for k in pairs)
               + "; chunks " + ", ".join(map(str, args.chunks)), flush=True)
         rows, reference = [], {}
+        record = {"model": args.model, "default": {"gemm": DEFAULT.gemm, "attention": DEFAULT.attention,
+                                                   "chunk": args.chunks[0]},
+                  "read_bandwidth_bytes_per_s": bps, "bandwidth": bandwidth, "environment": environment(),
+                  "rows": rows}
         for chunk in args.chunks:
             runner = PlanRunner(cfg, backend, max_seq, prefill_chunk=chunk)  # its own prefill buffers, same weights
             for kernels in pairs:
@@ -116,6 +119,8 @@ def main(argv=None) -> int:
                                  "first_token": token, "logits_max_diff": diff, "check_ok": ok})
                     print(f"  chunk {chunk} {kernels.gemm}+{kernels.attention} L={length}: "
                           f"{rows[-1]['ttft_ms']:.2f} ms", flush=True)
+                if args.json:
+                    save_json(args.json, record, args, complete=False)
     except CullamaError as exc:
         sys.exit(f"prefill_step: {exc}")
     print(f"\n{'chunk':>5} {'gemm':<6} {'attention':<9} {'L':>5} {'TTFT ms':>8} {'min ms':>7} {'floor ms':>8} "
@@ -131,9 +136,7 @@ def main(argv=None) -> int:
           f"chunk / read bandwidth, 2 x layer params x L FLOPs / {args.peak_tflops:.0f} TFLOP/s); vs default: "
           f"against {DEFAULT.gemm}+{DEFAULT.attention} at chunk {args.chunks[0]}")
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"model": args.model, "read_bandwidth_bytes_per_s": bps, "bandwidth": bandwidth,
-                       "environment": environment(), "rows": rows}, f, indent=1)
+        save_json(args.json, record, args, complete=True)
         print(f"wrote {args.json}")
     return 0 if all(r["check_ok"] for r in rows) else 1
 

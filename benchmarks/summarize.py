@@ -324,7 +324,7 @@ def header(res: Results) -> list[str]:
         date_from = f"{name}'s file time: no JSON with a date"
     else:
         date, date_from = None, "not recorded"
-    commits = {n: recs[n].get("commit") for n in ("bench.json", "bench_overlap.json") if n in recs}
+    commits = {n: r.get("commit") for n, r in recs.items() if isinstance(r.get("commit"), str) and r.get("commit")}
     commit = next((c for c in commits.values() if isinstance(c, str) and c), None)
     envs = {n: env_of(r) for n, r in recs.items() if env_of(r)}
     first = {}
@@ -343,9 +343,9 @@ def header(res: Results) -> list[str]:
         others = {n: c for n, c in commits.items() if c != commit}
         lines.append(f"- **commit**: {commit} ({', '.join(commits)}"
                      + (f"; differs in {', '.join(f'{n}: {c}' for n, c in others.items())}" if others else "")
-                     + "; dirty or not is not recorded; the other files record no commit)")
+                     + "; dirty or not is not recorded)")
     else:
-        lines.append("- **commit**: not recorded (only bench.json and bench_overlap.json record one)")
+        lines.append("- **commit**: not recorded")
 
     def value(k, show=str):
         if k not in first:
@@ -711,6 +711,8 @@ def section_compare(res: Results) -> list[str]:
             notes.append(f"FAILED: {r['error']}")
         if "fullgraph" in r:
             notes.append(f"fullgraph={r['fullgraph']}")
+        if "skipped" in r:
+            notes.append(f"skipped: {r['skipped']}")
         if not engines.get(name):
             notes.append("no lengths measured (skipped over --budget-s, or failed)")
         if notes:

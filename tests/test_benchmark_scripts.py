@@ -412,3 +412,34 @@ def test_prefill_step_times_every_kernel_pair_and_checks_it(fake, monkeypatch, t
     code, stdout = run_main("prefill_step", ["--model", "tiny", "--lengths", "3", "--chunks", "8", "--trials", "1"],
                             capsys)
     assert code == 0 and "pairs mma+scalar, mma+mma" in stdout.splitlines()[0] and "wgmma" not in stdout
+
+
+# -- records: dated, attributed, and saved as the work goes -------------------------------------------
+def test_a_sweep_cut_short_leaves_what_it_measured(fake, monkeypatch, tmp_path, capsys):
+    """Each script saves its JSON after every unit of work (complete: false), then once more at the end
+    (complete: true), with the date, the commit and its options: a step killed by device_check.sh's
+    timeout still returns its first shapes."""
+    from cullama.bench import git_commit
+    from cullama.errors import KernelError
+
+    real = KernelLoader.function
+
+    def kernel(self, spec):  # the second shape's kernel cannot be loaded
+        if spec.name == gemv_sweep.shapes(TINY)[1][1]:
+            raise KernelError("planted: no such kernel")
+        return real(self, spec)
+
+    monkeypatch.setattr(KernelLoader, "function", kernel)
+    out = tmp_path / "gemv.json"
+    with pytest.raises(SystemExit, match="planted"):
+        gemv_sweep.main(["--model", "tiny", "--trials", "1", "--launches", "1", "--l2-multiple", "0",
+                         "--json", str(out)])
+    record = json.loads(out.read_text())
+    assert record["complete"] is False and record["commit"] == git_commit() and record["date"].startswith("20")
+    assert {r["shape"] for r in record["rows"]} == {gemv_sweep.shapes(TINY)[0][0]}
+    assert record["options"]["model"] == "tiny" and "json" not in record["options"]
+    assert record["plan_variant"] == "ROWS=4 UNROLL=4" and not list(tmp_path.glob("*.tmp"))
+    monkeypatch.setattr(KernelLoader, "function", real)
+    assert run_main("gemv_sweep", ["--model", "tiny", "--trials", "1", "--launches", "1", "--l2-multiple", "0",
+                                   "--json", str(out)], capsys)[0] == 0
+    assert json.loads(out.read_text())["complete"] is True
