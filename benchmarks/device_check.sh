@@ -9,12 +9,13 @@
 # gemv_sweep.py, gemm_sweep.py (mma vs wgmma) and compare_hf.py --quick. Each step runs under `timeout`
 # inside one overall budget (BUDGET_S, default 500 s), and a failing step does not stop the next.
 # ../shared (the test data beside the repo) is used when present; a copy carried as .shared otherwise.
-# Under $OUT (the device tool returns at most 8 files): steps.log (every step's output), summary.txt and
-# results.tgz (bench.json, bench_overlap.json, decode.json, prefill.json, gemv.json, gemm.json,
+# Under $OUT (the device tool returns at most 8 files): steps.log (every step's output), summary.txt,
+# report.md and results.tgz (bench.json, bench_overlap.json, decode.json, prefill.json, gemv.json, gemm.json,
 # compare.json; re-packed after every step, so a run cut short still returns what it finished).
 # Environment: PYTHON (default python3), SKIP_INSTALL=1 (already installed), BENCH_SAMPLES (default 300),
 # BUDGET_S.
-# Summarize: python benchmarks/summarize.py "$OUT" (or results.tgz) [--markdown FILE]: Markdown for RESULTS.md.
+# Last, benchmarks/summarize.py writes $OUT/report.md (Markdown for RESULTS.md: tables, targets, decisions);
+# again by hand: python benchmarks/summarize.py "$OUT" (or results.tgz) [--markdown FILE].
 set -u
 cd "$(dirname "$0")/.." || exit 1
 OUT=${OUT:-/tmp/cullama-device-check}
@@ -99,3 +100,6 @@ step compare 300 "$PY" benchmarks/compare_hf.py --quick --json "$RESULTS/compare
     echo "in results.tgz:"
     tar -tzvf "$OUT/results.tgz"
 } | tee -a "$LOG"
+# The report: the tables, the issues' targets PASS/FAIL and the default-setting decisions, in Markdown.
+timeout 60 "$PY" benchmarks/summarize.py "$OUT" --markdown "$OUT/report.md" >/dev/null 2>>"$LOG" ||
+    echo "summarize.py failed: see the end of steps.log" | tee -a "$LOG"
