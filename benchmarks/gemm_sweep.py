@@ -9,11 +9,11 @@ preset as the plan runs it (cullama.engine.device_config; the tests run `tiny` o
 each GEMM kernel in --kernels (cullama.prefill_kernels: `mma` is gemm.cu, `wgmma` gemm_wgmma.cu as the
 plan launches it, `wgmma-n128` / `wgmma-n256` / `wgmma-m64` / `wgmma-noswizzle` its other compiled
 variants; default: mma, and wgmma on an sm_90 GPU) and each prompt length M in --rows, times the kernel
-at S = 1 (no split), at the S that its split rule picks (marked "plan"), and at each S in --splits. Launches are captured in
-a CUDA graph that rotates over copies of the weight matrix totalling several times the L2, so no
-launch finds its weights in the cache; CUDA events time the replays. GB/s counts the FP16 weight
-bytes once per launch (what a short prompt's GEMM is bound by); TFLOP/s is 2 M N K per launch; % is
-of the read bandwidth as `cullama bench` measures it. Before timing, each S is checked: S = 1
+at S = 1 (no split), at the S that its split rule picks (marked "plan"), and at each S in --splits.
+Launches are captured in a CUDA graph that rotates over copies of the weight matrix totalling several
+times the L2, so no launch finds its weights in the cache; CUDA events time the replays. GB/s counts the
+FP16 weight bytes once per launch (what a short prompt's GEMM is bound by); TFLOP/s is 2 M N K per
+launch; % is of the read bandwidth as `cullama bench` measures it. Before timing, each S is checked: S = 1
 against the NumPy twin (M <= 64; the GPU tests cover the rest), every S against S = 1 (float32
 rounding), and S > 1 against itself on a rerun (bitwise: the split-K is deterministic). Run it on a
 GPU; without one it says so in one line.
@@ -141,8 +141,8 @@ def sweep_shape(cp, loader, name, label, N, K, accumulate, args) -> list[dict]:
                 per_launch = [events_ms(cp, stream, lambda: graph.launch(stream), 1) / launches
                               for _ in range(args.trials)]
             us = statistics.median(per_launch) * 1e3
-            rows.append({"kernel": name, "shape": label, "M": M, "N": N, "K": K, "accumulate": accumulate, "splits": splits,
-                         "plan_splits": plan_s, "tiles": tiles, "blocks": tiles * splits, "us": us,
+            rows.append({"kernel": name, "shape": label, "M": M, "N": N, "K": K, "accumulate": accumulate,
+                         "splits": splits, "plan_splits": plan_s, "tiles": tiles, "blocks": tiles * splits, "us": us,
                          "us_min": min(per_launch) * 1e3, "us_max": max(per_launch) * 1e3,
                          "gb_s": nbytes / us / 1e3, "tflop_s": 2 * M * N * K / us / 1e6, "weight_bytes": nbytes,
                          "copies": n_copies, "launches_per_graph": launches, "check_ok": ok,
@@ -190,7 +190,8 @@ def main(argv=None) -> int:
         cfg, loader = device_config(preset(args.model)), KernelLoader()
         names = args.kernels or (["mma", "wgmma"] if loader.arch == "sm_90" else ["mma"])
         if any(KERNELS[n].spec.arch_specific for n in names) and loader.arch != "sm_90":
-            raise CullamaError(f"--kernels {','.join(names)}: the wgmma kernels need an sm_90 GPU, this is {loader.arch}")
+            raise CullamaError(f"--kernels {','.join(names)}: the wgmma kernels need an sm_90 GPU, "
+                               f"this is {loader.arch}")
         bps, bandwidth = read_bandwidth()
         print(f"read bandwidth: {bps / 1e9:.0f} GB/s (cullama.bench.measure_bandwidth, {bandwidth['statistic']}); "
               f"SPLIT_K={prefill_kernels.SPLIT_K}; kernels {', '.join(names)}")

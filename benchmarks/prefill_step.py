@@ -130,7 +130,8 @@ def main(argv=None) -> int:
         r["speedup_vs_default"] = base / r["ttft_ms"]
         check = "ok" if r["check_ok"] else f"WRONG (token {r['first_token']}, max diff {r['logits_max_diff']:.2e})"
         print(f"{r['chunk']:>5} {r['gemm']:<6} {r['attention']:<9} {r['length']:>5} {r['ttft_ms']:>8.2f} "
-              f"{r['ttft_min_ms']:>7.2f} {r['floor_ms']:>8.2f} {100 * r['floor_ms'] / r['ttft_ms']:>9.1f}% {r['speedup_vs_default']:>9.2f}x  "
+              f"{r['ttft_min_ms']:>7.2f} {r['floor_ms']:>8.2f} {100 * r['floor_ms'] / r['ttft_ms']:>9.1f}% "
+              f"{r['speedup_vs_default']:>9.2f}x  "
               f"{check}")
     print(f"TTFT: median of {args.trials} runner.start() on the host clock; floor: max(weights read once per "
           f"chunk / read bandwidth, 2 x layer params x L FLOPs / {args.peak_tflops:.0f} TFLOP/s); vs default: "

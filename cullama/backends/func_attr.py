@@ -32,7 +32,8 @@ class FuncAttributes:
     def set(self, fn, attribute: int, value: int) -> None:
         status = self._set(ctypes.c_void_p(driver.function_handle(fn)), int(attribute), int(value))
         if status != 0:
-            raise DeviceError(f"cuFuncSetAttribute({attribute}, {value}) failed: {driver.describe(self._library, status)}")
+            raise DeviceError(f"cuFuncSetAttribute({attribute}, {value}) failed: "
+                              f"{driver.describe(self._library, status)}")
 
     def allow_dynamic_shared(self, fn, nbytes: int) -> None:
         """Let `fn` launch with up to `nbytes` of dynamic shared memory (static shared memory comes on top)."""
