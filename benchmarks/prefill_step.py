@@ -5,11 +5,12 @@
 
 Random weights of the preset are made on the GPU (Llama.synthetic). For each (GEMM, attention) pair of
 cullama.prefill_kernels that this GPU runs (mma or wgmma, scalar or mma; wgmma on sm_90 only), each
-prefill chunk in --chunks (prompt rows per pass: a runner of its own on the same weights) and each
-prompt length L: one untimed prefill (kernels loaded, plans resolved), then --trials timed
+prefill chunk in --chunks (prompt rows per pass: a runner of its own on the same weights), with the
+kernels launched plainly and, on sm_90, overlapped (programmatic dependent launch, CULLAMA_OVERLAP=1),
+and each prompt length L: one untimed prefill (kernels loaded, plans resolved), then --trials timed
 `runner.start(prompt)` on the host clock, as `cullama bench` times TTFT (the prefill chunks, the first
 token's gemv_logits + sample, and reading it back). Each pair's last-row logits are checked against the
-default pair at the first chunk size: within FP16 tolerance, and the same first token. The floor of a length is
+default pair at the first chunk size, launched plainly: within FP16 tolerance, and the same first token. The floor of a length is
 max(weights read once per chunk / read bandwidth, its matmul FLOPs at --peak-tflops): what a prefill
 could not beat. Run it on a GPU; without one it says so in one line.
 """
@@ -100,42 +101,48 @@ def main(argv=None) -> int:
               + "; chunks " + ", ".join(map(str, args.chunks)), flush=True)
         rows, reference = [], {}
         record = {"model": args.model, "default": {"gemm": DEFAULT.gemm, "attention": DEFAULT.attention,
-                                                   "chunk": args.chunks[0]},
+                                                   "chunk": args.chunks[0], "overlap": False},
                   "read_bandwidth_bytes_per_s": bps, "bandwidth": bandwidth, "environment": environment(),
                   "rows": rows}
+        backend.set_overlap(True)
+        modes = [False, True] if backend.overlap else [False]  # no programmatic dependent launch before sm_90
         for chunk in args.chunks:
             runner = PlanRunner(cfg, backend, max_seq, prefill_chunk=chunk)  # its own prefill buffers, same weights
-            for kernels in pairs:
-                runner.set_prefill_kernels(kernels)
-                for length in args.lengths:
-                    prompt = prompt_ids(length, cfg.vocab_size, seed=length)
-                    times, token, logits = measure(runner, prompt, args.trials)
-                    ref_token, ref_logits = reference.setdefault(length, (token, logits))
-                    diff = float(np.max(np.abs(logits - ref_logits)))
-                    ok = token == ref_token and diff <= 2e-2 * max(1.0, float(np.max(np.abs(ref_logits))))
-                    rows.append({"gemm": kernels.gemm, "attention": kernels.attention, "chunk": chunk,
-                                 "length": length, "ttft_ms": statistics.median(times), "ttft_min_ms": min(times),
-                                 "trials": times, "floor_ms": floor_ms(cfg, length, chunk, bps, args.peak_tflops),
-                                 "first_token": token, "logits_max_diff": diff, "check_ok": ok})
-                    print(f"  chunk {chunk} {kernels.gemm}+{kernels.attention} L={length}: "
-                          f"{rows[-1]['ttft_ms']:.2f} ms", flush=True)
-                if args.json:
-                    save_json(args.json, record, args, complete=False)
+            for overlap in modes:
+                backend.set_overlap(overlap)
+                for kernels in pairs:
+                    runner.set_prefill_kernels(kernels)
+                    for length in args.lengths:
+                        prompt = prompt_ids(length, cfg.vocab_size, seed=length)
+                        times, token, logits = measure(runner, prompt, args.trials)
+                        ref_token, ref_logits = reference.setdefault(length, (token, logits))
+                        diff = float(np.max(np.abs(logits - ref_logits)))
+                        ok = token == ref_token and diff <= 2e-2 * max(1.0, float(np.max(np.abs(ref_logits))))
+                        rows.append({"gemm": kernels.gemm, "attention": kernels.attention, "chunk": chunk,
+                                     "overlap": overlap, "length": length, "ttft_ms": statistics.median(times),
+                                     "ttft_min_ms": min(times), "trials": times,
+                                     "floor_ms": floor_ms(cfg, length, chunk, bps, args.peak_tflops),
+                                     "first_token": token, "logits_max_diff": diff, "check_ok": ok})
+                        print(f"  chunk {chunk} {kernels.gemm}+{kernels.attention}{' overlap' if overlap else ''} "
+                              f"L={length}: {rows[-1]['ttft_ms']:.2f} ms", flush=True)
+                    if args.json:
+                        save_json(args.json, record, args, complete=False)
     except CullamaError as exc:
         sys.exit(f"prefill_step: {exc}")
-    print(f"\n{'chunk':>5} {'gemm':<6} {'attention':<9} {'L':>5} {'TTFT ms':>8} {'min ms':>7} {'floor ms':>8} "
-          f"{'floor/TTFT':>10} {'vs default':>10}  check")
+    print(f"\n{'chunk':>5} {'gemm':<6} {'attention':<9} {'overlap':<7} {'L':>5} {'TTFT ms':>8} {'min ms':>7} "
+          f"{'floor ms':>8} {'floor/TTFT':>10} {'vs default':>10}  check")
     for r in rows:
         base = rows[[b["length"] for b in rows].index(r["length"])]["ttft_ms"]  # the default pair, first chunk
         r["speedup_vs_default"] = base / r["ttft_ms"]
         check = "ok" if r["check_ok"] else f"WRONG (token {r['first_token']}, max diff {r['logits_max_diff']:.2e})"
-        print(f"{r['chunk']:>5} {r['gemm']:<6} {r['attention']:<9} {r['length']:>5} {r['ttft_ms']:>8.2f} "
+        print(f"{r['chunk']:>5} {r['gemm']:<6} {r['attention']:<9} {'on' if r['overlap'] else 'off':<7} "
+              f"{r['length']:>5} {r['ttft_ms']:>8.2f} "
               f"{r['ttft_min_ms']:>7.2f} {r['floor_ms']:>8.2f} {100 * r['floor_ms'] / r['ttft_ms']:>9.1f}% "
               f"{r['speedup_vs_default']:>9.2f}x  "
               f"{check}")
     print(f"TTFT: median of {args.trials} runner.start() on the host clock; floor: max(weights read once per "
           f"chunk / read bandwidth, 2 x layer params x L FLOPs / {args.peak_tflops:.0f} TFLOP/s); vs default: "
-          f"against {DEFAULT.gemm}+{DEFAULT.attention} at chunk {args.chunks[0]}")
+          f"against {DEFAULT.gemm}+{DEFAULT.attention} at chunk {args.chunks[0]}, plain launches")
     if args.json:
         save_json(args.json, record, args, complete=True)
         print(f"wrote {args.json}")

@@ -483,12 +483,17 @@ def section_decode(res: Results) -> list[str]:
     return lines
 
 
+def combo_of(r: dict) -> tuple:
+    """A prefill row's (chunk, gemm, attention, overlap): what a default would be set to."""
+    return r.get("chunk"), r.get("gemm"), r.get("attention"), r.get("overlap") is True
+
+
 def prefill_combos(rec: dict):
-    """(rows, combos in order of first appearance, lengths sorted); a combo is (chunk, gemm, attention)."""
+    """(rows, combos in order of first appearance, lengths sorted); a combo is combo_of's tuple."""
     rows = [r for r in dicts(rec.get("rows")) if as_int(r.get("length")) is not None]
     combos = []
     for r in rows:
-        c = (r.get("chunk"), r.get("gemm"), r.get("attention"))
+        c = combo_of(r)
         if c not in combos:
             combos.append(c)
     lengths = sorted({as_int(r["length"]) for r in rows})
@@ -496,15 +501,15 @@ def prefill_combos(rec: dict):
 
 
 def combo_name(c) -> str:
-    return f"chunk {c[0]} {c[1]}+{c[2]}"
+    return f"chunk {c[0]} {c[1]}+{c[2]}" + (" overlapped" if c[3] else "")
 
 
 def prefill_index(rows) -> dict:
-    return {((r.get("chunk"), r.get("gemm"), r.get("attention")), as_int(r["length"])): r for r in rows}
+    return {(combo_of(r), as_int(r["length"])): r for r in rows}
 
 
 def wrong_combos(rows) -> set:
-    return {(r.get("chunk"), r.get("gemm"), r.get("attention")) for r in rows if r.get("check_ok") is not True}
+    return {combo_of(r) for r in rows if r.get("check_ok") is not True}
 
 
 def fastest_prefill(rows, length: int, allowed=None):
@@ -512,7 +517,7 @@ def fastest_prefill(rows, length: int, allowed=None):
     bad = wrong_combos(rows)
     best = None
     for r in rows:
-        c = (r.get("chunk"), r.get("gemm"), r.get("attention"))
+        c = combo_of(r)
         t = num(r.get("ttft_ms"))
         if as_int(r["length"]) != length or t is None or c in bad or (allowed is not None and c not in allowed):
             continue
@@ -537,18 +542,19 @@ def section_prefill(res: Results) -> list[str]:
             r = index.get((c, n))
             cells.append(DASH if r is None else fmt(r.get("ttft_ms"), 2) + ("" if r.get("check_ok") is True else " x"))
         bad = [n for n in lengths if (c, n) in index and index[(c, n)].get("check_ok") is not True]
-        trows.append([c[0], f"{c[1]}+{c[2]}", *cells, "ok" if not bad else f"WRONG at L={','.join(map(str, bad))}"])
-    lines += table(["chunk", "pair", *[f"L={n}" for n in lengths], "check"], trows,
-                   right=set(range(2, 2 + len(lengths))))
+        trows.append([c[0], f"{c[1]}+{c[2]}", "on" if c[3] else "off", *cells,
+                      "ok" if not bad else f"WRONG at L={','.join(map(str, bad))}"])
+    lines += table(["chunk", "pair", "overlap", *[f"L={n}" for n in lengths], "check"], trows,
+                   right=set(range(3, 3 + len(lengths))))
     first = rows[0]
-    default = (first.get("chunk"), first.get("gemm"), first.get("attention"))
+    default = combo_of(first)
     brows = []
     for n in lengths:
         best, base = fastest_prefill(rows, n), index.get((default, n))
         if best is None:
             brows.append([n, "no correct pair", DASH, DASH, DASH, DASH])
             continue
-        c = (best.get("chunk"), best.get("gemm"), best.get("attention"))
+        c = combo_of(best)
         brows.append([n, combo_name(c), fmt(best.get("ttft_ms"), 2), fmt(best.get("floor_ms"), 2),
                       fmt(None if base is None else base.get("ttft_ms"), 2),
                       fmt(ratio(None if base is None else base.get("ttft_ms"), best.get("ttft_ms")), 2, "x")])
@@ -1010,17 +1016,16 @@ def decide_prefill(res: Results) -> str:
                                  for c in skipped))
     t_long, t_short = num(index[(choice, long_)]["ttft_ms"]), num(index[(choice, short)]["ttft_ms"])
     defaults = checkout_defaults()
-    current = (defaults.get("prefill_chunk"), *defaults.get("prefill_pair", (None, None)))
+    current = (defaults.get("prefill_chunk"), *defaults.get("prefill_pair", (None, None)), False)
     if None in current:
-        first = rows[0]
-        current = (first.get("chunk"), first.get("gemm"), first.get("attention"))
+        current = combo_of(rows[0])
     cur = [num(as_dict(index.get((current, n))).get("ttft_ms")) for n in (long_, short)]
     vs = (f"; the current default {combo_name(current)}: "
           + (f"{fmt(cur[0], 2)} / {fmt(cur[1], 2)} ms" if None not in cur else "not measured"))
     same = choice == current
     verb = "keep" if same else "make default"
     return (f"**Prefill kernels and chunk**: {verb} GEMM **{choice[1]}**, attention **{choice[2]}**, chunk "
-            f"**{choice[0]}** (TTFT {t_long:.2f} ms at L={long_}, {t_short:.2f} ms at L={short}{vs})"
+            f"**{choice[0]}**, overlap **{'on' if choice[3] else 'off'}** (TTFT {t_long:.2f} ms at L={long_}, {t_short:.2f} ms at L={short}{vs})"
             + (f"; {'; '.join(notes)}" if notes else "") + f". {rule}.")
 
 

@@ -33,9 +33,12 @@ PREFILL_CHUNK = 256  # default prompt tokens per prefill pass: bounds the prefil
 ROW_THREADS = 256  # the row-wise prefill kernels: one block per token row
 # Kernels that may start before the kernel ahead of them has finished (programmatic dependent launch,
 # the CUDA backend's `overlap` mode): before pdl_wait() they read only weights, which no kernel writes,
-# and write nothing. tests/test_contracts.py checks this in their sources.
+# and write nothing. tests/test_contracts.py checks this in their sources. Every kernel of the decode
+# step and of a prefill chunk is one.
 OVERLAP_SAFE = frozenset({"gemv_qkv_rope", "attention_decode", "gemv_residual", "gemv_gate_up_silu",
-                          "gemv_logits", "sample"})
+                          "gemv_logits", "sample",
+                          "embed_rows", "rmsnorm_rows", "rope_kv_rows", "silu_mul_rows", "gemm", "gemm_wgmma",
+                          "attention_prefill", "attention_prefill_mma"})
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,7 +1,7 @@
 """Which kernels a prefill plan launches: the GEMM and the causal attention, each with its geometry.
 
 Two GEMMs compute cullama/ops/gemm.py's function, with the same parameters and split-K contract:
-    mma     gemm.cu: mma.sync m16n8k16, 64 x 128 tiles, two blocks per SM, any GPU from sm_80
+    mma     gemm.cu: mma.sync m16n8k16, 64 x 128 tiles, three blocks per SM, any GPU from sm_80
     wgmma   gemm_wgmma.cu: Hopper's warpgroup MMA, 128 x 192 tiles, one block per SM, sm_90 only
 Two attentions compute ops/attention.py's attention_prefill:
     scalar  attention.cu: FP32 on the CUDA cores, any head_dim from 8 to 128
@@ -73,7 +73,7 @@ class GemmKernel:
         return MAX_SPLIT * self.split_tiles(cfg, chunk) * self.tile_m * self.tile_n
 
 
-# gemm.cu: 64 x 128 tiles, two blocks per SM; split below 66 tiles with at least 256 of K (8 pipeline tiles)
+# gemm.cu: 64 x 128 tiles, up to three blocks per SM; split below 66 tiles with at least 256 of K (8 pipeline tiles)
 # a split. On LLaMA-2-7B that splits o_proj and down_proj (n = 4096: 32 tiles) 4 ways for prompts of up to
 # 64 rows and 2 ways for 65..128 rows. A first guess: benchmarks/gemm_sweep.py decides.
 MMA_GEMM = GemmKernel("mma", KernelSpec("gemm.cu", "gemm"), tile_m=64, tile_n=128, tile_k=32, threads=256, smem=0,

@@ -266,6 +266,8 @@ attention_prefill(const half_t* __restrict__ q_rows, const half_t* __restrict__ 
                   const half_t* __restrict__ v_cache, half_t* __restrict__ out_rows, int start, int n_rows,
                   int max_seq, float scale) {
     __shared__ __align__(16) State<QUERIES> red;
+    pdl_launch_dependents();  // the next GEMM may start streaming its weights
+    pdl_wait();               // before the early return too: every block orders after the kernel before
     const int kv = blockIdx.x, row0 = blockIdx.y * ROWS_Q;
     if (row0 >= n_rows) return;  // a grid taller than needed (block-uniform, before any barrier)
     const int rows = min(ROWS_Q, n_rows - row0);  // the block's real rows

@@ -203,6 +203,8 @@ attention_prefill_mma(const half_t* __restrict__ q_rows, const half_t* __restric
                       const half_t* __restrict__ v_cache, half_t* __restrict__ out_rows, int start, int n_rows,
                       int max_seq, float scale) {
     __shared__ __align__(128) Tiles s;
+    pdl_launch_dependents();  // the next GEMM may start streaming its weights
+    pdl_wait();               // before the early return too: every block orders after the kernel before
     const int row0 = am_row0(blockIdx.y);
     if (row0 >= n_rows) return;  // a grid taller than needed (block-uniform, before any barrier)
     const int rows = am_rows(row0, n_rows);

@@ -74,32 +74,39 @@ struct Tiles {
 };
 
 // Issue the cp.asyncs of K tile `kt` (columns k0 + 32 kt ..) into ring slot `stage`: A rows m0..m0+63
-// (256 chunks, one per thread) and W rows n0..n0+127 (512 chunks, two per thread). Thread tid copies
-// chunk tid % 4 of row tid / 4 (and of row tid / 4 + 64 of W): 4 consecutive threads read one row's 64
-// contiguous bytes. K is the row stride; columns at or past k1 (this block's K range end) read as 0.
-__device__ __forceinline__ void load_tile(Tiles& s, int stage, int kt, const half_t* __restrict__ A,
-                                          const half_t* __restrict__ W, int M, int N, int K, int k0, int k1,
-                                          int m0, int n0) {
+// (256 chunks, one per thread; load_tile_a) and W rows n0..n0+127 (512 chunks, two per thread;
+// load_tile_w). Thread tid copies chunk tid % 4 of row tid / 4 (and of row tid / 4 + 64 of W): 4
+// consecutive threads read one row's 64 contiguous bytes. K is the row stride; columns at or past k1
+// (this block's K range end) read as 0 (K % 8 == 0 and k0, k1 are multiples of 8: a chunk is wholly in
+// or out).
+__device__ __forceinline__ void load_tile_a(Tiles& s, int stage, int kt, const half_t* __restrict__ A, int M,
+                                            int K, int k0, int k1, int m0) {
     const int row = threadIdx.x / CHUNKS, chunk = threadIdx.x % CHUNKS;
     const int k = k0 + kt * TILE_K + chunk * 8;
-    const bool k_ok = k < k1;  // K % 8 == 0 and k0, k1 are multiples of 8: a chunk is wholly in or out
-    {
-        const bool ok = k_ok && m0 + row < M;
-        cp_async16(smem_addr(&s.a[stage][row][chunk * 8]), ok ? A + (size_t)(m0 + row) * K + k : A, ok);
-    }
+    const bool ok = k < k1 && m0 + row < M;
+    cp_async16(smem_addr(&s.a[stage][row][chunk * 8]), ok ? A + (size_t)(m0 + row) * K + k : A, ok);
+}
+
+__device__ __forceinline__ void load_tile_w(Tiles& s, int stage, int kt, const half_t* __restrict__ W, int N,
+                                            int K, int k0, int k1, int n0) {
+    const int row = threadIdx.x / CHUNKS, chunk = threadIdx.x % CHUNKS;
+    const int k = k0 + kt * TILE_K + chunk * 8;
 #pragma unroll
     for (int i = 0; i < TILE_N / (THREADS / CHUNKS); ++i) {
         const int r = row + i * (THREADS / CHUNKS);
-        const bool ok = k_ok && n0 + r < N;
+        const bool ok = k < k1 && n0 + r < N;
         cp_async16(smem_addr(&s.w[stage][r][chunk * 8]), ok ? W + (size_t)(n0 + r) * K + k : W, ok);
     }
 }
 
-extern "C" __global__ void __launch_bounds__(THREADS)
+// At least 3 blocks per SM (<= 85 registers; shared memory would allow 4): splitting the prologue around
+// pdl_wait() cost 9 registers and, without this bound, the third block.
+extern "C" __global__ void __launch_bounds__(THREADS, 3)
 gemm(const half_t* __restrict__ A, const half_t* __restrict__ W, float* __restrict__ C, float* workspace,
      unsigned int* tile_count, int M, int N, int K, int accumulate) {
     __shared__ __align__(128) Tiles s;
     __shared__ bool is_last;
+    pdl_launch_dependents();  // the next kernel may start streaming its weights
     const int m0 = blockIdx.y * TILE_M, n0 = blockIdx.x * TILE_N;
     const int lane = threadIdx.x % WARP, warp = threadIdx.x / WARP;
     const int wm = (warp / WARPS_N) * WARP_TILE_M;  // this warp's sub-tile inside the block tile
@@ -119,10 +126,17 @@ gemm(const half_t* __restrict__ A, const half_t* __restrict__ W, float* __restri
             for (int e = 0; e < 4; ++e) acc[i][j][e] = 0.f;
 
     // Prologue: tiles 0 .. STAGES-2 in flight, one commit group each (empty groups past the end keep
-    // the group count, and so the wait below, uniform).
+    // the group count, and so the wait below, uniform). Their W halves go first, before pdl_wait(): W
+    // is a weight, which no kernel writes, so under programmatic dependent launch they stream while the
+    // kernel before this one finishes; A comes after. Group 0 holds every prologue W copy (groups
+    // complete in order), so tile st's data is complete when group st is.
+#pragma unroll
+    for (int st = 0; st < STAGES - 1; ++st)
+        if (st < n_ktiles) load_tile_w(s, st, st, W, N, K, k0, k1, n0);
+    pdl_wait();  // everything below may read what the previous kernel wrote
 #pragma unroll
     for (int st = 0; st < STAGES - 1; ++st) {
-        if (st < n_ktiles) load_tile(s, st, st, A, W, M, N, K, k0, k1, m0, n0);
+        if (st < n_ktiles) load_tile_a(s, st, st, A, M, K, k0, k1, m0);
         cp_async_commit();
     }
 
@@ -137,7 +151,10 @@ gemm(const half_t* __restrict__ A, const half_t* __restrict__ W, float* __restri
         __syncthreads();  // also: every warp is done with tile kt - 1, whose slot is refilled next
         {
             const int next = kt + STAGES - 1;
-            if (next < n_ktiles) load_tile(s, next % STAGES, next, A, W, M, N, K, k0, k1, m0, n0);
+            if (next < n_ktiles) {
+                load_tile_a(s, next % STAGES, next, A, M, K, k0, k1, m0);
+                load_tile_w(s, next % STAGES, next, W, N, K, k0, k1, n0);
+            }
             cp_async_commit();
         }
         const int stage = kt % STAGES;

@@ -253,26 +253,31 @@ __device__ __forceinline__ void wgmma_k16(float (&d)[GW_ACC], uint64_t da, uint6
         : "memory");
 }
 
-// Issue the cp.asyncs of K tile `kt` (columns k0 + 64 kt ..) into ring slot `stage`: A rows m0.. and W rows
-// n0.., zero-filled past M, N or this block's K range end k1 (K % 8 == 0, k0 and k1 multiples of 8: a
-// 16-byte chunk is wholly in or out).
-__device__ __forceinline__ void load_tile(uint32_t smem, int stage, int kt, const half_t* __restrict__ A,
-                                          const half_t* __restrict__ W, int M, int N, int K, int k0, int k1,
-                                          int m0, int n0) {
+// Issue the cp.asyncs of K tile `kt` (columns k0 + 64 kt ..) into ring slot `stage`: A rows m0..
+// (load_tile_a) and W rows n0.. (load_tile_w), zero-filled past M, N or this block's K range end k1
+// (K % 8 == 0, k0 and k1 multiples of 8: a 16-byte chunk is wholly in or out).
+__device__ __forceinline__ void load_tile_a(uint32_t smem, int stage, int kt, const half_t* __restrict__ A,
+                                            int M, int K, int k0, int k1, int m0) {
     const int tid = threadIdx.x, chunk = gw_load_chunk(tid);
     const int k = k0 + kt * GW_TILE_K + chunk * 8;
-    const bool k_ok = k < k1;
-    const uint32_t a = gw_a_base(smem, stage), w = gw_w_base(smem, stage);
+    const uint32_t a = gw_a_base(smem, stage);
 #pragma unroll
     for (int i = 0; i < GW_A_COPIES; ++i) {
         const int row = gw_load_row(tid, i);
-        const bool ok = k_ok && m0 + row < M;
+        const bool ok = k < k1 && m0 + row < M;
         cp_async16(a + gw_chunk_offset(row, chunk), ok ? A + (size_t)(m0 + row) * K + k : A, ok);
     }
+}
+
+__device__ __forceinline__ void load_tile_w(uint32_t smem, int stage, int kt, const half_t* __restrict__ W,
+                                            int N, int K, int k0, int k1, int n0) {
+    const int tid = threadIdx.x, chunk = gw_load_chunk(tid);
+    const int k = k0 + kt * GW_TILE_K + chunk * 8;
+    const uint32_t w = gw_w_base(smem, stage);
 #pragma unroll
     for (int i = 0; i < GW_W_COPIES; ++i) {
         const int row = gw_load_row(tid, i);
-        const bool ok = k_ok && n0 + row < N;
+        const bool ok = k < k1 && n0 + row < N;
         cp_async16(w + gw_chunk_offset(row, chunk), ok ? W + (size_t)(n0 + row) * K + k : W, ok);
     }
 }
@@ -282,6 +287,7 @@ gemm_wgmma(const half_t* __restrict__ A, const half_t* __restrict__ W, float* __
            unsigned int* tile_count, int M, int N, int K, int accumulate) {
     extern __shared__ __align__(16) unsigned char gw_dynamic_smem[];
     __shared__ bool is_last;
+    pdl_launch_dependents();  // the next kernel may start streaming its weights
     const uint32_t smem = (smem_addr(gw_dynamic_smem) + 1023u) & ~1023u;  // the swizzle atoms need 1024 B
     const int tid = threadIdx.x, wg = tid / 128;
     const int tiles = gridDim.x * gridDim.y, tile = blockIdx.y * gridDim.x + blockIdx.x;
@@ -297,9 +303,15 @@ gemm_wgmma(const half_t* __restrict__ A, const half_t* __restrict__ W, float* __
     fence_operands(acc);
 
     // Prologue: tiles 0 .. STAGES-3 in flight, one commit group each (empty groups keep the count uniform).
+    // Their W halves go first, before pdl_wait() (weights: they may stream while the kernel before this
+    // one finishes), then A; group 0 holds every prologue W copy, so tile st is complete with group st.
+#pragma unroll
+    for (int st = 0; st < GW_STAGES - 2; ++st)
+        if (st < n_ktiles) load_tile_w(smem, st, st, W, N, K, k0, k1, n0);
+    pdl_wait();  // everything below may read what the previous kernel wrote
 #pragma unroll
     for (int st = 0; st < GW_STAGES - 2; ++st) {
-        if (st < n_ktiles) load_tile(smem, st, st, A, W, M, N, K, k0, k1, m0, n0);
+        if (st < n_ktiles) load_tile_a(smem, st, st, A, M, K, k0, k1, m0);
         cp_async_commit();
     }
 
@@ -316,7 +328,10 @@ gemm_wgmma(const half_t* __restrict__ A, const half_t* __restrict__ W, float* __
         wgmma_commit();
         // While the tensor cores work on tiles kt - 1 and kt: tile kt + STAGES - 2 into the slot of tile kt - 2.
         const int next = kt + GW_STAGES - 2;
-        if (next < n_ktiles) load_tile(smem, next % GW_STAGES, next, A, W, M, N, K, k0, k1, m0, n0);
+        if (next < n_ktiles) {
+            load_tile_a(smem, next % GW_STAGES, next, A, M, K, k0, k1, m0);
+            load_tile_w(smem, next % GW_STAGES, next, W, N, K, k0, k1, n0);
+        }
         cp_async_commit();
         wgmma_wait<1>();  // tile kt - 1's products are done: its slot may be refilled after the next barrier
     }

@@ -7,6 +7,8 @@
 //
 // Launch: grid (n) = one block per token row (the launch's row count is its grid; the NumPy twins get
 // it as `grid`), THREADS (256, ROW_THREADS in cullama/plan.py) threads sweep the row. No variants.
+// Each kernel waits (pdl_wait) before it reads anything, and lets the next kernel launch at once: under
+// programmatic dependent launch (overlap mode) the GEMM after it streams its weights meanwhile.
 // Shapes: rows are contiguous with the row strides given below; d % 8 == 0 and ff % 8 == 0 (16-byte
 // vectors; cullama.plan.check_supported guarantees both), hd even. The same math as gemv.cu's fused
 // decode kernels (rmsnorm in gemv_* and RoPE + cache write in gemv_qkv_rope), on whole rows.
@@ -20,6 +22,8 @@ __device__ __forceinline__ float silu(float a) { return a / (1.f + expf(-a)); }
 // ids [n] int32; embed [vocab, d] FP16; x_rows [n, d] float32.
 extern "C" __global__ void __launch_bounds__(THREADS)
 embed_rows(const int* __restrict__ ids, const half_t* __restrict__ embed, float* __restrict__ x_rows, int d) {
+    pdl_launch_dependents();  // the next kernel may start streaming its weights
+    pdl_wait();               // the rows come from the kernel before
     const int r = blockIdx.x;
     const uint4* src = reinterpret_cast<const uint4*>(embed + (size_t)ids[r] * d);
     float4* dst = reinterpret_cast<float4*>(x_rows + (size_t)r * d);
@@ -36,6 +40,8 @@ extern "C" __global__ void __launch_bounds__(THREADS)
 rmsnorm_rows(const float* __restrict__ x_rows, const half_t* __restrict__ w, half_t* __restrict__ out_rows, int d,
              float eps) {
     __shared__ float scratch[WARP];
+    pdl_launch_dependents();  // the next kernel may start streaming its weights
+    pdl_wait();               // the rows come from the kernel before
     const int r = blockIdx.x;
     const float4* x = reinterpret_cast<const float4*>(x_rows + (size_t)r * d);
     float ss = 0.f;
@@ -64,6 +70,8 @@ extern "C" __global__ void __launch_bounds__(THREADS)
 rope_kv_rows(const float* __restrict__ qkv_rows, const float* __restrict__ rope, half_t* __restrict__ q_rows,
              half_t* __restrict__ k_cache, half_t* __restrict__ v_cache, int start, int n_heads, int n_kv_heads,
              int hd, int max_seq) {
+    pdl_launch_dependents();  // the next kernel may start streaming its weights
+    pdl_wait();               // the rows come from the kernel before
     const int r = blockIdx.x, pos = start + r, half_hd = hd / 2;
     const int n_pairs = (n_heads + 2 * n_kv_heads) * half_hd;
     const float* row = qkv_rows + (size_t)r * n_pairs * 2;
@@ -79,6 +87,8 @@ rope_kv_rows(const float* __restrict__ qkv_rows, const float* __restrict__ rope,
 // gu_rows [n, 2 ff] float32 (gate | up); h_rows [n, ff] FP16. Four columns per thread per step.
 extern "C" __global__ void __launch_bounds__(THREADS)
 silu_mul_rows(const float* __restrict__ gu_rows, half_t* __restrict__ h_rows, int ff) {
+    pdl_launch_dependents();  // the next kernel may start streaming its weights
+    pdl_wait();               // the rows come from the kernel before
     const int r = blockIdx.x;
     const float4* gate = reinterpret_cast<const float4*>(gu_rows + (size_t)r * 2 * ff);
     const float4* up = reinterpret_cast<const float4*>(gu_rows + (size_t)r * 2 * ff + ff);

@@ -39,12 +39,19 @@ class FakePdl:
     which must be the current one (the capturing stream), and counts the launches."""
 
     def __init__(self):
-        self.launches = 0
+        self.launches = self.captured = 0  # every overlapped launch; those made inside a stream capture
 
     def __call__(self, fn, grid, block, args, stream_ptr, smem=0):
-        assert stream_ptr == fake_cupy.get_current_stream().ptr
-        self.launches += 1
-        fn(grid, block, args, shared_mem=smem)
+        self.prepare(fn, grid, block, args, stream_ptr, smem)()
+
+    def prepare(self, fn, grid, block, args, stream_ptr, smem=0):
+        def launch():
+            assert stream_ptr == fake_cupy.get_current_stream().ptr
+            self.launches += 1
+            self.captured += fake_cupy.state.capturing is not None
+            fn(grid, block, args, shared_mem=smem)
+
+        return launch
 
 
 @pytest.fixture
@@ -240,7 +247,8 @@ def test_decode_step_times_every_mode_and_every_kernel(fake, tmp_path, capsys):
         assert r["floor_kv_ms"] > record["floor_ms"]
     launches = 5 * TINY.num_layers + 2
     # overlapped captures: the warm-up's and each trial's; every kernel but the graph's first is linked
-    assert fake.pdl.launches == (1 + 2 * 2) * (launches - 1)
+    assert fake.pdl.captured == (1 + 2 * 2) * (launches - 1)
+    assert fake.pdl.launches > fake.pdl.captured  # and the prefill chunks in overlap mode, launched eagerly
     breakdown = fake.graphs[-1]  # an event-record node before each launch and after the last
     assert len(breakdown.nodes) == 2 * launches + 1 and breakdown.replays == 3
     assert all(isinstance(n, fake_cupy.Event) == (i % 2 == 0) for i, n in enumerate(breakdown.nodes))
@@ -398,10 +406,11 @@ def test_prefill_step_times_every_kernel_pair_and_checks_it(fake, monkeypatch, t
     assert code == 0
     record = json.loads(out.read_text())
     check_bandwidth(record)
-    cases = [(r["chunk"], r["gemm"], r["attention"], r["length"]) for r in record["rows"]]
-    assert cases == [(c, g, a, n) for c in (16, 40)
+    cases = [(r["chunk"], r["overlap"], r["gemm"], r["attention"], r["length"]) for r in record["rows"]]
+    assert cases == [(c, o, g, a, n) for c in (16, 40) for o in (False, True)
                      for g, a in (("mma", "scalar"), ("mma", "mma"), ("wgmma", "scalar"), ("wgmma", "mma"))
                      for n in (3, 40)]
+    assert fake.pdl.launches > 0 and fake.pdl.captured == 0  # the overlapped prefills: eager, linked
     for r in record["rows"]:
         assert r["check_ok"] and r["logits_max_diff"] == 0.0  # the twins: the same function, bit for bit
         assert len(r["trials"]) == 2 and 0 < r["ttft_min_ms"] <= r["ttft_ms"] and r["floor_ms"] > 0
@@ -412,6 +421,8 @@ def test_prefill_step_times_every_kernel_pair_and_checks_it(fake, monkeypatch, t
     code, stdout = run_main("prefill_step", ["--model", "tiny", "--lengths", "3", "--chunks", "8", "--trials", "1"],
                             capsys)
     assert code == 0 and "pairs mma+scalar, mma+mma" in stdout.splitlines()[0] and "wgmma" not in stdout
+    assert "overlap" not in stdout.split("\n\n")[0]  # no programmatic dependent launch before sm_90
+    assert all(" off " in line for line in stdout.splitlines() if line.startswith("    8 "))
 
 
 # -- records: dated, attributed, and saved as the work goes -------------------------------------------

@@ -11,6 +11,7 @@ import pytest
 from cullama import ops, plan as plans
 from cullama.config import preset
 from cullama.engine import device_config
+from cullama.prefill_kernels import ATTENTIONS, GEMMS, PrefillKernels
 from cullama.kernels_cu import SOURCE_DIR
 
 KERNEL = re.compile(r'extern "C" __global__ void\s+(?:__launch_bounds__\([^)]*\)\s+)?(\w+)\s*\(([^)]*)\)', re.S)
@@ -103,11 +104,21 @@ def pre_wait_reads(body: str, pointer_params: list[str]) -> set[str] | None:
     return {p for p in pointer_params if re.search(rf"(?<![.\w]){p}\b", before)}  # not blockIdx.x
 
 
+def every_plan_launch(cfg) -> list:
+    """The decode step's launches and a prefill chunk's, with every output and every prefill kernel choice."""
+    launches = list(plans.decode_plan(cfg, 512).launches)
+    for gemm in GEMMS:
+        for attention in ATTENTIONS:
+            for output in plans.PREFILL_OUTPUTS:
+                launches += plans.prefill_plan(cfg, 512, 64, 37, output, PrefillKernels(gemm, attention)).launches
+    return launches
+
+
 def weight_params(cfg, name: str) -> dict[str, bool]:
-    """For each pointer parameter of kernel `name`: is it bound to a weight buffer in every decode launch?"""
+    """For each pointer parameter of kernel `name`: is it bound to a weight buffer in every launch of it?"""
     bufs = buffers(cfg, 512)
-    launches = [l for l in plans.decode_plan(cfg, 512).launches if l.spec.name == name]
-    assert launches, f"{name} is not in the decode plan"
+    launches = [l for l in every_plan_launch(cfg) if l.spec.name == name]
+    assert launches, f"{name} is in no plan"
     params = SIGNATURES[launches[0].spec.source, name]
     return {pname: all(bufs[l.args[i].name].kind == "weight" for l in launches)
             for i, (_, pname, is_pointer) in enumerate(params) if is_pointer}
@@ -135,6 +146,6 @@ def test_the_pre_wait_check_catches_a_read_of_an_activation():
     assert pre_wait_reads(body.replace("pdl_wait();", ""), ["W"]) is None
 
 
-def test_every_decode_kernel_may_overlap():
+def test_every_plan_kernel_may_overlap():
     cfg = device_config(preset("llama-2-7b"))
-    assert {l.spec.name for l in plans.decode_plan(cfg, 512).launches} <= plans.OVERLAP_SAFE
+    assert {l.spec.name for l in every_plan_launch(cfg)} == plans.OVERLAP_SAFE

@@ -169,26 +169,30 @@ def test_a_plan_is_resolved_once_and_reused(fake, stories_dir, monkeypatch):
 
 class RecordingPdl:
     """Stands in for backends.pdl.PdlLauncher: checks the parameter array it would pass the driver, notes
-    the launch as overlapped and launches it (the fake kernel records it in the capturing stream)."""
+    each launch as overlapped (with its plan's stream capturing or not) and launches it on the fake."""
 
-    launches: list = []
+    launches: list = []  # (kernel name, captured) per overlapped launch
 
     def __init__(self):
         from cullama.backends.pdl import kernel_params
         self.kernel_params = kernel_params
 
-    def __call__(self, fn, grid, block, args, stream_ptr, smem=0):
+    def prepare(self, fn, grid, block, args, stream_ptr, smem=0):
         params, _ = self.kernel_params(args)
         assert len(params) == len(args)
         for value, arg in zip(params, args):
             if not isinstance(arg, np.generic):  # device arrays: their address
                 assert ctypes.cast(value, ctypes.POINTER(ctypes.c_void_p)).contents.value == arg.data.ptr
-        assert stream_ptr == fake_cupy.get_current_stream().ptr
-        RecordingPdl.launches.append(fn.spec.name)
-        fn(grid, block, args, shared_mem=smem)
+
+        def launch():
+            assert stream_ptr == fake_cupy.get_current_stream().ptr
+            RecordingPdl.launches.append((fn.spec.name, fake_cupy.state.capturing is not None))
+            fn(grid, block, args, shared_mem=smem)
+
+        return launch
 
 
-def test_overlap_links_every_decode_kernel_but_the_first_and_changes_no_token(fake, stories_dir, monkeypatch):
+def test_overlap_links_every_kernel_but_each_plans_first_and_changes_no_token(fake, stories_dir, monkeypatch):
     import cullama.backends.pdl as pdl_module
     monkeypatch.setattr(pdl_module, "PdlLauncher", RecordingPdl)
     RecordingPdl.launches = []
@@ -199,12 +203,17 @@ def test_overlap_links_every_decode_kernel_but_the_first_and_changes_no_token(fa
     tokens = {r: [r.start([1, 403], GREEDY)] + [r.next() for _ in range(6)] for r in (plain, overlapped)}
     assert tokens[plain] == tokens[overlapped]
     np.testing.assert_array_equal(plain.backend.read("logits"), overlapped.backend.read("logits"))
-    names = [l.spec.name for l in overlapped.decode.launches]
-    assert RecordingPdl.launches == names[1:]  # the first node waits for whatever ran before the graph
+    (prefill,) = overlapped._prefills.values()
+    decode = [l.spec.name for l in overlapped.decode.launches]
+    # the prefill chunk eagerly, then the decode step's capture: each plan's first launch is plain
+    assert RecordingPdl.launches == [(l.spec.name, False) for l in prefill.launches[1:]] + \
+        [(name, True) for name in decode[1:]]
     overlapped.backend.set_overlap(False)  # a captured graph is dropped, and the next capture is plain
     assert overlapped.backend.graphs == {}
+    count = len(RecordingPdl.launches)
     overlapped.next()
-    assert RecordingPdl.launches == names[1:] and len(fake.graphs) == 3
+    overlapped.start([1, 403], GREEDY)
+    assert len(RecordingPdl.launches) == count and len(fake.graphs) == 3
 
 
 def test_overlap_stays_off_before_sm_90(fake, monkeypatch):

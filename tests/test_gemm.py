@@ -109,7 +109,7 @@ def test_split_k_buffers_hold_every_prefill_gemm(name, gemm):
 def test_compiles_for_sm90_without_spills():
     res = compile_module(MMA_GEMM.spec.source, MMA_GEMM.spec.defines, "sm_90").resources["gemm"]
     assert not res.spills, res
-    assert res.registers <= 128, res  # two blocks of 256 threads fit on an SM
+    assert res.registers <= 80, res  # three blocks of 256 threads fit on an SM (__launch_bounds__(256, 3))
     assert res.smem_bytes <= 48 * 1024, res  # static shared memory only
 
 

@@ -117,7 +117,7 @@ def test_prefix_reuse_matches_a_fresh_prefill(stories_dir):
 
 
 @pytest.mark.parametrize("sampling", [{}, {"temperature": 0.8, "top_k": 40, "top_p": 0.9, "seed": 3}])
-def test_overlapped_decode_graph_equals_the_plain_one_bit_for_bit(sampling):
+def test_overlapped_plans_equal_the_plain_ones_bit_for_bit(sampling):
     """Programmatic dependent launch: each kernel starts while the one before finishes. Any kernel that
     read an activation before its pdl_wait() would see a stale value: with 7B shapes and 4 layers (20
     kernel boundaries a token), 64 tokens of identical logits is the check."""
@@ -130,7 +130,9 @@ def test_overlapped_decode_graph_equals_the_plain_one_bit_for_bit(sampling):
     params = SamplingParams(**sampling) if sampling else GREEDY
     prompt = list(np.random.default_rng(1).integers(3, cfg.vocab_size, size=100))
     runners = (plain.runner, overlapped.runner)
-    tokens = [[r.start(prompt, params)] for r in runners]
+    tokens = [[r.start(prompt, params)] for r in runners]  # the prefill chunk is overlapped too
+    np.testing.assert_array_equal(*(r.backend.read("logits") for r in runners))
+    np.testing.assert_array_equal(*(r.backend.read("k_cache") for r in runners))
     for _ in range(64):
         for r, out in zip(runners, tokens):
             out.append(r.next())

@@ -4,13 +4,15 @@ The decode step is captured once, on its first replay, and replayed at every pos
 its kernels read the position from device memory, so nothing is recompiled, re-captured or copied
 per token except the 4-byte sampled token id read back into pinned memory.
 
-With `overlap` on (CULLAMA_OVERLAP=1, or set_overlap), the captured decode step links its kernels by
-programmatic dependent launch (backends/pdl.py): each kernel of plan.OVERLAP_SAFE may start while the
-one before it finishes, streaming its weights until its pdl_wait(). Off by default until measured.
+With `overlap` on (CULLAMA_OVERLAP=1, or set_overlap), the kernels of every plan (the captured decode
+step, and the prefill chunks launched eagerly) are linked by programmatic dependent launch
+(backends/pdl.py): each kernel of plan.OVERLAP_SAFE but a plan's first may start while the one before
+it finishes, streaming its weights until its pdl_wait(). Off by default until measured.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 
 import numpy as np
@@ -36,6 +38,7 @@ class CudaBackend:
         self.graphs: dict[str, object] = {}
         self._prepared: dict[int, tuple[Plan, list[tuple]]] = {}  # id(plan) -> (plan, its launches)
         self._smem_allowed: dict[int, int] = {}  # id(kernel) -> the dynamic shared memory it may use
+        self._calls: dict[int, tuple[Plan, list]] = {}  # id(plan) -> (plan, its launches as callables)
         # [3] int32, pinned: the sampled ids land here. Slots 0 and 1 for launch_step (a step queued ahead
         # must not overwrite the id of the step before it), 2 for read_token.
         self._tokens = cupyx.empty_pinned((3,), dtype=np.int32)
@@ -91,10 +94,27 @@ class CudaBackend:
             entry = self._prepared[id(plan)] = (plan, launches)
         return entry[1]
 
+    def calls(self, plan: Plan) -> list:
+        """The plan's launches as callables on this backend's stream, built once per plan and overlap mode:
+        with overlap, every OVERLAP_SAFE kernel but the first is a programmatic dependent launch (the
+        first waits for whatever came before the plan: host copies, the previous plan)."""
+        entry = self._calls.get(id(plan))
+        if entry is None or entry[0] is not plan:
+            if len(self._calls) >= 128:
+                self._calls.clear()
+            calls = []
+            for i, ((fn, grid, block, args, smem), launch) in enumerate(zip(self.prepared(plan), plan.launches)):
+                if self.overlap and i > 0 and launch.spec.name in OVERLAP_SAFE:
+                    calls.append(self._pdl.prepare(fn, grid, block, args, self.stream.ptr, smem))
+                else:
+                    calls.append(functools.partial(fn, grid, block, args, shared_mem=smem))
+            entry = self._calls[id(plan)] = (plan, calls)
+        return entry[1]
+
     def run(self, plan: Plan) -> None:
         with self.stream:
-            for fn, grid, block, args, smem in self.prepared(plan):
-                fn(grid, block, args, shared_mem=smem)
+            for call in self.calls(plan):
+                call()
 
     def set_overlap(self, on: bool) -> None:
         """Link the captured decode step's kernels by programmatic dependent launch (sm_90 and newer;
@@ -106,21 +126,18 @@ class CudaBackend:
         if on != self.overlap:
             self.overlap = on
             self.graphs.clear()
+            self._calls.clear()
 
     def replay(self, plan: Plan) -> None:
         graph = self.graphs.get(plan.name)
         if graph is None:
-            launches = self.prepared(plan)  # compile and load every kernel before capturing
+            calls = self.calls(plan)  # compile and load every kernel before capturing
             self.stream.synchronize()
             with self.stream:  # a RawKernel launches on the current stream
                 self.stream.begin_capture()
                 try:
-                    for i, (fn, grid, block, args, smem) in enumerate(launches):
-                        # the first node waits for everything before the graph, as a plain launch does
-                        if self.overlap and i > 0 and plan.launches[i].spec.name in OVERLAP_SAFE:
-                            self._pdl(fn, grid, block, args, self.stream.ptr, smem)
-                        else:
-                            fn(grid, block, args, shared_mem=smem)
+                    for call in calls:  # the first node waits for everything before the graph
+                        call()
                 finally:
                     graph = self.stream.end_capture()
             self.graphs[plan.name] = graph

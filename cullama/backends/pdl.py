@@ -72,8 +72,19 @@ class PdlLauncher:
         self._attribute.value.programmatic_stream_serialization_allowed = 1
 
     def __call__(self, fn, grid, block, args, stream_ptr: int, smem: int = 0) -> None:
+        self.prepare(fn, grid, block, args, stream_ptr, smem)()
+
+    def prepare(self, fn, grid, block, args, stream_ptr: int, smem: int = 0):
+        """The launch with its configuration and parameter array built once: each call of the returned
+        function is one driver call (an eager prefill chunk is ~300 launches; the host must keep ahead)."""
         config = LaunchConfig(*grid, *block, smem, stream_ptr, ctypes.pointer(self._attribute), 1)
-        params, _alive = kernel_params(args)
-        status = self._launch(ctypes.byref(config), driver.function_handle(fn), params, None)
-        if status != 0:
-            raise DeviceError(f"cuLaunchKernelEx (overlapped launch) failed: {driver.describe(self._library, status)}")
+        params, alive = kernel_params(args)
+        handle, launch_ex, library = driver.function_handle(fn), self._launch, self._library
+
+        def launch() -> None:
+            status = launch_ex(ctypes.byref(config), handle, params, None)
+            if status != 0:
+                raise DeviceError(f"cuLaunchKernelEx (overlapped launch) failed: {driver.describe(library, status)}")
+
+        launch.alive = alive  # the values the parameter array points at
+        return launch
