@@ -9,10 +9,10 @@ prefill chunk in --chunks (prompt rows per pass: a runner of its own on the same
 kernels launched plainly and, on sm_90, overlapped (programmatic dependent launch, CULLAMA_OVERLAP=1),
 and each prompt length L: one untimed prefill (kernels loaded, plans resolved), then --trials timed
 `runner.start(prompt)` on the host clock, as `cullama bench` times TTFT (the prefill chunks, the first
-token's gemv_logits + sample, and reading it back). Each pair's last-row logits are checked against the
-default pair at the first chunk size, launched plainly: within FP16 tolerance, and the same first token. The floor of a length is
-max(weights read once per chunk / read bandwidth, its matmul FLOPs at --peak-tflops): what a prefill
-could not beat. Run it on a GPU; without one it says so in one line.
+token's gemv_logits + sample, and reading it back). Each run's last-row logits are checked against the
+default pair's at the first chunk size, launched plainly: within FP16 tolerance, and the same first
+token. The floor of a length is max(weights read once per chunk / read bandwidth, its matmul FLOPs at
+--peak-tflops): what a prefill could not beat. Run it on a GPU; without one it says so in one line.
 """
 
 from __future__ import annotations

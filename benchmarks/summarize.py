@@ -1025,7 +1025,8 @@ def decide_prefill(res: Results) -> str:
     same = choice == current
     verb = "keep" if same else "make default"
     return (f"**Prefill kernels and chunk**: {verb} GEMM **{choice[1]}**, attention **{choice[2]}**, chunk "
-            f"**{choice[0]}**, overlap **{'on' if choice[3] else 'off'}** (TTFT {t_long:.2f} ms at L={long_}, {t_short:.2f} ms at L={short}{vs})"
+            f"**{choice[0]}**, overlap **{'on' if choice[3] else 'off'}** (TTFT {t_long:.2f} ms at L={long_}, "
+            f"{t_short:.2f} ms at L={short}{vs})"
             + (f"; {'; '.join(notes)}" if notes else "") + f". {rule}.")
 
 

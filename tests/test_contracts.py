@@ -140,8 +140,8 @@ def test_overlap_safe_kernels_touch_only_weights_before_pdl_wait(name):
 def test_the_pre_wait_check_catches_a_read_of_an_activation():
     body = kernel_body((SOURCE_DIR / "gemv.cu").read_text(), "gemv_residual")
     assert pre_wait_reads(body, ["in", "W", "x"]) == {"W"}
-    planted = body.replace("pdl_wait();", "").replace("first_batch(loads, W, rows, K);",
-                                                      "first_batch(loads, W, rows, K);\n    x[0] = 0.f;\n    pdl_wait();")
+    planted = body.replace("pdl_wait();", "").replace(
+        "first_batch(loads, W, rows, K);", "first_batch(loads, W, rows, K);\n    x[0] = 0.f;\n    pdl_wait();")
     assert pre_wait_reads(planted, ["in", "W", "x"]) == {"W", "x"}
     assert pre_wait_reads(body.replace("pdl_wait();", ""), ["W"]) is None
 
