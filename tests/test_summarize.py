@@ -173,7 +173,8 @@ def test_every_section_with_numbers_recomputed_from_the_json(made, records, caps
     for L in (3, 10):
         best = min((r for r in rows if r["length"] == L), key=lambda r: r["ttft_ms"])
         row = table_row(pre, str(L))
-        assert row[1] == f"chunk {best['chunk']} {best['gemm']}+{best['attention']}"
+        assert row[1] == f"chunk {best['chunk']} {best['gemm']}+{best['attention']}" + \
+            (" overlapped" if best["overlap"] else "")
         assert row[2] == f"{best['ttft_ms']:.2f}"
     assert table_row(pre, "16")[1] == "mma+scalar" and table_row(pre, "16")[-1] == "ok"
 
