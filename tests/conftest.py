@@ -113,6 +113,31 @@ def kernels():
     return KernelLoader()
 
 
+def host_layout_library(source: Path, fn_macro: str, wrappers: str, defines, directory: Path,
+                        headers=("stddef.h", "stdint.h")):
+    """The block of a .cu between `// ---- layout: begin` and `// ---- layout: end` (a kernel's index math in
+    plain C++, its functions declared with `fn_macro`), plus `wrappers`, compiled with the host C++ compiler
+    and loaded with ctypes: the tests call the kernel's own index code on the CPU. Skips without a compiler."""
+    import ctypes
+    import shutil
+    import subprocess
+
+    compiler = shutil.which("g++") or shutil.which("c++") or shutil.which("clang++")
+    if compiler is None:
+        pytest.skip("no host C++ compiler (g++, c++ or clang++) to build the layout block with")
+    text = source.read_text()
+    block = text[text.index("// ---- layout: begin"):text.index("// ---- layout: end")]
+    assert "__device__" not in block.replace(f"#define {fn_macro} __device__ __forceinline__", "")  # host-compilable
+    src, lib = directory / "layout.cpp", directory / "layout.so"
+    src.write_text("".join(f"#include <{h}>\n" for h in headers) + f"#define {fn_macro} static inline\n" + block
+                   + wrappers)
+    flags = [f"-D{k}={v}" for k, v in defines]
+    done = subprocess.run([compiler, "-std=c++17", "-O1", "-shared", "-fPIC", *flags, str(src), "-o", str(lib)],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    return ctypes.CDLL(str(lib))
+
+
 def poisoned(cp, shape, dtype):
     """A device array full of NaN (or 0xFF bytes for integers): outputs are never tested on zeros."""
     dtype = np.dtype(dtype)

@@ -12,13 +12,11 @@ from __future__ import annotations
 
 import copy
 import ctypes
-import shutil
-import subprocess
 
 import numpy as np
 import pytest
 
-from conftest import poisoned
+from conftest import host_layout_library, poisoned
 from cullama.errors import KernelError
 from cullama.kernels_cu import SOURCE_DIR
 from cullama.ops import attention as scalar_ops
@@ -187,14 +185,6 @@ void t_warps(int key0, int pos0, int end, int* o) {  // o[warp] = (active, maske
 """
 
 
-def layout_block() -> str:
-    text = SOURCE.read_text()
-    begin, end = text.index("// ---- layout: begin"), text.index("// ---- layout: end")
-    block = text[begin:end]
-    assert "__device__" not in block.replace("#define AM_FN __device__ __forceinline__", "")  # host-compilable
-    return block
-
-
 def _ptr(a):
     return a.ctypes.data_as(ctypes.c_void_p)
 
@@ -241,17 +231,7 @@ class Layout:
 
 
 def build_layout(directory, defines) -> Layout:
-    compiler = shutil.which("g++") or shutil.which("c++") or shutil.which("clang++")
-    if compiler is None:
-        pytest.skip("no host C++ compiler (g++, c++ or clang++) to build the layout block with")
-    src = directory / "layout.cpp"
-    src.write_text("#include <stddef.h>\n#define AM_FN static inline\n" + layout_block() + WRAPPERS)
-    lib = directory / "layout.so"
-    flags = [f"-D{k}={v}" for k, v in defines]
-    done = subprocess.run([compiler, "-std=c++17", "-O1", "-shared", "-fPIC", *flags, str(src), "-o", str(lib)],
-                          capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stderr
-    return Layout(ctypes.CDLL(str(lib)))
+    return Layout(host_layout_library(SOURCE, "AM_FN", WRAPPERS, defines, directory))
 
 
 _LAYOUTS: dict = {}

@@ -2,21 +2,18 @@
 layout math (the block marked "layout" in the .cu, compiled here on the host and called through ctypes)
 against an independent NumPy model of the PTX ISA: every byte each matrix descriptor makes the tensor core
 read is the byte the kernel's cp.async wrote, for every k16 step, and the accumulator fragment covers the
-tile exactly once (CPU). backends/func_attr.py against a stand-in driver (CPU). The kernel against its
-twin, split-K against S = 1 (GPU)."""
+tile exactly once (CPU). The kernel against its twin, split-K against S = 1 (GPU); func_attr.py's own
+tests are in test_driver.py."""
 
 import ctypes
 import json
 import re
-import shutil
-import subprocess
 
 import numpy as np
 import pytest
 
-from conftest import poisoned
+from conftest import host_layout_library, poisoned
 from cullama.backends import func_attr
-from cullama.errors import DeviceError
 from cullama.kernels_cu import SOURCE_DIR
 from cullama.ops import gemm as gemm_twin
 from cullama.ops import gemm_wgmma as ops
@@ -119,14 +116,6 @@ void t_k_range(int K, int splits, int* o) {
 """
 
 
-def layout_block() -> str:
-    text = SOURCE.read_text()
-    begin, end = text.index("// ---- layout: begin"), text.index("// ---- layout: end")
-    block = text[begin:end]
-    assert "__device__" not in block.replace("#define GW_FN __device__ __forceinline__", "")  # host-compilable
-    return block
-
-
 class Layout:
     """The .cu's layout functions for one variant, compiled with the host C++ compiler."""
 
@@ -173,17 +162,7 @@ class Layout:
 
 
 def build_layout(directory, defines) -> Layout:
-    compiler = shutil.which("g++") or shutil.which("c++") or shutil.which("clang++")
-    if compiler is None:
-        pytest.skip("no host C++ compiler (g++, c++ or clang++) to build the layout block with")
-    src = directory / "layout.cpp"
-    src.write_text("#include <stdint.h>\n#define GW_FN static inline\n" + layout_block() + WRAPPERS)
-    lib = directory / "layout.so"
-    flags = [f"-D{k}={v}" for k, v in defines]
-    done = subprocess.run([compiler, "-std=c++17", "-O1", "-shared", "-fPIC", *flags, str(src), "-o", str(lib)],
-                          capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stderr
-    return Layout(ctypes.CDLL(str(lib)))
+    return Layout(host_layout_library(SOURCE, "GW_FN", WRAPPERS, defines, directory))
 
 
 @pytest.fixture(scope="module", params=VARIANTS, ids=VARIANT_IDS)
@@ -399,51 +378,6 @@ def test_geometry_grid_and_workspace():
     geo = ops.geometry()
     assert geo.grid(256, 12288) == (64, 2, 1) and geo.grid(1, 1, 3) == (1, 1, 3)
     assert geo.workspace_floats(64, 4096, 3) == 3 * 22 * 1 * 128 * 192 and geo.workspace_floats(64, 4096, 1) == 0
-
-
-# -- backends/func_attr.py against a stand-in driver --------------------------------------------------------
-class Symbol:  # a ctypes function as far as the caller goes: callable, takes argtypes and restype
-    def __init__(self, call):
-        self.call = call
-
-    def __call__(self, *args):
-        return self.call(*args)
-
-
-class FakeDriver:
-    def __init__(self, status=0):
-        self.status, self.calls = status, []
-        self.cuFuncSetAttribute = Symbol(self._set)
-        self.cuGetErrorString = Symbol(self._error_string)
-
-    def _set(self, function, attribute, value):
-        self.calls.append((function.value, attribute, value))
-        return self.status
-
-    def _error_string(self, status, out):
-        out._obj.value = b"invalid argument"
-        return 0
-
-
-def test_func_attr_raises_the_dynamic_shared_memory_limit():
-    driver = FakeDriver()
-    fn = type("Function", (), {"ptr": 0xABC0})()
-    func_attr.allow_dynamic_shared(fn, ops.SMEM_BYTES, library=driver)
-    raw_kernel = type("RawKernel", (), {"kernel": fn})()  # a CuPy RawKernel: its Function is .kernel
-    func_attr.FuncAttributes(driver).allow_dynamic_shared(raw_kernel, 4096)
-    assert driver.calls == [(0xABC0, func_attr.MAX_DYNAMIC_SHARED_SIZE_BYTES, ops.SMEM_BYTES),
-                            (0xABC0, 8, 4096)]
-    assert driver.cuFuncSetAttribute.restype is ctypes.c_int and len(driver.cuFuncSetAttribute.argtypes) == 3
-
-
-def test_func_attr_errors_are_one_line_device_errors():
-    fn = type("Function", (), {"ptr": 1})()
-    with pytest.raises(DeviceError, match=r"cuFuncSetAttribute\(8, 205824\) failed: invalid argument \(CUresult 1\)"):
-        func_attr.allow_dynamic_shared(fn, 205824, library=FakeDriver(status=1))
-    driver = FakeDriver()
-    with pytest.raises(DeviceError, match="at most 232448"):
-        func_attr.allow_dynamic_shared(fn, 232449, library=driver)
-    assert driver.calls == []  # refused before calling the driver
 
 
 # -- GPU: the kernel against its twin, fresh random data, odd and tile-edge sizes -----------------------------

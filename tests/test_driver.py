@@ -1,13 +1,15 @@
-"""backends/pdl.py on the CPU: the ctypes mirrors of cuda.h's launch structures, the kernel parameter
-array, and the launcher's call into cuLaunchKernelEx (a stand-in for the driver records it)."""
+"""The driver calls CuPy does not wrap, on the CPU: backends/pdl.py (the ctypes mirrors of cuda.h's launch
+structures, the kernel parameter array, the launcher's call into cuLaunchKernelEx) and backends/func_attr.py
+(cuFuncSetAttribute), against one stand-in driver that records each call."""
 
 import ctypes
 
 import numpy as np
 import pytest
 
-from cullama.backends import pdl
+from cullama.backends import func_attr, pdl
 from cullama.errors import DeviceError
+from cullama.ops import gemm_wgmma
 
 
 def test_structures_have_cuda_h_layout():
@@ -39,7 +41,7 @@ def test_kernel_params_point_at_each_argument_in_its_c_type():
         pdl.kernel_params((np.float64(1.0),))
 
 
-class Symbol:  # a ctypes function as far as the launcher goes: callable, takes argtypes and restype
+class Symbol:  # a ctypes function as far as the caller goes: callable, takes argtypes and restype
     def __init__(self, call):
         self.call = call
 
@@ -48,11 +50,13 @@ class Symbol:  # a ctypes function as far as the launcher goes: callable, takes 
 
 
 class FakeDriver:
-    """cuLaunchKernelEx and cuGetErrorString as the launcher calls them; records each launch."""
+    """cuLaunchKernelEx, cuFuncSetAttribute and cuGetErrorString as cullama calls them; each returns `status`
+    and records its call (launches in `calls`, attributes in `set_calls`)."""
 
-    def __init__(self, status=0):
-        self.status, self.calls = status, []
+    def __init__(self, status=0, error=b"an illegal memory access was encountered"):
+        self.status, self.error, self.calls, self.set_calls = status, error, [], []
         self.cuLaunchKernelEx = Symbol(self._launch)
+        self.cuFuncSetAttribute = Symbol(self._set)
         self.cuGetErrorString = Symbol(self._error_string)
 
     def _launch(self, config_ref, function, params, extra):
@@ -66,8 +70,12 @@ class FakeDriver:
                            .contents.value, "extra": extra})
         return self.status
 
+    def _set(self, function, attribute, value):
+        self.set_calls.append((function.value, attribute, value))
+        return self.status
+
     def _error_string(self, status, out):
-        out._obj.value = b"an illegal memory access was encountered"
+        out._obj.value = self.error
         return 0
 
 
@@ -84,3 +92,24 @@ def test_a_failed_launch_is_a_one_line_device_error():
     fn = type("Function", (), {"ptr": 1})()
     with pytest.raises(DeviceError, match=r"cuLaunchKernelEx .*illegal memory access.*CUresult 700"):
         pdl.PdlLauncher(FakeDriver(status=700))(fn, (1, 1, 1), (32, 1, 1), (np.int32(0),), 0)
+
+
+def test_func_attr_raises_the_dynamic_shared_memory_limit():
+    driver = FakeDriver()
+    fn = type("Function", (), {"ptr": 0xABC0})()
+    func_attr.allow_dynamic_shared(fn, gemm_wgmma.SMEM_BYTES, library=driver)
+    raw_kernel = type("RawKernel", (), {"kernel": fn})()  # a CuPy RawKernel: its Function is .kernel
+    func_attr.FuncAttributes(driver).allow_dynamic_shared(raw_kernel, 4096)
+    assert driver.set_calls == [(0xABC0, func_attr.MAX_DYNAMIC_SHARED_SIZE_BYTES, gemm_wgmma.SMEM_BYTES),
+                                (0xABC0, 8, 4096)]
+    assert driver.cuFuncSetAttribute.restype is ctypes.c_int and len(driver.cuFuncSetAttribute.argtypes) == 3
+
+
+def test_func_attr_errors_are_one_line_device_errors():
+    fn = type("Function", (), {"ptr": 1})()
+    with pytest.raises(DeviceError, match=r"cuFuncSetAttribute\(8, 205824\) failed: invalid argument \(CUresult 1\)"):
+        func_attr.allow_dynamic_shared(fn, 205824, library=FakeDriver(status=1, error=b"invalid argument"))
+    driver = FakeDriver()
+    with pytest.raises(DeviceError, match="at most 232448"):
+        func_attr.allow_dynamic_shared(fn, 232449, library=driver)
+    assert driver.set_calls == []  # refused before calling the driver
