@@ -26,19 +26,9 @@ import sys
 import time
 
 from cullama.errors import CullamaError, DeviceError
-from gemv_sweep import events_ms, positive_int, read_bandwidth, require_gpu, save_json  # benchmarks/ on sys.path
+from gemv_sweep import events_ms, positive_int, positive_ints, read_bandwidth, require_gpu, save_json  # benchmarks/ on sys.path
 
 WARMUP_CONTEXT, WARMUP_STEPS = 10, 8  # the untimed first measure(): kernels loaded, graphs captured
-
-
-def parse_ints(text: str) -> list[int]:
-    try:
-        values = [int(t) for t in text.split(",") if t.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of integers") from None
-    if not values or min(values) < 1:
-        raise argparse.ArgumentTypeError(f"{text!r}: give positive integers")
-    return values
 
 
 def measure(llm, cp, prompt: list[int], steps: int) -> dict:
@@ -159,7 +149,7 @@ def breakdown(llm, cp, prompt: list[int], steps: int) -> list[dict]:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--contexts", type=parse_ints, default=[10, 100, 500, 1000],
+    parser.add_argument("--contexts", type=positive_ints, default=[10, 100, 500, 1000],
                         help="prompt lengths: the context each timed run starts at")
     parser.add_argument("--steps", type=positive_int, default=100, help="decode steps timed per trial")
     parser.add_argument("--trials", type=positive_int, default=3, help="fresh prefill + timing per context (median)")

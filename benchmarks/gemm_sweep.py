@@ -35,8 +35,9 @@ from cullama.config import preset
 from cullama.errors import CullamaError
 from cullama.ops import gemm as twin
 from cullama.ops import gemm_wgmma as wgmma_ops
-from cullama.prefill_kernels import MMA_GEMM, WGMMA_GEMM, GemmKernel, cdiv
-from gemv_sweep import events_ms, positive_int, random_fp16, read_bandwidth, require_gpu, save_json
+from cullama.prefill_kernels import MMA_GEMM, WGMMA_GEMM, GemmKernel, PrefillKernels, cdiv
+from gemv_sweep import (events_ms, positive_int, positive_ints, random_fp16, read_bandwidth, require_gpu,
+                        save_json)
 
 
 def wgmma_variant(defines: tuple) -> GemmKernel:
@@ -170,9 +171,8 @@ def main(argv=None) -> int:
     parser.add_argument("--json", metavar="FILE", help="write every row and the environment here")
     parser.add_argument("--kernels", type=kernel_names, help=f"GEMM kernels among {', '.join(KERNELS)} "
                         "[default: mma, and wgmma on an sm_90 GPU]")
-    ints = lambda text: [positive_int(x) for x in text.split(",") if x]  # noqa: E731
-    parser.add_argument("--rows", type=ints, default=[1, 10, 64, 256], help="prompt rows M (comma-separated)")
-    parser.add_argument("--splits", type=ints, default=[2, 4], help="split counts timed besides 1 and the plan's")
+    parser.add_argument("--rows", type=positive_ints, default=[1, 10, 64, 256], help="prompt rows M (comma-separated)")
+    parser.add_argument("--splits", type=positive_ints, default=[2, 4], help="split counts timed besides 1 and the plan's")
     parser.add_argument("--trials", type=positive_int, default=10, help="timed graph replays per case (median)")
     parser.add_argument("--launches", type=positive_int, default=24, help="launches per captured graph (at least)")
     parser.add_argument("--l2-multiple", type=float, default=4.0,
@@ -188,10 +188,10 @@ def main(argv=None) -> int:
 
     try:
         cfg, loader = device_config(preset(args.model)), KernelLoader()
-        names = args.kernels or (["mma", "wgmma"] if loader.arch == "sm_90" else ["mma"])
-        if any(KERNELS[n].spec.arch_specific for n in names) and loader.arch != "sm_90":
-            raise CullamaError(f"--kernels {','.join(names)}: the wgmma kernels need an sm_90 GPU, "
-                               f"this is {loader.arch}")
+        wgmma = PrefillKernels(gemm="wgmma")
+        names = args.kernels or (["mma", "wgmma"] if wgmma.runs_on(loader.arch) else ["mma"])
+        if any(KERNELS[n].spec.arch_specific for n in names):
+            wgmma.check_arch(loader.arch)  # a one-line error on anything but sm_90
         bps, bandwidth = read_bandwidth()
         print(f"read bandwidth: {bps / 1e9:.0f} GB/s (cullama.bench.measure_bandwidth, {bandwidth['statistic']}); "
               f"SPLIT_K={prefill_kernels.SPLIT_K}; kernels {', '.join(names)}")

@@ -52,6 +52,17 @@ def positive_int(text: str) -> int:
     return value
 
 
+def positive_ints(text: str) -> list[int]:
+    """argparse type of a comma-separated list of counts (lengths, rows, splits): at least one, all >= 1."""
+    try:
+        values = [int(t) for t in text.split(",") if t.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of integers") from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: give positive integers")
+    return values
+
+
 def events_ms(cp, stream, fn, reps: int) -> float:
     """Milliseconds per call of fn, by CUDA events on `stream` around `reps` back-to-back calls."""
     start, end = cp.cuda.Event(), cp.cuda.Event()
@@ -132,11 +143,9 @@ def random_fp16(cp, loader, shape, seed: int, std: float = 0.02):
 
 def overlap_launcher(loader):
     """backends.pdl's launcher where the GPU has programmatic dependent launch (sm_90 and newer), else None."""
-    if int(loader.arch.removeprefix("sm_").rstrip("a")) < 90:
-        return None
-    from cullama.backends.pdl import PdlLauncher
+    from cullama.backends import pdl
 
-    return PdlLauncher()
+    return pdl.PdlLauncher() if pdl.supported(loader.arch) else None
 
 
 def graph_us(cp, stream, launches: int, launch, trials: int) -> list[float]:

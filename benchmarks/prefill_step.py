@@ -26,28 +26,15 @@ import numpy as np
 
 from cullama.errors import CullamaError
 from cullama.prefill_kernels import ATTENTIONS, GEMMS, PrefillKernels
-from gemv_sweep import positive_int, read_bandwidth, require_gpu, save_json
+from gemv_sweep import positive_int, positive_ints, read_bandwidth, require_gpu, save_json
 
 DEFAULT = PrefillKernels()
 
 
-def parse_ints(text: str) -> list[int]:
-    return [positive_int(t) for t in text.split(",") if t.strip()]
-
-
 def choices(arch: str) -> list[PrefillKernels]:
     """Every pair this GPU runs, the default first."""
-    out = [DEFAULT]
-    for gemm in GEMMS:
-        for attention in ATTENTIONS:
-            kernels = PrefillKernels(gemm=gemm, attention=attention)
-            try:
-                kernels.check_arch(arch)
-            except CullamaError:
-                continue
-            if kernels != DEFAULT:
-                out.append(kernels)
-    return out
+    pairs = [PrefillKernels(gemm=gemm, attention=attention) for gemm in GEMMS for attention in ATTENTIONS]
+    return [DEFAULT] + [k for k in pairs if k != DEFAULT and k.runs_on(arch)]
 
 
 def floor_ms(cfg, length: int, chunk: int, bps: float, peak_tflops: float) -> float:
@@ -75,8 +62,8 @@ def measure(runner, prompt: list[int], trials: int) -> tuple[list[float], int, n
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--lengths", type=parse_ints, default=[10, 100, 256, 500], help="prompt lengths")
-    parser.add_argument("--chunks", type=parse_ints, default=[256, 512], help="prompt rows per prefill pass")
+    parser.add_argument("--lengths", type=positive_ints, default=[10, 100, 256, 500], help="prompt lengths")
+    parser.add_argument("--chunks", type=positive_ints, default=[256, 512], help="prompt rows per prefill pass")
     parser.add_argument("--trials", type=positive_int, default=5, help="timed prefills per length and pair")
     parser.add_argument("--model", default="llama-2-7b", help="preset to synthesize")
     parser.add_argument("--peak-tflops", type=float, default=790.0,

@@ -111,10 +111,14 @@ class PrefillKernels:
     def gemm_kernel(self) -> GemmKernel:
         return GEMMS[self.gemm]
 
+    def runs_on(self, arch: str | None) -> bool:
+        """Whether the GPU (`arch`, e.g. "sm_90"; None: the CPU twins, any choice) can run them: wgmma is
+        sm_90a code, which runs on compute capability 9.0 only."""
+        return arch is None or self.gemm != "wgmma" or arch.removesuffix("a") == "sm_90"
+
     def check_arch(self, arch: str | None) -> None:
-        """A KernelError where the GPU (`arch`, e.g. "sm_90"; None: the CPU twins, any choice) cannot run them:
-        wgmma is sm_90a code, which runs on compute capability 9.0 only."""
-        if arch is not None and self.gemm == "wgmma" and arch.removesuffix("a") != "sm_90":
+        """runs_on, as a one-line KernelError."""
+        if not self.runs_on(arch):
             raise KernelError(f"the wgmma prefill GEMM needs an sm_90 GPU (H100 / H200); this one is {arch}")
 
     def mma_attention(self, cfg: LlamaConfig) -> bool:

@@ -253,33 +253,31 @@ __device__ __forceinline__ void wgmma_k16(float (&d)[GW_ACC], uint64_t da, uint6
         : "memory");
 }
 
-// Issue the cp.asyncs of K tile `kt` (columns k0 + 64 kt ..) into ring slot `stage`: A rows m0..
-// (load_tile_a) and W rows n0.. (load_tile_w), zero-filled past M, N or this block's K range end k1
-// (K % 8 == 0, k0 and k1 multiples of 8: a 16-byte chunk is wholly in or out).
-__device__ __forceinline__ void load_tile_a(uint32_t smem, int stage, int kt, const half_t* __restrict__ A,
-                                            int M, int K, int k0, int k1, int m0) {
+// Issue the cp.asyncs of K tile `kt` (columns k0 + 64 kt ..) of one operand into the tile at shared address
+// `dst`: rows r0 .. of `src` (A: M rows from m0, GW_A_COPIES copies a thread; W: N rows from n0, GW_W_COPIES),
+// zero-filled past `rows` or this block's K range end k1 (K % 8 == 0, k0 and k1 multiples of 8: a 16-byte
+// chunk is wholly in or out).
+template <int COPIES>
+__device__ __forceinline__ void load_operand(uint32_t dst, const half_t* __restrict__ src, int rows, int r0, int kt,
+                                             int K, int k0, int k1) {
     const int tid = threadIdx.x, chunk = gw_load_chunk(tid);
     const int k = k0 + kt * GW_TILE_K + chunk * 8;
-    const uint32_t a = gw_a_base(smem, stage);
 #pragma unroll
-    for (int i = 0; i < GW_A_COPIES; ++i) {
+    for (int i = 0; i < COPIES; ++i) {
         const int row = gw_load_row(tid, i);
-        const bool ok = k < k1 && m0 + row < M;
-        cp_async16(a + gw_chunk_offset(row, chunk), ok ? A + (size_t)(m0 + row) * K + k : A, ok);
+        const bool ok = k < k1 && r0 + row < rows;
+        cp_async16(dst + gw_chunk_offset(row, chunk), ok ? src + (size_t)(r0 + row) * K + k : src, ok);
     }
+}
+
+__device__ __forceinline__ void load_tile_a(uint32_t smem, int stage, int kt, const half_t* __restrict__ A,
+                                            int M, int K, int k0, int k1, int m0) {
+    load_operand<GW_A_COPIES>(gw_a_base(smem, stage), A, M, m0, kt, K, k0, k1);
 }
 
 __device__ __forceinline__ void load_tile_w(uint32_t smem, int stage, int kt, const half_t* __restrict__ W,
                                             int N, int K, int k0, int k1, int n0) {
-    const int tid = threadIdx.x, chunk = gw_load_chunk(tid);
-    const int k = k0 + kt * GW_TILE_K + chunk * 8;
-    const uint32_t w = gw_w_base(smem, stage);
-#pragma unroll
-    for (int i = 0; i < GW_W_COPIES; ++i) {
-        const int row = gw_load_row(tid, i);
-        const bool ok = k < k1 && n0 + row < N;
-        cp_async16(w + gw_chunk_offset(row, chunk), ok ? W + (size_t)(n0 + row) * K + k : W, ok);
-    }
+    load_operand<GW_W_COPIES>(gw_w_base(smem, stage), W, N, n0, kt, K, k0, k1);
 }
 
 extern "C" __global__ void __launch_bounds__(GW_THREADS, 1)

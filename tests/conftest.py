@@ -66,13 +66,7 @@ def _install_fake_gpu() -> None:
 
     sys.modules["cupy"], sys.modules["cupyx"] = fake_cupy, fake_cupy.cupyx
 
-    def function(self, spec):  # one fake kernel per spec and loader, as the real loader caches its functions
-        fn = self._functions.get(spec)
-        if fn is None:
-            fn = self._functions[spec] = fake_cupy.Kernel(spec)
-        return fn
-
-    KernelLoader.function = function
+    KernelLoader.function = fake_cupy.loader_function
     device.cuda_status = lambda: (True, "1 GPU(s) (fake CuPy: CULLAMA_FAKE_GPU=1)")
 
     # backends/driver.py loads the driver with ctypes.CDLL("libcuda.so.1"): it gets the fake's (cuFuncSetAttribute,

@@ -386,6 +386,15 @@ class Kernel:
         self.twin(*args, **({"grid": launch.grid} if self.wants_grid else {}))
 
 
+def loader_function(loader, spec) -> Kernel:
+    """KernelLoader.function on the fake: one fake kernel per spec and loader, as the real loader caches them
+    (so a kernel's dynamic shared memory limit, once raised, stays raised)."""
+    kernels = loader.__dict__.setdefault("_fake_kernels", {})
+    if spec not in kernels:
+        kernels[spec] = Kernel(spec)
+    return kernels[spec]
+
+
 def _memcpy_async(dst, src, size, kind, stream_ptr):
     _not_capturing("memcpyAsync")
     _stream(stream_ptr).pending.append(lambda: ctypes.memmove(dst, src, size))

@@ -22,20 +22,12 @@ from cullama.sampling import SamplingParams
 GREEDY = SamplingParams(seed=0)
 
 
-def loaded_once(loader, spec):
-    """KernelLoader.function on the fake: one fake kernel per spec and loader, as the real one caches them."""
-    kernels = loader.__dict__.setdefault("_fake_kernels", {})
-    if spec not in kernels:
-        kernels[spec] = fake_cupy.Kernel(spec)
-    return kernels[spec]
-
-
 @pytest.fixture
 def fake(monkeypatch):
     fake_cupy.reset()
     monkeypatch.setitem(sys.modules, "cupy", fake_cupy)
     monkeypatch.setitem(sys.modules, "cupyx", fake_cupy.cupyx)
-    monkeypatch.setattr(KernelLoader, "function", loaded_once)
+    monkeypatch.setattr(KernelLoader, "function", fake_cupy.loader_function)
     monkeypatch.setattr(device, "cuda_status", lambda: (True, "1 GPU(s) (fake CuPy)"))
     return fake_cupy.state
 

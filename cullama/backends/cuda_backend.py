@@ -119,10 +119,11 @@ class CudaBackend:
     def set_overlap(self, on: bool) -> None:
         """Link the captured decode step's kernels by programmatic dependent launch (sm_90 and newer;
         elsewhere this stays off). Graphs already captured are dropped and re-captured on next replay."""
-        on = bool(on) and int(self.loader.arch.removeprefix("sm_").rstrip("a")) >= 90
+        from . import pdl
+
+        on = bool(on) and pdl.supported(self.loader.arch)
         if on and self._pdl is None:
-            from .pdl import PdlLauncher
-            self._pdl = PdlLauncher()
+            self._pdl = pdl.PdlLauncher()
         if on != self.overlap:
             self.overlap = on
             self.graphs.clear()

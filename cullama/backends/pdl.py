@@ -23,6 +23,11 @@ from . import driver
 PROGRAMMATIC_STREAM_SERIALIZATION = 6  # CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
 
 
+def supported(arch: str) -> bool:
+    """Whether a GPU of this arch (e.g. "sm_90", "sm_90a") has programmatic dependent launch: sm_90 and newer."""
+    return int(arch.removeprefix("sm_").rstrip("a")) >= 90
+
+
 class LaunchAttributeValue(ctypes.Union):  # CUlaunchAttributeValue
     _fields_ = [("pad", ctypes.c_char * 64), ("programmatic_stream_serialization_allowed", ctypes.c_int)]
 
