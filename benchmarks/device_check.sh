@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# device_check.sh: everything worth running on a lent GPU machine, in one call of under 8 minutes.
+# device_check.sh: everything worth running on a lent GPU machine, in one call (a 500 s budget, then the report).
 #
 #   bash benchmarks/device_check.sh          (from anywhere; on the device machine $OUT is set)
 #
