@@ -83,20 +83,55 @@ def shared_options(command):
         click.option("--max-seq-len", type=int, help="Context to allocate (default: the model's)."),
         click.option("--tokenizer", type=click.Path(), help="tokenizer.model to use instead of the checkpoint's."),
         click.option("--json", "as_json", is_flag=True, help="Print JSON: ids, text, finish reason, timings."),
+        *speculative_options(),
     ]
     for option in reversed(options):
         command = option(command)
     return command
 
 
-def load(model_dir, device, max_seq_len, tokenizer):
-    """The model, with a progress bar while the weights load and its notes said once."""
+def speculative_options() -> list:
+    """--speculative, --draft-model, --draft-tokens, --adaptive-draft (generate, chat)."""
+    return [
+        click.option("--speculative", type=click.Choice(["ngram", "draft"]),
+                     help="Speculative decoding: each step checks drafted tokens in one pass (ngram: prompt "
+                          "lookup; draft: --draft-model). Greedy output is unchanged."),
+        click.option("--draft-model", type=click.Path(), help="A smaller LLaMA with the same tokenizer to draft "
+                                                              "tokens (implies --speculative draft)."),
+        click.option("--draft-tokens", type=int, help="Tokens drafted per step, 1 to 8 [default: 4]."),
+        click.option("--adaptive-draft", is_flag=True, help="Move --draft-tokens with the recent acceptance."),
+    ]
+
+
+def speculative(kwargs: dict) -> dict:
+    """The stream's speculative options from the CLI's; --draft-model implies --speculative draft."""
+    from ..errors import PromptError
+    from ..speculative import MAX_DRAFT
+
+    method, draft_model = kwargs["speculative"], kwargs["draft_model"]
+    if draft_model is not None:
+        if method not in (None, "draft"):
+            raise PromptError(f"--draft-model drafts with a model: it cannot go with --speculative {method}")
+        method = "draft"
+    elif method == "draft":
+        raise PromptError("--speculative draft needs --draft-model DIR")
+    if method is None and (kwargs["draft_tokens"] is not None or kwargs["adaptive_draft"]):
+        raise PromptError("--draft-tokens and --adaptive-draft need --speculative or --draft-model")
+    if kwargs["draft_tokens"] is not None and not 1 <= kwargs["draft_tokens"] <= MAX_DRAFT:
+        raise PromptError(f"--draft-tokens must be from 1 to {MAX_DRAFT}, got {kwargs['draft_tokens']}")
+    if method is None:
+        return {}
+    return {"speculative": method, "draft_tokens": kwargs["draft_tokens"], "adaptive_draft": kwargs["adaptive_draft"]}
+
+
+def load(model_dir, device, max_seq_len, tokenizer, draft_model=None):
+    """The model (and its draft model), with a progress bar while the weights load and its notes said once."""
     from ..llama import Llama
 
     progress = LoadProgress("loading weights")
     try:
         llm = Llama.from_pretrained(model_dir, device=device, max_seq_len=max_seq_len, tokenizer=tokenizer,
-                                    progress=progress)
+                                    progress=progress, draft_model=draft_model)
     finally:
         progress.close()
     for note in llm.notes:
@@ -139,15 +174,16 @@ def generate(model_dir, prompt, prompt_ids, chat, system, device, max_seq_len, t
         raise PromptError("--system needs --chat")
     if prompt is None and prompt_ids is None:
         prompt = "" if sys.stdin is None or sys.stdin.isatty() else sys.stdin.read().rstrip("\n")
+    spec = speculative(kwargs)
 
-    llm = load(model_dir, device, max_seq_len, tokenizer)
+    llm = load(model_dir, device, max_seq_len, tokenizer, kwargs["draft_model"])
     if prompt_ids is not None:
         request = parse_ids(prompt_ids)
     elif chat:
         request = llm.chat_ids([{"role": "user", "content": prompt}], system=system)
     else:
         request = prompt
-    stream = llm.stream(request, **sampling(kwargs))
+    stream = llm.stream(request, **sampling(kwargs), **spec)
     stream_out(stream, as_json)
     result = stream.result
     if as_json:
@@ -167,7 +203,8 @@ def chat(model_dir, system, device, max_seq_len, tokenizer, as_json, **kwargs):
 
     The whole conversation goes through the chat template at every turn; an empty line is skipped,
     end of input ends the conversation."""
-    llm = load(model_dir, device, max_seq_len, tokenizer)
+    spec = speculative(kwargs)
+    llm = load(model_dir, device, max_seq_len, tokenizer, kwargs["draft_model"])
     interactive = sys.stdin is not None and sys.stdin.isatty()
     messages: list[dict] = []
     while True:
@@ -180,7 +217,7 @@ def chat(model_dir, system, device, max_seq_len, tokenizer, as_json, **kwargs):
             continue
         messages.append({"role": "user", "content": line.strip()})
         # Each turn's prompt starts with the last one's: only the new tokens are prefilled.
-        stream = llm.stream(llm.chat_ids(messages, system=system), reuse_cache=True, **sampling(kwargs))
+        stream = llm.stream(llm.chat_ids(messages, system=system), reuse_cache=True, **sampling(kwargs), **spec)
         stream_out(stream, as_json)
         result = stream.result
         messages.append({"role": "assistant", "content": result.text})

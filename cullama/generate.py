@@ -56,10 +56,12 @@ class Generation:
     finish_reason: str  # "eos", "stop" (a stop string), or "length" (max_new_tokens or the context)
     prompt_ids: list[int]
     timings: Timings
+    speculative: dict | None = None  # speculative decoding's statistics (cullama/speculative.py); None when off
 
     def to_dict(self) -> dict:
-        return {"text": self.text, "token_ids": self.token_ids, "finish_reason": self.finish_reason,
-                "prompt_ids": self.prompt_ids, "timings": self.timings.to_dict()}
+        record = {"text": self.text, "token_ids": self.token_ids, "finish_reason": self.finish_reason,
+                  "prompt_ids": self.prompt_ids, "timings": self.timings.to_dict()}
+        return record if self.speculative is None else {**record, "speculative": self.speculative}
 
 
 class StopMatcher:
@@ -115,14 +117,22 @@ class GenerationStream:
         self.reuse_cache = reuse_cache
         self.result: Generation | None = None
 
+    def _step(self, i: int, budget: int) -> int:
+        """Token i of at most `budget` (speculative decoding hands out its bursts here)."""
+        return self.runner.start(self.prompt_ids, self.params, self.reuse_cache) if i == 0 \
+            else self.runner.next(ahead=i + 1 < budget)
+
+    def _statistics(self) -> dict | None:
+        """The result's `speculative` record (None: plain decoding)."""
+        return None
+
     def __iter__(self) -> Iterator[str]:
         timings, ids, pieces = Timings(), [], []
         finish = "length"
         budget = min(self.max_new_tokens, self.runner.max_seq_len - len(self.prompt_ids))
         last = time.perf_counter()
         for i in range(budget):
-            token = self.runner.start(self.prompt_ids, self.params, self.reuse_cache) if i == 0 \
-                else self.runner.next(ahead=i + 1 < budget)
+            token = self._step(i, budget)
             now = time.perf_counter()
             if i == 0:
                 timings.prefill_s = now - last
@@ -151,4 +161,4 @@ class GenerationStream:
             if tail:
                 pieces.append(tail)
                 yield tail
-        self.result = Generation("".join(pieces), ids, finish, self.prompt_ids, timings)
+        self.result = Generation("".join(pieces), ids, finish, self.prompt_ids, timings, self._statistics())

@@ -19,6 +19,7 @@ from .generate import Generation, GenerationStream, Runner
 from .backends import make_backend
 from .engine import PlanRunner, load_checkpoint, random_weights
 from .sampling import SamplingParams
+from .speculative import SpeculativeStream, draft_length, make_drafter
 from .tokenizer import Tokenizer
 
 Progress = Callable[[int, int], None]  # (bytes done, bytes total) while weights load
@@ -28,23 +29,33 @@ class Llama:
     """A loaded model on one device, with its tokenizer when the checkpoint has one."""
 
     def __init__(self, config: LlamaConfig, runner: Runner, tokenizer: Tokenizer | None, device: str,
-                 notes: Sequence[str] = ()):
+                 notes: Sequence[str] = (), draft: "Llama | None" = None):
         self.config, self.runner, self.tokenizer, self.device = config, runner, tokenizer, device
         self.notes = list(notes)  # things the user should hear once (e.g. a dtype conversion)
+        self.draft = draft  # the draft model of speculative="draft", with its own runner and KV cache
 
     @classmethod
     def from_pretrained(cls, path: str | os.PathLike, device: str = "auto", max_seq_len: int | None = None,
-                        tokenizer: str | os.PathLike | None = None, progress: Progress | None = None) -> "Llama":
-        """Load an HF-format LLaMA checkpoint directory (safetensors) onto `device` ("auto", "cpu", "cuda")."""
+                        tokenizer: str | os.PathLike | None = None, progress: Progress | None = None,
+                        draft_model: str | os.PathLike | None = None) -> "Llama":
+        """Load an HF-format LLaMA checkpoint directory (safetensors) onto `device` ("auto", "cpu", "cuda").
+
+        draft_model: a smaller LLaMA checkpoint with the same tokenizer, loaded beside it (same device and
+        context) for generate(..., speculative="draft"); a draft whose vocabulary differs is refused
+        before any weight loads."""
         device = devices.resolve(device)
         config = read_config(path)
         seq_len = _context(config, max_seq_len)
         tok = None
         if tokenizer is not None or (Path(path) / "tokenizer.model").is_file():
             tok = Tokenizer.from_model_dir(path, override=tokenizer)
+        if draft_model is not None:
+            _check_draft(draft_model, config, tok)
         ckpt = checkpoint.open_checkpoint(path, config)
         notes = [ckpt.conversion_note] if ckpt.conversion_note else []
-        return cls(config, _make_runner(device, ckpt, seq_len, progress), tok, device, notes)
+        runner = _make_runner(device, ckpt, seq_len, progress)
+        draft = None if draft_model is None else cls.from_pretrained(draft_model, device, seq_len, progress=progress)
+        return cls(config, runner, tok, device, notes + (draft.notes if draft else []), draft)
 
     @classmethod
     def synthetic(cls, config: LlamaConfig | str, device: str = "auto", max_seq_len: int | None = None,
@@ -78,20 +89,33 @@ class Llama:
     # -- generation ------------------------------------------------------------------------------
     def stream(self, prompt: str | Sequence[int], max_new_tokens: int = 256, temperature: float = 0.0,
                top_k: int = 0, top_p: float = 1.0, repetition_penalty: float = 1.0, seed: int | None = None,
-               stop: Sequence[str] = (), ignore_eos: bool = False, reuse_cache: bool = False) -> GenerationStream:
+               stop: Sequence[str] = (), ignore_eos: bool = False, reuse_cache: bool = False,
+               speculative=None, draft_tokens: int | None = None, adaptive_draft: bool = False) -> GenerationStream:
         """Iterate over text pieces as they become final; the stream's `.result` is the Generation.
 
         reuse_cache: skip the prompt prefix the KV cache still holds from the last generation (a chat
         turn then prefills only what is new); off by default, since reused K and V can differ from a
-        fresh prefill's in the last FP16 bit."""
+        fresh prefill's in the last FP16 bit.
+        speculative: None (plain decoding, the default), "ngram" (prompt lookup), "draft" (the draft
+        model loaded by from_pretrained(draft_model=...)) or a drafter object (cullama.drafters): each
+        target pass checks draft_tokens (1..8, default 4) drafted tokens, adaptive_draft moves that
+        number with the recent acceptance. Greedy output is the same as plain decoding's; the result's
+        `speculative` record holds the statistics."""
         params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p,
                                 repetition_penalty=repetition_penalty, seed=seed)
         params.validate()
         if isinstance(stop, str):
             stop = (stop,)
         detok = self.tokenizer.stream_decoder() if self.tokenizer else None
-        return GenerationStream(self.runner, detok, self.encode(prompt), max_new_tokens, params, stop,
-                                self.config.eos_token_ids, ignore_eos, reuse_cache)
+        args = (self.runner, detok, self.encode(prompt), max_new_tokens, params, stop, self.config.eos_token_ids,
+                ignore_eos, reuse_cache)
+        if speculative is None:
+            if draft_tokens is not None or adaptive_draft:
+                raise PromptError("draft_tokens and adaptive_draft need speculative='ngram' or 'draft'")
+            return GenerationStream(*args)
+        length = draft_length(draft_tokens, adaptive_draft)
+        drafter = make_drafter(speculative, self.draft.runner if self.draft else None, reuse_cache)
+        return SpeculativeStream(*args, drafter=drafter, length=length)
 
     def generate(self, prompt: str | Sequence[int], **options) -> Generation:
         """Generate to the end; same options as `stream`."""
@@ -116,6 +140,15 @@ def _context(config: LlamaConfig, max_seq_len: int | None) -> int:
     if not isinstance(max_seq_len, int) or max_seq_len < 2:
         raise PromptError(f"--max-seq-len must be an integer >= 2, got {max_seq_len!r}")
     return max_seq_len
+
+
+def _check_draft(path: str | os.PathLike, config: LlamaConfig, tokenizer: Tokenizer | None) -> None:
+    """Refuse a draft model that does not share the target's vocabulary, before any weight loads."""
+    from .drafters import check_draft_vocabulary
+
+    draft_config = read_config(path)
+    draft_tok = Tokenizer.from_model_dir(path) if (Path(path) / "tokenizer.model").is_file() else None
+    check_draft_vocabulary(path, draft_config.vocab_size, config.vocab_size, draft_tok, tokenizer)
 
 
 def _make_runner(device: str, ckpt: checkpoint.Checkpoint, max_seq_len: int, progress: Progress | None) -> Runner:
