@@ -16,12 +16,15 @@ logits (../shared/golden). One token or many at a time, with a KV cache:
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import numpy as np
 
-from .checkpoint import Weights
 from .config import RopeScaling
 from .errors import ConfigError, PromptError
+
+if TYPE_CHECKING:  # weights.py imports plan.py, which takes its RoPE table from here
+    from .weights import Weights
 
 
 def rmsnorm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:

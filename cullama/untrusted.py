@@ -27,13 +27,13 @@ def shown(value) -> str:
     return text if len(text) <= SHOWN_CHARS else text[:SHOWN_CHARS - 3] + "..."
 
 
-def parse_json(raw: bytes, where: Path, error: type[Exception]):
+def parse_json(raw: bytes, where: Path | str, error: type[Exception]):
     """Parse JSON bytes; a one-line `error` naming `where` when they are not JSON (the message gives
     positions, never the bytes themselves)."""
     try:
         text = raw.decode("utf-8-sig")
     except UnicodeDecodeError as exc:
-        raise error(f"{where}: not valid UTF-8 (at byte {exc.start})") from None
+        raise error(f"{where}: not valid JSON (invalid UTF-8 at byte {exc.start})") from None
     try:
         return json.loads(text)
     except json.JSONDecodeError as exc:

@@ -202,7 +202,7 @@ def test_a_huge_or_unprintable_value_is_shown_short_and_escaped(tmp_path):
 
 @pytest.mark.parametrize("content, needle", [
     (b"[" * 100_000 + b"]" * 100_000, "nested too deeply"),
-    (b'{"model_type": "ll\xffama"}', "not valid UTF-8 (at byte 18)"),
+    (b'{"model_type": "ll\xffama"}', "invalid UTF-8 at byte 18"),
     (b"\xef\xbb\xbf" + json.dumps(MINIMAL).encode(), None),  # a UTF-8 byte order mark is fine
     (b'"llama"', "expected a JSON object, got str"),
     (b"", "not valid JSON"),

@@ -6,10 +6,11 @@ import numpy as np
 import pytest
 
 from cullama import plan
-from cullama.checkpoint import load_weights, write_random
+from cullama.checkpoint import write_random
 from cullama.config import LlamaConfig, RopeScaling
 from cullama.errors import ConfigError, PromptError
 from cullama.reference import ReferenceModel, apply_rope, rope_frequencies, rope_tables
+from cullama.weights import load_weights
 
 
 def greedy(model: ReferenceModel, prompt: list[int], steps: int) -> list[int]:
