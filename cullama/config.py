@@ -301,13 +301,6 @@ def from_hf_dict(raw: dict, source: str = "config.json") -> LlamaConfig:
     hidden, heads = keys.integer("hidden_size"), keys.integer("num_attention_heads")
     vocab, max_position = keys.integer("vocab_size"), keys.integer("max_position_embeddings", 4096)
     head_dim = keys.integer("head_dim", hidden // heads)
-    kv_heads = keys.integer("num_key_value_heads", heads)
-    if heads % kv_heads:
-        raise keys.error("num_key_value_heads", f"({kv_heads}) must divide num_attention_heads ({heads})")
-    eos = keys.token_ids("eos_token_id", (2,))
-    outside = [i for i in eos if not 0 <= i < vocab]
-    if outside:
-        raise keys.error("eos_token_id", f"{outside[0]} is outside the vocabulary (vocab_size {vocab})")
     theta, scaling = _rope(keys, max_position)
     dtype_key = "dtype" if keys.get("dtype", None) is not None else "torch_dtype"
     return LlamaConfig(
@@ -316,7 +309,7 @@ def from_hf_dict(raw: dict, source: str = "config.json") -> LlamaConfig:
         intermediate_size=keys.integer("intermediate_size"),
         num_layers=keys.integer("num_hidden_layers"),
         num_heads=heads,
-        num_kv_heads=kv_heads,
+        num_kv_heads=keys.integer("num_key_value_heads", heads),  # ranges across keys: __post_init__
         head_dim=head_dim,
         max_seq_len=max_position,
         rms_norm_eps=keys.number("rms_norm_eps", 1e-5),
@@ -324,7 +317,7 @@ def from_hf_dict(raw: dict, source: str = "config.json") -> LlamaConfig:
         rope_scaling=scaling,
         tie_word_embeddings=keys.flag("tie_word_embeddings", False),
         bos_token_id=keys.integer("bos_token_id", 1, low=0),
-        eos_token_ids=eos,
+        eos_token_ids=keys.token_ids("eos_token_id", (2,)),
         dtype=keys.choice(dtype_key, "float16", DTYPES),
         name=source,
     )

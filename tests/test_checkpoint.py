@@ -275,6 +275,18 @@ class Breakers:
     def index_not_json(d):
         (d / INDEX_FILE).write_text('{"weight_map": ')
 
+    @breaks(CheckpointError, INDEX_FILE, "nested too deeply", shards=4)
+    def index_nested_100k_levels(d):
+        (d / INDEX_FILE).write_text("[" * 100_000 + "]" * 100_000)
+
+    @breaks(CheckpointError, WEIGHTS, "nested too deeply")
+    def header_nested_100k_levels(d):
+        (d / WEIGHTS).write_bytes(struct.pack("<Q", 200_000) + b"[" * 100_000 + b"]" * 100_000)
+
+    @breaks(CheckpointError, WEIGHTS, "no such model directory", "it is a file")
+    def model_path_is_a_file(d):
+        return d / WEIGHTS
+
     @breaks(CheckpointError, INDEX_FILE, "weight_map", shards=4)
     def index_without_weight_map(d):
         (d / INDEX_FILE).write_text("{}")
