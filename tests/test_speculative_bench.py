@@ -178,3 +178,71 @@ def test_bad_options_are_one_line(args, needle):
     assert result.exit_code == 2, result.output
     (line,) = [l for l in result.stderr.splitlines() if l.startswith("error:")]
     assert needle in line
+
+
+# -- the device check's report (benchmarks/summarize.py) ----------------------------------------------
+def spec_report(directory, record, capsys) -> str:
+    from test_summarize import report
+
+    directory.mkdir()
+    (directory / "speculative.json").write_text(json.dumps(record))
+    return report(directory, capsys)
+
+
+@pytest.fixture(scope="module")
+def spec_record(tmp_path_factory):
+    path = tmp_path_factory.mktemp("spec") / "speculative.json"
+    result = run("--synthetic", "tiny", "--speculative", "replay", "--draft-tokens", 4, "--lengths", "10,20",
+                 "--samples", 10, "--warmup", 0, "--prompt-len", 2, "--verify-context", 30, "--verify-reps", 2,
+                 "--json", path)
+    assert result.exit_code == 0, result.output
+    return json.loads(path.read_text())
+
+
+def test_report_section_from_the_real_record(spec_record, tmp_path, capsys):
+    from test_summarize import section, table_row, target
+
+    text = spec_report(tmp_path / "r", spec_record, capsys)
+    sec = section(text, "Speculative decoding")
+    for r in spec_record["results"]:
+        row = table_row(sec, str(r["length"]))
+        assert row[2] == f"{r['p50_ms']:.3f}" and row[-1] == f"{r['accepted']}/{r['drafted']}"
+    assert table_row(sec, "4")[4] == f"{spec_record['verify']['rows'][3]['x_plain']:.2f}"
+    assert "Derived, not measured" in sec and "Spec-Bench prompt lookup, overall" in sec
+    for start in ("verify step, k = 4", "verify step, k = 8", "replay (every draft accepted)"):
+        measured, state = target(text, start)
+        assert state == "—" and "sequential stand-in" in measured  # the stand-in is never judged
+
+
+def test_report_targets_pass_then_fail(spec_record, tmp_path, capsys):
+    import copy
+
+    from test_summarize import target
+
+    good = copy.deepcopy(spec_record)
+    good["options"]["verify"] = "batched"
+    good["verify"]["context"] = 500
+    rows = {r["k"]: r for r in good["verify"]["rows"]}
+    rows[4].update(x_plain=1.08, p50_ms=3.2)
+    rows[8].update(x_plain=1.2)
+    for r in good["results"]:
+        r["mean_ms"] = 0.75
+    text = spec_report(tmp_path / "good", good, capsys)
+    assert target(text, "verify step, k = 4") == ("1.080x the plain step (3.200 ms) at context 500", "PASS")
+    assert target(text, "verify step, k = 8")[1] == target(text, "replay (every draft accepted)")[1] == "PASS"
+
+    def flipped(edit, start, needle):
+        r = copy.deepcopy(good)
+        edit(r)
+        measured, state = target(spec_report(tmp_path / f"{start[:10]}{len(list(tmp_path.iterdir()))}", r, capsys),
+                                 start)
+        assert needle in measured, measured
+        return state
+
+    k = lambda n: (lambda r: next(x for x in r["verify"]["rows"] if x["k"] == n))  # noqa: E731
+    assert flipped(lambda r: k(4)(r).update(x_plain=1.11), "verify step, k = 4", "1.110x") == "FAIL"
+    assert flipped(lambda r: k(8)(r).update(x_plain=1.3), "verify step, k = 8", "1.300x") == "FAIL"
+    assert flipped(lambda r: r["results"][1].update(mean_ms=0.81), "replay", "above 0.8 at L=20") == "FAIL"
+    assert flipped(lambda r: r["verify"].update(context=300), "verify step, k = 4", "not the target's 500") == "PASS"
+    assert flipped(lambda r: r["options"].update(draft_tokens=8), "replay", "not replay with k=4") == "—"
+    assert flipped(lambda r: r["verify"].update(rows=[]), "verify step, k = 8", "no k=8 verify time") == "—"
