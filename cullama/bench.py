@@ -229,22 +229,30 @@ def git_commit() -> str | None:
     return (done.stdout.strip() or None) if done.returncode == 0 else None
 
 
-def to_json(result: BenchResult, model: str | None = None) -> dict:
-    """Every sample, the summaries and the environment: the record a reader can recompute from."""
+def record_header(schema: str, device: str, model: str, config: LlamaConfig, options: dict) -> dict:
+    """What a benchmark record starts with: its schema, the date, cullama, the commit, the environment, the
+    device, the model and its config, and the options of the run."""
     from . import __version__
     from .device import environment
 
-    summaries = result.summaries()
     return {
-        "schema": SCHEMA,
+        "schema": schema,
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "cullama": __version__,
         "commit": git_commit(),
         "environment": environment(),
-        "device": result.device,
-        "model": model or result.config.name,
-        "config": dataclasses.asdict(result.config),
-        "options": result.options,
+        "device": device,
+        "model": model,
+        "config": dataclasses.asdict(config),
+        "options": options,
+    }
+
+
+def to_json(result: BenchResult, model: str | None = None) -> dict:
+    """Every sample, the summaries and the environment: the record a reader can recompute from."""
+    summaries = result.summaries()
+    return {
+        **record_header(SCHEMA, result.device, model or result.config.name, result.config, result.options),
         "decode_weight_bytes": result.config.decode_weight_bytes(),
         "bandwidth": result.bandwidth,
         "results": [{**s, "bytes_per_step": r.bytes_per_step, "decode_ns": r.decode_ns, "ttft_ns": r.ttft_ns}

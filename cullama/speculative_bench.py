@@ -20,7 +20,6 @@ Batch 1, greedy, EOS ignored, like the plain protocol (cullama/bench.py):
 from __future__ import annotations
 
 import dataclasses
-import datetime
 import math
 import os
 import time
@@ -29,7 +28,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from .bench import GREEDY, Clock, Progress, _num, git_commit, prompt_ids
+from .bench import GREEDY, Clock, Progress, _num, prompt_ids, record_header
 from .config import LlamaConfig
 from .drafters import Drafter, DraftModel, PromptLookup, Replay
 from .errors import PromptError
@@ -230,19 +229,8 @@ def run(runner, config: LlamaConfig, method: str, lengths: Sequence[int], sample
 # -- reports ----------------------------------------------------------------------------------------
 def to_json(result: SpecBenchResult, model: str | None = None) -> dict:
     """Every sample, the summaries, the verify times and the derived figures, with the environment."""
-    from . import __version__
-    from .device import environment
-
     return {
-        "schema": SCHEMA,
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "cullama": __version__,
-        "commit": git_commit(),
-        "environment": environment(),
-        "device": result.device,
-        "model": model or result.config.name,
-        "config": dataclasses.asdict(result.config),
-        "options": result.options,
+        **record_header(SCHEMA, result.device, model or result.config.name, result.config, result.options),
         "results": [{**r.summary(), "decode_ns": r.decode_ns} for r in result.lengths],
         "verify": {"context": result.verify.context, "rows": result.verify.rows(),
                    "times_ns": {str(k): ns for k, ns in result.verify.times_ns.items()}},
