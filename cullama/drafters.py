@@ -111,7 +111,8 @@ class DraftModel:
     longest prefix it shares with the text (the rejected drafts) are simply written over, so after a
     verify only the new row(s) are prefilled (the target's token, and the last draft when every draft
     was accepted). That is the rollback, at the cost of one prefill pass of one or two rows and k - 1
-    decode steps per proposal. Unless `reuse_cache` (a chat turn), the first proposal of a generation
+    decode steps per proposal (and host work in start() that grows with the text: it compares the ids
+    with the cached ones and marks them seen). Unless `reuse_cache` (a chat turn), the first proposal of a generation
     prefills from scratch, so a run's drafts do not depend on what the last generation left behind."""
 
     name = "draft"

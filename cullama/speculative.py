@@ -72,7 +72,7 @@ class DraftLength:
     fewer after a step that accepted none, within 1..MAX_DRAFT."""
 
     def __init__(self, k: int = DEFAULT_DRAFT_TOKENS, adaptive: bool = False):
-        self.initial, self.k, self.adaptive = k, k, adaptive
+        self.k, self.adaptive = k, adaptive
 
     def update(self, drafted: int, accepted: int) -> None:
         if not self.adaptive or drafted == 0:
@@ -103,7 +103,7 @@ def make_drafter(speculative, draft_runner=None, reuse_cache: bool = False) -> D
             raise PromptError("speculative='draft' needs a draft model: Llama.from_pretrained(..., draft_model=DIR) "
                               "(--draft-model DIR)")
         return DraftModel(draft_runner, reuse_cache)
-    if isinstance(speculative, str) or not all(hasattr(speculative, m) for m in ("reset", "extend", "propose")):
+    if isinstance(speculative, str) or not all(hasattr(speculative, m) for m in ("name", "reset", "extend", "propose")):
         raise PromptError(f"speculative must be one of {', '.join(map(repr, METHODS))} or a drafter, "
                           f"got {speculative!r}")
     return speculative
