@@ -64,7 +64,7 @@ def test_bad_requests_are_prompt_errors(stories):
         stories.generate([1], temperature=-1)
     with pytest.raises(PromptError, match="context"):
         stories.generate([1] * 600)
-    with pytest.raises(PromptError, match="max-new-tokens"):
+    with pytest.raises(PromptError, match="max_new_tokens"):
         stories.generate([1], max_new_tokens=-1)
 
 
