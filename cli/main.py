@@ -88,13 +88,18 @@ class TextInput:
                 note("standard input is not valid UTF-8: the bytes that are not became U+FFFD")
             return data.decode("utf-8", errors="replace")
 
+    def _read(self, method: str) -> bytes | str:
+        try:
+            return getattr(self.binary or sys.stdin, method)()
+        except OSError as exc:  # a directory given as input, a device that fails
+            raise PromptError(f"cannot read standard input: {exc.strerror or exc}") from None
+
     def read(self) -> str:
-        return self._text((self.binary or sys.stdin).read())
+        return self._text(self._read("read"))
 
     def lines(self) -> Iterator[str]:
-        source = self.binary or sys.stdin
         while True:
-            line = source.readline()
+            line = self._read("readline")
             if not line:
                 return
             yield self._text(line)

@@ -316,3 +316,20 @@ def test_a_text_prompt_that_is_not_utf8_on_chat_input(stories_dir):
                  input=b"Hi \xff\nAnd \xfe\n")
     assert result.exit_code == 0, result.output
     assert len(result.stdout.splitlines()) == 2 and result.stderr.count("not valid UTF-8") == 1
+
+
+def test_standard_input_that_cannot_be_read(stories_dir, monkeypatch):
+    import errno
+
+    from cullama.cli import main as cli
+
+    class Failing:
+        def read(self):
+            raise OSError(errno.EIO, "Input/output error")
+
+        readline = read
+
+    monkeypatch.setattr(cli.TextInput, "__init__", lambda self: setattr(self, "binary", Failing()))
+    for command in ("generate", "chat"):
+        one_line_error(run(command, "--model", stories_dir, "--device", "cpu", input="x"),
+                       "cannot read standard input: Input/output error")
