@@ -98,7 +98,8 @@ def bench(model_dir, synthetic, device, lengths, samples, warmup, prompt_len, ma
     if dev == "cuda":
         from ..device import environment
         gpu = f" ({environment().get('gpu')})"
-    out(protocol.format_table(result, title=f"cullama bench: {label}, {dev}{gpu}{', overlap on' if overlapped else ''}"))
+    title = f"cullama bench: {label}, {dev}{gpu}{', overlap on' if overlapped else ''}"
+    out(protocol.format_table(result, title=title))
     if json_path:
         protocol.write_json(result, json_path, model=label)
         BenchProgress.note(f"wrote {json_path}")

@@ -119,8 +119,8 @@ class PlanRunner:
         self.prefill_chunk = prefill_chunk or plans.PREFILL_CHUNK
         buffers = plans.runtime_buffers(cfg, max_seq_len, self.prefill_chunk)
         kv = sum(b.nbytes for b in buffers if b.kind == "cache")
-        memory.check_fits(backend.device, {"KV cache": kv, "other runtime buffers": sum(b.nbytes for b in buffers) - kv,
-                                           "weights": weight_bytes},
+        others = sum(b.nbytes for b in buffers) - kv
+        memory.check_fits(backend.device, {"KV cache": kv, "other runtime buffers": others, "weights": weight_bytes},
                           f"use a shorter context than {max_seq_len} tokens (max_seq_len, --max-seq-len; "
                           f"the KV cache takes {memory.gib(kv // max_seq_len * 1024)} per 1024 tokens)")
         backend.allocate(buffers)

@@ -217,8 +217,9 @@ class GenerationStream:
     """An iterator over text pieces as they become final; `.result` holds the Generation once it ends,
     however it ends (finish_reason says how; an early end keeps what was streamed so far).
 
-    Iterate it once. Closing it (`close()`, or dropping it) ends the generation and leaves the model free;
-    a newer generation on the same model ends it too (its next read raises SupersededError)."""
+    Iterate it once, from one thread at a time. Closing it (`close()`, from the thread that reads it, or
+    dropping it) ends the generation and leaves the model free; a newer generation on the same model ends it
+    too (its next read raises SupersededError)."""
 
     def __init__(self, runner: Runner, detokenizer, prompt_ids: list[int], options: GenerationOptions,
                  eos_ids: Sequence[int], guard: RunnerGuard | None = None):
@@ -234,18 +235,18 @@ class GenerationStream:
         self.timings = Timings()
         self._ticket: int | None = None  # this generation's RunnerGuard ticket, from its first runner call
         self._close_reason = "cancelled"
-        self._pieces = self._generate()
+        self._run = self._generate()  # the generator behind __next__
 
     def __iter__(self) -> Iterator[str]:
         return self
 
     def __next__(self) -> str:
-        return next(self._pieces)
+        return next(self._run)
 
     def close(self, finish_reason: str = "cancelled") -> None:
         """End the generation now; `result` keeps what was streamed, with this finish_reason."""
         self._close_reason = finish_reason
-        self._pieces.close()
+        self._run.close()
         self._finish(finish_reason)
 
     def _finish(self, reason: str) -> None:

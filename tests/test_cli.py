@@ -93,7 +93,8 @@ def test_text_prompt_without_a_tokenizer():
 
 
 @pytest.mark.parametrize("args,fragment", [
-    (["--top-p", 0], "--top-p must be in (0, 1]"), (["--top-p", 1.5], "--top-p"), (["--temperature", "nan"], "--temperature"),
+    (["--top-p", 0], "--top-p must be in (0, 1]"), (["--top-p", 1.5], "--top-p"),
+    (["--temperature", "nan"], "--temperature"),
     (["--top-k", 3_000_000_000], "--top-k must be an integer from 0 (off) to 2147483647"),
     (["--top-k", -1], "--top-k"), (["--max-new-tokens", -1], "--max-new-tokens"), (["--seed", -1], "--seed"),
     (["--max-seq-len", 1], "--max-seq-len must be an integer from 2"),
@@ -107,7 +108,8 @@ def test_bad_options_are_refused_before_the_weights_load(tmp_path, args, fragmen
 
 
 @pytest.mark.parametrize("changes,fragment", [
-    ({"head_dim": 96, "num_heads": 4, "num_kv_heads": 2, "hidden_size": 384}, "head_dim 96 is not supported by cullama's kernels"),
+    ({"head_dim": 96, "num_heads": 4, "num_kv_heads": 2, "hidden_size": 384},
+     "head_dim 96 is not supported by cullama's kernels"),
     ({"num_heads": 16, "num_kv_heads": 1, "head_dim": 16}, "not supported by cullama's kernels"),
     ({"vocab_size": 8}, "token id 9 is outside the vocabulary [0, 8)"),
 ])
