@@ -67,8 +67,8 @@ def bench(model_dir, synthetic, device, lengths, samples, warmup, prompt_len, ma
     if model_dir is None and synthetic is None:
         synthetic = "llama-2-7b" if dev == "cuda" else "tiny"
     if fallback:
-        BenchProgress.note(f"no GPU ({fallback[0]}): running the protocol on the CPU"
-                           + (" with the tiny preset (--device cpu --synthetic tiny)" if synthetic == "tiny" else ""))
+        tiny = " (the tiny preset: --device cpu --synthetic tiny)" if synthetic == "tiny" else ""
+        BenchProgress.note(f"note: {fallback[0]}{tiny}")
     config = read_config(model_dir) if model_dir is not None else preset(synthetic)
     check_supported(device_config(config))
     protocol.check_options(lengths, samples, warmup, prompt_len, max_seq_len or config.max_seq_len)

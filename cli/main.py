@@ -191,7 +191,7 @@ def pick_device(device: str) -> str:
     """The device to load on; `auto` on a machine without a usable GPU says so, and why, before loading."""
     from ..device import resolve
 
-    return resolve(device, on_fallback=lambda why: note(f"no GPU ({why}): running on the CPU"))
+    return resolve(device, on_fallback=note)
 
 
 def load(model_dir, device, max_seq_len, tokenizer, check=None):

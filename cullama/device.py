@@ -29,8 +29,8 @@ def cuda_status() -> tuple[bool, str]:
 
 
 def resolve(device: str, on_fallback: Callable[[str], None] | None = None) -> str:
-    """'auto' -> 'cuda' when a GPU is usable, else 'cpu' (telling `on_fallback` why there is no GPU);
-    'cuda' without a GPU is an error."""
+    """'auto' -> 'cuda' when a GPU is usable, else 'cpu', and then `on_fallback` hears it in a line for the
+    user: "running on the CPU: <why there is no GPU>". 'cuda' without a GPU is an error."""
     if device not in DEVICES:
         raise DeviceError(f"--device {device!r} is not one of {', '.join(DEVICES)}")
     if device == "cpu":
@@ -41,7 +41,7 @@ def resolve(device: str, on_fallback: Callable[[str], None] | None = None) -> st
     if device == "cuda":
         raise DeviceError(f"--device cuda: {why}")
     if on_fallback is not None:
-        on_fallback(why)
+        on_fallback(f"running on the CPU: {why}")
     return "cpu"
 
 

@@ -55,7 +55,7 @@ class Llama:
         ids of the model's vocabulary), `check(config, tokenizer, context)` (the caller's own, e.g. its
         prompt), the checkpoint's files and tensors, and the memory the KV cache and the weights need."""
         notes: list[str] = []
-        device = devices.resolve(device, on_fallback=lambda why: notes.append(f"no GPU ({why}): running on the CPU"))
+        device = devices.resolve(device, on_fallback=notes.append)
         config = read_config(path)
         plans.check_supported(device_config(config))
         seq_len = _context(config, max_seq_len)

@@ -232,7 +232,7 @@ def test_auto_says_when_it_falls_back_to_the_cpu(stories_dir, monkeypatch):
 
     monkeypatch.setattr(device, "cuda_status", lambda: (False, "no NVIDIA GPU found"))
     llm = cullama.Llama.from_pretrained(stories_dir, device="auto")
-    assert llm.device == "cpu" and llm.notes[0] == "no GPU (no NVIDIA GPU found): running on the CPU"
+    assert llm.device == "cpu" and llm.notes[0] == "running on the CPU: no NVIDIA GPU found"
 
 
 # -- chat history ---------------------------------------------------------------------------------------

@@ -248,3 +248,13 @@ def test_bench_ctrl_c_exits_130(monkeypatch):
     monkeypatch.setattr(bench, "run", interrupted)
     result = CliRunner().invoke(main, SMALL_RUN)
     assert result.exit_code == 130 and result.stderr.splitlines()[-1] == "interrupted"
+
+
+def test_auto_says_when_the_protocol_runs_on_the_cpu(monkeypatch):
+    from cullama import device
+
+    monkeypatch.setattr(device, "cuda_status", lambda: (False, "no NVIDIA GPU found"))
+    result = CliRunner().invoke(main, ["bench", "--lengths", "3", "--samples", "3", "--warmup", "0"])
+    assert result.exit_code == 0, result.output
+    assert result.stderr.splitlines()[0] == \
+        "note: running on the CPU: no NVIDIA GPU found (the tiny preset: --device cpu --synthetic tiny)"

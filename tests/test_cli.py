@@ -250,7 +250,7 @@ def test_auto_says_when_it_runs_on_the_cpu(stories_dir, monkeypatch):
     monkeypatch.setattr(device, "cuda_status", lambda: (False, "no NVIDIA GPU found"))
     result = run("generate", "--model", stories_dir, "--max-new-tokens", 3, "")
     assert result.exit_code == 0
-    assert result.stderr.splitlines()[0] == "note: no GPU (no NVIDIA GPU found): running on the CPU"
+    assert result.stderr.splitlines()[0] == "note: running on the CPU: no NVIDIA GPU found"
 
 
 def test_stdin_that_is_not_utf8_is_decoded_with_a_note(stories_dir):
