@@ -20,7 +20,7 @@ from .checkpoint import Checkpoint, expected_shapes
 from .config import LlamaConfig
 from .errors import PromptError
 from .ops import fill as fill_twin
-from .prefill_kernels import PrefillKernels
+from .prefill_kernels import PrefillKernels, default_for
 from .registry import KernelSpec
 from .sampling import Sampler, SamplingParams
 
@@ -113,7 +113,7 @@ class PlanRunner:
         backend.set("rope", plans.rope_table(cfg, max_seq_len))
         self.decode = plans.decode_plan(cfg, max_seq_len)
         self._prefills: dict[tuple, plans.Plan] = {}
-        self.prefill_kernels = PrefillKernels()  # the GEMM and attention of the prompt path: set_prefill_kernels
+        self.prefill_kernels = default_for(getattr(backend, "arch", None))  # the prompt path's GEMM and attention
         self.cached: list[int] = []  # the ids whose K and V are in the cache, at positions 0..len - 1
         self.last: int | None = None  # the last sampled token: the next decode step's input
         self._queued: int | None = None  # the token slot of a decode step already queued for `last`
