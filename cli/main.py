@@ -190,9 +190,7 @@ def chat(model_dir, system, device, max_seq_len, tokenizer, as_json, **kwargs):
 @main.command()
 def info():
     """Python, NumPy, CuPy, NVRTC and the GPU (or why there is none)."""
-    from ..device import environment
-
-    from ..device import two_cupys_warning
+    from ..device import environment, two_cupys_warning
 
     env = environment()
     for key, value in env.items():

@@ -1,7 +1,7 @@
 """Which kernels a prefill plan launches: the GEMM and the causal attention, each with its geometry.
 
 Two GEMMs compute cullama/ops/gemm.py's function, with the same parameters and split-K contract:
-    mma     gemm.cu: mma.sync m16n8k16, 64 x 128 tiles, three blocks per SM, any GPU from sm_80
+    mma     gemm.cu: mma.sync m16n8k16, 64 x 128 tiles, three blocks per SM (two before sm_90), any GPU from sm_80
     wgmma   gemm_wgmma.cu: Hopper's warpgroup MMA, 128 x 192 tiles, one block per SM, sm_90 only
 A runner starts with default_for(its GPU's arch): PREFERRED, or on a GPU without wgmma (A100, L40S, RTX 4090,
 Blackwell) the same with the mma GEMM.
@@ -15,11 +15,11 @@ from __future__ import annotations
 
 import dataclasses
 
+from . import registry
 from .config import LlamaConfig
 from .errors import KernelError
 from .ops import attention_mma as attention_mma_ops
 from .ops import gemm_wgmma as wgmma_ops
-from . import registry
 from .registry import KernelSpec
 
 SMS = 132  # streaming multiprocessors of the target GPU (H100 / H200 SXM), for the split-K rule

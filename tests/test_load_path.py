@@ -259,7 +259,8 @@ def test_a_gpu_older_than_sm_80_is_refused_in_one_line(fake, monkeypatch):
     monkeypatch.setattr(fake_cupy.device, "compute_capability", "75")
     monkeypatch.setattr(device, "cuda_status", REAL_CUDA_STATUS)
     ok, why = device.cuda_status()
-    assert not ok and why == "the GPU is unusable: sm_75: cullama's kernels need sm_80 (A100) or newer (cp.async, mma.sync)"
+    assert not ok and why == ("the GPU is unusable: sm_75: cullama's kernels need sm_80 (A100) or newer "
+                              "(cp.async, mma.sync)")
     assert device.resolve("auto") == "cpu"
     with pytest.raises(KernelError, match="sm_75: cullama's kernels need sm_80"):
         CudaBackend()

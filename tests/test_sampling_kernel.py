@@ -186,16 +186,16 @@ def test_sampled_kernel_matches_twin(kernels, V, options):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("V", [1000, 33001])
+@pytest.mark.parametrize("V", [517, 33001])
 @pytest.mark.parametrize("nonfinite", NONFINITE)
 @pytest.mark.parametrize("options", [(0.0, 0, 1.0, 1.0), (0.0, 5, 0.5, 1.3), *SAMPLED])
 def test_non_finite_logits_as_the_twin(kernels, V, nonfinite, options):
     """NaN as -inf, +inf tokens sharing the mass, NO_TOKEN (seen untouched, x = 0) where nothing can be drawn:
     the kernel's answer is the twin's, and it never indexes out of bounds (the embedding row, seen[token]).
     A test for the CPU executor of the real kernels too, once it runs them (cullama/emu)."""
-    draws = 20
+    draws = 10
     agree = kernel_vs_twin(kernels, V, options, draws, seed=5, nonfinite=nonfinite)
-    assert agree == draws if nonfinite != "nan" or options[0] == 0 else agree >= 0.85 * draws
+    assert agree == draws if nonfinite != "nan" or options[0] == 0 else agree >= 0.8 * draws
 
 
 @pytest.mark.gpu
