@@ -24,13 +24,12 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import numbers
 from typing import Callable, Sequence
 
 from .drafters import DraftModel, Drafter, PromptLookup
-from .errors import PromptError
-from .generate import GenerationStream, Runner
-from .sampling import SamplingParams
+from .errors import OptionError, PromptError
+from .generate import GenerationOptions, GenerationStream, Runner, RunnerGuard
+from .sampling import SamplingParams, is_int
 
 MAX_DRAFT = 8  # the most drafted tokens one verify step checks (k + 1 <= 9 rows)
 DEFAULT_DRAFT_TOKENS = 4
@@ -83,30 +82,49 @@ class DraftLength:
             self.k = max(self.k - 1, 1)
 
 
-def draft_length(draft_tokens: int | None, adaptive: bool) -> DraftLength:
-    """The DraftLength for the API's options; PromptError naming the option otherwise."""
-    k = DEFAULT_DRAFT_TOKENS if draft_tokens is None else draft_tokens
-    if not isinstance(k, numbers.Integral) or isinstance(k, bool) or not 1 <= k <= MAX_DRAFT:
-        raise PromptError(f"draft_tokens must be an integer from 1 to {MAX_DRAFT}, got {draft_tokens!r}")
-    if not isinstance(adaptive, bool):
-        raise PromptError(f"adaptive_draft must be True or False, got {adaptive!r}")
-    return DraftLength(int(k), adaptive)
+@dataclasses.dataclass(frozen=True)
+class SpeculativeOptions:
+    """`Llama.stream`'s speculative keywords, checked before anything runs (OptionError names the option)."""
 
+    method: object  # "ngram", "draft", or a drafter object (cullama.drafters)
+    draft_tokens: int = DEFAULT_DRAFT_TOKENS
+    adaptive: bool = False
 
-def make_drafter(speculative, draft_runner=None, reuse_cache: bool = False) -> Drafter:
-    """The drafter `speculative=` names ("ngram", "draft"), or the Drafter object given (e.g. Replay).
-    With `reuse_cache` the draft model too keeps the prefix its KV cache holds from the last generation."""
-    if speculative == "ngram":
-        return PromptLookup()
-    if speculative == "draft":
-        if draft_runner is None:
-            raise PromptError("speculative='draft' needs a draft model: Llama.from_pretrained(..., draft_model=DIR) "
-                              "(--draft-model DIR)")
-        return DraftModel(draft_runner, reuse_cache)
-    if isinstance(speculative, str) or not all(hasattr(speculative, m) for m in ("name", "reset", "extend", "propose")):
-        raise PromptError(f"speculative must be one of {', '.join(map(repr, METHODS))} or a drafter, "
-                          f"got {speculative!r}")
-    return speculative
+    @classmethod
+    def checked(cls, speculative, draft_tokens: int | None = None,
+                adaptive_draft: bool = False) -> "SpeculativeOptions | None":
+        """None for plain decoding (speculative=None, which draft_tokens and adaptive_draft cannot go with)."""
+        if speculative is None:
+            if draft_tokens is not None or adaptive_draft is not False:
+                raise OptionError("draft_tokens" if draft_tokens is not None else "adaptive_draft",
+                                  "needs speculative decoding: speculative='ngram' or 'draft'")
+            return None
+        named = isinstance(speculative, str)
+        if named and speculative not in METHODS or \
+                not named and not all(hasattr(speculative, m) for m in ("name", "reset", "extend", "propose")):
+            raise OptionError("speculative", f"must be one of {', '.join(map(repr, METHODS))} or a drafter, "
+                                             f"got {speculative!r}")
+        k = DEFAULT_DRAFT_TOKENS if draft_tokens is None else draft_tokens
+        if not is_int(k) or not 1 <= k <= MAX_DRAFT:
+            raise OptionError("draft_tokens", f"must be an integer from 1 to {MAX_DRAFT}, got {draft_tokens!r}")
+        if not isinstance(adaptive_draft, bool):
+            raise OptionError("adaptive_draft", f"must be True or False, got {adaptive_draft!r}")
+        return cls(speculative, int(k), adaptive_draft)
+
+    def length(self) -> DraftLength:
+        return DraftLength(self.draft_tokens, self.adaptive)
+
+    def drafter(self, draft_runner=None, reuse_cache: bool = False) -> Drafter:
+        """The drafter the method names, or the drafter object given. `draft_runner`: the draft model's
+        runner (for "draft"); with `reuse_cache` it keeps the prefix its cache holds from the last generation."""
+        if self.method == "ngram":
+            return PromptLookup()
+        if self.method == "draft":
+            if draft_runner is None:
+                raise PromptError("speculative='draft' needs a draft model: Llama.from_pretrained(..., "
+                                  "draft_model=DIR) (--draft-model DIR)")
+            return DraftModel(draft_runner, reuse_cache)
+        return self.method
 
 
 # -- the loop --------------------------------------------------------------------------------------
@@ -181,16 +199,14 @@ class SpeculativeDecoder:
 class SpeculativeStream(GenerationStream):
     """A GenerationStream whose tokens come from drafts checked by verify steps (see the module doc)."""
 
-    def __init__(self, runner: Runner, detokenizer, prompt_ids: list[int], max_new_tokens: int,
-                 params: SamplingParams, stop: Sequence[str], eos_ids: Sequence[int], ignore_eos: bool,
-                 reuse_cache: bool = False, *, drafter: Drafter, length: DraftLength):
-        super().__init__(runner, detokenizer, prompt_ids, max_new_tokens, params, stop, eos_ids, ignore_eos,
-                         reuse_cache)
+    def __init__(self, runner: Runner, detokenizer, prompt_ids: list[int], options: GenerationOptions,
+                 eos_ids: Sequence[int], guard: RunnerGuard | None = None, *, drafter: Drafter, length: DraftLength):
+        super().__init__(runner, detokenizer, prompt_ids, options, eos_ids, guard)
         self.decoder = SpeculativeDecoder(runner, drafter, length)
 
-    def _step(self, i: int, budget: int) -> int:
+    def _token(self, i: int, budget: int) -> int:
         if i == 0:
-            return self.decoder.start(self.prompt_ids, self.params, self.reuse_cache)
+            return self.decoder.start(self.prompt_ids, self.options.sampling, self.options.reuse_cache)
         return self.decoder.next(budget)
 
     def _statistics(self) -> dict:

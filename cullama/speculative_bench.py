@@ -23,12 +23,11 @@ import dataclasses
 import math
 import os
 import time
-from pathlib import Path
 from typing import Callable, Sequence
 
 import numpy as np
 
-from .bench import GREEDY, Clock, Progress, _num, prompt_ids, record_header
+from .bench import GREEDY, Clock, Progress, _num, prompt_ids, record_header, write_record
 from .config import LlamaConfig
 from .drafters import Drafter, DraftModel, PromptLookup, Replay
 from .errors import PromptError
@@ -240,9 +239,7 @@ def to_json(result: SpecBenchResult, model: str | None = None) -> dict:
 
 
 def write_json(result: SpecBenchResult, path: str | os.PathLike, model: str | None = None) -> None:
-    import json
-
-    Path(path).write_text(json.dumps(to_json(result, model), indent=1) + "\n")
+    write_record(to_json(result, model), path)
 
 
 def format_report(result: SpecBenchResult, title: str | None = None) -> str:

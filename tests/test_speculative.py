@@ -236,8 +236,8 @@ def test_adaptive_generation_grows_k(stories, stories_expected):
     ({"speculative": "ngram", "draft_tokens": 2.0}, "draft_tokens"),
     ({"speculative": "ngram", "draft_tokens": True}, "draft_tokens"),
     ({"speculative": "ngram", "adaptive_draft": "yes"}, "adaptive_draft"),
-    ({"draft_tokens": 4}, "need speculative="),
-    ({"adaptive_draft": True}, "need speculative="),
+    ({"draft_tokens": 4}, "draft_tokens needs speculative decoding"),
+    ({"adaptive_draft": True}, "adaptive_draft needs speculative decoding"),
 ])
 def test_bad_options_are_prompt_errors(stories, options, needle):
     with pytest.raises(PromptError, match=needle):
@@ -267,3 +267,22 @@ def test_decoder_on_its_own(stories, stories_expected):
         out += burst
     assert out == expected[100:159] and decoder.produced == 60
     assert decoder.stats.steps == decoder.stats.to_dict()["steps"] and speculative.MAX_DRAFT == 8
+
+
+def test_one_generation_at_a_time(stories, stories_expected):
+    """A newer generation ends a speculative stream mid-burst, as it ends a plain one; the model stays usable."""
+    from cullama.errors import SupersededError
+
+    expected = stories_expected["ids"]
+    stream = stories.stream("", max_new_tokens=60, speculative=Replay(expected), draft_tokens=8)
+    first = next(stream)
+    while not stream.decoder._burst:  # until a burst is half handed out
+        first += next(stream)
+    assert stream.decoder.produced == 10
+    other = stories.generate([1, 403], max_new_tokens=5, speculative="ngram")
+    with pytest.raises(SupersededError):
+        next(stream)
+    assert stream.result.finish_reason == "cancelled" and stream.result.text == first
+    assert stream.result.speculative["steps"] == 1
+    assert other.token_ids == stories.generate([1, 403], max_new_tokens=5).token_ids
+    assert stories.generate("", max_new_tokens=20, speculative="draft").token_ids == expected[:20]
