@@ -228,7 +228,8 @@ def test_report_targets_pass_then_fail(spec_record, tmp_path, capsys):
     for r in good["results"]:
         r["mean_ms"] = 0.75
     text = spec_report(tmp_path / "good", good, capsys)
-    assert target(text, "verify step, k = 4") == ("1.080x the plain step (3.200 ms) at context 500", "PASS")
+    assert target(text, "verify step, k = 4") == ("1.080x the plain step (3.200 ms; speculative.json, verify() "
+                                                  "calls) at context 500", "PASS")
     assert target(text, "verify step, k = 8")[1] == target(text, "replay (every draft accepted)")[1] == "PASS"
 
     def flipped(edit, start, needle):
@@ -246,3 +247,20 @@ def test_report_targets_pass_then_fail(spec_record, tmp_path, capsys):
     assert flipped(lambda r: r["verify"].update(context=300), "verify step, k = 4", "not the target's 500") == "PASS"
     assert flipped(lambda r: r["options"].update(draft_tokens=8), "replay", "not replay with k=4") == "—"
     assert flipped(lambda r: r["verify"].update(rows=[]), "verify step, k = 8", "no k=8 verify time") == "—"
+
+
+def test_report_verify_targets_prefer_the_decode_steps_graph_timings(spec_record, tmp_path, capsys):
+    from test_summarize import report, target
+
+    decode = {"verify": {"context": 500, "steps": 20, "plain_ms": 3.1,
+                         "rows": [{"k": 4, "replay_ms": 3.35, "verify_ms": 3.5, "x_plain": 1.081},
+                                  {"k": 8, "replay_ms": 3.9, "verify_ms": 4.1, "x_plain": 1.258}]}}
+    directory = tmp_path / "both"
+    directory.mkdir()
+    (directory / "speculative.json").write_text(json.dumps(spec_record))  # the stand-in: never judged
+    (directory / "decode.json").write_text(json.dumps(decode))
+    text = report(directory, capsys)
+    assert target(text, "verify step, k = 4") == ("1.081x the plain step (3.350 ms; decode.json, its graph "
+                                                  "replayed) at context 500", "PASS")
+    assert target(text, "verify step, k = 8")[1] == "FAIL"
+    assert target(text, "replay (every draft accepted)")[1] == "—"
