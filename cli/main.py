@@ -189,7 +189,8 @@ def chat(model_dir, system, device, max_seq_len, tokenizer, as_json, **kwargs):
 
 @main.command()
 @click.option("--model", "model_dir", required=True, type=click.Path(), help="HF LLaMA checkpoint directory.")
-@click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on (loopback: this machine only).")
+@click.option("--host", default="127.0.0.1", show_default=True,
+              help="Address to listen on (loopback: this machine only).")
 @click.option("--port", default=8000, show_default=True, type=click.IntRange(0, 65535), help="0 = any free port.")
 @click.option("--device", default="auto", show_default=True, type=click.Choice(["auto", "cpu", "cuda"]))
 @click.option("--max-seq-len", type=int, help="Context to allocate (default: the model's).")

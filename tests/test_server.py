@@ -114,7 +114,8 @@ def test_models_are_listed(client):
 # 16 requests of every kind: completions and chat, streamed or not, greedy or seeded sampling, stop strings.
 SPECS = [
     {"chat": i % 4 == 3, "stream": i % 2 == 1, "max_tokens": 6 + i % 5,
-     "temperature": 0.0 if i % 3 == 0 else 0.9, "seed": 100 + i, "top_k": (0, 40)[i % 2], "top_p": (1.0, 0.9)[i % 3 == 2],
+     "temperature": 0.0 if i % 3 == 0 else 0.9, "seed": 100 + i, "top_k": (0, 40)[i % 2],
+     "top_p": (1.0, 0.9)[i % 3 == 2],
      "stop": [" the"] if i % 5 == 4 else None,
      "prompt": [1, 403, 407, 261, 378, 432][: 1 + i % 6] if i % 4 != 1 else f"Story number {i}:"}
     for i in range(16)

@@ -14,8 +14,10 @@ import ipaddress
 import signal
 import socket
 import sys
+import threading
 import traceback
 from pathlib import Path
+from typing import Callable
 
 import uvicorn
 
@@ -78,7 +80,8 @@ def _exit_zero(signum, frame):
 def serve(model_dir: str, host: str = "127.0.0.1", port: int = 8000, device: str = "auto",
           max_seq_len: int | None = None, served_model_name: str | None = None, max_queue: int = 64,
           api_key: str | None = None, tokenizer: str | None = None) -> int:
-    """Serve until SIGINT or SIGTERM; the exit status (0, or 2 / 1 when the model failed to load)."""
+    """Serve a checkpoint directory until SIGINT or SIGTERM; the exit status (0, or 2 / 1 when the model
+    failed to load)."""
     from ..llama import Llama
 
     config = read_config(model_dir)  # a wrong directory is an error now, not after the socket is up
@@ -87,17 +90,22 @@ def serve(model_dir: str, host: str = "127.0.0.1", port: int = 8000, device: str
                          "and back, so it needs one (or name one with --tokenizer)")
     name = served_model_name or Path(model_dir).resolve().name
     settings = Settings(model_name=name, context=max_seq_len or config.max_seq_len, api_key=api_key or None)
+    return run(lambda: Llama.from_pretrained(model_dir, device=device, max_seq_len=max_seq_len,
+                                             tokenizer=tokenizer), settings, host, port, max_queue)
 
+
+def run(load: Callable[[], object], settings: Settings, host: str, port: int, max_queue: int) -> int:
+    """Listen, then load the model with `load()` on the engine thread, and serve until SIGINT or SIGTERM."""
     metrics = Metrics()
 
-    def load():
-        llm = Llama.from_pretrained(model_dir, device=device, max_seq_len=max_seq_len, tokenizer=tokenizer)
+    def load_and_say():
+        llm = load()
         for note in llm.notes:
             print(f"note: {note}", file=sys.stderr)
-        print(f"cullama serve: {name} is ready on {llm.device}", file=sys.stderr, flush=True)
+        print(f"cullama serve: {settings.model_name} is ready on {llm.device}", file=sys.stderr, flush=True)
         return llm
 
-    engine = Engine(load, max_queue, metrics)
+    engine = Engine(load_and_say, max_queue, metrics)
     sock = listen(host, port)
     if not settings.api_key and not is_loopback(host):
         print(f"warning: cullama serve listens on {host} without an API key: anyone who can reach this port "
@@ -117,10 +125,13 @@ def serve(model_dir: str, host: str = "127.0.0.1", port: int = 8000, device: str
             status = 1
         server.should_exit = True
 
-    print(f"cullama serve: listening on {url(sock)} (model {name}, loading)", file=sys.stderr, flush=True)
+    print(f"cullama serve: listening on {url(sock)} (model {settings.model_name}, loading)", file=sys.stderr,
+          flush=True)
     # uvicorn catches SIGINT/SIGTERM while it runs, shuts down, then raises the signal again: SIGINT
-    # becomes a KeyboardInterrupt, SIGTERM (here, also before uvicorn runs) a clean exit.
-    signal.signal(signal.SIGTERM, _exit_zero)
+    # becomes a KeyboardInterrupt, SIGTERM (here, also before uvicorn runs) a clean exit. Only the main
+    # thread handles signals (off it, uvicorn leaves them alone too).
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, _exit_zero)
     engine.start(load_failed)
     try:
         server.run(sockets=[sock])
