@@ -58,7 +58,7 @@ def test_greedy_completion_from_bos_is_the_documented_text(client, stories_expec
 
 
 def test_streamed_chunks_concatenate_to_the_whole_answer(client):
-    args = dict(model=MODEL, prompt=ONCE, max_tokens=40, temperature=0)
+    args = dict(model=MODEL, prompt=ONCE, max_tokens=24, temperature=0)
     whole = client.completions.create(**args)
     chunks = list(client.completions.create(**args, stream=True, stream_options={"include_usage": True}))
     choices = [c.choices[0] for c in chunks if c.choices]
@@ -89,16 +89,16 @@ def test_a_stop_string_split_across_tokens_never_leaks_into_the_stream(server, o
 
 def test_chat_streams_and_finishes_through_the_llama2_template(client, oracle):
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Tell me a story."}]
-    expected = oracle.generate(oracle.chat_ids(messages), max_new_tokens=24)
-    chunks = list(client.chat.completions.create(model=MODEL, messages=messages, max_tokens=24, temperature=0,
+    expected = oracle.generate(oracle.chat_ids(messages), max_new_tokens=12)
+    chunks = list(client.chat.completions.create(model=MODEL, messages=messages, max_tokens=12, temperature=0,
                                                  stream=True, stream_options={"include_usage": True}))
     deltas = [c.choices[0] for c in chunks if c.choices]
     assert deltas[0].delta.role == "assistant"
     assert "".join(d.delta.content or "" for d in deltas) == expected.text
     assert deltas[-1].finish_reason == "length" and all(d.finish_reason is None for d in deltas[:-1])
     assert chunks[-1].usage.prompt_tokens == len(oracle.chat_ids(messages))
-    assert chunks[-1].usage.completion_tokens == 24
-    whole = client.chat.completions.create(model=MODEL, messages=messages, max_completion_tokens=24,
+    assert chunks[-1].usage.completion_tokens == 12
+    whole = client.chat.completions.create(model=MODEL, messages=messages, max_completion_tokens=12,
                                            temperature=0)
     assert whole.choices[0].message.role == "assistant" and whole.choices[0].message.content == expected.text
     assert whole.object == "chat.completion" and whole.id.startswith("chatcmpl-")
