@@ -273,6 +273,17 @@ def test_after_bad_requests_a_wrong_method_is_405_and_a_normal_request_still_wor
     assert out.choices[0].text == "Once upon a time"
 
 
+def test_null_fields_mean_their_defaults_as_in_openais_api(server):
+    nulls = dict.fromkeys(("max_tokens", "temperature", "top_p", "top_k", "repetition_penalty", "seed", "stop",
+                           "stream", "stream_options", "n", "user", "ignore_eos", "logprobs", "model"))
+    status, _, raw = server.request("POST", "/v1/completions", {**nulls, "prompt": [1]})
+    assert status == 200
+    assert json.loads(raw)["usage"]["completion_tokens"] == 16  # OpenAI's default max_tokens for completions
+    chat = {**nulls, "max_completion_tokens": 3, "messages": [{"role": "user", "content": "hi"}]}
+    status, _, raw = server.request("POST", "/v1/chat/completions", chat)
+    assert status == 200 and json.loads(raw)["usage"]["completion_tokens"] <= 3
+
+
 def test_metrics_parse_as_prometheus_text_and_move_with_the_requests(server, client):
     status, headers, _ = server.request("GET", "/metrics")
     assert status == 200 and headers["content-type"].startswith("text/plain; version=0.0.4")

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -126,9 +127,16 @@ def test_a_signal_stops_accepting_ends_the_running_and_waiting_requests_and_exit
 
 
 def test_a_model_directory_that_is_not_one_fails_before_listening(tmp_path):
-    done = run_serve("--model", str(tmp_path / "nothing"))
+    done = run_serve("--model", str(tmp_path / "nothing"), "--port", "0")
     assert done.returncode == 2 and done.stderr.startswith("error: ") and "listening" not in done.stderr
     assert "Traceback" not in done.stderr
+
+
+def test_a_port_in_use_is_one_line_and_exit_2(stories_dir):
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        done = run_serve("--model", str(stories_dir), "--port", str(taken.getsockname()[1]))
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    assert done.stderr.startswith("error: cannot listen on 127.0.0.1:") and "in use" in done.stderr
 
 
 def test_weights_that_fail_to_load_end_the_server_with_exit_2_and_no_key_off_loopback_warns(stories_dir, tmp_path):
@@ -138,7 +146,7 @@ def test_weights_that_fail_to_load_end_the_server_with_exit_2_and_no_key_off_loo
     broken.mkdir()
     for name in ("config.json", "tokenizer.model"):
         (broken / name).symlink_to(stories_dir / name)
-    done = run_serve("--model", str(broken), "--host", "0.0.0.0", "--device", "cpu")
+    done = run_serve("--model", str(broken), "--host", "0.0.0.0", "--port", "0", "--device", "cpu")
     assert done.returncode == 2, done.stderr
     assert "listening on http://0.0.0.0:" in done.stderr
     assert "warning: cullama serve listens on 0.0.0.0 without an API key" in done.stderr
@@ -147,5 +155,4 @@ def test_weights_that_fail_to_load_end_the_server_with_exit_2_and_no_key_off_loo
 
 def run_serve(*args: str) -> subprocess.CompletedProcess:
     """A server that is expected to exit by itself."""
-    return subprocess.run([sys.executable, "-c", CLI, "serve", "--port", "0", *args], capture_output=True,
-                          text=True, timeout=60)
+    return subprocess.run([sys.executable, "-c", CLI, "serve", *args], capture_output=True, text=True, timeout=60)

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
+from pydantic import (BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, ValidationInfo,
+                      field_validator)
 
 Number = Annotated[float, Field(strict=True, allow_inf_nan=False)]  # a JSON number; true/"1" are not
 MaxTokens = Annotated[StrictInt, Field(ge=1)]
@@ -74,6 +75,13 @@ class GenerationRequest(BaseModel):
     stream_options: StreamOptions | None = None
     n: StrictInt = 1
     user: StrictStr | None = None  # accepted and ignored
+
+    @field_validator("max_tokens", "temperature", "top_p", "top_k", "repetition_penalty", "ignore_eos", "stream",
+                     "n", mode="before")
+    @classmethod
+    def null_is_the_default(cls, value, info: ValidationInfo):
+        # OpenAI's API takes null for "not given", and clients send it so.
+        return cls.model_fields[info.field_name].default if value is None else value
 
     def check(self) -> None:
         """Raise ApiError (400, naming the field) for what the types allow but cullama does not serve."""
