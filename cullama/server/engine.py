@@ -205,6 +205,8 @@ class Engine:
         if job.stop_reason is not None:
             return self._finish(job, Stopped(job.stop_reason))
         result = stream.result
+        if result.finish_reason not in ("eos", "stop", "length"):  # a way to end that no request asked for
+            return self._finish(job, Failed(f"the generation ended early ({result.finish_reason})"))
         self.metrics.completed(len(result.token_ids), started - job.arrived + result.timings.prefill_s,
                                result.timings.token_s)
         self._finish(job, Finished(result.finish_reason, len(job.prompt_ids), len(result.token_ids)))
