@@ -132,6 +132,14 @@ def test_a_model_directory_that_is_not_one_fails_before_listening(tmp_path):
     assert "Traceback" not in done.stderr
 
 
+def test_without_the_serve_extra_the_command_says_how_to_get_it(stories_dir):
+    hide_fastapi = "import sys; sys.modules['fastapi'] = None; "  # as if it were not installed
+    done = subprocess.run([sys.executable, "-c", hide_fastapi + CLI, "serve", "--model", str(stories_dir)],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    assert done.stderr.startswith("error: cullama serve needs the serve extra (pip install 'cullama[serve]')")
+
+
 def test_a_port_in_use_is_one_line_and_exit_2(stories_dir):
     with socket.create_server(("127.0.0.1", 0)) as taken:
         done = run_serve("--model", str(stories_dir), "--port", str(taken.getsockname()[1]))
