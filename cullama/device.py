@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import platform
 import sys
+from typing import Callable
 
 import numpy as np
 
@@ -27,8 +28,9 @@ def cuda_status() -> tuple[bool, str]:
     return True, f"{count} GPU(s)"
 
 
-def resolve(device: str) -> str:
-    """'auto' -> 'cuda' when a GPU is usable, else 'cpu'; 'cuda' without a GPU is an error."""
+def resolve(device: str, on_fallback: Callable[[str], None] | None = None) -> str:
+    """'auto' -> 'cuda' when a GPU is usable, else 'cpu', and then `on_fallback` hears it in a line for the
+    user: "running on the CPU: <why there is no GPU>". 'cuda' without a GPU is an error."""
     if device not in DEVICES:
         raise DeviceError(f"--device {device!r} is not one of {', '.join(DEVICES)}")
     if device == "cpu":
@@ -38,6 +40,8 @@ def resolve(device: str) -> str:
         return "cuda"
     if device == "cuda":
         raise DeviceError(f"--device cuda: {why}")
+    if on_fallback is not None:
+        on_fallback(f"running on the CPU: {why}")
     return "cpu"
 
 

@@ -19,9 +19,10 @@ import os
 
 import numpy as np
 
-from .errors import PromptError
+from .errors import OptionError
 
 MASK64 = (1 << 64) - 1
+INT32_MAX = (1 << 31) - 1
 GOLDEN64 = 0x9E3779B97F4A7C15  # 2**64 / golden ratio: splitmix64's increment
 # Below this, l / temperature can overflow float32 (inf - inf = NaN) for large logits, and the
 # distribution is greedy in all but name anyway.
@@ -37,38 +38,38 @@ class SamplingParams:
     seed: int | None = None  # None: drawn from os.urandom once, then fixed for the generation
 
     def validate(self) -> None:
-        """Raise PromptError, one line naming the option, for a request `sample` cannot serve."""
+        """Raise OptionError, one line naming the option, for a request `sample` cannot serve."""
         for name in ("temperature", "top_p", "repetition_penalty"):
             value = getattr(self, name)
             # NaN compares False with everything, so it would slip past the range checks below.
-            if not _is_real(value) or not math.isfinite(value):
-                raise PromptError(f"{name} must be a finite number, got {value!r}")
+            if not is_real(value) or not math.isfinite(value):
+                raise OptionError(name, f"must be a finite number, got {value!r}")
         if self.temperature < 0:
-            raise PromptError(f"temperature must be >= 0 (0 = greedy), got {self.temperature!r}")
+            raise OptionError("temperature", f"must be >= 0 (0 = greedy), got {self.temperature!r}")
         if 0 < self.temperature < MIN_TEMPERATURE:
-            raise PromptError(f"temperature must be 0 (greedy) or at least {MIN_TEMPERATURE}, "
+            raise OptionError("temperature", f"must be 0 (greedy) or at least {MIN_TEMPERATURE}, "
                               f"got {self.temperature!r}")
-        if not _is_int(self.top_k) or self.top_k < 0:
-            raise PromptError(f"top_k must be an integer >= 0 (0 = off), got {self.top_k!r}")
+        # The device keeps top_k in an int32 (a top_k at or above the vocabulary is off, as 0 is).
+        if not is_int(self.top_k) or not 0 <= self.top_k <= INT32_MAX:
+            raise OptionError("top_k", f"must be an integer from 0 (off) to {INT32_MAX}, got {self.top_k!r}")
         if not 0 < self.top_p <= 1:
-            raise PromptError(f"top_p must be in (0, 1] (1 = off), got {self.top_p!r}")
+            raise OptionError("top_p", f"must be in (0, 1] (1 = off), got {self.top_p!r}")
         if self.repetition_penalty <= 0:
-            raise PromptError(f"repetition_penalty must be > 0 (1 = off), "
-                              f"got {self.repetition_penalty!r}")
+            raise OptionError("repetition_penalty", f"must be > 0 (1 = off), got {self.repetition_penalty!r}")
         # The device takes the seed as a uint64.
-        if self.seed is not None and (not _is_int(self.seed) or not 0 <= self.seed <= MASK64):
-            raise PromptError(f"seed must be an integer in [0, 2**64), got {self.seed!r}")
+        if self.seed is not None and (not is_int(self.seed) or not 0 <= self.seed <= MASK64):
+            raise OptionError("seed", f"must be an integer in [0, 2**64), got {self.seed!r}")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
 
 
-def _is_real(value) -> bool:
+def is_real(value) -> bool:
     return isinstance(value, numbers.Real) and not isinstance(value, bool)
 
 
-def _is_int(value) -> bool:
+def is_int(value) -> bool:
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
