@@ -22,6 +22,7 @@ MODEL = "stories260K"  # the served name defaults to the model directory's name
 ONCE = [1, 403, 407, 261, 378]  # BOS "Once upon a time" as the model writes it (its tokenizer.model only decodes)
 CANCELLED = 'cullama_requests_total{outcome="cancelled"}'
 COMPLETED = 'cullama_requests_total{outcome="completed"}'
+GENERATED = "cullama_generation_tokens_total"
 
 
 @pytest.fixture(scope="module")
@@ -151,14 +152,20 @@ def ask(client, spec, disconnect_after: int | None = None) -> tuple[str, str | N
 
 
 @pytest.fixture(scope="module")
-def sequential_answers(oracle):
-    answers = []
+def sequential(oracle) -> list:
+    """The Generation of each spec, run alone by the library."""
+    out = []
     for spec in SPECS:
         prompt = oracle.chat_ids(messages_of(spec)) if spec["chat"] else spec["prompt"]
-        out = oracle.generate(prompt, max_new_tokens=spec["max_tokens"], temperature=spec["temperature"],
-                              seed=spec["seed"], top_k=spec["top_k"], top_p=spec["top_p"], stop=spec["stop"] or ())
-        answers.append((out.text, {"eos": "stop"}.get(out.finish_reason, out.finish_reason)))
-    return answers
+        out.append(oracle.generate(prompt, max_new_tokens=spec["max_tokens"], temperature=spec["temperature"],
+                                   seed=spec["seed"], top_k=spec["top_k"], top_p=spec["top_p"],
+                                   stop=spec["stop"] or ()))
+    return out
+
+
+@pytest.fixture(scope="module")
+def sequential_answers(sequential) -> list[tuple[str, str]]:
+    return [(g.text, {"eos": "stop"}.get(g.finish_reason, g.finish_reason)) for g in sequential]
 
 
 class QueueWatch:
@@ -193,9 +200,9 @@ def test_sixteen_concurrent_clients_each_get_their_sequential_answer(server, cli
 
 
 def test_four_clients_leaving_mid_stream_leave_the_others_unharmed_and_the_engine_free(
-        server, client, sequential_answers):
+        server, client, sequential, sequential_answers):
     # Each leaver asks for 400 tokens (seconds on this CPU) and leaves after 3 chunks; the twelve others
-    # queue between them. Were a leaver not cancelled, it would end "completed" instead of "cancelled".
+    # queue between them. A leaver not cancelled would end "completed", and late, with hundreds of tokens.
     leaver = {"chat": False, "stream": True, "max_tokens": 400, "temperature": 0.0, "seed": 1, "top_k": 0,
               "top_p": 1.0, "stop": None, "prompt": [1]}
     jobs = [(leaver, 3) if i % 4 == 0 else (SPECS[i], None) for i in range(16)]
@@ -210,6 +217,9 @@ def test_four_clients_leaving_mid_stream_leave_the_others_unharmed_and_the_engin
     after = server.wait_metric(CANCELLED, lambda v: v >= before[CANCELLED] + 4)
     assert after[CANCELLED] - before[CANCELLED] == 4
     assert after[COMPLETED] - before[COMPLETED] == 12
+    others = sum(len(g.token_ids) for (_, leaves), g in zip(jobs, sequential) if leaves is None)
+    leavers = after[GENERATED] - before[GENERATED] - others
+    assert 4 * 3 <= leavers < 4 * 100  # of 4 * 400: each stopped soon after its client left
     after = server.wait_metric("cullama_generation_running", lambda v: v == 0)
     assert after["cullama_queue_depth"] == 0
     assert ask(client, SPECS[0]) == sequential_answers[0]
@@ -224,6 +234,7 @@ def test_a_client_leaving_a_non_streamed_request_cancels_it(server):
         server.wait_metric("cullama_generation_running", lambda v: v == 1)
     after = server.wait_metric(CANCELLED, lambda v: v == before[CANCELLED] + 1)
     assert after[COMPLETED] == before[COMPLETED]
+    assert after[GENERATED] - before[GENERATED] < 100  # of 400: it stopped soon after its client left
     server.wait_metric("cullama_generation_running", lambda v: v == 0)
 
 

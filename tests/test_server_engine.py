@@ -80,28 +80,39 @@ def test_jobs_run_one_at_a_time_in_arrival_order_each_with_its_own_answer(llm):
     engine.join(10)
 
 
-def test_the_queue_is_bounded_and_cancelling_frees_a_place_or_the_engine(llm):
+def test_the_queue_is_bounded_and_cancelling_frees_a_place_or_the_engine(llm, monkeypatch):
+    inside, release = threading.Event(), threading.Event()
+    real_next = llm.runner.next
+
+    def held_next(*args, **kwargs):  # the engine waits inside a decode step until the test lets it go
+        inside.set()
+        release.wait(30)
+        return real_next(*args, **kwargs)
+
+    monkeypatch.setattr(llm.runner, "next", held_next)
     engine = started(llm, max_queue=1)
 
     async def main():
         loop = asyncio.get_running_loop()
         long, waiting, third = Job([1], options(400), loop), Job([1], options(3), loop), Job([1], options(3), loop)
         engine.submit(long)
-        assert isinstance(await long.next_event(), Piece)  # it runs
+        await asyncio.to_thread(inside.wait, 30)  # it runs: its second token is being computed
         engine.submit(waiting)  # the one place in the queue
         with pytest.raises(Busy, match="--max-queue 1"):
             engine.submit(third)
         engine.cancel(waiting)  # leaves the queue at once
         assert await waiting.next_event() == Stopped("cancelled")
         engine.submit(third)
-        engine.cancel(long)  # stops between two tokens
-        tail = await events_of(long)
-        assert tail[-1] == Stopped("cancelled") and len(tail) <= 2  # at most the token being computed
+        engine.cancel(long)  # stops once the token being computed is done
+        release.set()
+        events = await events_of(long)
+        assert events[-1] == Stopped("cancelled") and [e.text for e in events[:-1]] == ["Once"]
         assert isinstance((await events_of(third))[-1], Finished)  # and the next job runs
         engine.cancel(third)  # a finished job: nothing happens
 
     asyncio.run(main())
     assert engine.metrics.requests["cancelled"] == 2 and engine.metrics.requests["completed"] == 1
+    assert engine.metrics.generated_tokens == 2 + 3  # `long`: the token before the cancel and the one under way
     engine.stop()
     engine.join(10)
 

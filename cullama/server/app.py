@@ -18,15 +18,15 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from ..errors import CullamaError
-from ..sampling import SamplingParams
+from ..errors import CullamaError, OptionError, PromptError
+from ..generate import GenerationOptions, check_prompt_fits
 from .engine import Busy, Engine, Failed, Finished, Job, Piece, Refused, Stopped, Unavailable
 from .metrics import Metrics
 from .protocol import ApiError, ChatRequest, CompletionRequest, GenerationRequest
 from .responses import SSE_DONE, Answer, sse
 
 GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
-SAMPLING_OPTIONS = ("temperature", "top_k", "top_p", "repetition_penalty", "seed")
+OPENAI_NAMES = {"max_new_tokens": "max_tokens"}  # Llama.stream's option names that the API spells otherwise
 
 
 @dataclasses.dataclass(frozen=True)
@@ -130,25 +130,27 @@ async def generate(request: Request, body: GenerationRequest, engine: Engine, se
 
 
 def prepare(llm, body: GenerationRequest, chat: bool) -> tuple[list[int], dict]:
-    """The prompt's ids and the keyword arguments of Llama.stream, or a 400 naming the field at fault."""
+    """The prompt's ids and the keyword arguments of Llama.stream, checked by the library before the request
+    may queue: a 400 naming the field at fault."""
     param = "messages" if chat else "prompt"
     try:
         ids = llm.chat_ids([m.as_dict() for m in body.messages]) if chat else llm.encode(body.prompt)
     except CullamaError as exc:
         raise ApiError(400, str(exc), param=param) from None
     context = llm.runner.max_seq_len
-    if len(ids) >= context:
-        raise ApiError(400, f"the prompt has {len(ids)} tokens, and this model's context is {context} tokens "
-                            "(--max-seq-len), which must leave room for one generated token",
-                       param=param, code="context_length_exceeded")
-    sampling = {name: getattr(body, name) for name in SAMPLING_OPTIONS}
+    options = {"max_new_tokens": body.token_budget(context) if chat else body.max_tokens,
+               "temperature": body.temperature, "top_k": body.top_k, "top_p": body.top_p,
+               "repetition_penalty": body.repetition_penalty, "seed": body.seed, "stop": body.stops(),
+               "ignore_eos": body.ignore_eos}
     try:
-        SamplingParams(**sampling).validate()
-    except CullamaError as exc:
-        message = str(exc)
-        raise ApiError(400, message, param=next((n for n in SAMPLING_OPTIONS if message.startswith(n)), None))
-    budget = body.token_budget(context) if chat else body.max_tokens
-    return ids, {**sampling, "max_new_tokens": budget, "stop": body.stops(), "ignore_eos": body.ignore_eos}
+        GenerationOptions.checked(**options)
+    except OptionError as exc:
+        raise ApiError(400, str(exc), param=OPENAI_NAMES.get(exc.option, exc.option)) from None
+    try:
+        check_prompt_fits(len(ids), context, options["max_new_tokens"])
+    except PromptError as exc:
+        raise ApiError(400, str(exc), param=param, code="context_length_exceeded") from None
+    return ids, options
 
 
 async def whole_answer(answer: Answer, job: Job, event) -> JSONResponse:

@@ -183,12 +183,11 @@ class Engine:
         started = time.perf_counter()
         if job.stop_reason is not None:  # cancelled between leaving the queue and starting
             return self._finish(job, Stopped(job.stop_reason))
-        pieces = None
+        stream = None
         try:
             stream = self.llm.stream(job.prompt_ids, **job.options)
             self.metrics.prompt(len(job.prompt_ids))
-            pieces = iter(stream)
-            for piece in pieces:
+            for piece in stream:
                 if job.stop_reason is not None:
                     break
                 job.post(Piece(piece))
@@ -200,16 +199,20 @@ class Engine:
             return self._finish(job, Failed(f"the generation failed ({type(exc).__name__}); the server "
                                             "logged the details"))
         finally:
-            if pieces is not None:
-                pieces.close()  # stops a generation that was cut short between two tokens
+            if stream is not None:
+                stream.close()  # ends a generation cut short between two tokens; its result keeps its tokens
+                self._measure(job, started, stream.result)
         if job.stop_reason is not None:
             return self._finish(job, Stopped(job.stop_reason))
         result = stream.result
         if result.finish_reason not in ("eos", "stop", "length"):  # a way to end that no request asked for
             return self._finish(job, Failed(f"the generation ended early ({result.finish_reason})"))
-        self.metrics.completed(len(result.token_ids), started - job.arrived + result.timings.prefill_s,
-                               result.timings.token_s)
         self._finish(job, Finished(result.finish_reason, len(job.prompt_ids), len(result.token_ids)))
+
+    def _measure(self, job: Job, started: float, result) -> None:
+        """The tokens and timings of a generation, however it ended (Llama.stream's own timings)."""
+        first_token_s = started - job.arrived + result.timings.prefill_s if result.timings.prefill_s else None
+        self.metrics.generated(len(result.token_ids), first_token_s, result.timings.token_s)
 
     def _finish(self, job: Job, event: Event) -> None:
         with self._lock:
@@ -218,11 +221,10 @@ class Engine:
             self._end(job, event)
 
     def _end(self, job: Job, event: Event) -> None:
-        """The job's last event and its outcome in the metrics (Finished was counted with its timings)."""
+        """The job's last event, and its outcome in the metrics."""
         job.state = "done"
-        outcome = {Stopped: "cancelled", Failed: "failed", Refused: "invalid"}.get(type(event))
-        if outcome is not None:
-            self.metrics.count(outcome)
+        self.metrics.count({Finished: "completed", Stopped: "cancelled", Failed: "failed",
+                            Refused: "invalid"}[type(event)])
         job.post(event)
 
     def _publish_load(self) -> None:

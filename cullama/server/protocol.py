@@ -1,7 +1,7 @@
 """The OpenAI request bodies cullama serves (pydantic models) and its OpenAI-shaped errors.
 
 Types are checked strictly (a string is not a number, 1.0 is not an integer); the ranges of the sampling
-options are the library's own (SamplingParams.validate), checked when the prompt is prepared. Unknown
+options are the library's own (GenerationOptions.checked), checked when the prompt is prepared. Unknown
 fields are ignored, as OpenAI's peers do, but a known field that asks for something cullama cannot do
 (`logprobs`, `tools`, `n=2`, ...) is refused by `check()` with a 400 naming it, rather than ignored.
 """
