@@ -363,7 +363,7 @@ def serve(model_dir, host, port, device, max_seq_len, tokenizer, served_model_na
 @main.command()
 def info():
     """Python, NumPy, CuPy, NVRTC and the GPU (or why there is none)."""
-    from ..device import environment
+    from ..device import environment, two_cupys_warning
 
     env = environment()
     for key, value in env.items():
@@ -371,14 +371,17 @@ def info():
             value = f"none ({env.get('gpu_status', 'no GPU')})"
         if key != "gpu_status":
             click.echo(f"{key:>18}: {value}")
+    if warning := two_cupys_warning():
+        click.echo(f"warning: {warning}", err=True)
 
 
 @main.command()
 @click.option("--arch", default="sm_90", show_default=True, help="GPU architecture to compile for (no GPU needed).")
 @friendly_errors
 def kernels(arch):
-    """Compile every kernel with NVRTC; print registers, shared memory and spills (exit 1 on a spill)."""
-    from ..kernel_report import compile_all
+    """Compile every kernel with NVRTC; print registers, shared memory and spills (exit 1 on a spill). Kernels
+    that have no version for the arch (wgmma: sm_90 only) are skipped with a note."""
+    from ..kernel_report import compile_all, skipped
 
     reports = compile_all(arch)
     click.echo(f"{'kernel':<22} {'file':<14} {'defines':<22} {'regs':>5} {'smem B':>7} {'stack B':>8} {'spill st/ld':>12}")
@@ -387,6 +390,8 @@ def kernels(arch):
         click.echo(f"{r.name:<22} {r.source:<14} {r.define_text:<22} {res.registers:>5} {res.smem_bytes:>7} "
                    f"{res.stack_bytes:>8} {res.spill_stores:>5}/{res.spill_loads:<6}")
     spilled = [r for r in reports if r.resources.spills]
+    for note in skipped(arch):
+        click.echo(f"skipped {note}")
     click.echo(f"{len(reports)} kernels compiled for {arch}; {len(spilled)} with spills or local memory")
     if spilled:
         sys.exit(1)

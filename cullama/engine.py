@@ -16,7 +16,7 @@ import numpy as np
 from . import memory, plan as plans
 from .config import LlamaConfig
 from .errors import PromptError
-from .prefill_kernels import PrefillKernels
+from .prefill_kernels import PrefillKernels, default_for
 from .sampling import Sampler, SamplingParams
 from .weights import device_config
 # kernels_cu/common.cuh: STATE_POS, STATE_TOKEN, STATE_STEP, STATE_TOP_K, STATE_SEED_LO, STATE_SEED_HI
@@ -49,7 +49,7 @@ class PlanRunner:
         backend.set("rope", plans.rope_table(cfg, max_seq_len))
         self.decode = plans.decode_plan(cfg, max_seq_len)
         self._prefills: dict[tuple, plans.Plan] = {}
-        self.prefill_kernels = PrefillKernels()  # the GEMM and attention of the prompt path: set_prefill_kernels
+        self.prefill_kernels = default_for(getattr(backend, "arch", None))  # the prompt path's GEMM and attention
         self.cached: list[int] = []  # the ids whose K and V are in the cache, at positions 0..len - 1
         self.last: int | None = None  # the last sampled token: the next decode step's input
         self._queued: int | None = None  # the token slot of a decode step already queued for `last`

@@ -53,3 +53,7 @@ class ResourceError(CullamaError):
 
 class KernelError(CullamaError):
     """A CUDA kernel failed to compile, or was asked for a shape it does not support."""
+
+
+class GenerationError(CullamaError):
+    """A generation that cannot go on: the model gave logits no token can be drawn from (all NaN or -inf)."""

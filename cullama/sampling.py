@@ -8,6 +8,11 @@ two can disagree only on a draw whose target lies within rounding of a bucket bo
 
 Randomness is counter-based, `uniform(seed, step)`: no RNG state lives on the device, so the
 kernel can be replayed in a graph, and a (seed, step) pair always gives the same draw.
+
+Non-finite logits have one rule, here and on the device: NaN counts as -inf; a token whose logit
+is -inf (after the penalty and the temperature) is never drawn; if the largest is +inf, the +inf
+tokens share the mass equally (greedy: the lowest such id). Where every logit is NaN or -inf, no
+token can be drawn: `sample` returns NO_TOKEN and the host raises (`drawn`).
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ import os
 
 import numpy as np
 
-from .errors import OptionError
+from .errors import GenerationError, OptionError
 
 MASK64 = (1 << 64) - 1
 INT32_MAX = (1 << 31) - 1
@@ -27,6 +32,7 @@ GOLDEN64 = 0x9E3779B97F4A7C15  # 2**64 / golden ratio: splitmix64's increment
 # Below this, l / temperature can overflow float32 (inf - inf = NaN) for large logits, and the
 # distribution is greedy in all but name anyway.
 MIN_TEMPERATURE = 1e-6
+NO_TOKEN = -1  # sample()'s answer, and the kernel's state[TOKEN], when every logit is NaN or -inf
 
 
 @dataclasses.dataclass(frozen=True)
@@ -119,19 +125,26 @@ def _nucleus(p: np.ndarray, budget: np.float32) -> np.ndarray:
 def sample(logits: np.ndarray, params: SamplingParams, seen_mask: np.ndarray, step: int) -> int:
     """Pick the next token id from one row of logits [vocab]. params.seed must be resolved.
 
-    Logits must be finite or -inf (masked), with at least one finite.
+    NaN logits count as -inf; NO_TOKEN where every logit is NaN or -inf (the module's rule).
     """
     if params.seed is None:
         raise ValueError("sample() needs a resolved seed; Sampler draws one")
-    # 1. Repetition penalty, over the prompt and everything generated so far.
+    # 1. Repetition penalty, over the prompt and everything generated so far; NaN is -inf (it stays
+    #    NaN through the penalty and the temperature, so replacing it first or last is the same).
     l = np.asarray(logits, dtype=np.float32)
+    l = np.where(np.isnan(l), np.float32(-np.inf), l)
     if params.repetition_penalty != 1.0:
         l = apply_repetition_penalty(l, seen_mask, params.repetition_penalty)
     # 2. Greedy: the argmax, lowest index on ties (np.argmax returns the first).
     if params.greedy:
-        return int(np.argmax(l))
-    # 3. Temperature.
-    l = l / np.float32(params.temperature)
+        token = int(np.argmax(l))
+        return token if l[token] > -np.inf else NO_TOKEN
+    # 3. Temperature (a large logit over a small temperature may become +-inf).
+    with np.errstate(over="ignore"):
+        l = l / np.float32(params.temperature)
+    top = l.max()
+    if top == -np.inf:
+        return NO_TOKEN
     # 4. Top-k: keep everything >= the k-th largest value, so ties at the threshold all survive.
     vocab = l.shape[0]
     kept = np.ones(vocab, dtype=bool)
@@ -139,8 +152,11 @@ def sample(logits: np.ndarray, params: SamplingParams, seen_mask: np.ndarray, st
         kth_largest = np.partition(l, vocab - params.top_k)[vocab - params.top_k]
         kept = l >= kth_largest
     # 5. Unnormalised probabilities. The maximum is always kept, so max over all of l is the
-    #    max over kept tokens and every exponent is <= 0 (no overflow).
-    p = np.where(kept, np.exp(l - l.max()), np.float32(0)).astype(np.float32)
+    #    max over kept tokens and every exponent is <= 0 (no overflow). p = 1 at the maximum
+    #    (exp(0) for a finite one; a +inf maximum gives inf - inf, so the +inf tokens get 1 each).
+    with np.errstate(invalid="ignore"):
+        e = np.exp(l - top)
+    p = np.where(kept, np.where(l == top, np.float32(1), e), np.float32(0)).astype(np.float32)
     z = p.sum(dtype=np.float32)
     # 6. Top-p: the nucleus, measured against the mass top-k left; then renormalise.
     if params.top_p < 1.0:
@@ -158,6 +174,14 @@ def sample(logits: np.ndarray, params: SamplingParams, seen_mask: np.ndarray, st
     return int(np.flatnonzero(p > 0)[-1])
 
 
+def drawn(token: int) -> int:
+    """A sampled token, or a GenerationError where sampling found nothing to draw (NO_TOKEN)."""
+    if token == NO_TOKEN:
+        raise GenerationError("no token can be drawn: every logit is NaN or -inf (the model's numbers overflowed; "
+                              "check the weights)")
+    return token
+
+
 class Sampler:
     """Sampling state for one generation: params (seed resolved), the seen mask, the step."""
 
@@ -173,7 +197,7 @@ class Sampler:
         self.step = 0
 
     def __call__(self, logits: np.ndarray) -> int:
-        token = sample(logits, self.params, self.seen, self.step)
+        token = drawn(sample(logits, self.params, self.seen, self.step))
         self.seen[token] = True
         self.step += 1
         return token
