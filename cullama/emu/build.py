@@ -36,6 +36,8 @@ CXXFLAGS = ("-std=c++17", "-fPIC", "-shared", "-g0", "-fvisibility=hidden")
 # No fused multiply-add (the twins round every float32 operation), raw-pointer casts as CUDA allows them.
 KERNEL_FLAGS = ("-O1", "-ffp-contract=off", "-fno-strict-aliasing", "-fno-exceptions", "-w")
 RUNTIME_FLAGS = ("-O2", "-U_FORTIFY_SOURCE")  # _longjmp / siglongjmp between fiber stacks
+if os.environ.get("CULLAMA_EMU_PORTABLE") == "1":  # makecontext + _setjmp / _longjmp fibers, as off x86-64
+    RUNTIME_FLAGS += ("-DEMU_PORTABLE_CONTEXT",)
 DEFAULT_ARCH = 900  # __CUDA_ARCH__: the kernels are written for sm_90
 _KERNEL_DECL = re.compile(r'\bextern\s+"C"\s+__global__\s+void\s+')
 

@@ -29,7 +29,7 @@
 #include <unistd.h>
 #include <vector>
 
-#if !defined(__x86_64__)
+#if !defined(__x86_64__) || defined(EMU_PORTABLE_CONTEXT)
 #include <ucontext.h>
 #endif
 
@@ -46,8 +46,9 @@ constexpr unsigned CANARY = 1024;             // bytes past the dynamic window t
 
 enum State : unsigned char { RUNNABLE, AT_BARRIER, AT_WARP, AT_WARPGROUP, EXITED };
 
-// -- contexts: a hand-written switch on x86-64; makecontext + _setjmp / _longjmp elsewhere ------------------
-#if defined(__x86_64__)
+// -- contexts: a hand-written switch on x86-64; makecontext + _setjmp / _longjmp elsewhere (or with
+// EMU_PORTABLE_CONTEXT, which the tests use to run that path on x86-64 too) -------------------------------------
+#if defined(__x86_64__) && !defined(EMU_PORTABLE_CONTEXT)
 extern "C" void emu_switch_ctx(void** save_sp, void* to_sp);
 asm(R"(
     .text
@@ -85,6 +86,7 @@ void context_start(Context& c, unsigned char* stack_top) {
     c.sp = top - 8;
 }
 inline void context_switch(Context& from, Context& to) { emu_switch_ctx(&from.sp, to.sp); }
+void context_main(Context&) {}
 #else
 struct Context {
     jmp_buf jb, home;
@@ -116,6 +118,7 @@ void context_switch(Context& from, Context& to) {
     }
     _longjmp(to.jb, 1);
 }
+void context_main(Context& c) { c.entered = true; }  // the thread's own context: switched to by _longjmp only
 #endif
 
 struct Copy {
@@ -124,17 +127,17 @@ struct Copy {
     unsigned src_size;
 };
 
+struct Warp;
+
 struct Fiber {
     Context ctx;
     unsigned char* stack_top;
     State state = EXITED;
-    unsigned tid = 0, pos = 0;  // linear thread index; position in its warp's lane order
+    unsigned tid = 0, lane = 0, pos = 0;  // linear thread index; lane; position in its warp's run order
+    Warp* warp = nullptr;
     emu_dim3 idx{};
     const char* file = nullptr;  // where it waits
     int line = 0;
-    unsigned long long in[12];  // a collective's inputs
-    unsigned out[4];            // and outputs
-    unsigned long long out64;
     std::vector<Copy> copies;        // issued cp.async not yet retired, oldest first
     std::vector<size_t> group_ends;  // committed groups: copies[0 .. group_ends[i]) for group i
     std::vector<unsigned> unfenced;  // shared 16-byte chunks its retired cp.async wrote, not yet proxy-fenced
@@ -150,6 +153,20 @@ struct Meeting {
     int op = -1;
     const char* file = nullptr;
     int line = 0;
+};
+
+// A warp of the running block: its lanes, the order in which they run, which of them may run, and the slots
+// through which its collectives exchange values (a lane's slot is rewritten only by a collective it joined,
+// after it read its last output).
+struct Warp {
+    Fiber* lanes[WARP];
+    unsigned char order[WARP];  // the lane at each position of the run order
+    unsigned runnable = 0;      // bit k: the lane at position k may run
+    unsigned present = 0;       // bit k: position k holds a thread (a block's last warp may be partial)
+    Meeting meeting;
+    unsigned long long in[WARP], out[WARP];
+    int arg[WARP];
+    unsigned frag_in[WARP][10], frag_out[WARP][4];  // ldmatrix addresses, mma fragments
 };
 
 // One wgmma.mma_async of a warpgroup: the shared bytes it read (to check at retire) and its accumulators.
@@ -185,9 +202,8 @@ struct Run {
     unsigned long long rng = 0;
     size_t wg_seq = 0;
     std::vector<Fiber*> fibers;  // of this block, by linear thread index
-    std::vector<Meeting> warp_meetings;
+    std::vector<Warp> warp;
     std::deque<Warpgroup> warpgroups;
-    std::vector<unsigned> lane_order;         // [warp][32]: the order in which a warp's lanes run
     std::vector<unsigned short> chunk_writer;  // per 16 shared bytes: tid + 1 of an unfenced cp.async writer
     std::vector<unsigned> warp_order;          // the order in which the warps run in this pass
 } R;
@@ -264,36 +280,40 @@ bool in_guard_page(const void* p) {
 }
 
 void resume(Fiber* f) {
-    Fiber* from = current;
     current = f;
     emu_thread_idx = f->idx;
-    context_switch(from ? from->ctx : scheduler, f->ctx);
+    context_switch(scheduler, f->ctx);
 }
 
-// The calling fiber has blocked (or exited): run the next runnable lane of its warp, else the scheduler.
+// The calling fiber has blocked (or exited), its runnable bit cleared: run the next runnable lane of its warp
+// in the run order, else the scheduler.
 void block_current() {
     Fiber* f = current;
-    const unsigned warp = f->tid / WARP, base = warp * WARP;
-    const unsigned* order = &R.lane_order[base];
-    for (unsigned k = 1; k <= WARP; ++k) {
-        const unsigned lane = order[(f->pos + k) % WARP];
-        if (base + lane < R.threads && R.fibers[base + lane]->state == RUNNABLE) {
-            Fiber* next = R.fibers[base + lane];
-            if (next == f) return;
-            current = next;
-            emu_thread_idx = next->idx;
-            context_switch(f->ctx, next->ctx);
-            return;
-        }
+    Warp& w = *f->warp;
+    if (const unsigned mask = w.runnable) {
+        const unsigned shift = (f->pos + 1) % WARP;
+        const unsigned rotated = shift ? (mask >> shift) | (mask << (WARP - shift)) : mask;
+        Fiber* next = w.lanes[w.order[(shift + __builtin_ctz(rotated)) % WARP]];
+        current = next;
+        emu_thread_idx = next->idx;
+        context_switch(f->ctx, next->ctx);
+        return;
     }
     current = nullptr;
     context_switch(f->ctx, scheduler);
 }
 
+void block_at(State state, const char* file, int line) {
+    Fiber* f = current;
+    f->state = state, f->file = file, f->line = line;
+    f->warp->runnable &= ~(1u << f->pos);
+    block_current();
+}
+
 void retire_copies(Fiber* f, size_t n);
 
 void fiber_entry() {
-#if !defined(__x86_64__)
+#if !defined(__x86_64__) || defined(EMU_PORTABLE_CONTEXT)
     _setjmp(current->ctx.home);  // a restart (context_start after a first run) comes back here
 #endif
     for (;;) {
@@ -304,8 +324,7 @@ void fiber_entry() {
                  f->group_ends.back());
         if (f->copies.size() > (f->group_ends.empty() ? 0 : f->group_ends.back()))
             fail(nullptr, 0, "exited with %zu cp.async copies never committed", f->copies.size());
-        f->state = EXITED;
-        block_current();
+        block_at(EXITED, nullptr, 0);
     }
 }
 
@@ -339,58 +358,72 @@ const char* describe(const Fiber* f, char* buf, size_t size) {
     return buf;
 }
 
-// Arrive at a collective of the threads `first .. first + count - 1` whose `mask` (relative lanes) must meet.
-// Returns true for the last to arrive, which completes it and calls release(); the others block until then.
-bool arrive(Meeting& m, unsigned first, unsigned count, unsigned mask, int op, const char* file, int line) {
+void mismatch(const Meeting& m, int op, unsigned mask, bool warp, const char* file, int line) {
+    fail(file, line, "%s (mask %#x) while other threads of its %s wait at %s (%s:%d, mask %#x)", OP_NAMES[op], mask,
+         warp ? "warp" : "warpgroup", OP_NAMES[m.op], short_name(m.file), m.line, m.mask);
+}
+
+// Arrive at a collective of the calling lane's warp whose `mask` lanes must meet. Returns true for the last to
+// arrive, which completes the collective and calls release_warp(); the others block until then. A lane that
+// never arrives (exited, at a barrier) leaves every thread blocked: resolve_barrier() reports it.
+inline bool arrive_warp(Warp& w, unsigned mask, int op, const char* file, int line) {
     Fiber* f = current;
-    const unsigned me = f->tid - first;
-    if (count == WARP && !(mask >> me & 1u))
-        fail(file, line, "%s with a mask %#x that leaves out the calling lane", OP_NAMES[op], mask);
-    if (m.arrived == 0) {
-        m.mask = mask, m.op = op, m.file = file, m.line = line;
-    } else if (m.op != op || m.file != file || m.line != line || m.mask != mask) {
-        fail(file, line, "%s (mask %#x) while other threads of its %s wait at %s (%s:%d, mask %#x)", OP_NAMES[op],
-             mask, count == WARP ? "warp" : "warpgroup", OP_NAMES[m.op], short_name(m.file), m.line, m.mask);
-    }
+    Meeting& m = w.meeting;
+    if (!(mask >> f->lane & 1u)) fail(file, line, "%s with mask %#x, which leaves out the calling lane", OP_NAMES[op], mask);
+    if (m.arrived == 0) m.mask = mask, m.op = op, m.file = file, m.line = line;
+    else if (m.op != op || m.line != line || m.file != file || m.mask != mask) mismatch(m, op, mask, true, file, line);
     ++m.arrived;
-    f->file = file, f->line = line;
-    if (count == WARP) {
-        m.arrived_mask |= 1u << me;
-        if (m.arrived_mask == m.mask) return true;
-    } else if (m.arrived == (int)count) {
-        return true;
-    }
-    // A lane that never arrives (exited, at a barrier) leaves every thread blocked: resolve_barrier reports it.
-    f->state = count == WARP ? AT_WARP : AT_WARPGROUP;
-    block_current();
+    m.arrived_mask |= 1u << f->lane;
+    if (m.arrived_mask == mask) return true;
+    block_at(AT_WARP, file, line);
     return false;
 }
 
-void release(Meeting& m, unsigned first, unsigned count) {
-    for (unsigned i = 0; i < count; ++i)
-        if (first + i < R.threads && (count != WARP || (m.mask >> i & 1u))) R.fibers[first + i]->state = RUNNABLE;
-    m.arrived = 0, m.arrived_mask = 0;
+inline void release_warp(Warp& w) {
+    const unsigned mask = w.meeting.mask;
+    if (mask == 0xffffffffu) {
+        w.runnable = w.present;
+        for (unsigned l = 0; l < WARP; ++l) w.lanes[l]->state = RUNNABLE;
+    } else {
+        for (unsigned l = 0; l < WARP; ++l)
+            if (mask >> l & 1u) w.lanes[l]->state = RUNNABLE, w.runnable |= 1u << w.lanes[l]->pos;
+    }
+    w.meeting.arrived = 0, w.meeting.arrived_mask = 0;
 }
 
-Fiber* lane_fiber(unsigned base, unsigned lane) { return R.fibers[base + lane]; }
+// The same for the 128 threads of a warpgroup (all must arrive).
+bool arrive_warpgroup(Warpgroup& g, int op, const char* file, int line) {
+    Meeting& m = g.meeting;
+    if (m.arrived == 0) m.mask = 0xffffffffu, m.op = op, m.file = file, m.line = line;
+    else if (m.op != op || m.line != line || m.file != file) mismatch(m, op, 0xffffffffu, false, file, line);
+    if (++m.arrived == WARPGROUP) return true;
+    block_at(AT_WARPGROUP, file, line);
+    return false;
+}
+
+void release_warpgroup(Warpgroup& g, unsigned first) {
+    for (unsigned t = first; t < first + WARPGROUP; ++t) R.fibers[t]->state = RUNNABLE;
+    for (unsigned w = first / WARP; w < (first + WARPGROUP) / WARP; ++w) R.warp[w].runnable = R.warp[w].present;
+    g.meeting.arrived = 0;
+}
 
 // -- matrix fragments (PTX ISA, "Matrix Fragments for mma.m16n8k16" and ldmatrix) ------------------------
 unsigned pack(unsigned short lo, unsigned short hi) { return (unsigned)lo | ((unsigned)hi << 16); }
 unsigned short half_of(unsigned w, int h) { return (unsigned short)(h ? w >> 16 : w & 0xffffu); }
 
-void complete_ldmatrix(unsigned base, int trans, const char* file, int line) {
+void complete_ldmatrix(Warp& w, int trans, const char* file, int line) {
     unsigned short rows[32][8];  // row r of matrix j: the 16 bytes at lane 8 j + r's address
     for (unsigned l = 0; l < WARP; ++l) {
-        const unsigned addr = (unsigned)lane_fiber(base, l)->in[0];
+        const unsigned addr = w.frag_in[l][0];
         if (addr % 16) fail(file, line, "ldmatrix: lane %u's row address %#x is not 16-byte aligned", l, addr);
         memcpy(rows[l], shared_ptr(addr, 16, file, line, "ldmatrix"), 16);
     }
     for (unsigned l = 0; l < WARP; ++l) {
         const unsigned g = l / 4, t = l % 4;
-        Fiber* f = lane_fiber(base, l);
         for (int j = 0; j < 4; ++j) {
             const unsigned short* m = rows[8 * j];
-            f->out[j] = trans ? pack(m[(2 * t) * 8 + g], m[(2 * t + 1) * 8 + g]) : pack(m[g * 8 + 2 * t], m[g * 8 + 2 * t + 1]);
+            w.frag_out[l][j] = trans ? pack(m[(2 * t) * 8 + g], m[(2 * t + 1) * 8 + g])
+                                     : pack(m[g * 8 + 2 * t], m[g * 8 + 2 * t + 1]);
         }
     }
 }
@@ -398,62 +431,66 @@ void complete_ldmatrix(unsigned base, int trans, const char* file, int line) {
 // mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32: per lane (g = lane / 4, t = lane % 4) a0 = A[g][2t..],
 // a1 = A[g+8][2t..], a2 = A[g][2t+8..], a3 = A[g+8][2t+8..]; b0 = B[2t..][g], b1 = B[2t+8..][g]; c0, c1 =
 // C[g][2t, 2t+1], c2, c3 = C[g+8][2t, 2t+1]. FP16 products are exact; the sum is taken in double, rounded once.
-void complete_mma(unsigned base) {
+void complete_mma(Warp& w) {
     float A[16][16], B[16][8], C[16][8];
     for (unsigned l = 0; l < WARP; ++l) {
-        const unsigned g = l / 4, t = l % 4;
-        const unsigned long long* in = lane_fiber(base, l)->in;
+        const unsigned g = l / 4, t = l % 4, *in = w.frag_in[l];
         for (int h = 0; h < 2; ++h) {
-            A[g][2 * t + h] = emu_h2f(half_of((unsigned)in[0], h));
-            A[g + 8][2 * t + h] = emu_h2f(half_of((unsigned)in[1], h));
-            A[g][2 * t + 8 + h] = emu_h2f(half_of((unsigned)in[2], h));
-            A[g + 8][2 * t + 8 + h] = emu_h2f(half_of((unsigned)in[3], h));
-            B[2 * t + h][g] = emu_h2f(half_of((unsigned)in[4], h));
-            B[2 * t + 8 + h][g] = emu_h2f(half_of((unsigned)in[5], h));
-            C[g][2 * t + h] = emu_bits_float((unsigned)in[6 + h]);
-            C[g + 8][2 * t + h] = emu_bits_float((unsigned)in[8 + h]);
+            A[g][2 * t + h] = emu_h2f(half_of(in[0], h));
+            A[g + 8][2 * t + h] = emu_h2f(half_of(in[1], h));
+            A[g][2 * t + 8 + h] = emu_h2f(half_of(in[2], h));
+            A[g + 8][2 * t + 8 + h] = emu_h2f(half_of(in[3], h));
+            B[2 * t + h][g] = emu_h2f(half_of(in[4], h));
+            B[2 * t + 8 + h][g] = emu_h2f(half_of(in[5], h));
+            C[g][2 * t + h] = emu_bits_float(in[6 + h]);
+            C[g + 8][2 * t + h] = emu_bits_float(in[8 + h]);
         }
     }
     for (unsigned l = 0; l < WARP; ++l) {
         const unsigned g = l / 4, t = l % 4;
-        Fiber* f = lane_fiber(base, l);
         for (int e = 0; e < 4; ++e) {
             const unsigned m = g + 8 * (e / 2), n = 2 * t + e % 2;
             double s = C[m][n];
             for (int k = 0; k < 16; ++k) s += (double)A[m][k] * B[k][n];
-            f->out[e] = emu_float_bits((float)s);
+            w.frag_out[l][e] = emu_float_bits((float)s);
         }
     }
 }
 
-void complete_shfl(unsigned base, int kind, unsigned mask, int width) {
+void complete_shfl(Warp& w, int kind, unsigned mask, int width) {
+    if (kind == 3 && width == WARP && mask == 0xffffffffu) {  // the common case: __shfl_xor_sync over the warp
+        for (unsigned l = 0; l < WARP; ++l) {
+            const unsigned src = l ^ (unsigned)w.arg[l];
+            w.out[l] = w.in[src < WARP ? src : l];
+        }
+        return;
+    }
     for (unsigned l = 0; l < WARP; ++l) {
         if (!(mask >> l & 1u)) continue;
-        Fiber* f = lane_fiber(base, l);
-        const int arg = (int)f->in[1], seg = (int)l & ~(width - 1), in_seg = (int)l - seg;
+        const int arg = w.arg[l], seg = (int)l & ~(width - 1), in_seg = (int)l - seg;
         int src = (int)l;
         if (kind == 0) src = seg + (arg & (width - 1));
         else if (kind == 1) src = in_seg >= arg ? (int)l - arg : (int)l;
         else if (kind == 2) src = in_seg + arg < width ? (int)l + arg : (int)l;
         else if (((int)l ^ arg) < seg + width) src = (int)l ^ arg;
         // A source lane outside the mask gives an undefined value (PTX): all ones, a NaN.
-        f->out64 = (mask >> src & 1u) ? lane_fiber(base, (unsigned)src)->in[0] : ~0ull;
+        w.out[l] = (mask >> src & 1u) ? w.in[src] : ~0ull;
     }
 }
 
-void complete_reduce(unsigned base, int op, int is_signed, unsigned mask) {
+void complete_reduce(Warp& w, int op, int is_signed, unsigned mask) {
     unsigned acc = 0;
     bool first = true;
     for (unsigned l = 0; l < WARP; ++l) {
         if (!(mask >> l & 1u)) continue;
-        const unsigned v = (unsigned)lane_fiber(base, l)->in[0];
+        const unsigned v = (unsigned)w.in[l];
         if (first) acc = v, first = false;
         else if (op == 0) acc += v;
         else if (is_signed) acc = (op == 1) == ((int)v < (int)acc) ? v : acc;
         else acc = (op == 1) == (v < acc) ? v : acc;
     }
     for (unsigned l = 0; l < WARP; ++l)
-        if (mask >> l & 1u) lane_fiber(base, l)->out[0] = acc;
+        if (mask >> l & 1u) w.out[l] = acc;
 }
 
 // -- cp.async ----------------------------------------------------------------------------------------------
@@ -576,34 +613,16 @@ void retire_wgmma(Warpgroup& wg, const std::vector<WgOp>& group, const char* fil
 }
 
 // -- the scheduler -----------------------------------------------------------------------------------------
-void run_warp(unsigned warp) {
-    const unsigned base = warp * WARP;
-    for (unsigned k = 0; k < WARP; ++k) {
-        const unsigned lane = R.lane_order[base + k];
-        if (base + lane < R.threads && R.fibers[base + lane]->state == RUNNABLE) {
-            resume(R.fibers[base + lane]);  // returns once every lane of the warp is blocked
-            return;
-        }
-    }
-}
-
-bool any_runnable(unsigned warp) {
-    for (unsigned t = warp * WARP; t < R.threads && t < (warp + 1) * WARP; ++t)
-        if (R.fibers[t]->state == RUNNABLE) return true;
-    return false;
-}
-
 // Every thread is blocked: open the barrier, finish the block, or report the deadlock.
 bool resolve_barrier() {
+    current = nullptr;
     Fiber *waiting = nullptr, *exited = nullptr, *stuck = nullptr;
     for (unsigned t = 0; t < R.threads; ++t) {
         Fiber* f = R.fibers[t];
         if (f->state == AT_BARRIER) {
-            if (waiting && (waiting->file != f->file || waiting->line != f->line)) {
-                current = nullptr;
+            if (waiting && (waiting->file != f->file || waiting->line != f->line))
                 fail(nullptr, 0, "thread %u waits at __syncthreads (%s:%d), thread %u at another one (%s:%d)",
                      waiting->tid, short_name(waiting->file), waiting->line, t, short_name(f->file), f->line);
-            }
             if (!waiting) waiting = f;
         } else if (f->state == EXITED) {
             if (!exited) exited = f;
@@ -611,18 +630,17 @@ bool resolve_barrier() {
             stuck = f;
         }
     }
-    current = nullptr;
-    if (stuck) {
-        const unsigned first = stuck->tid / (stuck->state == AT_WARP ? WARP : WARPGROUP) * (stuck->state == AT_WARP ? WARP : WARPGROUP);
-        const unsigned count = stuck->state == AT_WARP ? WARP : WARPGROUP;
-        for (unsigned t = first; t < first + count && t < R.threads; ++t) {
-            Fiber* f = R.fibers[t];
-            if (f->state != stuck->state || f->file != stuck->file || f->line != stuck->line) {
-                char why[96];
+    if (stuck) {  // at a warp (or warpgroup) collective that some of its threads never reach
+        const unsigned count = stuck->state == AT_WARP ? WARP : WARPGROUP, first = stuck->tid / count * count;
+        const unsigned mask = stuck->state == AT_WARP ? stuck->warp->meeting.mask : 0xffffffffu;
+        char why[96];
+        for (unsigned i = 0; i < count; ++i) {
+            if (count == WARP && !(mask >> i & 1u)) continue;
+            Fiber* f = first + i < R.threads ? R.fibers[first + i] : nullptr;
+            if (!f || f->state != stuck->state)
                 fail(nullptr, 0, "deadlock: thread %u waits at a %s collective (%s:%d) that thread %u never reaches "
-                     "(it is %s)", stuck->tid, count == WARP ? "warp" : "warpgroup", short_name(stuck->file),
-                     stuck->line, t, describe(f, why, sizeof why));
-            }
+                     "(%s)", stuck->tid, count == WARP ? "warp" : "warpgroup", short_name(stuck->file), stuck->line,
+                     first + i, f ? describe(f, why, sizeof why) : "it does not exist");
         }
         fail(nullptr, 0, "deadlock: thread %u waits at a collective (%s:%d)", stuck->tid, short_name(stuck->file),
              stuck->line);
@@ -632,41 +650,51 @@ bool resolve_barrier() {
         fail(nullptr, 0, "deadlock: thread %u waits at __syncthreads (%s:%d), which thread %u never reaches (it exited)",
              waiting->tid, short_name(waiting->file), waiting->line, exited->tid);
     for (unsigned t = 0; t < R.threads; ++t) R.fibers[t]->state = RUNNABLE;
+    for (Warp& w : R.warp) w.runnable = w.present;
     return true;
 }
 
-void run_block(unsigned long long linear) {
-    const emu_dim3 g = R.launch->grid;
+void start_block(unsigned long long linear) {
+    const emu_dim3 g = R.launch->grid, b = R.launch->block;
     emu_block_idx = {(unsigned)(linear % g.x), (unsigned)(linear / g.x % g.y), (unsigned)(linear / g.x / g.y)};
     const int schedule = R.launch->schedule;
     poison_shared();
-    for (unsigned w = 0; w < R.warps; ++w) {
-        unsigned* order = &R.lane_order[w * WARP];
-        for (unsigned k = 0; k < WARP; ++k) order[k] = schedule == EMU_REVERSE ? WARP - 1 - k : k;
-        if (schedule == EMU_SHUFFLED) shuffle(order, WARP);
-        for (unsigned k = 0; k < WARP; ++k)
-            if (w * WARP + order[k] < R.threads) R.fibers[w * WARP + order[k]]->pos = k;
+    for (unsigned wi = 0; wi < R.warps; ++wi) {
+        Warp& w = R.warp[wi];
+        w.meeting = Meeting{};
+        w.present = 0;
+        for (unsigned k = 0; k < WARP; ++k) w.order[k] = (unsigned char)(schedule == EMU_REVERSE ? WARP - 1 - k : k);
+        if (schedule == EMU_SHUFFLED) shuffle(w.order, WARP);
+        for (unsigned k = 0; k < WARP; ++k) {
+            const unsigned t = wi * WARP + w.order[k];
+            if (t >= R.threads) continue;
+            Fiber* f = R.fibers[t];
+            f->tid = t, f->lane = w.order[k], f->pos = k, f->warp = &w;
+            f->idx = {t % b.x, t / b.x % b.y, t / b.x / b.y};
+            f->state = RUNNABLE;
+            f->copies.clear(), f->group_ends.clear(), f->unfenced.clear();
+            context_start(f->ctx, f->stack_top);
+            w.lanes[w.order[k]] = f;
+            w.present |= 1u << k;
+        }
+        w.runnable = w.present;
     }
-    const emu_dim3 b = R.launch->block;
-    for (unsigned t = 0; t < R.threads; ++t) {
-        Fiber* f = R.fibers[t];
-        f->tid = t;
-        f->idx = {t % b.x, t / b.x % b.y, t / b.x / b.y};
-        f->state = RUNNABLE;
-        f->copies.clear(), f->group_ends.clear(), f->unfenced.clear();
-        context_start(f->ctx, f->stack_top);
-    }
-    for (auto& m : R.warp_meetings) m = Meeting{};
     for (auto& wg : R.warpgroups) wg = Warpgroup{};
-    std::vector<unsigned>& warps = R.warp_order;
-    warps.resize(R.warps);
+}
+
+void run_block(unsigned long long linear) {
+    start_block(linear);
+    std::vector<unsigned>& order = R.warp_order;
+    order.resize(R.warps);
+    const int schedule = R.launch->schedule;
     for (;;) {
         bool ran = false;
-        for (unsigned w = 0; w < R.warps; ++w) warps[w] = schedule == EMU_REVERSE ? R.warps - 1 - w : w;
-        if (schedule == EMU_SHUFFLED) shuffle(warps.data(), warps.size());
-        for (unsigned w : warps) {
-            while (any_runnable(w)) {  // a warp runs until all of its lanes are blocked
-                run_warp(w);
+        for (unsigned w = 0; w < R.warps; ++w) order[w] = schedule == EMU_REVERSE ? R.warps - 1 - w : w;
+        if (schedule == EMU_SHUFFLED) shuffle(order.data(), order.size());
+        for (unsigned wi : order) {
+            Warp& w = R.warp[wi];
+            while (w.runnable) {  // a warp runs until all of its lanes are blocked
+                resume(w.lanes[w.order[__builtin_ctz(w.runnable)]]);
                 ran = true;
             }
         }
@@ -685,6 +713,13 @@ void run_block(unsigned long long linear) {
         if (canary[i] != 0xFF)
             fail(nullptr, 0, "wrote %u bytes past the end of its %u bytes of dynamic shared memory", i + 1,
                  R.launch->dynamic_shared);
+}
+
+void run_blocks(unsigned long long blocks) {
+    std::vector<unsigned long long> order(blocks);
+    for (unsigned long long i = 0; i < blocks; ++i) order[i] = R.launch->schedule == EMU_REVERSE ? blocks - 1 - i : i;
+    if (R.launch->schedule == EMU_SHUFFLED) shuffle(order.data(), order.size());
+    for (unsigned long long linear : order) run_block(linear);
 }
 
 // -- faults ------------------------------------------------------------------------------------------------
@@ -768,21 +803,17 @@ EMU_API int emu_run(const emu_launch* L, void (*body)(void**), void** params, un
         }
     R.fibers.resize(R.threads);
     for (unsigned t = 0; t < R.threads; ++t) R.fibers[t] = pool[t].get();
-    R.warp_meetings.assign(R.warps, Meeting{});
+    R.warp.assign(R.warps, Warp{});
     R.warpgroups.resize((R.threads + WARPGROUP - 1) / WARPGROUP);
-    R.lane_order.assign(R.warps * WARP, 0);
     emu_block_dim = b, emu_grid_dim = g;
 
-    std::vector<unsigned long long> order(blocks);
-    for (unsigned long long i = 0; i < blocks; ++i) order[i] = L->schedule == EMU_REVERSE ? blocks - 1 - i : i;
-    if (L->schedule == EMU_SHUFFLED) shuffle(order.data(), order.size());
-
+    context_main(scheduler);
     FaultGuard guard;
     if (sigsetjmp(launch_env, 1)) {
         current = nullptr;
         return 1;
     }
-    for (unsigned long long linear : order) run_block(linear);
+    run_blocks(blocks);
     current = nullptr;
     return 0;
 }
@@ -793,36 +824,30 @@ EMU_API void emu_fail(const char* file, int line, const char* fmt, ...) {
     fail_v(file, line, fmt, ap);
 }
 
-EMU_API void emu_syncthreads(const char* file, int line) {
-    Fiber* f = current;
-    f->state = AT_BARRIER, f->file = file, f->line = line;
-    block_current();
-}
+EMU_API void emu_syncthreads(const char* file, int line) { block_at(AT_BARRIER, file, line); }
 
 EMU_API unsigned long long emu_shfl(int kind, unsigned mask, unsigned long long bits, int arg, int width,
                                     const char* file, int line) {
-    if (width < 1 || width > 32 || (width & (width - 1))) fail(file, line, "%s with width %d", OP_NAMES[kind], width);
+    if (width < 1 || width > WARP || (width & (width - 1))) fail(file, line, "%s with width %d", OP_NAMES[kind], width);
     Fiber* f = current;
-    const unsigned base = f->tid / WARP * WARP;
-    f->in[0] = bits, f->in[1] = (unsigned long long)(unsigned)arg;
-    Meeting& m = R.warp_meetings[f->tid / WARP];
-    if (arrive(m, base, WARP, mask, kind, file, line)) {
-        complete_shfl(base, kind, mask, width);
-        release(m, base, WARP);
+    Warp& w = *f->warp;
+    w.in[f->lane] = bits, w.arg[f->lane] = arg;
+    if (arrive_warp(w, mask, kind, file, line)) {
+        complete_shfl(w, kind, mask, width);
+        release_warp(w);
     }
-    return f->out64;
+    return w.out[f->lane];
 }
 
 EMU_API unsigned emu_reduce(int op, int is_signed, unsigned mask, unsigned value, const char* file, int line) {
     Fiber* f = current;
-    const unsigned base = f->tid / WARP * WARP;
-    f->in[0] = value;
-    Meeting& m = R.warp_meetings[f->tid / WARP];
-    if (arrive(m, base, WARP, mask, OP_REDUCE + op, file, line)) {
-        complete_reduce(base, op, is_signed, mask);
-        release(m, base, WARP);
+    Warp& w = *f->warp;
+    w.in[f->lane] = value;
+    if (arrive_warp(w, mask, OP_REDUCE + op, file, line)) {
+        complete_reduce(w, op, is_signed, mask);
+        release_warp(w);
     }
-    return f->out[0];
+    return (unsigned)w.out[f->lane];
 }
 
 EMU_API void* emu_dynamic_shared(void) { return R.window; }
@@ -857,27 +882,26 @@ EMU_API void emu_cp_async_wait(int pending, const char* file, int line) {
 
 EMU_API void emu_ldmatrix_x4(unsigned* r, unsigned addr, int trans, const char* file, int line) {
     Fiber* f = current;
-    const unsigned base = f->tid / WARP * WARP;
-    f->in[0] = addr;
-    Meeting& m = R.warp_meetings[f->tid / WARP];
-    if (arrive(m, base, WARP, 0xffffffffu, OP_LDMATRIX + trans, file, line)) {
-        complete_ldmatrix(base, trans, file, line);
-        release(m, base, WARP);
+    Warp& w = *f->warp;
+    w.frag_in[f->lane][0] = addr;
+    if (arrive_warp(w, 0xffffffffu, OP_LDMATRIX + trans, file, line)) {
+        complete_ldmatrix(w, trans, file, line);
+        release_warp(w);
     }
-    memcpy(r, f->out, 16);
+    memcpy(r, w.frag_out[f->lane], 16);
 }
 
 EMU_API void emu_mma_m16n8k16(float* d, const unsigned* a, unsigned b0, unsigned b1, const char* file, int line) {
     Fiber* f = current;
-    const unsigned base = f->tid / WARP * WARP;
-    for (int i = 0; i < 4; ++i) f->in[i] = a[i], f->in[6 + i] = emu_float_bits(d[i]);
-    f->in[4] = b0, f->in[5] = b1;
-    Meeting& m = R.warp_meetings[f->tid / WARP];
-    if (arrive(m, base, WARP, 0xffffffffu, OP_MMA, file, line)) {
-        complete_mma(base);
-        release(m, base, WARP);
+    Warp& w = *f->warp;
+    unsigned* in = w.frag_in[f->lane];
+    for (int i = 0; i < 4; ++i) in[i] = a[i], in[6 + i] = emu_float_bits(d[i]);
+    in[4] = b0, in[5] = b1;
+    if (arrive_warp(w, 0xffffffffu, OP_MMA, file, line)) {
+        complete_mma(w);
+        release_warp(w);
     }
-    for (int i = 0; i < 4; ++i) d[i] = emu_bits_float(f->out[i]);
+    for (int i = 0; i < 4; ++i) d[i] = emu_bits_float(w.frag_out[f->lane][i]);
 }
 
 EMU_API void emu_fence_proxy_async(void) {
@@ -892,7 +916,7 @@ EMU_API void emu_wgmma_sync(int op, int arg, const char* file, int line) {
     const unsigned first = f->tid / WARPGROUP * WARPGROUP;
     if (first + WARPGROUP > R.threads) fail(file, line, "%s in a block without whole warpgroups", OP_NAMES[OP_WGMMA + op]);
     Warpgroup& wg = warpgroup_of(f);
-    if (!arrive(wg.meeting, first, WARPGROUP, 0xffffffffu, OP_WGMMA + op, file, line)) return;
+    if (!arrive_warpgroup(wg, OP_WGMMA + op, file, line)) return;
     if (op == 0) {
         wg.fenced = true;
     } else if (op == 1) {
@@ -905,7 +929,7 @@ EMU_API void emu_wgmma_sync(int op, int arg, const char* file, int line) {
             wg.groups.pop_front();
         }
     }
-    release(wg.meeting, first, WARPGROUP);
+    release_warpgroup(wg, first);
 }
 
 EMU_API void emu_wgmma_mma(int n, float** acc, unsigned long long desc_a, unsigned long long desc_b, int scale_d,
@@ -915,9 +939,9 @@ EMU_API void emu_wgmma_mma(int n, float** acc, unsigned long long desc_a, unsign
     if (first + WARPGROUP > R.threads) fail(file, line, "wgmma.mma_async in a block without whole warpgroups");
     f->wg_acc = acc, f->wg_n = n, f->wg_desc[0] = desc_a, f->wg_desc[1] = desc_b, f->wg_scale = scale_d;
     Warpgroup& wg = warpgroup_of(f);
-    if (arrive(wg.meeting, first, WARPGROUP, 0xffffffffu, OP_WGMMA + 3, file, line)) {
+    if (arrive_warpgroup(wg, OP_WGMMA + 3, file, line)) {
         complete_wgmma_mma(first, file, line);
-        release(wg.meeting, first, WARPGROUP);
+        release_warpgroup(wg, first);
     }
     f->wg_acc = nullptr;
 }
