@@ -90,7 +90,7 @@ def _cached_library(key: str, source: str, flags: tuple[str, ...], what: str) ->
             done = subprocess.run([compiler(), *CXXFLAGS, *flags, f"-I{EMU_DIR}", str(src), "-o", str(out)],
                                   capture_output=True, text=True)
             if done.returncode != 0:
-                first = next((l for l in done.stderr.splitlines() if "error" in l), done.stderr.strip()[:300])
+                first = next((l for l in done.stderr.splitlines() if ": error" in l), done.stderr.strip()[:300])
                 raise KernelError(f"{what}: the host compiler failed: {first.strip()}")
             os.replace(out, target)
     return target
@@ -124,7 +124,7 @@ def preprocess(source: str, defines: tuple, source_dir: Path, arch: int, arch_sp
     done = subprocess.run([compiler(), "-E", "-x", "c++", "-std=c++17", *macros, f"-I{source_dir}", str(path)],
                           capture_output=True, text=True)
     if done.returncode != 0:
-        first = next((l for l in done.stderr.splitlines() if "error" in l), done.stderr.strip()[:300])
+        first = next((l for l in done.stderr.splitlines() if ": error" in l), done.stderr.strip()[:300])
         raise KernelError(f"{source}: preprocessing failed: {first.strip()}")
     return done.stdout
 
