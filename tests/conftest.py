@@ -87,8 +87,25 @@ if FAKE_GPU:
     _install_fake_gpu()
 
 
+def pytest_report_header(config):
+    if FAKE_GPU_MODE == "emu":
+        return "CULLAMA_FAKE_GPU=emu: the fake GPU runs kernels_cu on the CPU executor (cullama.emu)"
+    return None
+
+
 def pytest_collection_modifyitems(config, items):
-    """Tests marked `gpu` are skipped, with the reason, where CuPy sees no GPU."""
+    """Tests marked `gpu` are skipped, with the reason, where CuPy sees no GPU; tests marked `emu` where there is
+    no host C++ compiler for the CUDA emulator."""
+    if any(item.get_closest_marker("emu") for item in items):
+        from cullama.emu import build
+        from cullama.errors import KernelError
+
+        try:
+            build.compiler()
+        except KernelError as exc:
+            for item in items:
+                if item.get_closest_marker("emu"):
+                    item.add_marker(pytest.mark.skip(reason=str(exc)))
     if FAKE_GPU or not any(item.get_closest_marker("gpu") for item in items):
         return
     from cullama.device import cuda_status

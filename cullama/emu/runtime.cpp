@@ -41,7 +41,7 @@ namespace {
 
 constexpr int WARP = 32, WARPGROUP = 128, MAX_THREADS = 1024;
 constexpr size_t STACK_BYTES = 256 * 1024;  // per fiber, with a guard page below it
-constexpr unsigned MAX_DYNAMIC = 232448;      // an H100 / H200 block's opt-in limit (227 KB)
+constexpr unsigned MAX_SHARED = 232448;       // an H100 / H200 block's shared memory, static + dynamic (227 KB)
 constexpr unsigned CANARY = 1024;             // bytes past the dynamic window that must stay 0xFF
 
 enum State : unsigned char { RUNNABLE, AT_BARRIER, AT_WARP, AT_WARPGROUP, EXITED };
@@ -309,8 +309,6 @@ void block_at(State state, const char* file, int line) {
     f->warp->runnable &= ~(1u << f->pos);
     block_current();
 }
-
-void retire_copies(Fiber* f, size_t n);
 
 void fiber_entry() {
 #if !defined(__x86_64__) || defined(EMU_PORTABLE_CONTEXT)
@@ -784,12 +782,13 @@ EMU_API int emu_run(const emu_launch* L, void (*body)(void**), void** params, un
     }
     R.static_shared = shared_start, R.static_bytes = (unsigned)(shared_stop - shared_start);
     R.dynamic_base = (R.static_bytes + 15u) & ~15u;
-    if (L->dynamic_shared > MAX_DYNAMIC || R.dynamic_base + L->dynamic_shared > MAX_DYNAMIC + 1024) {
+    // (The static part is every kernel's of the library: one section. Ours never come near the limit with it.)
+    if (L->dynamic_shared > MAX_SHARED || R.dynamic_base + L->dynamic_shared > MAX_SHARED) {
         snprintf(L->error, L->error_size, "%s: %u bytes of static and %u of dynamic shared memory: more than a block "
-                 "may have (%u)", L->kernel, R.static_bytes, L->dynamic_shared, MAX_DYNAMIC + 1024);
+                 "may have (%u)", L->kernel, R.static_bytes, L->dynamic_shared, MAX_SHARED);
         return 1;
     }
-    if (!window_memory) window_memory = (unsigned char*)aligned_alloc(1024, MAX_DYNAMIC + 1024 + CANARY);
+    if (!window_memory) window_memory = (unsigned char*)aligned_alloc(1024, MAX_SHARED + CANARY);
     R.window = window_memory;
     R.shared_bytes = R.dynamic_base + L->dynamic_shared;
     R.chunk_writer.assign(R.shared_bytes / 16 + 1, 0);
