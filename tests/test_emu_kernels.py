@@ -145,18 +145,23 @@ def check_attention_decode(defines, schedule, source_dir=None):
     exact(count, np.zeros(kv_heads, np.uint32), "attention_decode arrival counters")
 
 
+def check_prefill_attention(spec, rows_per_block, threads, hd, group, start, n, schedule, source_dir):
+    """attention_prefill's contract, which attention_prefill_mma shares: rows < n within 2e-3 of the twin (FP16
+    out), rows past n untouched, a grid one block taller than needed harmless. Keys past the chunk are NaN."""
+    kv_heads = 2
+    q_rows, k, v, max_seq, scale = mma_cases.inputs(hd, group, kv_heads, start, n, n + 3, seed=hd + group)
+    ref = mma_cases.run_twin(q_rows, k, v, start, n, max_seq, scale)
+    out = nan(*q_rows.shape, dtype=np.float16)
+    run(spec, (kv_heads, -(-n // rows_per_block) + 1), threads,
+        (q_rows, k, v, out, np.int32(start), np.int32(n), np.int32(max_seq), np.float32(scale)), schedule, source_dir)
+    close(out[:n], ref[:n], 2e-3, spec.name)
+    exact(out[n:], ref[n:], f"{spec.name} rows past n_rows")
+
+
 def check_attention_prefill(defines, schedule, source_dir=None):
     d = dict(defines)
-    hd, group, rows_q, kv_heads, start, n = d["HEAD_DIM"], d["GROUP"], d["ROWS_Q"], 2, 9, 13
-    q_rows, k, v, max_seq, scale = attention_cases.prefill_inputs(hd, group, kv_heads, start, n, n + 3, seed=hd)
-    ref = nan(*q_rows.shape, dtype=np.float16)
-    attention_twin.attention_prefill(q_rows, k, v, ref, start, n, max_seq, scale, grid=(kv_heads, 1, 1))
-    out = nan(*q_rows.shape, dtype=np.float16)
-    grid = (kv_heads, -(-n // rows_q) + 1)  # one block more than needed: it must return at once
-    run(KernelSpec("attention.cu", "attention_prefill", tuple(defines)), grid, ATTENTION_THREADS,
-        (q_rows, k, v, out, np.int32(start), np.int32(n), np.int32(max_seq), np.float32(scale)), schedule, source_dir)
-    close(out[:n], ref[:n], 2e-3, "attention_prefill")
-    exact(out[n:], ref[n:], "attention_prefill rows past n_rows")
+    check_prefill_attention(KernelSpec("attention.cu", "attention_prefill", tuple(defines)), d["ROWS_Q"],
+                            ATTENTION_THREADS, d["HEAD_DIM"], d["GROUP"], 9, 13, schedule, source_dir)
 
 
 @pytest.mark.parametrize("schedule", SCHEDULES)
@@ -169,16 +174,10 @@ def test_attention(defines, schedule):
 # -- attention_mma.cu: P is rounded to FP16 for the tensor cores, the twin keeps float32: within 2e-3 ------
 def check_attention_mma(defines, schedule, source_dir=None):
     d = dict(defines)
-    hd, group, warps, kv_heads, start, n = d["HEAD_DIM"], d["GROUP"], d["WARPS"], 2, 70, 75  # 3 key tiles
-    q_rows, k, v, max_seq, scale = mma_cases.inputs(hd, group, kv_heads, start, n, n + 5, seed=hd + group)
-    ref = mma_cases.run_twin(q_rows, k, v, start, n, max_seq, scale)
-    out = nan(*q_rows.shape, dtype=np.float16)
-    x, y, _ = attention_mma_ops.grid(kv_heads, n, group, warps)
-    run(KernelSpec("attention_mma.cu", "attention_prefill_mma", tuple(defines)), (x, y + 1),
-        attention_mma_ops.threads(warps),
-        (q_rows, k, v, out, np.int32(start), np.int32(n), np.int32(max_seq), np.float32(scale)), schedule, source_dir)
-    close(out[:n], ref[:n], 2e-3, "attention_prefill_mma")
-    exact(out[n:], ref[n:], "attention_prefill_mma rows past n_rows")
+    hd, group, warps = d["HEAD_DIM"], d["GROUP"], d["WARPS"]
+    check_prefill_attention(KernelSpec("attention_mma.cu", "attention_prefill_mma", tuple(defines)),
+                            attention_mma_ops.rows_per_block(group, warps), attention_mma_ops.threads(warps), hd, group,
+                            70, 75, schedule, source_dir)  # keys 0..144: three 64-key tiles
 
 
 @pytest.mark.parametrize("schedule", SCHEDULES)

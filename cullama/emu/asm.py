@@ -64,39 +64,31 @@ def _skip_literal(text: str, i: int) -> int:
     return i + 1
 
 
-def _balanced(text: str, start: int) -> int:
-    """Index of the ')' closing the '(' at text[start]."""
+def _outside_literals(text: str, start: int = 0):
+    """(index, char, bracket depth after it) for each char of text[start:] outside string and char literals."""
     depth, i = 0, start
-    while True:
-        c = text[i]
-        if c in "\"'":
-            i = _skip_literal(text, i)
-            continue
-        if c in "([{":
-            depth += 1
-        elif c in ")]}":
-            depth -= 1
-            if depth == 0:
-                return i
-        i += 1
-
-
-def _split_top(text: str, sep: str) -> list[str]:
-    """text split at `sep` outside brackets and literals."""
-    parts, depth, i, last = [], 0, 0, 0
     while i < len(text):
         c = text[i]
         if c in "\"'":
             i = _skip_literal(text, i)
             continue
-        if c in "([{":
-            depth += 1
-        elif c in ")]}":
-            depth -= 1
-        elif c == sep and depth == 0:
+        depth += (c in "([{") - (c in ")]}")
+        yield i, c, depth
+        i += 1
+
+
+def _balanced(text: str, start: int) -> int:
+    """Index of the ')' closing the '(' at text[start]."""
+    return next(i for i, _, depth in _outside_literals(text, start) if depth == 0)
+
+
+def _split_top(text: str, sep: str) -> list[str]:
+    """text split at `sep` outside brackets and literals."""
+    parts, last = [], 0
+    for i, c, depth in _outside_literals(text):
+        if c == sep and depth == 0:
             parts.append(text[last:i])
             last = i + 1
-        i += 1
     parts.append(text[last:])
     return parts
 
