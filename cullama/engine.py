@@ -9,111 +9,47 @@
 
 from __future__ import annotations
 
-import dataclasses
-import math
-from typing import Callable, Sequence
+from typing import Sequence
 
 import numpy as np
 
-from . import plan as plans
-from .checkpoint import Checkpoint, expected_shapes
+from . import memory, plan as plans
 from .config import LlamaConfig
 from .errors import PromptError
-from .ops import fill as fill_twin
-from .prefill_kernels import PrefillKernels
-from .registry import KernelSpec
+from .prefill_kernels import PrefillKernels, default_for
 from .sampling import Sampler, SamplingParams
-
-Progress = Callable[[int, int], None]
-FILL = KernelSpec("fill.cu", "fill_uniform")
+from .weights import device_config
 # kernels_cu/common.cuh: STATE_POS, STATE_TOKEN, STATE_STEP, STATE_TOP_K, STATE_SEED_LO, STATE_SEED_HI
 POS, TOKEN, STEP, TOP_K, SEED_LO, SEED_HI = range(6)
 
 
-def weight_buffer_name(field: str, layer: int | None) -> str:
-    return field if layer is None else f"layers.{layer}.{field}"
-
-
-def device_config(cfg: LlamaConfig) -> LlamaConfig:
-    """The shapes the kernels run: intermediate_size rounded up to a multiple of 8 (16-byte rows).
-    The added SwiGLU units have zero weights, so they add silu(0) * 0 = 0: the model is unchanged."""
-    ff = plans.cdiv(cfg.intermediate_size, 8) * 8
-    return cfg if ff == cfg.intermediate_size else dataclasses.replace(cfg, intermediate_size=ff)
-
-
-def _padded(field: str, row: int, tensor: np.ndarray, ff: int, ff_dev: int) -> tuple[int, np.ndarray]:
-    """Place a checkpoint tensor in the padded device layout: up rows start at ff_dev, not ff, and
-    down_proj gains zero columns."""
-    if ff == ff_dev:
-        return row, tensor
-    if field == "w_gate_up" and row >= ff:
-        return row - ff + ff_dev, tensor
-    if field == "w_down":
-        wide = np.zeros((tensor.shape[0], ff_dev), np.float16)  # [d, ff_dev]
-        wide[:, :ff] = tensor
-        return row, wide
-    return row, tensor
-
-
-def load_checkpoint(backend, ckpt: Checkpoint, progress: Progress | None = None) -> None:
-    """Weights onto the backend, in the device layout: each HF tensor is copied straight into its
-    slice of the fused buffer (no host-side concatenation); the CPU binds FP16 views where it can."""
-    cfg, dev = ckpt.config, device_config(ckpt.config)
-    if backend.device == "cpu" and dev is cfg:
-        weights = ckpt.load(progress)
-        backend.bind("embed", weights.embed)
-        backend.bind("final_norm", weights.final_norm)
-        backend.bind("lm_head", weights.lm_head)
-        for i, layer in enumerate(weights.layers):
-            for field in ("attn_norm", "wqkv", "wo", "ffn_norm", "w_gate_up", "w_down"):
-                backend.bind(weight_buffer_name(field, i), getattr(layer, field))
-        return
-    backend.allocate(plans.weight_buffers(dev))  # zero-filled: padding stays zero
-    shapes = expected_shapes(cfg)
-    parts = list(ckpt.parts())
-    total, done = sum(2 * math.prod(shapes[name]) for *_, name in parts), 0
-    for field, layer, row, name in parts:
-        row, tensor = _padded(field, row, ckpt.tensor(name), cfg.intermediate_size, dev.intermediate_size)
-        backend.set(weight_buffer_name(field, layer), tensor, row=row)
-        done += 2 * math.prod(shapes[name])
-        if progress:
-            progress(done, total)
-
-
-def random_weights(backend, cfg: LlamaConfig, seed: int = 0, std: float = 0.02) -> None:
-    """Synthetic weights of any shape, made where they live (on the GPU for `bench --synthetic`) by
-    kernels_cu/fill.cu or its twin: the same seed gives the same weights on both devices."""
-    buffers = plans.weight_buffers(device_config(cfg))
-    if backend.device == "cuda":
-        backend.allocate(buffers)
-    for index, b in enumerate(buffers):
-        mean, spread = (1.0, 0.1) if len(b.shape) == 1 else (0.0, std)  # norm weights near 1
-        buffer_seed = (seed * 1_000_003 + index) % 2**64  # a stream of its own per buffer
-        if backend.device == "cpu":
-            array = np.empty(b.shape, np.float16)
-            fill_twin.fill_uniform(array, array.size, buffer_seed, mean, spread)
-            backend.bind(b.name, array)
-        else:
-            array = backend.arrays[b.name]
-            blocks = min(plans.cdiv(array.size, fill_twin.THREADS), 4096)
-            backend.run(plans.Plan("fill", [plans.Launch(FILL, (blocks, 1, 1), fill_twin.THREADS, (
-                plans.Ref(b.name), np.uint64(array.size), np.uint64(buffer_seed), np.float32(mean),
-                np.float32(spread)))]))
-
-
 class PlanRunner:
-    def __init__(self, cfg: LlamaConfig, backend, max_seq_len: int, prefill_chunk: int | None = None):
+    """Runs one sequence at a time. `cached` only ever names the ids whose K and V rows were completely
+    written (queued in full, on the GPU): it is cut back before a prefill or a step writes and extended after,
+    so work cut short (a KeyboardInterrupt, an error) never leaves it claiming rows it overwrote. A start()
+    or decode step cut short also drops `last`: decoding then needs a start()."""
+
+    def __init__(self, cfg: LlamaConfig, backend, max_seq_len: int, prefill_chunk: int | None = None,
+                 weight_bytes: int = 0):
         """`prefill_chunk`: prompt rows per prefill pass (default plan.PREFILL_CHUNK); it sizes the prefill
-        buffers, and any prompt length works."""
+        buffers, and any prompt length works. `weight_bytes`: what the weights will still take on this device
+        once the runner is made: the KV cache, the runtime buffers and they must fit in what it has free, or
+        a ResourceError says so before anything is allocated (make the runner before loading the weights)."""
         cfg = device_config(cfg)
         plans.check_supported(cfg)
         self.cfg, self.backend, self.max_seq_len = cfg, backend, max_seq_len
         self.prefill_chunk = prefill_chunk or plans.PREFILL_CHUNK
-        backend.allocate(plans.runtime_buffers(cfg, max_seq_len, self.prefill_chunk))
+        buffers = plans.runtime_buffers(cfg, max_seq_len, self.prefill_chunk)
+        kv = sum(b.nbytes for b in buffers if b.kind == "cache")
+        others = sum(b.nbytes for b in buffers) - kv
+        memory.check_fits(backend.device, {"KV cache": kv, "other runtime buffers": others, "weights": weight_bytes},
+                          f"use a shorter context than {max_seq_len} tokens (max_seq_len, --max-seq-len; "
+                          f"the KV cache takes {memory.gib(kv // max_seq_len * 1024)} per 1024 tokens)")
+        backend.allocate(buffers)
         backend.set("rope", plans.rope_table(cfg, max_seq_len))
         self.decode = plans.decode_plan(cfg, max_seq_len)
         self._prefills: dict[tuple, plans.Plan] = {}
-        self.prefill_kernels = PrefillKernels()  # the GEMM and attention of the prompt path: set_prefill_kernels
+        self.prefill_kernels = default_for(getattr(backend, "arch", None))  # the prompt path's GEMM and attention
         self.cached: list[int] = []  # the ids whose K and V are in the cache, at positions 0..len - 1
         self.last: int | None = None  # the last sampled token: the next decode step's input
         self._queued: int | None = None  # the token slot of a decode step already queued for `last`
@@ -139,8 +75,8 @@ class PlanRunner:
 
     def _prefill(self, ids: Sequence[int], output: str, state: np.ndarray | None = None,
                  begin: int = 0) -> list[np.ndarray]:
-        """Run ids[begin:] through in chunks (the cache already holds ids[:begin]); output applies to the
-        last chunk ("logits": to all)."""
+        """Run ids[begin:] through in chunks (the cache already holds ids[:begin], and `cached` names no more
+        than those); output applies to the last chunk ("logits": to all). `cached` grows chunk by chunk."""
         logits = []
         for start in range(begin, len(ids), self.prefill_chunk):
             chunk = np.asarray(ids[start:start + self.prefill_chunk], dtype=np.int32)
@@ -151,6 +87,7 @@ class PlanRunner:
                 state[POS] = start + n - 1  # the sample kernel advances it to start + n
                 self.backend.set("state", state)
             self.backend.run(self._prefill_plan(start, n, out))
+            self.cached = list(ids[:start + n])  # this chunk's rows are written (queued in full, on the GPU)
             if out == "logits":
                 logits.append(self.backend.read("logits_rows")[:n])
         return logits
@@ -160,22 +97,25 @@ class PlanRunner:
         that the KV cache already holds (from the last generation) is not computed again: a chat turn
         prefills only what is new. The reused K and V may differ from a fresh prefill's in the last FP16
         bit, so a seeded run is reproducible only with reuse off (the default)."""
+        if not 0 < len(prompt_ids) < self.max_seq_len:
+            raise PromptError(f"a prompt of {len(prompt_ids)} tokens needs 1 to {self.max_seq_len - 1} tokens "
+                              f"(the context is {self.max_seq_len})")
         sampler = Sampler(params, self.cfg.vocab_size, prompt_ids)  # resolves the seed, marks the prompt seen
         p = sampler.params
         seed = p.seed & (2**64 - 1)
         state = np.zeros(8, dtype=np.int32)
-        state[TOP_K] = p.top_k
+        state[TOP_K] = min(p.top_k, self.cfg.vocab_size)  # int32; at or above the vocabulary is off, as 0 is
         state[SEED_LO:SEED_HI + 1] = np.array([seed & 0xFFFFFFFF, seed >> 32], dtype=np.uint32).view(np.int32)
-        self.backend.set("fparams", np.array([p.temperature, p.top_p, p.repetition_penalty, 0], np.float32))
-        self.backend.set("seen", sampler.seen.astype(np.uint8))
-        if not 0 < len(prompt_ids) < self.max_seq_len:
-            raise PromptError(f"a prompt of {len(prompt_ids)} tokens needs 1 to {self.max_seq_len - 1} tokens "
-                              f"(the context is {self.max_seq_len})")
         prompt = list(prompt_ids)
         begin = min(common_prefix(self.cached, prompt), len(prompt) - 1) if reuse else 0  # the last id runs
-        self._queued = None  # a step still queued is ordered before this prefill on the stream; dropped
+        # From here the cache is rewritten from row `begin`: until the prefill is through, nothing to decode
+        # from, and only the rows before `begin` (and then each finished chunk's) are known to hold these ids.
+        self.last, self._queued = None, None  # a step still queued is ordered before this prefill; dropped
+        self.cached = prompt[:begin]
+        self.backend.set("fparams", np.array([p.temperature, p.top_p, p.repetition_penalty, 0], np.float32))
+        self.backend.set("seen", sampler.seen.astype(np.uint8))
         self._prefill(prompt, "sample", state, begin)
-        self.cached, self.last = prompt, self.backend.read_token()
+        self.last = self.backend.read_token()
         return self.last
 
     def _queue_step(self) -> int:
@@ -190,15 +130,20 @@ class PlanRunner:
         Until then the backend's buffers (logits, state) are that queued step's."""
         if self.last is None:
             raise PromptError("decoding needs a prompt first: call start()")
-        if self._queued is None:
-            if len(self.cached) >= self.max_seq_len:  # the kernels would write past the KV cache
-                raise PromptError(f"the context of {self.max_seq_len} tokens is full")
-            self._queued = self._queue_step()
-        slot, self._queued = self._queued, None
-        self.cached.append(self.last)
-        if ahead and self.backend.asynchronous and len(self.cached) < self.max_seq_len:
-            self._queued = self._queue_step()  # for the token `slot` will hold
-        self.last = self.backend.token(slot)
+        if self._queued is None and len(self.cached) >= self.max_seq_len:  # the step would write past the cache
+            raise PromptError(f"the context of {self.max_seq_len} tokens is full")
+        try:
+            if self._queued is None:
+                self._queued = self._queue_step()
+            slot, self._queued = self._queued, None
+            self.cached.append(self.last)  # its step is queued in full: its K and V row will be written
+            if ahead and self.backend.asynchronous and len(self.cached) < self.max_seq_len:
+                self._queued = self._queue_step()  # for the token `slot` will hold
+            self.last = self.backend.token(slot)
+        except BaseException:
+            # Cut short (a step half run on the CPU leaves the device state half advanced): start() again.
+            self.last, self._queued = None, None
+            raise
         return self.last
 
     def drain(self) -> None:
@@ -209,10 +154,8 @@ class PlanRunner:
     def logits(self, token_ids: Sequence[int]) -> np.ndarray:
         if not 0 < len(token_ids) <= self.max_seq_len:
             raise PromptError(f"logits() takes 1 to {self.max_seq_len} tokens, got {len(token_ids)}")
-        self._queued = None
-        logits = np.concatenate(self._prefill(list(token_ids), "logits"))
-        self.cached, self.last = list(token_ids), None  # nothing was sampled: decoding needs a start()
-        return logits
+        self.last, self._queued, self.cached = None, None, []  # nothing is sampled: decoding needs a start()
+        return np.concatenate(self._prefill(list(token_ids), "logits"))
 
 
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:

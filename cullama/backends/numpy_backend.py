@@ -8,6 +8,7 @@ import numpy as np
 
 from .. import ops
 from ..plan import Buffer, Launch, Plan, Ref
+from ..sampling import drawn
 
 STATE_TOKEN = 1  # kernels_cu/common.cuh
 
@@ -58,7 +59,7 @@ class NumpyBackend:
     replay = run  # no graphs on the CPU: a decode step is just run
 
     def read_token(self) -> int:
-        return int(self.arrays["state"][STATE_TOKEN])
+        return drawn(int(self.arrays["state"][STATE_TOKEN]))
 
     def launch_step(self, plan: Plan, slot: int) -> None:
         self.run(plan)

@@ -27,13 +27,17 @@ def sample(logits, seen, state, fparams, embed, x, V, d):
     """logits [V] f32, seen [V] uint8, state [8] int32, fparams [4] f32, embed [V, d] f16, x [d] f32.
 
     token = cullama.sampling.sample(logits, params, seen != 0, state[STEP]); then state[TOKEN] = token,
-    state[STEP] += 1, state[POS] += 1, seen[token] = 1 and x = embed[token] as float32, all in place.
+    state[STEP] += 1, state[POS] += 1, seen[token] = 1 and x = embed[token] as float32, all in place. Where
+    the token is NO_TOKEN (every logit NaN or -inf), seen is left alone and x = 0.
     """
     step = int(state[STATE_STEP])
     token = sampling.sample(logits[:V], params_from(state, fparams), seen[:V] != 0, step)
     state[STATE_TOKEN] = token
     state[STATE_STEP] = step + 1
     state[STATE_POS] += 1
+    if token == sampling.NO_TOKEN:
+        x[:d] = 0
+        return
     seen[token] = 1
     x[:d] = embed[token, :d].astype(np.float32)
 
