@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from cullama import emu, ops, registry
+from cullama import cache, emu, ops
 from cullama.emu import asm, build
 from cullama.errors import KernelError
 from cullama.kernels_cu import SOURCE_DIR
@@ -244,7 +244,7 @@ def test_launch_bounds_and_dimensions(probes):
 # -- the build ------------------------------------------------------------------------------------------------
 def test_builds_are_cached_by_content_under_the_cullama_cache(probes, tmp_path):
     first = build.library("probes.cu", (), source_dir=probes)
-    assert first.path.parent == registry.cache_dir().parent / "emu" and first.path.exists()
+    assert first.path.parent == cache.root() / "emu" and first.path.exists()
     assert build.library("probes.cu", (), source_dir=probes) is first
     other = tmp_path / "copy"
     shutil.copytree(probes, other)

@@ -281,32 +281,35 @@ def test_prefill_rows(schedule):
 
 # -- sampling.cu --------------------------------------------------------------------------------------------
 # Exact: the greedy token, and for every draw the state, seen and x updates that follow from the kernel's
-# token. A sampled token equals the twin's, or lies within rounding of a bucket edge (the kernel's block scan
-# and NumPy's sequential cumsum add in other orders; test_sampling_kernel.explained).
+# token (NO_TOKEN where no logit can be drawn: seen untouched, x = 0; an index out of bounds would fail the
+# launch's guards). A sampled token equals the twin's, or lies within rounding of a bucket edge (the kernel's
+# block scan and NumPy's sequential cumsum add in other orders; test_sampling_kernel.explained).
 SAMPLE_OPTIONS = [(0.0, 0, 1.0, 1.0), (0.0, 5, 0.5, 1.3), *sample_cases.SAMPLED]
 
 
-def check_sample(options, V, schedule, source_dir=None, draws=3):
+def check_sample(options, V, schedule, source_dir=None, draws=3, nonfinite=None):
     temperature, top_k, top_p, penalty = options
     fp = sample_cases.fparams(temperature, top_p, penalty)
     for draw in range(draws):
-        logits, seen, embed = sample_cases.inputs(V, seed=draw, ties=temperature == 0)
+        logits, seen, embed = sample_cases.inputs(V, seed=draw, ties=temperature == 0, nonfinite=nonfinite)
         state = sample_cases.make_state(sample_cases.SEEDS[draw], step=draw, top_k=top_k)
         params = sample_cases.ops.params_from(state, fp)
         ref_state, ref_seen = state.copy(), seen.copy()
-        ref_x = sample_cases.run_twin(logits, ref_seen, ref_state, fp, embed)
+        sample_cases.run_twin(logits, ref_seen, ref_state, fp, embed)
         x, before = nan(sample_cases.D), seen.copy()
-        state[sample_cases.ops.STATE_TOKEN] = -1
+        state[sample_cases.ops.STATE_TOKEN] = -2
         run(KernelSpec("sampling.cu", "sample"), 1, SAMPLE_THREADS,
             (logits, seen, state, fp, embed, x, np.int32(V), np.int32(sample_cases.D)), schedule, source_dir)
-        token = int(state[sample_cases.ops.STATE_TOKEN])
-        assert 0 <= token < V, f"sample {options}: token {token}"
-        if token != ref_state[sample_cases.ops.STATE_TOKEN]:
-            assert temperature != 0, f"greedy {options} draw {draw}: {token}, the twin {ref_state[1]}"
-            assert sample_cases.explained(token, logits, params, before.astype(bool), draw), (options, draw, token)
-        exact(state, np.concatenate([ref_state[:1], [token], ref_state[2:]]), f"sample {options} state")
-        exact(seen, np.where(np.arange(V) == token, 1, before).astype(np.uint8), f"sample {options} seen")
-        exact(x, embed[token].astype(np.float32), f"sample {options} x")
+        token, expected = int(state[sample_cases.ops.STATE_TOKEN]), int(ref_state[sample_cases.ops.STATE_TOKEN])
+        where = f"sample {options} {nonfinite or ''} draw {draw}"
+        assert 0 <= token < V or token == expected == sampling.NO_TOKEN, f"{where}: token {token}"
+        if token != expected:
+            assert temperature != 0, f"{where}: {token}, the twin {expected}"
+            assert sample_cases.explained(token, logits, params, before.astype(bool), draw), (where, token)
+        exact(state, np.concatenate([ref_state[:1], [token], ref_state[2:]]), f"{where}: state")
+        exact(seen, np.where(np.arange(V) == token, 1, before).astype(np.uint8), f"{where}: seen")
+        x_expected = embed[token].astype(np.float32) if token != sampling.NO_TOKEN else np.zeros_like(x)
+        exact(x, x_expected, f"{where}: x")
 
 
 @pytest.mark.parametrize("schedule", SCHEDULES)
@@ -319,6 +322,15 @@ def test_sample(options, schedule):
 def test_sample_past_the_on_chip_ids(options):
     """V = 33001 > 1024 x 32: each thread re-reads the ids past its registers and shared memory at every pass."""
     check_sample(options, 33001, "shuffled", draws=1)
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+@pytest.mark.parametrize("nonfinite", sample_cases.NONFINITE)
+@pytest.mark.parametrize("options", [SAMPLE_OPTIONS[0], SAMPLE_OPTIONS[1], SAMPLE_OPTIONS[5]],
+                         ids=["greedy", "greedy-penalty", "sampled-both-cuts"])
+def test_sample_with_non_finite_logits(options, nonfinite, schedule):
+    """NaN as -inf, +inf tokens sharing the mass, NO_TOKEN where nothing can be drawn: as the twin."""
+    check_sample(options, 517, schedule, nonfinite=nonfinite)
 
 
 @pytest.mark.parametrize("schedule", SCHEDULES)
