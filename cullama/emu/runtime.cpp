@@ -40,7 +40,8 @@ emu_dim3 emu_thread_idx, emu_block_idx, emu_block_dim, emu_grid_dim;
 namespace {
 
 constexpr int WARP = 32, WARPGROUP = 128, MAX_THREADS = 1024;
-constexpr size_t STACK_BYTES = 256 * 1024;  // per fiber, with a guard page below it
+constexpr size_t STACK_BYTES = 64 * 1024;  // per fiber, over a guard page; the deepest (a thread completing a
+                                            // wgmma) needs 16 to 32 KB
 constexpr unsigned MAX_SHARED = 232448;       // an H100 / H200 block's shared memory, static + dynamic (227 KB)
 constexpr unsigned CANARY = 1024;             // bytes past the dynamic window that must stay 0xFF
 
