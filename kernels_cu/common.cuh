@@ -52,6 +52,12 @@ __device__ __forceinline__ float load_coherent(const float* p) {
     return v;
 }
 
+__device__ __forceinline__ int load_coherent(const int* p) {
+    int v;
+    asm volatile("ld.global.cg.s32 %0, [%1];" : "=r"(v) : "l"(p));
+    return v;
+}
+
 // Programmatic dependent launch (sm_90+). A kernel launched with the attribute may start while the
 // kernel before it in the stream is still running; it must call pdl_wait() before it touches anything
 // an earlier kernel writes (activations, the KV cache, the state) and may only read weights before

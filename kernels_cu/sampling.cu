@@ -5,10 +5,21 @@
 //                  state[POS] += 1; seen[token] = 1; x[0:d] = embed[token] as float32 (the next input)
 //   uniform_probe  out[0] = uniform(seed, step), one thread: the RNG bit for bit, for the tests
 //
-// Launch: sample is ONE block of THREADS (1024) threads, inside the decode CUDA graph after gemv_logits,
-// so every parameter is read from device memory: temperature, top_p, repetition penalty from fparams,
-// top_k, seed (two words) and step from state (layouts in common.cuh). Shapes: logits [V] float32,
-// seen [V] uint8 (nonzero = seen), embed [V, d] FP16, x [d] float32, state [8] int32, fparams [4] f32.
+// Launch: sample is ONE block of THREADS (1024) threads per token row, inside the decode CUDA graph after
+// gemv_logits, so every parameter is read from device memory: temperature, top_p, repetition penalty from
+// fparams, top_k, seed (two words) and step from state (layouts in common.cuh). Shapes: logits [rows, V]
+// float32, seen [V] uint8 (nonzero = seen), embed [V, d] FP16, x [d] float32, state [8] int32, fparams [4]
+// f32, ids [rows] int32, picks [rows] int32, out [1 + rows] int32, arrivals [1] uint32 (zero between launches).
+//
+// Speculative verify (grid = rows = k + 1 > 1): row r's logits follow ids[r] (ids[0] the last sampled token,
+// ids[1..k] the drafts). Block r picks row r's token exactly as a decode step would there, with the drafts
+// before it counted as seen (repetition penalty) and step + r as the RNG counter, except that on the sampled
+// path the draft ids[r + 1] gets the first bucket of the inverse CDF: the draw picks it with probability
+// p(draft) and otherwise samples p with the draft removed, renormalised: speculative sampling with a point
+// mass for the draft distribution, so every row's pick is distributed as p itself. The last block to
+// finish accepts: n - 1 = how many leading drafts equal their row's pick (greedy: the argmax), then the
+// pick of row n - 1; out = [n, the n tokens]; state, seen and x end as n decode steps would leave them.
+// The counters of the rows past n - 1 are drawn again by the next step: those draws decided nothing.
 //
 // Every float is compared through an order-preserving uint32 key (a < b <=> key(a) < key(b), -0 == +0),
 // so thresholds are found by exact integer bit searches and all results are deterministic.
@@ -68,14 +79,22 @@ __device__ __forceinline__ float key_float(uint32_t k) {
 struct Transform {  // logit -> key: HF repetition penalty on seen ids, then / temperature (IEEE, as NumPy)
     const float* logits;
     const unsigned char* seen;
+    const int* drafted;  // ids seen too: a verify row's drafts before it (n_drafted of them)
+    int n_drafted;
     int V;
     bool penalise, scale;  // scale: divide by the temperature (not on the greedy path)
     float penalty, temperature;
 
+    __device__ __forceinline__ bool is_drafted(int i) const {
+        bool hit = false;
+        for (int e = 0; e < n_drafted; ++e) hit |= drafted[e] == i;
+        return hit;
+    }
+
     // The key of id i < V.
     __device__ __forceinline__ uint32_t key1(int i) const {
         float v = logits[i];
-        if (penalise && seen[i]) v = v > 0.f ? __fdiv_rn(v, penalty) : __fmul_rn(v, penalty);
+        if (penalise && (seen[i] || is_drafted(i))) v = v > 0.f ? __fdiv_rn(v, penalty) : __fmul_rn(v, penalty);
         if (scale) v = __fdiv_rn(v, temperature);
         return float_key(v);
     }
@@ -95,6 +114,12 @@ struct Transform {  // logit -> key: HF repetition penalty on seen ids, then / t
                     l[e] = logits[i + e];
                     if (penalise) s |= (uint32_t)seen[i + e] << (8 * e);
                 }
+            }
+        }
+        if (penalise) {
+            for (int e = 0; e < n_drafted; ++e) {
+                const unsigned int at = drafted[e] - i;  // 0..3: one of these four ids
+                if (at < 4u) s |= 1u << (8 * at);
             }
         }
 #pragma unroll
@@ -217,7 +242,9 @@ __device__ __forceinline__ void for_each(const uint32_t (&v)[REG_ITEMS], const u
     }
 }
 
-__device__ __forceinline__ int sampled_token(const Transform& tf, int top_k, float top_p, uint64_t seed, int step) {
+// front >= 0 (a draft): its bucket comes first in the inverse CDF (see the header); -1: plain id order.
+__device__ __forceinline__ int sampled_token(const Transform& tf, int top_k, float top_p, uint64_t seed, int step,
+                                             int front) {
     __shared__ uint32_t su[2][WARPS];
     __shared__ float sf[2][WARPS];
     __shared__ int si[2][WARPS];
@@ -278,17 +305,23 @@ __device__ __forceinline__ int sampled_token(const Transform& tf, int top_k, flo
         }
     }
 
-    // 5. inverse CDF in id order over the kept mass.
-    float total = 0.f;
-    for_each(v, cache, tf, begin, n, kth, max_l,
-             [&](int, uint32_t p) { total += p >= tp ? __uint_as_float(p) : 0.f; });
-    __syncthreads();  // the searches' last scratch buffers are free again
-    float z_kept;
-    float c = block_exclusive_scan(total, sf[1], z_kept);
-    const float target = uniform(seed, step) * z_kept;
-    int hit = NO_HIT, last = -1;
+    // 5. inverse CDF over the kept mass: the front's bucket [0, p_front) first, then the others in id order.
+    float total = 0.f, mine = 0.f;  // kept mass of this thread's ids but the front; the front's (its owner)
     for_each(v, cache, tf, begin, n, kth, max_l, [&](int j, uint32_t p) {
         const float q = p >= tp ? __uint_as_float(p) : 0.f;
+        if (begin + j == front) mine = q;
+        else total += q;
+    });
+    __syncthreads();  // the searches' last scratch buffers are free again
+    float z_rest;
+    float c = block_exclusive_scan(total, sf[1], z_rest);
+    const float p_front = front < 0 ? 0.f : block_sum_f(mine, sf[0]);  // block-uniform branch
+    float target = __fmul_rn(uniform(seed, step), z_rest + p_front);  // without a front: u * z_rest, exactly
+    if (target < p_front) return front;
+    target = __fsub_rn(target, p_front);
+    int hit = NO_HIT, last = -1;
+    for_each(v, cache, tf, begin, n, kth, max_l, [&](int j, uint32_t p) {
+        const float q = p >= tp && begin + j != front ? __uint_as_float(p) : 0.f;
         c += q;
         if (q > 0.f) {  // a token without mass is never picked, even where the scans' rounding differ
             if (c > target && hit == NO_HIT) hit = begin + j;
@@ -297,31 +330,66 @@ __device__ __forceinline__ int sampled_token(const Transform& tf, int top_k, flo
     });
     hit = block_min_int(hit, si[0]);
     if (hit != NO_HIT) return hit;
-    return block_max_int(last, si[1]);  // the cumulative sums' rounding left the draw past them all
+    last = block_max_int(last, si[1]);  // the cumulative sums' rounding left the draw past them all
+    return last >= 0 ? last : front;    // nothing kept but the front (front >= 0 then: the max is kept)
 }
 
+// grid (rows): block r samples token row r (1 row: a decode step; k + 1: a verify step, see the header).
 extern "C" __global__ void __launch_bounds__(THREADS)
 sample(const float* __restrict__ logits, unsigned char* __restrict__ seen, int* __restrict__ state,
-       const float* __restrict__ fparams, const half_t* __restrict__ embed, float* __restrict__ x, int V, int d) {
+       const float* __restrict__ fparams, const half_t* __restrict__ embed, float* __restrict__ x,
+       const int* __restrict__ ids, int* picks, int* __restrict__ out, unsigned int* arrivals, int V, int d) {
     __shared__ uint64_t scratch[WARPS];
+    __shared__ int accepted[2];  // the last block's verdict: n, and the token that ends the accepted run
     pdl_wait();  // the logits come from the kernel before
+    const int row = blockIdx.x, rows = gridDim.x;
     const float temperature = fparams[FP_TEMPERATURE], top_p = fparams[FP_TOP_P];
     const float penalty = fparams[FP_REP_PENALTY];
     const int step = state[STATE_STEP], top_k = state[STATE_TOP_K];
     const uint64_t seed = (uint64_t)(uint32_t)state[STATE_SEED_LO] | (uint64_t)(uint32_t)state[STATE_SEED_HI] << 32;
     const bool greedy = temperature == 0.f;
-    const Transform tf{logits, seen, V, penalty != 1.f, !greedy, penalty, temperature};
+    const Transform tf{logits + (size_t)row * V, seen, ids + 1, row, V, penalty != 1.f, !greedy, penalty,
+                       temperature};
+    const int front = row + 1 < rows ? ids[row + 1] : -1;  // this row's draft, if any
     // Every thread gets the token from the block reductions; those barriers also order every read of
-    // state and seen above before the writes below.
-    const int token = greedy ? greedy_token(tf, scratch) : sampled_token(tf, top_k, top_p, seed, step);
-    if (threadIdx.x == 0) {
-        state[STATE_TOKEN] = token;
-        state[STATE_STEP] = step + 1;
-        state[STATE_POS] += 1;
-        seen[token] = 1;
+    // state and seen above before the writes below (in a verify, the other blocks' reads come before their
+    // arrival, so before the last block writes).
+    int token = greedy ? greedy_token(tf, scratch) : sampled_token(tf, top_k, top_p, seed, step + row, front);
+    int n = 1;
+    if (threadIdx.x == 0) picks[row] = token;
+    if (rows > 1) {  // the last block to finish accepts
+        if (threadIdx.x == 0) {
+            __threadfence();
+            accepted[0] = atomicAdd(arrivals, 1u) == (unsigned int)(rows - 1);
+        }
+        __syncthreads();
+        if (!accepted[0]) return;
+        __threadfence();
+        if (threadIdx.x == 0) {
+            int j = 0;
+            while (j + 1 < rows && load_coherent(picks + j) == ids[j + 1]) ++j;  // draft j + 1 is row j's pick
+            accepted[0] = j + 1;
+            accepted[1] = load_coherent(picks + j);
+            *arrivals = 0u;
+        }
+        __syncthreads();
+        n = accepted[0];
+        token = accepted[1];
     }
-    const half_t* row = embed + (size_t)token * d;
-    for (int i = threadIdx.x; i < d; i += THREADS) x[i] = h2f(row[i]);
+    if (threadIdx.x == 0) {
+        out[0] = n;
+        for (int i = 1; i < n; ++i) {
+            out[i] = ids[i];
+            seen[ids[i]] = 1;
+        }
+        out[n] = token;
+        seen[token] = 1;
+        state[STATE_TOKEN] = token;
+        state[STATE_STEP] = step + n;
+        state[STATE_POS] += n;
+    }
+    const half_t* embedded = embed + (size_t)token * d;
+    for (int i = threadIdx.x; i < d; i += THREADS) x[i] = h2f(embedded[i]);
 }
 
 // One thread: out[0] = uniform(seed, step).
