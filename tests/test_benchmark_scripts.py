@@ -98,7 +98,7 @@ def test_gemv_sweep_times_and_checks_every_variant_of_every_shape(fake, tmp_path
     assert code == 0
     record = json.loads(out.read_text())
     check_bandwidth(record)
-    variants = [" ".join(f"{k}={v}" for k, v in d) for d in gemv_twins.VARIANTS]
+    variants = [" ".join(f"{k}={v}" for k, v in d) for d in gemv_twins.DECODE_VARIANTS]
     shapes = gemv_sweep.shapes(TINY)
     assert [(r["shape"], r["variant"]) for r in record["rows"]] == [(s[0], v) for s in shapes for v in variants]
     for row, (label, kernel, M, K) in zip(record["rows"], [s for s in shapes for _ in variants]):
