@@ -20,6 +20,7 @@ from cullama.engine import PlanRunner, load_checkpoint, random_weights
 from cullama.errors import KernelError, PromptError
 from cullama.ops import attention as attention_twin, gemv as gemv_twin, sampling as sample_twin
 from cullama.reference import rope_tables
+from cullama.registry import KernelSpec
 from cullama.sampling import SamplingParams
 
 from conftest import FAKE_GPU, load_golden, poisoned
@@ -233,12 +234,13 @@ def numpy_runner(directory, max_seq=None) -> PlanRunner:
 
 
 def drafts_from(continuation: list[int], k: int, call: int, vocab: int) -> tuple[list[int], int]:
-    """k drafts from the expected continuation with draft number call % (k + 1) wrong (k: none), so that
-    successive calls reject at every row and accept whole runs; and how many of them are right."""
-    drafts, wrong = list(continuation[:k]), call % (k + 1)
+    """k drafts from the expected continuation: all right on even calls; on odd ones draft number
+    (call // 2) % k is wrong, so that successive calls reject at every row. Returns them and how many lead
+    right."""
+    drafts, wrong = list(continuation[:k]), (call // 2) % k if k and call % 2 else k
     if wrong < k:
         drafts[wrong] = (drafts[wrong] + 1 + call) % vocab
-    return drafts, min(wrong, k)
+    return drafts, wrong
 
 
 def speculative_ids(runner: PlanRunner, prompt, params, expected: list[int], k: int, total: int) -> list[int]:
@@ -337,3 +339,275 @@ def test_verify_refuses_bad_drafts_and_no_prompt(stories_dir):
     plain.start([1], GREEDY)
     assert runner.verify([]) == [plain.next()]  # k = 0 is a plain step
     np.testing.assert_array_equal(runner.backend.read("state"), plain.backend.read("state"))
+
+
+# -- sampling at temperature > 0: the tokens are distributed as plain sampling's -------------------------------
+CHI_CONFIG = cullama.config.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=1,
+                                        num_heads=2, num_kv_heads=1, head_dim=16, max_seq_len=16, name="chi")
+CHI_PROMPT = [1, 17, 5]
+CHI_SEEDS = 700  # generations per distribution
+
+
+def chi_runner() -> PlanRunner:
+    """A tiny random model with peaked distributions (weights of std 0.3), cheap on the numpy backend."""
+    backend = NumpyBackend()
+    random_weights(backend, CHI_CONFIG, seed=3, std=0.3)
+    return PlanRunner(CHI_CONFIG, backend, CHI_CONFIG.max_seq_len)
+
+
+def three_tokens(runner: PlanRunner, params: SamplingParams, drafts=None) -> tuple[int, int, int]:
+    """start()'s token and the two after it: plain steps, or a verify of drafts(t0) (then steps for what it
+    lacks)."""
+    t0 = runner.start(CHI_PROMPT, params)
+    got = [] if drafts is None else runner.verify(drafts(t0))
+    while len(got) < 2:
+        got.append(runner.next())
+    return t0, got[0], got[1]
+
+
+def greedy_drafts(runner: PlanRunner):
+    """drafts(t0): the target's own two greedy tokens after t0 (good drafts: often, not always, accepted)."""
+    table = {}
+
+    def drafts(t0: int) -> list[int]:
+        if t0 not in table:
+            first = runner.start(CHI_PROMPT + [t0], GREEDY)
+            table[t0] = [first, runner.start(CHI_PROMPT + [t0, first], GREEDY)]
+        return table[t0]
+
+    return drafts
+
+
+def two_sample_chi2(a: list, b: list) -> tuple[float, int]:
+    """Pearson's statistic that samples a and b come from one distribution (categories with fewer than 10
+    observations in all pooled), and its degrees of freedom."""
+    keys = sorted(set(a) | set(b))
+    ca, cb = np.array([a.count(k) for k in keys], float), np.array([b.count(k) for k in keys], float)
+    rare = ca + cb < 10
+    ca, cb = np.append(ca[~rare], ca[rare].sum()), np.append(cb[~rare], cb[rare].sum())
+    keep = ca + cb > 0
+    ca, cb = ca[keep], cb[keep]
+    ea, eb = (ca + cb) * len(a) / (len(a) + len(b)), (ca + cb) * len(b) / (len(a) + len(b))
+    return float(((ca - ea) ** 2 / ea + (cb - eb) ** 2 / eb).sum()), len(ca) - 1
+
+
+def distributions_differ(plain: list, speculative: list, drafts) -> bool:
+    """Whether the tokens after start()'s are distributed differently: the first's and the second's
+    distributions, and how often they are the greedy drafts (the acceptance's own statistic). Chi-square at
+    about 6 standard deviations: a correct sampler fails this about once in 10^5 runs, and the seeds are fixed."""
+    def matches(t0, t1, t2):
+        first, second = drafts(t0)
+        return (t1 == first, t1 == first and t2 == second)
+
+    samples = [([t[1] for t in plain], [t[1] for t in speculative]), ([t[2] for t in plain], [t[2] for t in speculative]),
+               ([matches(*t) for t in plain], [matches(*t) for t in speculative])]
+    for a, b in samples:
+        chi2, dof = two_sample_chi2(a, b)
+        if chi2 > dof + 6 * math.sqrt(2 * dof):
+            return True
+    return False
+
+
+@pytest.mark.slow
+def test_sampled_verify_is_distributed_as_plain_sampling(monkeypatch):
+    """Speculative sampling against plain sampling at temperature 1 over many seeds: the first two tokens after
+    the prompt's have the same distribution, drafts accepted or not. The same statistic catches the classic
+    slip (on a rejection, resampling from p with the draft still in it), so it can fail."""
+    runner, spec = chi_runner(), chi_runner()
+    drafts = greedy_drafts(chi_runner())
+    params = [SamplingParams(temperature=1.0, seed=s) for s in range(2 * CHI_SEEDS)]
+    plain = [three_tokens(runner, p) for p in params[:CHI_SEEDS]]
+    speculative = [three_tokens(spec, p, drafts) for p in params[CHI_SEEDS:]]
+    accepted = sum(t1 == drafts(t0)[0] for t0, t1, _ in speculative)
+    assert 0.2 * CHI_SEEDS < accepted < 0.8 * CHI_SEEDS  # drafts often accepted, often not: both paths run
+    assert not distributions_differ(plain, speculative, drafts)
+    # replayable: the same seed and drafts give the same tokens
+    assert [three_tokens(spec, p, drafts) for p in params[CHI_SEEDS:CHI_SEEDS + 20]] == speculative[:20]
+
+    real = sampling.sample
+
+    def residual_keeps_the_draft(logits, params, seen, step, draft=None):
+        token = real(logits, params, seen, step, draft)
+        if draft is None or token == draft:
+            return token
+        return real(logits, params, seen, step + 1_000_003, None)
+
+    monkeypatch.setattr(sampling, "sample", residual_keeps_the_draft)
+    slipped = [three_tokens(spec, p, drafts) for p in params[CHI_SEEDS:]]
+    assert distributions_differ(plain, slipped, drafts)
+
+
+def test_every_verify_kernel_is_a_compiled_variant():
+    """CI compiles (and checks for spills) every kernel a verify plan launches: ops.gemv.VERIFY_VARIANTS."""
+    for name in ("llama-2-7b", "tiny"):
+        for k in range(1, plans.MAX_DRAFT + 1):
+            for launch in plans.verify_plan(preset(name), 512, k).launches:
+                if launch.spec.source == "gemv.cu":
+                    assert launch.spec.defines in gemv_twin.VERIFY_VARIANTS
+    assert plans.gemv("gemv_residual", 1).defines == gemv_twin.DECODE_VARIANTS[0]  # the decode step's as before
+
+
+# -- GPU: the kernels' rows against one-row launches, bit for bit; the model's verify against its steps ------
+def gemv_launch(kernels, name, tokens, grid, args):
+    import cupy as cp
+
+    arrays = tuple(cp.asarray(a) if isinstance(a, np.ndarray) else a for a in args)
+    kernels.function(plans.gemv(name, tokens))((grid,), (plans.GEMV_THREADS,), arrays)
+    return arrays
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", [2, 5, 9])
+def test_gpu_gemv_rows_are_one_row_launches(kernels, rows):
+    """Each kernel with TOKENS = rows against `rows` launches of the decode step's instance (TOKENS 1): the same
+    bits, odd sizes, outputs poisoned."""
+    import cupy as cp
+
+    rng = np.random.default_rng()
+    d, ff, V, heads, kv_heads, hd, pos = 136, 172, 1001, 5, 1, 32, 29
+    max_seq = pos + rows + 3
+    x, g = rand(rng, rows, d, dtype=np.float32), rand(rng, d)
+    wqkv, wo = rand(rng, (heads + 2 * kv_heads) * hd, d, scale=0.1), rand(rng, d, heads * hd, scale=0.1)
+    w_gu, w_down, w_lm = rand(rng, 2 * ff, d, scale=0.1), rand(rng, d, ff, scale=0.1), rand(rng, V, d, scale=0.1)
+    inp, hin = rand(rng, rows, heads * hd, dtype=np.float32), rand(rng, rows, ff, dtype=np.float32)
+    rope = np.stack(rope_tables(hd, np.arange(max_seq), 10000.0), -1).astype(np.float32)
+    shape = (np.int32(d), np.int32(heads), np.int32(kv_heads), np.int32(hd), np.int32(max_seq), np.float32(EPS))
+
+    def run(tokens, sl, pos_now):
+        """Every kernel on token rows `sl` of the inputs: {output name: array}."""
+        n, per_block = len(range(rows)[sl]), plans.gemv_rows(tokens)
+        q = poisoned(cp, (n, heads * hd), np.float32)
+        caches = [poisoned(cp, (kv_heads, max_seq, hd), np.float16) for _ in range(2)]
+        gemv_launch(kernels, "gemv_qkv_rope", tokens, -(-(heads + 2 * kv_heads) * hd // per_block),
+                    (x[sl], g, wqkv, q, *caches, rope, state_at(pos_now), *shape))
+        xo, xd = cp.asarray(x[sl]), cp.asarray(x[sl])
+        gemv_launch(kernels, "gemv_residual", tokens, -(-d // per_block), (inp[sl], wo, xo, np.int32(d),
+                                                                          np.int32(heads * hd)))
+        gemv_launch(kernels, "gemv_residual", tokens, -(-d // per_block), (hin[sl], w_down, xd, np.int32(d),
+                                                                          np.int32(ff)))
+        h, logits = poisoned(cp, (n, ff), np.float32), poisoned(cp, (n, V), np.float32)
+        gemv_launch(kernels, "gemv_gate_up_silu", tokens, -(-ff // (per_block // 2)),
+                    (x[sl], g, w_gu, h, np.int32(ff), np.int32(d), np.float32(EPS)))
+        gemv_launch(kernels, "gemv_logits", tokens, -(-V // per_block),
+                    (x[sl], g, w_lm, logits, np.int32(V), np.int32(d), np.float32(EPS)))
+        k_rows, v_rows = (c.get()[:, pos_now:pos_now + n] for c in caches)
+        return {"q": q.get(), "k": k_rows, "v": v_rows, "o": xo.get(), "down": xd.get(), "h": h.get(),
+                "logits": logits.get()}
+
+    many = run(rows, slice(None), pos)
+    for t in range(rows):
+        one = run(1, slice(t, t + 1), pos + t)
+        for name, value in one.items():
+            row = many[name][:, t:t + 1] if name in ("k", "v") else many[name][t:t + 1]
+            np.testing.assert_array_equal(row, value, err_msg=f"{name}, row {t} of {rows}")
+    twin_q = np.empty((rows, heads * hd), np.float32)
+    caches = [np.zeros((kv_heads, max_seq, hd), np.float16) for _ in range(2)]
+    gemv_twin.gemv_qkv_rope(x, g, wqkv, twin_q, *caches, rope, state_at(pos), d, heads, kv_heads, hd, max_seq, EPS)
+    np.testing.assert_allclose(many["q"], twin_q, rtol=2e-3, atol=2e-3)  # and right, not only consistent
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("hd,group,kv_heads,pos,rows,splits", ATTENTION_CASES + [(128, 1, 32, 500, 9, 8)])
+def test_gpu_attention_rows_are_one_row_launches(kernels, hd, group, kv_heads, pos, rows, splits):
+    import cupy as cp
+
+    q, k, v, max_seq, scale = attention_rows(hd, group, kv_heads, pos, rows, splits, seed=pos)
+    heads = kv_heads * group
+    fn = kernels.function(KernelSpec("attention.cu", "attention_decode", (("HEAD_DIM", hd), ("GROUP", group))))
+    dk, dv = cp.asarray(k), cp.asarray(v)
+
+    def run(sl, n, pos_now):
+        out, part = poisoned(cp, (n, heads * hd), np.float32), poisoned(cp, (n, heads, splits, hd + 2), np.float32)
+        count = cp.zeros((n, kv_heads), np.uint32)
+        fn((kv_heads, splits, n), (128,), (cp.asarray(q[sl]), dk, dv, part, count, out, cp.asarray(state_at(pos_now)),
+                                           np.int32(max_seq), np.float32(scale)))
+        assert not count.get().any()
+        return out.get(), part.get()
+
+    out, part = run(slice(None), rows, pos)
+    for t in range(rows):
+        out1, part1 = run(slice(t, t + 1), 1, pos + t)
+        np.testing.assert_array_equal(out[t:t + 1], out1)
+        np.testing.assert_array_equal(part[t:t + 1], part1)
+    twin_out = np.empty_like(out)
+    attention_twin.attention_decode(q, k, v, np.empty(part.shape, np.float32), np.zeros((rows, kv_heads), np.uint32),
+                                    twin_out, state_at(pos), max_seq, scale, grid=(kv_heads, splits, rows))
+    np.testing.assert_allclose(out, twin_out, rtol=1e-3, atol=1e-4)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("penalty", [1.0, 1.3])
+@pytest.mark.parametrize("V", [517, 32000])
+def test_gpu_greedy_verify_sample_equals_its_twin(kernels, V, penalty):
+    """The sample kernel over 5 rows (greedy): picks, verdict, state, seen and x exactly the twin's, for drafts
+    that miss at every row in turn; the arrivals counter left at zero for the next launch."""
+    import cupy as cp
+
+    fn = kernels.function(plans.SAMPLE)
+    logits, seen, embed = sample_case(V=V, seed=V)
+    fp = np.array([0.0, 1.0, penalty, 0.0], np.float32)
+    argmax = SamplingParams(repetition_penalty=penalty, seed=0)
+    for wrong in range(5):
+        ids = [3]
+        for r in range(4):
+            before = seen.astype(bool) | np.isin(np.arange(V), ids[1:])
+            pick = sampling.sample(logits[r], argmax, before, 0)
+            ids.append(pick if r != wrong else (pick + 1) % V)
+        state = state_at(11, step=3)
+        d = [cp.asarray(a) for a in (logits, seen, state, fp, embed)]
+        x, picks, out = poisoned(cp, embed.shape[1], np.float32), cp.full(5, -7, np.int32), cp.full(6, -7, np.int32)
+        arrivals = cp.zeros(1, np.uint32)
+        fn((5,), (1024,), (*d, x, cp.asarray(np.array(ids, np.int32)), picks, out, arrivals, np.int32(V),
+                           np.int32(embed.shape[1])))
+        twin_seen, twin_state = seen.copy(), state.copy()
+        twin_out, twin_picks, twin_x = run_sample_twin(logits, twin_seen, twin_state, fp, embed, ids)
+        n = int(twin_out[0])
+        assert n == min(wrong, 4) + 1
+        np.testing.assert_array_equal(out.get()[:n + 1], twin_out[:n + 1])
+        np.testing.assert_array_equal(picks.get(), twin_picks)
+        np.testing.assert_array_equal(d[2].get(), twin_state)
+        np.testing.assert_array_equal(d[1].get(), twin_seen)
+        np.testing.assert_array_equal(x.get(), twin_x)
+        assert int(arrivals.get()[0]) == 0
+
+
+def gpu_verify_against_plain(plain: PlanRunner, spec: PlanRunner, prompt, params, calls=16):
+    """Plain steps on one runner, verify calls (k cycling 1..8, drafts from the plain tokens, some wrong) on
+    the other: the same tokens, every accepted row's logits bit-identical to the plain step's, and the state,
+    seen and next input after each verdict the plain steps'."""
+    tokens, logits, after = [plain.start(prompt, params)], [], []
+    for _ in range(8 * calls):
+        tokens.append(plain.next())
+        logits.append(plain.backend.read("logits"))
+        after.append([plain.backend.read(name) for name in ("state", "seen", "x")])
+    assert spec.start(prompt, params) == tokens[0]
+    done = 0
+    for call in range(calls):
+        drafts, right = drafts_from(tokens[done + 1:], call % plans.MAX_DRAFT + 1, call, spec.cfg.vocab_size)
+        got = spec.verify(drafts)
+        assert got == tokens[done + 1:done + 2 + right], call
+        rows = spec.backend.read("verify_logits")
+        for r in range(len(got)):
+            np.testing.assert_array_equal(rows[r], logits[done + r], err_msg=f"call {call}, row {r}")
+        done += len(got)
+        for name, value in zip(("state", "seen", "x"), after[done - 1]):
+            np.testing.assert_array_equal(spec.backend.read(name), value, err_msg=f"call {call}: {name}")
+
+
+@pytest.mark.gpu
+def test_gpu_stories260k_verify_is_the_plain_steps_bit_for_bit(stories_dir):
+    with_penalty = SamplingParams(repetition_penalty=1.2, seed=0)
+    for params in (GREEDY, with_penalty):
+        runners = [cullama.Llama.from_pretrained(stories_dir, device="cuda").runner for _ in range(2)]
+        gpu_verify_against_plain(*runners, [1, 403, 407], params)
+
+
+@pytest.mark.gpu
+def test_gpu_llama2_7b_shape_verify_is_the_plain_steps_bit_for_bit():
+    """Four layers of LLaMA-2-7B's shapes (random weights): 32 heads of 128, 4096 wide, 32000 ids."""
+    cfg = dataclasses.replace(preset("llama-2-7b"), num_layers=4, max_seq_len=1024, name="7b-4-layers")
+    if FAKE_GPU:  # the NumPy twins at 7B shapes take minutes here: tiny's shapes
+        cfg = dataclasses.replace(preset("tiny"), max_seq_len=1024, name="tiny-4-layers")
+    plain, spec = (cullama.Llama.synthetic(cfg, device="cuda", seed=7).runner for _ in range(2))
+    prompt = [int(t) for t in np.random.default_rng(2).integers(3, cfg.vocab_size, size=500)]
+    gpu_verify_against_plain(plain, spec, prompt, GREEDY, calls=8)
