@@ -32,8 +32,9 @@ DEVICE = "cuda"  # where the HF peers run ("cpu" only in a test of this script's
 
 def hf_model(llm, torch, transformers):
     """A transformers LlamaForCausalLM of llm's config, holding a copy of llm's device weights."""
-    from cullama.checkpoint import EMBED, FINAL_NORM, LAYER_PLAN, LM_HEAD, expected_shapes, layer_name
-    from cullama.engine import weight_buffer_name
+    from cullama.checkpoint import EMBED, FINAL_NORM, LM_HEAD, expected_shapes, layer_name
+    from cullama.weights import LAYER_PLAN
+    from cullama.weights import buffer_name
 
     cfg = llm.config
     hf_cfg = transformers.LlamaConfig(
@@ -52,7 +53,7 @@ def hf_model(llm, torch, transformers):
     for i in range(cfg.num_layers):  # q|k|v and gate|up are row blocks of cullama's fused buffers
         for field, parts in LAYER_PLAN:
             rows = np.cumsum([0] + [shapes[layer_name(i, part)][0] for part in parts])
-            plan += [(layer_name(i, part), weight_buffer_name(field, i), int(r)) for part, r in zip(parts, rows)]
+            plan += [(layer_name(i, part), buffer_name(field, i), int(r)) for part, r in zip(parts, rows)]
     if missing := set(params) - {name for name, *_ in plan}:
         raise RuntimeError(f"HF parameters with no cullama buffer: {sorted(missing)[:3]}")
     llm.runner.backend.synchronize()

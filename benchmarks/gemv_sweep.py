@@ -5,7 +5,7 @@
 Each shape is timed with the kernel the decode step uses for it (qkv: gemv_qkv_rope, o_proj and
 down: gemv_residual, gate_up: gemv_gate_up_silu, lm_head: gemv_logits), in every (ROWS, UNROLL)
 variant of cullama.ops.gemv.DECODE_VARIANTS. --model sweeps another preset's shapes instead, as the decode
-step runs them (cullama.engine.device_config; the tests run `tiny` on a fake CuPy). Launches are
+step runs them (cullama.weights.device_config; the tests run `tiny` on a fake CuPy). Launches are
 captured in a CUDA graph (as in the decode step) that rotates over copies of the weight matrix
 totalling several times the L2, so no launch finds its weights in the cache; CUDA events time the
 replays. On sm_90 and newer the same launches are timed again linked by programmatic dependent launch
@@ -134,7 +134,7 @@ def case(kernel: str, cfg, M: int, K: int, rng, max_seq: int = 64):
 
 def random_fp16(cp, loader, shape, seed: int, std: float = 0.02):
     """Random FP16 weights made on the GPU by kernels_cu/fill.cu (never zeros: they can time faster)."""
-    from cullama.engine import FILL
+    from cullama.weights import FILL
 
     out = cp.empty(shape, dtype=cp.float16)
     loader.function(FILL)((1024,), (256,), (out, np.uint64(out.size), np.uint64(seed), np.float32(0), np.float32(std)))
@@ -222,7 +222,7 @@ def main(argv=None) -> int:
     import cupy as cp
 
     from cullama.device import environment
-    from cullama.engine import device_config
+    from cullama.weights import device_config
 
     try:
         cfg, loader = device_config(preset(args.model)), KernelLoader()

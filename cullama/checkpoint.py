@@ -1,21 +1,26 @@
-"""Safetensors checkpoints: open, validate, fuse, and write random ones.
+"""Safetensors checkpoints: find, validate and read the files, and write random ones.
 
 A checkpoint directory holds `config.json` and either `model.safetensors`, or shards listed in
-`model.safetensors.index.json`, or exactly one `*.safetensors` with another name.
+`model.safetensors.index.json`, or exactly one `*.safetensors` with another name. Shards are plain
+file names inside the directory (no `/`, no `..`, ending in `.safetensors`): an index naming any
+other file is refused, so nothing outside the directory is ever opened through it. Symbolic links
+inside the directory are followed wherever they point (the HuggingFace cache links
+`snapshots/<rev>/*` to `blobs/`): whoever placed them chose them.
 
 Opening reads only the JSON headers (8-byte little-endian length, then JSON: per tensor `dtype`,
 `shape`, `data_offsets` into the data region, plus an optional `__metadata__`) and checks every
 tensor the config needs by name, shape and dtype, and every header for sanity, before a single
-weight byte is read. Data is then mapped with `np.memmap`: FP16 tensors are zero-copy views of
-the page cache; BF16 and F32 tensors are converted to FP16 (a value beyond FP16's range is an
-error, never a silent inf).
+weight byte is read. Errors quote what a file holds only through untrusted.shown (short, escaped),
+never as raw bytes.
+
+Data is then mapped with `np.memmap` and read a chunk at a time (`Checkpoint.rows`): FP16 rows are
+zero-copy views of the page cache, BF16 and F32 rows are converted to FP16 (a value beyond FP16's
+range is an error, never a silent inf). Every chunk is checked for NaN and inf while it is in the
+CPU cache, in the same pass that copies or converts it; a non-finite weight is an error naming the
+tensor and the element. weights.py places the chunks in the fused device layout.
 
 Conversion is reported, not printed: `Checkpoint.converted_from` holds the source dtypes that
 were not FP16 and `Checkpoint.conversion_note` a one-line message the caller (CLI) may print.
-
-Fusion is done once: q|k|v rows into `wqkv`, gate|up rows into `w_gate_up`. `Checkpoint.parts()`
-gives the fusion plan as data so that a GPU backend can copy each part straight into a fused
-device buffer without building the fused array on the host.
 
 PyTorch pickles (`.bin`, `.pth`, `.pt`) are refused, never unpickled.
 """
@@ -37,9 +42,11 @@ import numpy as np
 
 from .config import LlamaConfig, from_pretrained
 from .errors import CheckpointError
+from .untrusted import parse_json, read_json, shown
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
+SUFFIX = ".safetensors"
 PICKLE_SUFFIXES = (".bin", ".pth", ".pt")
 CONVERT_HINT = ("cullama never unpickles weights; convert them once with transformers: "
                 "AutoModelForCausalLM.from_pretrained(DIR).save_pretrained(DIR, safe_serialization=True)")
@@ -59,40 +66,12 @@ SOURCE_NAME = {"F16": "float16", "BF16": "bfloat16", "F32": "float32"}
 WRITE_DTYPES = {"float16": "F16", "bfloat16": "BF16", "float32": "F32"}
 
 MAX_HEADER_BYTES = 100 * 1024 * 1024  # the safetensors library's own limit
-CONVERT_CHUNK = 1 << 22  # elements converted at a time: bounds the fp32 temporaries to 16 MiB
-
-# How each layer's HF tensors are laid out in the fused arrays: (field, HF parts in row order).
-LAYER_PLAN = (
-    ("attn_norm", ("input_layernorm",)),
-    ("wqkv", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")),
-    ("wo", ("self_attn.o_proj",)),
-    ("ffn_norm", ("post_attention_layernorm",)),
-    ("w_gate_up", ("mlp.gate_proj", "mlp.up_proj")),
-    ("w_down", ("mlp.down_proj",)),
-)
+# Elements read at a time (512 KiB of FP16): a chunk stays in the CPU cache between its finiteness check
+# and its copy or conversion, and bounds the FP32 temporaries of a conversion to 1 MiB.
+CHUNK = 1 << 18
+# The smallest bit pattern of a positive (as int16) and of a negative (as uint16) FP16 inf or NaN.
+POSITIVE_NONFINITE, NEGATIVE_NONFINITE = np.int16(0x7C00), np.uint16(0xFC00)
 LAYER_NAME = re.compile(r"^model\.layers\.(\d+)\.")
-
-
-@dataclass
-class LayerWeights:
-    attn_norm: np.ndarray  # [d]              fp16  input_layernorm
-    wqkv: np.ndarray  # [qkv_dim, d]     fp16  rows q_proj (q_dim) | k_proj (kv_dim) | v_proj (kv_dim)
-    wo: np.ndarray  # [d, q_dim]       fp16  o_proj
-    ffn_norm: np.ndarray  # [d]              fp16  post_attention_layernorm
-    w_gate_up: np.ndarray  # [2*ff, d]        fp16  rows gate_proj (ff) | up_proj (ff)
-    w_down: np.ndarray  # [d, ff]          fp16  down_proj
-
-
-@dataclass
-class Weights:
-    """All weights in FP16. Unfused FP16 tensors are read-only memmap views of the files;
-    fused and converted ones are ordinary arrays."""
-
-    config: LlamaConfig
-    embed: np.ndarray  # [vocab, d] fp16
-    layers: list[LayerWeights]
-    final_norm: np.ndarray  # [d] fp16
-    lm_head: np.ndarray  # [vocab, d] fp16 (the embedding itself when tie_word_embeddings)
 
 
 @dataclass(frozen=True)
@@ -134,14 +113,6 @@ def expected_shapes(config: LlamaConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def fused_shapes(config: LlamaConfig) -> dict[str, tuple[int, ...]]:
-    """Shape of every field of Weights / LayerWeights: what a backend allocates."""
-    d, ff, vocab = config.hidden_size, config.intermediate_size, config.vocab_size
-    return {"embed": (vocab, d), "attn_norm": (d,), "wqkv": (config.qkv_dim, d), "wo": (d, config.q_dim),
-            "ffn_norm": (d,), "w_gate_up": (2 * ff, d), "w_down": (d, ff), "final_norm": (d,),
-            "lm_head": (vocab, d)}
-
-
 def _error(*where_and_what) -> CheckpointError:
     """One line, `where: what`, whatever the pieces contain."""
     return CheckpointError(" ".join(": ".join(str(p) for p in where_and_what).split()))
@@ -160,16 +131,13 @@ def _read_header(file: Path) -> tuple[int, dict]:
             if len(prefix) < 8:
                 raise _error(file, f"corrupt safetensors header: the file is only {size} bytes long")
             (length,) = struct.unpack("<Q", prefix)
-            if length > size - 8 or length > MAX_HEADER_BYTES:
-                raise _error(file, f"corrupt safetensors header: header length {length} exceeds the file "
-                                   f"size {size}")
+            if length > size - 8 or length > MAX_HEADER_BYTES:  # the length itself is not shown: file bytes
+                raise _error(file, f"corrupt safetensors header: its header length exceeds the file size ({size} "
+                                   f"bytes) or {MAX_HEADER_BYTES >> 20} MiB")
             raw = fh.read(length)
     except OSError as exc:  # permissions, I/O errors (CheckpointError is not an OSError)
         raise _error(file, f"cannot read ({exc.strerror or exc})") from None
-    try:
-        header = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise _error(file, f"corrupt safetensors header: not valid JSON ({exc})") from None
+    header = parse_json(raw, f"{file}: corrupt safetensors header", CheckpointError)
     if not isinstance(header, dict):
         raise _error(file, "corrupt safetensors header: not a JSON object")
     return 8 + length, header
@@ -177,22 +145,22 @@ def _read_header(file: Path) -> tuple[int, dict]:
 
 def _parse_entry(file: Path, name: str, entry) -> TensorInfo:
     def bad(why: str) -> CheckpointError:
-        return _error(file, name, f"corrupt safetensors header: {why}")
+        return _error(file, shown(name), f"corrupt safetensors header: {why}")
 
     if not isinstance(entry, dict) or not {"dtype", "shape", "data_offsets"} <= entry.keys():
         raise bad("entry needs dtype, shape and data_offsets")
     dtype, shape, offsets = entry["dtype"], entry["shape"], entry["data_offsets"]
     if not isinstance(dtype, str):
-        raise bad(f"dtype {dtype!r} is not a string")
+        raise bad(f"dtype {shown(dtype)} is not a string")
     if not isinstance(shape, list) or not all(type(n) is int and n >= 0 for n in shape):
-        raise bad(f"shape {shape!r} is not a list of sizes")
+        raise bad(f"shape {shown(shape)} is not a list of sizes")
     if (not isinstance(offsets, list) or len(offsets) != 2 or not all(type(n) is int for n in offsets)
             or not 0 <= offsets[0] <= offsets[1]):
-        raise bad(f"data_offsets {offsets!r} are not [start, end] with 0 <= start <= end")
+        raise bad(f"data_offsets {shown(offsets)} are not [start, end] with 0 <= start <= end")
     nbytes = math.prod(shape) * ITEM_BYTES.get(dtype, 0)
     if dtype in ITEM_BYTES and offsets[1] - offsets[0] != nbytes:
-        raise bad(f"data_offsets {offsets} span {offsets[1] - offsets[0]} bytes but {dtype}{shape} "
-                  f"needs {nbytes}")
+        raise bad(f"data_offsets {shown(offsets)} span {shown(offsets[1] - offsets[0])} bytes but "
+                  f"{dtype}{shown(shape)} needs {shown(nbytes)}")
     return TensorInfo(name, dtype, tuple(shape), file, offsets[0], offsets[1])
 
 
@@ -204,10 +172,11 @@ def _read_file_infos(file: Path) -> tuple[int, int, list[TensorInfo]]:
     previous = None
     for info in sorted(infos, key=lambda i: (i.start, i.end)):
         if info.end > data_size:
-            raise _error(file, info.name, f"truncated file: the tensor ends at data byte {info.end} "
-                                          f"but the file holds only {data_size} data bytes")
+            raise _error(file, shown(info.name), f"truncated file: the tensor ends at data byte {shown(info.end)} "
+                                                 f"but the file holds only {data_size} data bytes")
         if previous is not None and info.start < previous.end:
-            raise _error(file, info.name, f"corrupt safetensors header: data_offsets overlap {previous.name}")
+            raise _error(file, shown(info.name), f"corrupt safetensors header: data_offsets overlap "
+                                                 f"{shown(previous.name)}")
         if info.end > info.start:  # empty tensors take no room and overlap nothing
             previous = info
     return data_start, data_size, infos
@@ -217,21 +186,27 @@ def _read_file_infos(file: Path) -> tuple[int, int, list[TensorInfo]]:
 # Finding the weight files
 
 
+def _shard_file(index: Path, tensor: str, shard: str) -> Path:
+    """The file an index entry names: a plain `*.safetensors` name inside the index's directory, nothing
+    else (an absolute path, `..`, a sub-directory or another kind of file could read anything)."""
+    plain = (shard not in ("", ".", "..") and "/" not in shard and "\\" not in shard and "\0" not in shard
+             and shard.isprintable() and shard.endswith(SUFFIX))
+    if not plain:
+        raise _error(index, f"weight_map entry {shown(tensor)} names the shard {shown(shard)}, which is not a "
+                            f"plain *{SUFFIX} file name inside {index.parent}")
+    return index.parent / shard
+
+
 def _shards_from_index(index: Path) -> tuple[list[Path], dict[str, str]]:
-    try:
-        raw = json.loads(index.read_text(encoding="utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise _error(index, f"not valid JSON ({exc})") from None
+    raw = read_json(index, CheckpointError)
     weight_map = raw.get("weight_map") if isinstance(raw, dict) else None
     if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
         raise _error(index, "no weight_map object mapping tensor names to shard files")
-    shards = []
-    for shard in sorted(set(weight_map.values())):
-        file = index.parent / shard
+    files = {shard: _shard_file(index, tensor, shard) for tensor, shard in weight_map.items()}
+    for shard, file in sorted(files.items()):
         if not file.is_file():
             raise _error(index, f"shard {shard} is missing from {index.parent}")
-        shards.append(file)
-    return shards, weight_map
+    return [files[shard] for shard in sorted(files)], weight_map
 
 
 def _weight_files(directory: Path) -> tuple[list[Path], dict[str, str] | None]:
@@ -240,12 +215,12 @@ def _weight_files(directory: Path) -> tuple[list[Path], dict[str, str] | None]:
         return _shards_from_index(directory / INDEX_FILE)
     if (directory / SINGLE_FILE).is_file():
         return [directory / SINGLE_FILE], None
-    found = sorted(p for p in directory.glob("*.safetensors") if p.is_file())
+    found = sorted(p for p in directory.glob(f"*{SUFFIX}") if p.is_file())
     if len(found) == 1:
         return found, None
     if found:
-        raise _error(directory, f"{len(found)} .safetensors files but no {INDEX_FILE} to say which to load")
-    pickles = sorted(p.name for p in directory.iterdir() if p.suffix in PICKLE_SUFFIXES)
+        raise _error(directory, f"{len(found)} {SUFFIX} files but no {INDEX_FILE} to say which to load")
+    pickles = sorted(shown(p.name) for p in directory.iterdir() if p.suffix in PICKLE_SUFFIXES)
     if pickles:
         raise _error(directory, f"only PyTorch pickle weights ({', '.join(pickles)}); {CONVERT_HINT}")
     raise _error(directory, f"no weight files (expected {SINGLE_FILE} or {INDEX_FILE})")
@@ -260,11 +235,12 @@ def _collect_infos(files: list[Path], weight_map: dict[str, str] | None):
         regions[file] = (data_start, data_size)
         for info in file_infos:
             if info.name in infos:
-                raise _error(file, info.name, f"tensor also stored in {infos[info.name].file.name}")
+                raise _error(file, shown(info.name), f"tensor also stored in {infos[info.name].file.name}")
             infos[info.name] = info
     for name, shard in (weight_map or {}).items():
-        if name not in infos or infos[name].file.name != Path(shard).name:
-            raise _error(files[0].parent / shard, name, "the index lists this tensor here but the file lacks it")
+        if name not in infos or infos[name].file.name != shard:
+            raise _error(files[0].parent / shard, shown(name), "the index lists this tensor here but the file "
+                                                               "lacks it")
     return infos, regions
 
 
@@ -276,18 +252,18 @@ def _validate(config: LlamaConfig, infos: dict[str, TensorInfo], where: Path) ->
     expected = expected_shapes(config)
     for name, info in infos.items():
         if name.endswith(".bias"):
-            raise _error(info.file, name, "bias tensors are not supported (LLaMA has no biases)")
+            raise _error(info.file, shown(name), "bias tensors are not supported (LLaMA has no biases)")
         layer = LAYER_NAME.match(name)
         if layer and int(layer.group(1)) >= config.num_layers:
-            raise _error(info.file, name, f"layer beyond num_hidden_layers={config.num_layers} of the config")
+            raise _error(info.file, shown(name), f"layer beyond num_hidden_layers={config.num_layers} of the config")
     for name, shape in expected.items():
         info = infos.get(name)
         if info is None:
             raise _error(where, f"missing tensor {name}")
         if info.dtype not in SOURCE_VIEW:
-            raise _error(info.file, name, f"dtype {info.dtype} is not supported (only F16, BF16, F32)")
+            raise _error(info.file, name, f"dtype {shown(info.dtype)} is not supported (only F16, BF16, F32)")
         if info.shape != shape:
-            raise _error(info.file, name, f"expected shape {list(shape)}, found {list(info.shape)}")
+            raise _error(info.file, name, f"expected shape {list(shape)}, found {shown(list(info.shape))}")
 
 
 def _map_data(file: Path, data_start: int, data_size: int) -> np.ndarray:
@@ -298,7 +274,7 @@ def _map_data(file: Path, data_start: int, data_size: int) -> np.ndarray:
 
 
 # ---------------------------------------------------------------------------------------------
-# Converting to FP16
+# Reading FP16 rows: conversion and the finiteness check
 
 
 def _widen_bf16(bits: np.ndarray) -> np.ndarray:
@@ -306,22 +282,52 @@ def _widen_bf16(bits: np.ndarray) -> np.ndarray:
     return (bits.astype(np.uint32) << 16).view(np.float32)
 
 
-def _convert_into(dst: np.ndarray, src: np.ndarray, info: TensorInfo) -> None:
-    """dst[...] = fp16(src), in chunks; a finite value that overflows FP16 is an error."""
-    assert dst.flags.c_contiguous and dst.shape == src.shape
-    flat_dst, flat_src = dst.reshape(-1), src.reshape(-1)
-    for start in range(0, flat_src.size, CONVERT_CHUNK):
-        wide = flat_src[start:start + CONVERT_CHUNK]
-        if info.dtype == "BF16":
+class _RowReader:
+    """Turns one tensor's stored rows into checked FP16 rows, CHUNK elements at a time."""
+
+    def __init__(self, info: TensorInfo, source: np.ndarray):
+        self.info, self.source = info, source  # source: [rows, ...] in the stored dtype (BF16 as bits)
+        self.row_size = math.prod(info.shape[1:])  # elements per row (1 for a vector)
+        self.converted = None if info.dtype == "F16" else np.empty(CHUNK, np.float16)  # [CHUNK] converted
+
+    def __iter__(self) -> Iterator[tuple[int, np.ndarray]]:
+        step = max(1, CHUNK // max(1, self.row_size))
+        for row in range(0, len(self.source), step):
+            rows = self.source[row:row + step]
+            if self.converted is None:
+                self._check(rows, rows, row)
+                yield row, rows
+            else:
+                yield row, self._convert(rows, row)
+
+    def _check(self, fp16: np.ndarray, stored: np.ndarray, row: int) -> None:
+        """A CheckpointError at the first inf or NaN of `fp16` (rows of the tensor from `row` on; `stored`: the
+        same rows as the file holds them). inf and NaN are the FP16 bit patterns 0x7C00-0x7FFF and 0xFC00-0xFFFF:
+        the top of the int16 range and the top of the uint16 range, so two integer max reductions over the
+        chunk, with no temporary, find them (np.isfinite on FP16 costs several times more)."""
+        bits = fp16.reshape(-1).view(np.uint16)
+        if bits.max(initial=0) < NEGATIVE_NONFINITE and bits.view(np.int16).max(initial=0) < POSITIVE_NONFINITE:
+            return
+        flat = int(np.flatnonzero((bits & 0x7FFF) >= POSITIVE_NONFINITE)[0])
+        element = stored.reshape(-1)[flat:flat + 1]
+        value = float((_widen_bf16(element) if self.info.dtype == "BF16" else element)[0])
+        if math.isfinite(value):
+            raise _error(self.info.file, self.info.name, f"{SOURCE_NAME[self.info.dtype]} value {value:g} "
+                                                         "overflows float16 (max 65504)")
+        where = ", ".join(map(str, np.unravel_index(row * self.row_size + flat, self.info.shape)))
+        raise _error(self.info.file, self.info.name, f"holds {value} at [{where}] (NaN and inf weights are refused)")
+
+    def _convert(self, rows: np.ndarray, row: int) -> np.ndarray:
+        """rows converted to FP16 (valid until the next chunk), checked like FP16 rows: a NaN, an inf, or a
+        finite value beyond FP16's range is an error."""
+        wide = rows.reshape(-1)
+        if self.info.dtype == "BF16":
             wide = _widen_bf16(wide)
-        out = flat_dst[start:start + CONVERT_CHUNK]
-        with np.errstate(over="ignore"):
+        out = self.converted[:wide.size]
+        with np.errstate(over="ignore", invalid="ignore"):
             out[...] = wide
-        overflow = np.isinf(out) & np.isfinite(wide)
-        if overflow.any():
-            value = float(wide[overflow][0])
-            raise _error(info.file, info.name, f"{SOURCE_NAME[info.dtype]} value {value:g} overflows "
-                                               "float16 (max 65504)")
+        self._check(out, rows, row)
+        return out.reshape(rows.shape)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -343,14 +349,14 @@ class Checkpoint:
 
     @property
     def conversion_note(self) -> str | None:
-        """One line for the caller to print when load() converts, else None."""
+        """One line for the caller to print when loading converts, else None."""
         if not self.converted_from:
             return None
         return f"converting {' and '.join(sorted(self.converted_from))} weights to float16"
 
     def _info(self, name: str) -> TensorInfo:
         if name not in self._infos:
-            raise _error(self.directory, f"no tensor {name} in the checkpoint")
+            raise _error(self.directory, f"no tensor {shown(name)} in the checkpoint")
         return self._infos[name]
 
     def _source(self, info: TensorInfo) -> np.ndarray:
@@ -358,67 +364,25 @@ class Checkpoint:
         data = self._maps[info.file][info.start:info.end]
         return data.view(SOURCE_VIEW[info.dtype]).reshape(info.shape)
 
+    def rows(self, name: str) -> Iterator[tuple[int, np.ndarray]]:
+        """The tensor as FP16, a chunk of rows at a time: (first row, rows). FP16 rows are read-only views of
+        the map, converted rows a buffer that the next chunk reuses (copy them at once). Each chunk is checked
+        finite (CheckpointError naming the tensor and the element) just before it is handed out."""
+        info = self._info(name)
+        return iter(_RowReader(info, self._source(info)))
+
     def tensor(self, name: str) -> np.ndarray:
-        """A tensor as FP16: a read-only memmap view when stored as FP16, else a converted copy."""
+        """A whole tensor as FP16, checked: a read-only memmap view when stored as FP16 (the check is the
+        pass that pages it in), else a converted copy."""
         info = self._info(name)
-        source = self._source(info)
         if info.dtype == "F16":
-            return source
+            for _ in self.rows(name):
+                pass
+            return self._source(info)
         out = np.empty(info.shape, np.float16)
-        _convert_into(out, source, info)
+        for row, rows in self.rows(name):
+            out[row:row + len(rows)] = rows
         return out
-
-    def _read_into(self, dst: np.ndarray, name: str) -> None:
-        info = self._info(name)
-        source = self._source(info)
-        if info.dtype == "F16":
-            np.copyto(dst, source)
-        else:
-            _convert_into(dst, source, info)
-
-    def parts(self) -> Iterator[tuple[str, int | None, int, str]]:
-        """The fusion plan: (field, layer index or None, first row in the field, HF tensor name).
-
-        `field` names a Weights / LayerWeights attribute, whose shape is fused_shapes()[field].
-        A tied lm_head's part is the embedding tensor itself.
-        """
-        shapes = expected_shapes(self.config)
-        yield "embed", None, 0, EMBED
-        for i in range(self.config.num_layers):
-            for field, hf_parts in LAYER_PLAN:
-                row = 0
-                for part in hf_parts:
-                    name = layer_name(i, part)
-                    yield field, i, row, name
-                    row += shapes[name][0]
-        yield "final_norm", None, 0, FINAL_NORM
-        yield "lm_head", None, 0, EMBED if self.config.tie_word_embeddings else LM_HEAD
-
-    def load(self, progress: Callable[[int, int], None] | None = None) -> Weights:
-        """All weights in FP16, q|k|v and gate|up fused. progress(done_bytes, total_bytes) is
-        called after each tensor, counting FP16 bytes."""
-        plan = list(self.parts())
-        shapes, fused = expected_shapes(self.config), fused_shapes(self.config)
-        total = sum(2 * math.prod(shapes[name]) for *_, name in plan)
-        done = 0
-        arrays: dict[tuple[str, int | None], np.ndarray] = {}
-        whole: dict[str, np.ndarray] = {}  # tensors used as they are, by HF name (tied lm_head)
-        for field, layer, row, name in plan:
-            if shapes[name] == fused[field]:  # a part that is the whole field: no copy needed
-                if name not in whole:
-                    whole[name] = self.tensor(name)
-                arrays[field, layer] = whole[name]
-            else:
-                if (field, layer) not in arrays:
-                    arrays[field, layer] = np.empty(fused[field], np.float16)
-                self._read_into(arrays[field, layer][row:row + shapes[name][0]], name)
-            done += 2 * math.prod(shapes[name])
-            if progress is not None:
-                progress(done, total)
-        layers = [LayerWeights(**{field: arrays[field, i] for field, _ in LAYER_PLAN})
-                  for i in range(self.config.num_layers)]
-        return Weights(config=self.config, embed=arrays["embed", None], layers=layers,
-                       final_norm=arrays["final_norm", None], lm_head=arrays["lm_head", None])
 
 
 def open_checkpoint(path: str | os.PathLike, config: LlamaConfig | None = None) -> Checkpoint:
@@ -430,7 +394,8 @@ def open_checkpoint(path: str | os.PathLike, config: LlamaConfig | None = None) 
     """
     directory = Path(path)
     if not directory.is_dir():
-        raise _error(directory, "no such checkpoint directory")
+        hint = " (it is a file: name the checkpoint directory that holds it)" if directory.is_file() else ""
+        raise _error(directory, f"no such model directory{hint}")
     if config is None:
         config = from_pretrained(directory)
     files, weight_map = _weight_files(directory)
@@ -438,12 +403,6 @@ def open_checkpoint(path: str | os.PathLike, config: LlamaConfig | None = None) 
     _validate(config, infos, directory / INDEX_FILE if weight_map is not None else files[0])
     maps = {file: _map_data(file, *regions[file]) for file in files}
     return Checkpoint(directory, config, infos, maps)
-
-
-def load_weights(path: str | os.PathLike, config: LlamaConfig | None = None,
-                 progress: Callable[[int, int], None] | None = None) -> Weights:
-    """open_checkpoint + load, for callers that do not need the note or the fusion plan."""
-    return open_checkpoint(path, config).load(progress)
 
 
 # ---------------------------------------------------------------------------------------------

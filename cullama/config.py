@@ -5,18 +5,61 @@ HF has written LLaMA configs in several spellings over the years; all of these a
   sometimes no `num_key_value_heads` (= heads, plain multi-head attention);
 - current transformers: `dtype`, `rope_parameters: {rope_theta, rope_type}`, `head_dim`.
 Presets are chosen by name, never guessed from a path.
+
+config.json is read as strictly as a file from anywhere deserves. Every key cullama reads has its JSON
+type checked, and a wrong type is an error naming the key: a size or id is a JSON integer (4096.0 and
+1e9 are floats and refused, as true is not 1), a number is an integer or a float, a flag is true or
+false (never "false"), a token id list holds integers. Sizes are range-checked (1 to 2**31 - 1: the
+kernels index with int32), rms_norm_eps and rope_theta are finite and > 0, EOS ids lie in the
+vocabulary. Keys that change what the model computes and that cullama does not run (biases, another
+activation, quantization, partial rotary, a RoPE scaling other than linear / dynamic / llama3) are
+refused, never ignored. null means "absent" only where HF reads it so (num_key_value_heads, head_dim,
+rope_scaling, rope_parameters, bos/eos_token_id, dtype).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
+import math
 import os
 from pathlib import Path
 
 from .errors import ConfigError
+from .untrusted import read_json, shown
 
 DTYPES = ("float16", "bfloat16", "float32")
+INT32_MAX = 2**31 - 1  # the kernels take sizes and ids as int32
+ROPE_SCALINGS = ("linear", "dynamic", "llama3")
+# config.json's key for each size field of LlamaConfig (also how errors name the field).
+SIZE_KEYS = {"vocab_size": "vocab_size", "hidden_size": "hidden_size", "intermediate_size": "intermediate_size",
+             "num_layers": "num_hidden_layers", "num_heads": "num_attention_heads",
+             "num_kv_heads": "num_key_value_heads", "head_dim": "head_dim",
+             "max_seq_len": "max_position_embeddings"}
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeScaling:
+    """A RoPE frequency scaling, as HF's rope_scaling / rope_parameters name it (applied by
+    reference.rope_tables, which the kernels' table comes from too):
+    - linear:  every frequency divided by `factor` (positions interpolated);
+    - dynamic: NTK-aware; HF raises the base with the sequence length once it passes `original`
+               (its max_position_embeddings), and keeps the default frequencies up to there;
+    - llama3:  wavelengths longer than original / low_freq_factor divided by `factor`, shorter than
+               original / high_freq_factor kept, a smooth blend between."""
+
+    kind: str  # one of ROPE_SCALINGS
+    factor: float
+    original: int  # llama3: original_max_position_embeddings; dynamic: max_position_embeddings
+    low_freq_factor: float = 1.0  # llama3 only
+    high_freq_factor: float = 4.0  # llama3 only
+
+    def to_hf_dict(self) -> dict:
+        """The keys of rope_parameters beside rope_theta."""
+        out = {"rope_type": self.kind, "factor": self.factor}
+        if self.kind == "llama3":
+            out |= {"low_freq_factor": self.low_freq_factor, "high_freq_factor": self.high_freq_factor,
+                    "original_max_position_embeddings": self.original}
+        return out
 
 
 @dataclasses.dataclass(frozen=True)
@@ -31,6 +74,7 @@ class LlamaConfig:
     max_seq_len: int  # max_position_embeddings: the context the model was trained for
     rms_norm_eps: float = 1e-5
     rope_theta: float = 10000.0
+    rope_scaling: RopeScaling | None = None  # None: HF's "default" RoPE
     tie_word_embeddings: bool = False
     bos_token_id: int = 1
     eos_token_ids: tuple[int, ...] = (2,)
@@ -38,12 +82,10 @@ class LlamaConfig:
     name: str = "custom"
 
     def __post_init__(self):
-        positive = ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
-                    "num_kv_heads", "head_dim", "max_seq_len")
-        for field in positive:
+        for field, key in SIZE_KEYS.items():
             value = getattr(self, field)
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                raise ConfigError(f"{self.name}: {field} must be a positive integer, got {value!r}")
+            if type(value) is not int or not 1 <= value <= INT32_MAX:
+                raise ConfigError(f"{self.name}: {key} must be an integer from 1 to {INT32_MAX}, got {value!r}")
         if self.num_heads % self.num_kv_heads:
             raise ConfigError(f"{self.name}: num_attention_heads ({self.num_heads}) is not a multiple "
                               f"of num_key_value_heads ({self.num_kv_heads})")
@@ -51,8 +93,15 @@ class LlamaConfig:
             raise ConfigError(f"{self.name}: head_dim ({self.head_dim}) must be even for RoPE")
         if self.dtype not in DTYPES:
             raise ConfigError(f"{self.name}: dtype {self.dtype!r} is not one of {', '.join(DTYPES)}")
-        if not self.rms_norm_eps > 0 or not self.rope_theta > 0:
-            raise ConfigError(f"{self.name}: rms_norm_eps and rope_theta must be positive")
+        for key, value in (("rms_norm_eps", self.rms_norm_eps), ("rope_theta", self.rope_theta)):
+            if type(value) not in (int, float) or not (math.isfinite(value) and value > 0):
+                raise ConfigError(f"{self.name}: {key} must be a finite number > 0, got {value!r}")
+        if type(self.bos_token_id) is not int or not 0 <= self.bos_token_id <= INT32_MAX:
+            raise ConfigError(f"{self.name}: bos_token_id must be an integer >= 0, got {self.bos_token_id!r}")
+        bad = [t for t in self.eos_token_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ConfigError(f"{self.name}: eos_token_id {bad[0]} is outside the vocabulary "
+                              f"(vocab_size {self.vocab_size})")
 
     # Derived sizes, named once so that every module agrees on them.
     @property
@@ -99,13 +148,14 @@ class LlamaConfig:
             "head_dim": self.head_dim,
             "max_position_embeddings": self.max_seq_len,
             "rms_norm_eps": self.rms_norm_eps,
-            "rope_parameters": {"rope_theta": self.rope_theta, "rope_type": "default"},
+            "rope_parameters": {"rope_theta": self.rope_theta,
+                                **(self.rope_scaling.to_hf_dict() if self.rope_scaling else {"rope_type": "default"})},
             "hidden_act": "silu",
             "attention_bias": False,
             "mlp_bias": False,
             "tie_word_embeddings": self.tie_word_embeddings,
             "bos_token_id": self.bos_token_id,
-            "eos_token_id": list(self.eos_token_ids) if len(self.eos_token_ids) > 1 else self.eos_token_ids[0],
+            "eos_token_id": self.eos_token_ids[0] if len(self.eos_token_ids) == 1 else list(self.eos_token_ids),
             "dtype": self.dtype,
         }
 
@@ -130,83 +180,156 @@ def preset(name: str) -> LlamaConfig:
         raise ConfigError(f"unknown preset {name!r}; choose one of {', '.join(PRESETS)}") from None
 
 
-def _require(raw: dict, key: str, source: str):
-    if key not in raw:
-        raise ConfigError(f"{source}: missing required key {key!r}")
-    return raw[key]
+REQUIRED = object()  # a key without a default
+# Keys that HF reads as "absent" when they are null (elsewhere null is a wrong type).
+NULL_IS_ABSENT = {"num_key_value_heads", "head_dim", "rope_scaling", "rope_parameters", "bos_token_id",
+                  "dtype", "torch_dtype"}
 
 
-def _check_supported(raw: dict, source: str) -> None:
-    model_type = raw.get("model_type")
-    if model_type != "llama":
-        raise ConfigError(f"{source}: model_type {model_type!r} is not supported (only 'llama')")
-    scaling = raw.get("rope_scaling")
-    if scaling not in (None, {}) and not (isinstance(scaling, dict)
-                                         and scaling.get("rope_type", scaling.get("type")) == "default"):
-        raise ConfigError(f"{source}: rope_scaling {json.dumps(scaling)} is not supported")
-    params = raw.get("rope_parameters")
-    if isinstance(params, dict) and params.get("rope_type", "default") != "default":
-        raise ConfigError(f"{source}: rope_parameters.rope_type {params['rope_type']!r} is not supported")
+class _Keys:
+    """Typed reads of one JSON object of config.json; every error names the file and the key (with
+    `prefix`, e.g. "rope_scaling.", for a nested object)."""
+
+    def __init__(self, raw: dict, source: str, prefix: str = ""):
+        self.raw, self.source, self.prefix = raw, source, prefix
+
+    def error(self, key: str, what: str) -> ConfigError:
+        return ConfigError(f"{self.source}: {self.prefix}{key} {what}")
+
+    def get(self, key: str, default=REQUIRED):
+        value = self.raw.get(key)
+        if key not in self.raw or (value is None and key in NULL_IS_ABSENT):
+            if default is REQUIRED:
+                raise ConfigError(f"{self.source}: missing required key '{self.prefix}{key}'")
+            return default
+        return value
+
+    def integer(self, key: str, default=REQUIRED, low: int = 1) -> int:
+        value = self.get(key, default)
+        if type(value) is not int:  # bool is an int subclass, 4096.0 a float: both refused
+            raise self.error(key, f"must be an integer, got {shown(value)}")
+        if not low <= value <= INT32_MAX:
+            raise self.error(key, f"must be from {low} to {INT32_MAX}, got {shown(value)}")
+        return value
+
+    def number(self, key: str, default=REQUIRED) -> float:
+        """A finite number > 0 (integer or float)."""
+        value = self.get(key, default)
+        if type(value) not in (int, float):
+            raise self.error(key, f"must be a number, got {shown(value)}")
+        number = float(value) if abs(value) < 1e300 else math.inf  # a JSON integer may be beyond any float
+        if not (math.isfinite(number) and number > 0):
+            raise self.error(key, f"must be a finite number > 0, got {shown(value)}")
+        return number
+
+    def flag(self, key: str, default: bool) -> bool:
+        value = self.get(key, default)
+        if type(value) is not bool:
+            raise self.error(key, f"must be true or false, got {shown(value)}")
+        return value
+
+    def choice(self, key: str, default: str, choices: tuple[str, ...], why: str = "") -> str:
+        value = self.get(key, default)
+        if not isinstance(value, str):
+            raise self.error(key, f"must be a string, got {shown(value)}")
+        if value not in choices:
+            raise self.error(key, f"{shown(value)} is not supported (cullama runs {', '.join(choices)}{why})")
+        return value
+
+    def token_ids(self, key: str, default: tuple[int, ...]) -> tuple[int, ...]:
+        """An id or a list of ids (EOS: generation stops at any of them); null is none."""
+        value = self.raw.get(key, list(default))
+        ids = [] if value is None else value if isinstance(value, list) else [value]
+        if not all(type(i) is int for i in ids):
+            raise self.error(key, f"must be an integer or a list of integers, got {shown(value)}")
+        return tuple(ids)
+
+    def nested(self, key: str) -> "_Keys | None":
+        value = self.get(key, None)
+        if value is None:
+            return None
+        if not isinstance(value, dict):
+            raise self.error(key, f"must be a JSON object, got {shown(value)}")
+        return _Keys(value, self.source, f"{self.prefix}{key}.")
+
+
+def _check_supported(keys: _Keys) -> None:
+    """Keys that change the model's function: anything cullama does not run is refused, never ignored."""
+    keys.choice("model_type", REQUIRED, ("llama",))
+    keys.choice("hidden_act", "silu", ("silu",))
     for key in ("attention_bias", "mlp_bias"):
-        if raw.get(key):
-            raise ConfigError(f"{source}: {key}=true is not supported (LLaMA has no biases)")
-    act = raw.get("hidden_act", "silu")
-    if act != "silu":
-        raise ConfigError(f"{source}: hidden_act {act!r} is not supported (only 'silu')")
+        if keys.flag(key, False):
+            raise keys.error(key, "= true is not supported (LLaMA has no biases)")
+    if keys.get("quantization_config", None) is not None:
+        raise keys.error("quantization_config", "is set: quantized checkpoints are not supported (FP16, BF16 "
+                                                "or FP32 weights only)")
 
 
-def _rope_theta(raw: dict) -> float:
-    params = raw.get("rope_parameters")
-    if isinstance(params, dict) and "rope_theta" in params:
-        return float(params["rope_theta"])
-    return float(raw.get("rope_theta", 10000.0))
+def _rope(keys: _Keys, max_position: int) -> tuple[float, RopeScaling | None]:
+    """rope_theta and the scaling. As in HF 5: a non-empty rope_scaling (the old spelling) is taken over
+    rope_parameters; its rope_theta, else the top-level one, else 10000; rope_type, else type."""
+    scaling, parameters = keys.nested("rope_scaling"), keys.nested("rope_parameters")
+    spec = scaling if scaling is not None and scaling.raw else parameters
+    theta = keys.number("rope_theta", 10000.0)
+    for source in (keys, spec or keys):
+        if source.get("partial_rotary_factor", 1.0) != 1.0:
+            raise source.error("partial_rotary_factor", "is not supported (LLaMA rotates the whole head)")
+    if spec is None:
+        return theta, None
+    theta = spec.number("rope_theta", theta)
+    kind_key = "rope_type" if "rope_type" in spec.raw else "type"
+    kind = spec.choice(kind_key, "default", ("default", *ROPE_SCALINGS),
+                       why=" RoPE; yarn and longrope are not implemented")
+    if kind == "default":
+        return theta, None
+    factor = spec.number("factor")
+    if kind != "llama3":
+        return theta, RopeScaling(kind, factor, max_position)
+    low, high = spec.number("low_freq_factor"), spec.number("high_freq_factor")
+    if not low < high:
+        raise spec.error("high_freq_factor", f"({high:g}) must exceed low_freq_factor ({low:g})")
+    original = spec.integer("original_max_position_embeddings", max_position)
+    return theta, RopeScaling(kind, factor, original, low, high)
 
 
 def from_hf_dict(raw: dict, source: str = "config.json") -> LlamaConfig:
     """Build a config from the parsed JSON of an HF LLaMA config; `source` names it in errors."""
     if not isinstance(raw, dict):
         raise ConfigError(f"{source}: expected a JSON object, got {type(raw).__name__}")
-    _check_supported(raw, source)
-    hidden = _require(raw, "hidden_size", source)
-    heads = _require(raw, "num_attention_heads", source)
-    if not isinstance(hidden, int) or not isinstance(heads, int) or heads <= 0:
-        raise ConfigError(f"{source}: hidden_size and num_attention_heads must be integers")
-    head_dim = raw.get("head_dim") or hidden // heads
-    eos = raw.get("eos_token_id", 2)
-    eos_ids = tuple(eos) if isinstance(eos, list) else (eos,) if eos is not None else ()
-    dtype = raw.get("dtype") or raw.get("torch_dtype") or "float16"
-    try:
-        return LlamaConfig(
-            vocab_size=_require(raw, "vocab_size", source),
-            hidden_size=hidden,
-            intermediate_size=_require(raw, "intermediate_size", source),
-            num_layers=_require(raw, "num_hidden_layers", source),
-            num_heads=heads,
-            num_kv_heads=raw.get("num_key_value_heads") or heads,
-            head_dim=head_dim,
-            max_seq_len=raw.get("max_position_embeddings", 4096),
-            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-5)),
-            rope_theta=_rope_theta(raw),
-            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-            bos_token_id=raw.get("bos_token_id", 1) if raw.get("bos_token_id") is not None else 1,
-            eos_token_ids=eos_ids,
-            dtype=str(dtype),
-            name=source,
-        )
-    except (TypeError, ValueError) as exc:
-        raise ConfigError(f"{source}: {exc}") from None
+    keys = _Keys(raw, source)
+    _check_supported(keys)
+    hidden, heads = keys.integer("hidden_size"), keys.integer("num_attention_heads")
+    vocab, max_position = keys.integer("vocab_size"), keys.integer("max_position_embeddings", 4096)
+    head_dim = keys.integer("head_dim", hidden // heads)
+    theta, scaling = _rope(keys, max_position)
+    dtype_key = "dtype" if keys.get("dtype", None) is not None else "torch_dtype"
+    return LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=keys.integer("intermediate_size"),
+        num_layers=keys.integer("num_hidden_layers"),
+        num_heads=heads,
+        num_kv_heads=keys.integer("num_key_value_heads", heads),  # ranges across keys: __post_init__
+        head_dim=head_dim,
+        max_seq_len=max_position,
+        rms_norm_eps=keys.number("rms_norm_eps", 1e-5),
+        rope_theta=theta,
+        rope_scaling=scaling,
+        tie_word_embeddings=keys.flag("tie_word_embeddings", False),
+        bos_token_id=keys.integer("bos_token_id", 1, low=0),
+        eos_token_ids=keys.token_ids("eos_token_id", (2,)),
+        dtype=keys.choice(dtype_key, "float16", DTYPES),
+        name=source,
+    )
 
 
 def from_pretrained(path: str | os.PathLike) -> LlamaConfig:
     """Read `config.json` from a checkpoint directory."""
     directory = Path(path)
     if not directory.is_dir():
-        raise ConfigError(f"{directory}: no such model directory")
+        hint = " (it is a file: name the checkpoint directory that holds it)" if directory.is_file() else ""
+        raise ConfigError(f"{directory}: no such model directory{hint}")
     file = directory / "config.json"
     if not file.is_file():
         raise ConfigError(f"{file}: missing (a HuggingFace LLaMA checkpoint needs its config.json)")
-    try:
-        raw = json.loads(file.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise ConfigError(f"{file}: not valid JSON ({exc})") from None
-    return from_hf_dict(raw, source=str(file))
+    return from_hf_dict(read_json(file, ConfigError), source=str(file))

@@ -11,96 +11,18 @@
 
 from __future__ import annotations
 
-import dataclasses
-import math
-from typing import Callable, Sequence
+from typing import Sequence
 
 import numpy as np
 
 from . import plan as plans
-from .checkpoint import Checkpoint, expected_shapes
 from .config import LlamaConfig
 from .errors import PromptError
-from .ops import fill as fill_twin
 from .prefill_kernels import PrefillKernels
-from .registry import KernelSpec
 from .sampling import Sampler, SamplingParams
-
-Progress = Callable[[int, int], None]
-FILL = KernelSpec("fill.cu", "fill_uniform")
+from .weights import device_config
 # kernels_cu/common.cuh: STATE_POS, STATE_TOKEN, STATE_STEP, STATE_TOP_K, STATE_SEED_LO, STATE_SEED_HI
 POS, TOKEN, STEP, TOP_K, SEED_LO, SEED_HI = range(6)
-
-
-def weight_buffer_name(field: str, layer: int | None) -> str:
-    return field if layer is None else f"layers.{layer}.{field}"
-
-
-def device_config(cfg: LlamaConfig) -> LlamaConfig:
-    """The shapes the kernels run: intermediate_size rounded up to a multiple of 8 (16-byte rows).
-    The added SwiGLU units have zero weights, so they add silu(0) * 0 = 0: the model is unchanged."""
-    ff = plans.cdiv(cfg.intermediate_size, 8) * 8
-    return cfg if ff == cfg.intermediate_size else dataclasses.replace(cfg, intermediate_size=ff)
-
-
-def _padded(field: str, row: int, tensor: np.ndarray, ff: int, ff_dev: int) -> tuple[int, np.ndarray]:
-    """Place a checkpoint tensor in the padded device layout: up rows start at ff_dev, not ff, and
-    down_proj gains zero columns."""
-    if ff == ff_dev:
-        return row, tensor
-    if field == "w_gate_up" and row >= ff:
-        return row - ff + ff_dev, tensor
-    if field == "w_down":
-        wide = np.zeros((tensor.shape[0], ff_dev), np.float16)  # [d, ff_dev]
-        wide[:, :ff] = tensor
-        return row, wide
-    return row, tensor
-
-
-def load_checkpoint(backend, ckpt: Checkpoint, progress: Progress | None = None) -> None:
-    """Weights onto the backend, in the device layout: each HF tensor is copied straight into its
-    slice of the fused buffer (no host-side concatenation); the CPU binds FP16 views where it can."""
-    cfg, dev = ckpt.config, device_config(ckpt.config)
-    if backend.device == "cpu" and dev is cfg:
-        weights = ckpt.load(progress)
-        backend.bind("embed", weights.embed)
-        backend.bind("final_norm", weights.final_norm)
-        backend.bind("lm_head", weights.lm_head)
-        for i, layer in enumerate(weights.layers):
-            for field in ("attn_norm", "wqkv", "wo", "ffn_norm", "w_gate_up", "w_down"):
-                backend.bind(weight_buffer_name(field, i), getattr(layer, field))
-        return
-    backend.allocate(plans.weight_buffers(dev))  # zero-filled: padding stays zero
-    shapes = expected_shapes(cfg)
-    parts = list(ckpt.parts())
-    total, done = sum(2 * math.prod(shapes[name]) for *_, name in parts), 0
-    for field, layer, row, name in parts:
-        row, tensor = _padded(field, row, ckpt.tensor(name), cfg.intermediate_size, dev.intermediate_size)
-        backend.set(weight_buffer_name(field, layer), tensor, row=row)
-        done += 2 * math.prod(shapes[name])
-        if progress:
-            progress(done, total)
-
-
-def random_weights(backend, cfg: LlamaConfig, seed: int = 0, std: float = 0.02) -> None:
-    """Synthetic weights of any shape, made where they live (on the GPU for `bench --synthetic`) by
-    kernels_cu/fill.cu or its twin: the same seed gives the same weights on both devices."""
-    buffers = plans.weight_buffers(device_config(cfg))
-    if backend.device == "cuda":
-        backend.allocate(buffers)
-    for index, b in enumerate(buffers):
-        mean, spread = (1.0, 0.1) if len(b.shape) == 1 else (0.0, std)  # norm weights near 1
-        buffer_seed = (seed * 1_000_003 + index) % 2**64  # a stream of its own per buffer
-        if backend.device == "cpu":
-            array = np.empty(b.shape, np.float16)
-            fill_twin.fill_uniform(array, array.size, buffer_seed, mean, spread)
-            backend.bind(b.name, array)
-        else:
-            array = backend.arrays[b.name]
-            blocks = min(plans.cdiv(array.size, fill_twin.THREADS), 4096)
-            backend.run(plans.Plan("fill", [plans.Launch(FILL, (blocks, 1, 1), fill_twin.THREADS, (
-                plans.Ref(b.name), np.uint64(array.size), np.uint64(buffer_seed), np.float32(mean),
-                np.float32(spread)))]))
 
 
 class PlanRunner:

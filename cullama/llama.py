@@ -17,7 +17,8 @@ from .config import LlamaConfig, from_pretrained as read_config, preset
 from .errors import PromptError
 from .generate import Generation, GenerationStream, Runner
 from .backends import make_backend
-from .engine import PlanRunner, load_checkpoint, random_weights
+from .engine import PlanRunner
+from .weights import load_checkpoint, random_weights
 from .sampling import SamplingParams
 from .tokenizer import Tokenizer
 

@@ -196,7 +196,7 @@ def runtime_buffers(cfg: LlamaConfig, max_seq: int, chunk: int | None = None) ->
 
 def rope_table(cfg: LlamaConfig, max_seq: int) -> np.ndarray:
     """[max_seq, hd/2, 2] float32 (cos, sin): the reference's own values, so both paths rotate alike."""
-    cos, sin = rope_tables(cfg.head_dim, np.arange(max_seq), cfg.rope_theta)
+    cos, sin = rope_tables(cfg.head_dim, np.arange(max_seq), cfg.rope_theta, cfg.rope_scaling)
     return np.stack([cos, sin], axis=-1).astype(np.float32)
 
 

@@ -15,10 +15,16 @@ logits (../shared/golden). One token or many at a time, with a KV cache:
 
 from __future__ import annotations
 
+import math
+from typing import TYPE_CHECKING
+
 import numpy as np
 
-from .checkpoint import Weights
-from .errors import PromptError
+from .config import RopeScaling
+from .errors import ConfigError, PromptError
+
+if TYPE_CHECKING:  # weights.py imports plan.py, which takes its RoPE table from here
+    from .weights import Weights
 
 
 def rmsnorm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
@@ -27,9 +33,41 @@ def rmsnorm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
     return (x * scale) * weight
 
 
-def rope_tables(head_dim: int, positions: np.ndarray, theta: float) -> tuple[np.ndarray, np.ndarray]:
-    """cos, sin: [n, head_dim // 2] float32 for the given positions (HF's inv_freq, computed in FP32)."""
+def rope_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None = None,
+                     positions: int = 0) -> np.ndarray:
+    """inv_freq: [head_dim // 2] float32, rotation per position of each pair, as HF computes it (FP32, the
+    same operations in the same order), with the config's RoPE scaling applied. `positions`: how many
+    positions the table covers (dynamic scaling is exact only up to the model's max_position_embeddings)."""
+    if scaling is not None and scaling.kind == "dynamic":
+        if positions > scaling.original:
+            # HF recomputes every frequency from the sequence length once it passes the original context, so
+            # its keys depend on how the sequence was fed (prefill vs token by token): no fixed table is it.
+            raise ConfigError(f"rope_scaling 'dynamic' rescales RoPE with the sequence length beyond "
+                              f"max_position_embeddings ({scaling.original}), which cullama does not reproduce: "
+                              f"use a context of at most {scaling.original} tokens, not {positions}")
+        seq_len = scaling.original  # HF: max(seq_len, max_position_embeddings), the original base up to there
+        theta = theta * ((scaling.factor * seq_len / scaling.original) - (scaling.factor - 1)) ** (
+            head_dim / (head_dim - 2))
     inv_freq = 1.0 / (theta ** (np.arange(0, head_dim, 2, dtype=np.int64).astype(np.float32) / head_dim))
+    if scaling is None or scaling.kind == "dynamic":
+        return inv_freq
+    if scaling.kind == "linear":
+        return inv_freq / scaling.factor
+    # llama3: long wavelengths (low frequencies) slowed by `factor`, short ones kept, a smooth blend between.
+    factor, low, high, original = scaling.factor, scaling.low_freq_factor, scaling.high_freq_factor, scaling.original
+    wavelen = 2 * math.pi / inv_freq
+    scaled = np.where(wavelen > original / low, inv_freq / factor, inv_freq)
+    smooth = (original / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = ~(wavelen < original / high) & ~(wavelen > original / low)
+    return np.where(medium, smoothed, scaled).astype(np.float32)
+
+
+def rope_tables(head_dim: int, positions: np.ndarray, theta: float,
+                scaling: RopeScaling | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """cos, sin: [n, head_dim // 2] float32 for the given positions (HF's inv_freq, computed in FP32)."""
+    covered = int(positions.max()) + 1 if len(positions) else 0
+    inv_freq = rope_frequencies(head_dim, theta, scaling, covered)
     angles = positions.astype(np.float32)[:, None] * inv_freq[None, :]
     return np.cos(angles), np.sin(angles)
 
@@ -83,7 +121,7 @@ class ReferenceModel:
         if n and (ids.min() < 0 or ids.max() >= cfg.vocab_size):
             raise PromptError(f"token id out of range [0, {cfg.vocab_size})")
         positions = np.arange(self.pos, self.pos + n)
-        cos, sin = rope_tables(cfg.head_dim, positions, cfg.rope_theta)
+        cos, sin = rope_tables(cfg.head_dim, positions, cfg.rope_theta, cfg.rope_scaling)
         x = self.embed[ids]  # [n, d]
         for i, layer in enumerate(self.layers):
             x = x + self._attention(i, layer, rmsnorm(x, layer["attn_norm"], cfg.rms_norm_eps), cos, sin)

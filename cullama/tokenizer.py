@@ -31,6 +31,7 @@ from .errors import PromptError, TokenizerError
 # Meta's LLaMA-2 chat markers (llama/generation.py); they are plain text, BOS/EOS are ids.
 B_INST, E_INST = "[INST]", "[/INST]"
 B_SYS, E_SYS = "<<SYS>>\n", "\n<</SYS>>\n\n"
+MAX_MODEL_BYTES = 64 * 1024 * 1024  # LLaMA-2's tokenizer.model is 0.5 MB, the largest known ~5 MB
 
 
 class Tokenizer:
@@ -39,15 +40,22 @@ class Tokenizer:
     def __init__(self, path: str | os.PathLike[str]) -> None:
         self.path = Path(path)
         try:
-            data = self.path.read_bytes()
+            with open(self.path, "rb") as fh:
+                data = fh.read(MAX_MODEL_BYTES + 1)
         except OSError as e:
             raise TokenizerError(f"cannot read tokenizer {self.path}: {e.strerror or e}") from None
+        if not data or len(data) > MAX_MODEL_BYTES:
+            # sentencepiece takes an empty model (0 pieces, every call then fails) and would read any size
+            size = "empty" if not data else f"larger than {MAX_MODEL_BYTES >> 20} MiB"
+            raise TokenizerError(f"{self.path} is not a SentencePiece tokenizer model (the file is {size})")
         try:
             self._sp = spm.SentencePieceProcessor(model_proto=data)
         except RuntimeError:
             # sentencepiece's own message is a multi-line C++ location; ours names the file.
             raise TokenizerError(f"{self.path} is not a SentencePiece tokenizer model") from None
-        self.vocab_size: int = self._sp.vocab_size()
+        if self._sp.vocab_size() == 0:
+            raise TokenizerError(f"{self.path} is not a SentencePiece tokenizer model (it has no pieces)")
+        self.vocab_size: int = self._sp.vocab_size()  # pieces: ids 0 .. vocab_size - 1
         self.bos_id: int = self._sp.bos_id()
         self.eos_id: int = self._sp.eos_id()
         self._filler = self._find_filler()
@@ -65,6 +73,15 @@ class Tokenizer:
                 f"{path} not found; use --tokenizer PATH to name a SentencePiece tokenizer.model"
             )
         return cls(path)
+
+    def check_fits(self, model_vocab_size: int, model: str = "the model") -> None:
+        """TokenizerError unless every piece has a row in the model's embedding and lm_head: a larger
+        tokenizer would hand the model ids past its vocabulary. (A model with more rows than pieces is
+        fine: some checkpoints pad their vocabulary.)"""
+        if self.vocab_size > model_vocab_size:
+            raise TokenizerError(f"{self.path} has {self.vocab_size} pieces but {model} has a vocabulary of "
+                                 f"{model_vocab_size}: they do not belong together (name the model's own "
+                                 "tokenizer with --tokenizer)")
 
     def __repr__(self) -> str:
         return f"Tokenizer({str(self.path)!r}, vocab_size={self.vocab_size})"

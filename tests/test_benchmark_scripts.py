@@ -15,7 +15,7 @@ import fake_cupy
 from cullama import device
 from cullama.backends import pdl
 from cullama.config import preset
-from cullama.engine import FILL
+from cullama.weights import FILL
 from cullama.errors import DeviceError
 from cullama.ops import gemv as gemv_twins
 from cullama.prefill_kernels import MMA_GEMM, WGMMA_GEMM

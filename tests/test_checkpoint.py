@@ -16,10 +16,12 @@ import pytest
 from safetensors import safe_open
 from safetensors.numpy import load_file
 
-from cullama.checkpoint import (EMBED, FINAL_NORM, INDEX_FILE, LM_HEAD, expected_shapes, fused_shapes,
-                                layer_name, load_weights, open_checkpoint, write_random)
+from cullama import checkpoint as checkpoint_module
+from cullama.checkpoint import (EMBED, FINAL_NORM, INDEX_FILE, LM_HEAD, expected_shapes, layer_name, open_checkpoint,
+                                write_random)
 from cullama.config import LlamaConfig, from_pretrained
 from cullama.errors import CheckpointError, ConfigError
+from cullama.weights import fused_shapes, host_weights, load_checkpoint, load_weights, parts
 
 SHARED = Path(__file__).resolve().parents[1].parent / "shared"
 # GQA (4 query heads over 2 kv heads) so that q, k and v have different row counts.
@@ -81,7 +83,7 @@ def test_shared_checkpoints_load_and_fuse(relative, converted):
     assert checkpoint.config == from_pretrained(directory)
     assert checkpoint.converted_from == converted
     assert (checkpoint.conversion_note is None) == (not converted)
-    assert_fused(checkpoint.load(), read_all(directory))
+    assert_fused(host_weights(checkpoint), read_all(directory))
 
 
 def test_fp16_tensors_are_zero_copy_maps():
@@ -91,7 +93,7 @@ def test_fp16_tensors_are_zero_copy_maps():
     checkpoint = open_checkpoint(directory)
     embed = checkpoint.tensor(EMBED)
     assert isinstance(embed, np.memmap) and not embed.flags.writeable
-    assert Path(checkpoint.load().embed.filename).resolve() == (directory / "model.safetensors").resolve()
+    assert Path(host_weights(checkpoint).embed.filename).resolve() == (directory / "model.safetensors").resolve()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -106,7 +108,7 @@ def test_write_random_round_trip(tmp_path, dtype, shards):
     assert checkpoint.config == dataclasses.replace(SMALL, dtype=dtype, name=str(directory / "config.json"))
     assert checkpoint.converted_from == ({"float32"} if dtype == "float32" else set())
     assert len(checkpoint.files) == shards
-    assert_fused(checkpoint.load(), read_all(directory))
+    assert_fused(host_weights(checkpoint), read_all(directory))
 
 
 def test_write_random_bfloat16_matches_float32_to_bf16_precision(tmp_path):
@@ -117,7 +119,7 @@ def test_write_random_bfloat16_matches_float32_to_bf16_precision(tmp_path):
             assert all(handle.get_slice(k).get_dtype() == "BF16" for k in handle.keys())
     checkpoint = open_checkpoint(bf16)
     assert checkpoint.conversion_note == "converting bfloat16 weights to float16"
-    assert_fused(checkpoint.load(), read_all(f32), rtol=2.0 ** -8)
+    assert_fused(host_weights(checkpoint), read_all(f32), rtol=2.0 ** -8)
 
 
 def test_write_random_is_deterministic_and_layout_independent(tmp_path):
@@ -154,7 +156,7 @@ def test_parts_tile_every_fused_array(tmp_path):
     checkpoint = open_checkpoint(write_random(tmp_path, SMALL))
     shapes, fused = expected_shapes(SMALL), fused_shapes(SMALL)
     rows: dict = {}
-    for field, layer, row, name in checkpoint.parts():
+    for field, layer, row, name in parts(checkpoint.config):
         rows.setdefault((field, layer), []).append((row, shapes[name][0]))
         assert shapes[name][1:] == fused[field][1:]
     assert len(rows) == 3 + 6 * SMALL.num_layers
@@ -257,9 +259,9 @@ class Breakers:
     def unsupported_model_type(d):
         edit_json(d / "config.json", model_type="gpt2")
 
-    @breaks(ConfigError, "config.json", "rope_scaling")
+    @breaks(ConfigError, "config.json", "rope_scaling.rope_type", "yarn")
     def unsupported_rope_scaling(d):
-        edit_json(d / "config.json", rope_scaling={"rope_type": "linear", "factor": 2.0})
+        edit_json(d / "config.json", rope_scaling={"rope_type": "yarn", "factor": 2.0})
 
     @breaks(ConfigError, "config.json", "attention_bias")
     def attention_bias(d):
@@ -272,6 +274,18 @@ class Breakers:
     @breaks(CheckpointError, INDEX_FILE, "JSON", shards=4)
     def index_not_json(d):
         (d / INDEX_FILE).write_text('{"weight_map": ')
+
+    @breaks(CheckpointError, INDEX_FILE, "nested too deeply", shards=4)
+    def index_nested_100k_levels(d):
+        (d / INDEX_FILE).write_text("[" * 100_000 + "]" * 100_000)
+
+    @breaks(CheckpointError, WEIGHTS, "nested too deeply")
+    def header_nested_100k_levels(d):
+        (d / WEIGHTS).write_bytes(struct.pack("<Q", 200_000) + b"[" * 100_000 + b"]" * 100_000)
+
+    @breaks(CheckpointError, WEIGHTS, "no such model directory", "it is a file")
+    def model_path_is_a_file(d):
+        return d / WEIGHTS
 
     @breaks(CheckpointError, INDEX_FILE, "weight_map", shards=4)
     def index_without_weight_map(d):
@@ -397,3 +411,170 @@ def test_write_random_rejects_bad_options(tmp_path):
         write_random(tmp_path, SMALL, dtype="int8")
     with pytest.raises(ValueError, match="shards"):
         write_random(tmp_path, SMALL, shards=5)
+
+
+# ---------------------------------------------------------------------------------------------
+# Hostile indexes and headers: nothing outside the directory is opened, no file's bytes are echoed
+
+
+def point_shard_at(directory: Path, shard_name: str) -> None:
+    """Make the index name `shard_name` for every tensor of shard 1."""
+    index = json.loads((directory / INDEX_FILE).read_text())
+    first = shard(directory, 1).name
+    edit_json(directory / INDEX_FILE, weight_map={k: (shard_name if v == first else v)
+                                                  for k, v in index["weight_map"].items()})
+
+
+@pytest.mark.parametrize("name", ["/proc/self/environ", "../../../../etc/passwd", "/etc/passwd", "sub/x.safetensors",
+                                  "..", ".", "", "a\\..\\b.safetensors", "nul\0.safetensors", "config.json",
+                                  "model-00001-of-00004.safetensors\n"])
+def test_index_shards_must_be_plain_names_in_the_directory(tmp_path, name):
+    directory = write_random(tmp_path / "ckpt", SMALL, shards=4)
+    point_shard_at(directory, name)
+    with pytest.raises(CheckpointError) as info:
+        open_checkpoint(directory)
+    message = str(info.value)
+    assert "\n" not in message and str(directory / INDEX_FILE) in message and "plain" in message
+    assert EMBED in message  # the entry at fault
+
+
+@pytest.mark.parametrize("where", ["absolute", "parent"])
+def test_a_valid_shard_outside_the_directory_is_refused(tmp_path, where):
+    directory = write_random(tmp_path / "ckpt", SMALL, shards=4)
+    outside = tmp_path / "elsewhere"
+    outside.mkdir()
+    shutil.copy(shard(directory, 1), outside / shard(directory, 1).name)
+    shard(directory, 1).unlink()
+    target = outside / shard(directory, 1).name
+    point_shard_at(directory, str(target) if where == "absolute" else f"../elsewhere/{target.name}")
+    with pytest.raises(CheckpointError, match="not a plain"):
+        open_checkpoint(directory)
+
+
+def test_huggingface_cache_symlinks_resolving_elsewhere_load(tmp_path):
+    # snapshots/<rev>/* -> ../../blobs/<hash>, as huggingface_hub lays out its cache
+    source = write_random(tmp_path / "written", SMALL, shards=3)
+    blobs, snapshot = tmp_path / "cache" / "blobs", tmp_path / "cache" / "snapshots" / "0123abcd"
+    blobs.mkdir(parents=True)
+    snapshot.mkdir(parents=True)
+    for i, file in enumerate(sorted(source.iterdir())):
+        blob = blobs / f"{i:040x}"
+        file.rename(blob)
+        (snapshot / file.name).symlink_to(Path("../../blobs") / blob.name)
+    checkpoint = open_checkpoint(snapshot)
+    assert len(checkpoint.files) == 3 and all(f.parent == snapshot and f.is_symlink() for f in checkpoint.files)
+    assert_fused(host_weights(checkpoint), {k: v for f in blobs.glob("*") if f.stat().st_size > 8 and
+                                            f.read_bytes()[8:9] == b"{" for k, v in load_file(f).items()})
+
+
+def test_header_length_from_a_symlinked_proc_file_is_not_echoed(tmp_path):
+    environ = Path("/proc/self/environ")
+    if not environ.is_file():
+        pytest.skip("no /proc/self/environ on this system")
+    directory = write_random(tmp_path, SMALL)
+    (directory / WEIGHTS).unlink()
+    (directory / WEIGHTS).symlink_to(environ)  # a link placed in the directory is followed
+    first8 = environ.read_bytes()[:8]
+    with pytest.raises(CheckpointError) as info:
+        open_checkpoint(directory)
+    message = str(info.value)
+    assert "header length" in message and "\n" not in message
+    assert str(struct.unpack("<Q", first8.ljust(8, b"\0"))[0]) not in message
+
+
+@pytest.mark.parametrize("edit, needle", [
+    (lambda h: h[NORM0].update(dtype="\x1b[31m" + "SECRET" * 50), "dtype"),
+    (lambda h: h[NORM0].update(shape=["SECRET" * 50]), "shape"),
+    (lambda h: h[NORM0].update(data_offsets=["SECRET" * 50, 1]), "data_offsets"),
+    (lambda h: h.update({"model.layers.7.\nbad\x1b[2J" + "SECRET" * 50: h[NORM0]}), "model.layers.7.\\nbad"),
+])
+def test_header_fragments_are_shown_short_and_escaped(tmp_path, edit, needle):
+    directory = write_random(tmp_path, SMALL)
+    edit_header(directory / WEIGHTS, edit)
+    with pytest.raises(CheckpointError) as info:
+        load_weights(directory)
+    message = str(info.value)
+    assert needle in message and "\n" not in message and "\x1b" not in message
+    assert message.count("SECRET") <= 10 and len(message) < len(str(directory)) + 250
+
+
+# ---------------------------------------------------------------------------------------------
+# Non-finite weights are refused at load, with the tensor's name and the element
+
+
+V0, DOWN1 = layer_name(0, "self_attn.v_proj"), layer_name(1, "mlp.down_proj")
+
+
+def poison(directory: Path, name: str, value: float, at: tuple[int, int], dtype: str) -> None:
+    """Overwrite one element of a stored tensor, in place (dtype: the file's)."""
+    header, data = read_raw(directory / WEIGHTS)
+    entry = header[name]
+    flat = at[0] * entry["shape"][1] + at[1]
+    if dtype == "bfloat16":
+        raw = (np.array([value], np.float32).view(np.uint32) >> 16).astype(np.uint16).tobytes()
+    else:
+        raw = np.array([value], dtype).tobytes()
+    offset = entry["data_offsets"][0] + flat * len(raw)
+    write_raw(directory / WEIGHTS, header, data[:offset] + raw + data[offset + len(raw):])
+
+
+class CopyingBackend:
+    """The GPU branch of load_checkpoint (allocate, then set rows), with NumPy arrays as device memory."""
+
+    device = "cuda"
+
+    def __init__(self):
+        self.arrays = {}
+
+    def allocate(self, buffers):
+        self.arrays.update({b.name: np.zeros(b.shape, b.dtype) for b in buffers})
+
+    def set(self, name, array, row=0):
+        self.arrays[name][row:row + len(array)] = array
+
+
+def load_on_host(directory):
+    return load_weights(directory)
+
+
+def load_on_device(directory):
+    load_checkpoint(CopyingBackend(), open_checkpoint(directory))
+
+
+def read_tensor(directory):
+    checkpoint = open_checkpoint(directory)
+    for name in expected_shapes(checkpoint.config):
+        checkpoint.tensor(name)
+
+
+@pytest.mark.parametrize("load", [load_on_host, load_on_device, read_tensor])
+@pytest.mark.parametrize("dtype, name, value, at", [
+    ("float16", Q0, np.nan, (3, 5)),
+    ("float16", V0, -np.inf, (15, 31)),
+    ("float32", DOWN1, np.inf, (31, 47)),
+    ("float32", Q0, np.nan, (0, 0)),
+    ("bfloat16", DOWN1, np.inf, (7, 9)),
+    ("bfloat16", UP1, np.nan, (47, 0)),
+])
+def test_non_finite_weight_is_refused_naming_tensor_and_element(tmp_path, monkeypatch, load, dtype, name, value, at):
+    monkeypatch.setattr(checkpoint_module, "CHUNK", 100)  # several chunks per tensor: the element index is exact
+    directory = write_random(tmp_path, SMALL, dtype=dtype)
+    poison(directory, name, value, at, dtype)
+    with pytest.raises(CheckpointError) as info:
+        load(directory)
+    message = str(info.value)
+    assert "\n" not in message and str(directory / WEIGHTS) in message and name in message
+    assert f"{float(value)} at [{at[0]}, {at[1]}]" in message, message
+
+
+def test_chunked_reads_fuse_exactly(tmp_path, monkeypatch):
+    monkeypatch.setattr(checkpoint_module, "CHUNK", 100)  # 3 rows of 32 at a time, tensors of 8 to 64 rows
+    for dtype in ("float16", "bfloat16"):
+        directory = write_random(tmp_path / dtype, SMALL, dtype=dtype, shards=2)
+        assert_fused(load_weights(directory), read_all(write_random(tmp_path / "f32", SMALL, dtype="float32")),
+                     rtol=0 if dtype == "float16" else 2.0 ** -8)
+        backend = CopyingBackend()
+        load_checkpoint(backend, open_checkpoint(directory))
+        weights = load_weights(directory)
+        assert np.array_equal(backend.arrays["layers.1.w_gate_up"], weights.layers[1].w_gate_up)
+        assert np.array_equal(backend.arrays["lm_head"], weights.lm_head)

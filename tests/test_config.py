@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from cullama.config import PRESETS, LlamaConfig, from_hf_dict, from_pretrained, preset
+from cullama.config import PRESETS, LlamaConfig, RopeScaling, from_hf_dict, from_pretrained, preset
 from cullama.errors import ConfigError
 
 GOLDEN = Path(__file__).resolve().parents[1].parent / "shared" / "golden"
@@ -99,8 +99,8 @@ def write_config(directory: Path, content) -> Path:
 
 @pytest.mark.parametrize("content, needle", [
     (MINIMAL | {"model_type": "mistral"}, "model_type"),
-    (MINIMAL | {"rope_scaling": {"type": "linear", "factor": 2.0}}, "rope_scaling"),
-    (MINIMAL | {"rope_parameters": {"rope_type": "llama3", "rope_theta": 5e5}}, "rope_type"),
+    (MINIMAL | {"rope_scaling": {"type": "yarn", "factor": 2.0}}, "rope_scaling.type"),
+    (MINIMAL | {"rope_parameters": {"rope_type": "longrope", "rope_theta": 5e5}}, "rope_parameters.rope_type"),
     (MINIMAL | {"attention_bias": True}, "attention_bias"),
     (MINIMAL | {"mlp_bias": True}, "mlp_bias"),
     (MINIMAL | {"hidden_act": "gelu"}, "hidden_act"),
@@ -130,3 +130,131 @@ def test_missing_config_file(tmp_path):
 def test_missing_directory(tmp_path):
     with pytest.raises(ConfigError, match="no such model directory"):
         from_pretrained(tmp_path / "nowhere")
+
+
+def test_model_path_that_is_a_file(tmp_path):
+    (tmp_path / "model.safetensors").write_bytes(b"x")
+    with pytest.raises(ConfigError, match="no such model directory"):
+        from_pretrained(tmp_path / "model.safetensors")
+
+
+# -- types and ranges: a wrong value names its key in one line --------------------------------------
+
+
+@pytest.mark.parametrize("change, needle", [
+    ({"eos_token_id": "494"}, "eos_token_id"),
+    ({"eos_token_id": ["494"]}, "eos_token_id"),
+    ({"eos_token_id": [[494]]}, "eos_token_id"),
+    ({"eos_token_id": True}, "eos_token_id"),
+    ({"eos_token_id": 64}, "eos_token_id 64 is outside the vocabulary"),
+    ({"eos_token_id": [2, -1]}, "eos_token_id -1 is outside"),
+    ({"bos_token_id": "1"}, "bos_token_id"),
+    ({"tie_word_embeddings": "false"}, "tie_word_embeddings must be true or false"),
+    ({"tie_word_embeddings": 0}, "tie_word_embeddings"),
+    ({"attention_bias": "false"}, "attention_bias must be true or false"),
+    ({"max_position_embeddings": 1e9}, "max_position_embeddings must be an integer"),
+    ({"max_position_embeddings": 4096.0}, "max_position_embeddings must be an integer"),
+    ({"hidden_size": True}, "hidden_size must be an integer"),
+    ({"vocab_size": 0}, "vocab_size must be from 1"),
+    ({"vocab_size": 2**31}, "vocab_size must be from 1 to 2147483647"),
+    ({"num_hidden_layers": -2}, "num_hidden_layers"),
+    ({"head_dim": 0}, "head_dim"),
+    ({"num_key_value_heads": 0}, "num_key_value_heads"),
+    ({"num_attention_heads": 0}, "num_attention_heads"),
+    ({"rms_norm_eps": "abc"}, "rms_norm_eps must be a number"),
+    ({"rms_norm_eps": 0}, "rms_norm_eps must be a finite number > 0"),
+    ({"rms_norm_eps": None}, "rms_norm_eps must be a number"),
+    ({"rope_theta": -1.0}, "rope_theta"),
+    ({"rope_theta": 10**400}, "rope_theta"),
+    ({"rope_parameters": {"rope_type": "default", "rope_theta": 0}}, "rope_parameters.rope_theta"),
+    ({"rope_parameters": "default"}, "rope_parameters must be a JSON object"),
+    ({"hidden_act": ["silu"]}, "hidden_act must be a string"),
+    ({"model_type": None}, "model_type must be a string"),
+    ({"dtype": "float64"}, "dtype float64 is not supported"),
+    ({"torch_dtype": 16}, "torch_dtype must be a string"),
+    ({"quantization_config": {"quant_method": "gptq"}}, "quantization_config"),
+    ({"partial_rotary_factor": 0.5}, "partial_rotary_factor"),
+    ({"rope_scaling": {"rope_type": "linear"}}, "missing required key 'rope_scaling.factor'"),
+    ({"rope_scaling": {"rope_type": "linear", "factor": "2"}}, "rope_scaling.factor must be a number"),
+    ({"rope_scaling": {"rope_type": "dynamic", "factor": 0.0}}, "rope_scaling.factor must be a finite number > 0"),
+    ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 4.0, "high_freq_factor": 4.0}},
+     "rope_scaling.high_freq_factor (4) must exceed low_freq_factor (4)"),
+    ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                       "original_max_position_embeddings": 8192.0}}, "original_max_position_embeddings"),
+    ({"rope_scaling": {"rope_type": "linear", "factor": 2.0, "partial_rotary_factor": 0.25}},
+     "rope_scaling.partial_rotary_factor"),
+])
+def test_wrong_types_and_ranges_name_the_key(tmp_path, change, needle):
+    with pytest.raises(ConfigError) as info:
+        from_pretrained(write_config(tmp_path, MINIMAL | change))
+    message = str(info.value)
+    assert "\n" not in message and str(tmp_path / "config.json") in message
+    assert needle in message, message
+
+
+def test_a_huge_or_unprintable_value_is_shown_short_and_escaped(tmp_path):
+    for value in ["x" * 100_000, "llama\n\x1b[31mred", list(range(100_000))]:
+        with pytest.raises(ConfigError) as info:
+            from_pretrained(write_config(tmp_path, MINIMAL | {"model_type": value}))
+        message = str(info.value)
+        assert len(message) < len(str(tmp_path)) + 150 and "\x1b" not in message and "\n" not in message
+
+
+@pytest.mark.parametrize("content, needle", [
+    (b"[" * 100_000 + b"]" * 100_000, "nested too deeply"),
+    (b'{"model_type": "ll\xffama"}', "invalid UTF-8 at byte 18"),
+    (b"\xef\xbb\xbf" + json.dumps(MINIMAL).encode(), None),  # a UTF-8 byte order mark is fine
+    (b'"llama"', "expected a JSON object, got str"),
+    (b"", "not valid JSON"),
+])
+def test_unparseable_config_is_one_line(tmp_path, content, needle):
+    (tmp_path / "config.json").write_bytes(content)
+    if needle is None:
+        assert from_pretrained(tmp_path).vocab_size == MINIMAL["vocab_size"]
+        return
+    with pytest.raises(ConfigError) as info:
+        from_pretrained(tmp_path)
+    message = str(info.value)
+    assert "\n" not in message and str(tmp_path / "config.json") in message and needle in message
+    assert "\\xff" not in message and "0xff" not in message  # positions, never the file's bytes
+
+
+def test_json_types_that_are_honoured():
+    config = from_hf_dict(MINIMAL | {"eos_token_id": [2, 7], "tie_word_embeddings": True, "rope_theta": 500000,
+                                     "num_key_value_heads": None, "head_dim": None, "bos_token_id": None,
+                                     "dtype": None, "torch_dtype": "float32", "rms_norm_eps": 1e-6})
+    assert config.eos_token_ids == (2, 7) and config.tie_word_embeddings is True
+    assert config.rope_theta == 500000.0 and isinstance(config.rope_theta, float)
+    assert (config.num_kv_heads, config.head_dim, config.bos_token_id, config.dtype) == (4, 8, 1, "float32")
+    assert from_hf_dict(MINIMAL | {"eos_token_id": None}).eos_token_ids == ()
+    assert from_hf_dict(MINIMAL | {"tie_word_embeddings": False}).tie_word_embeddings is False
+
+
+# -- RoPE scaling: the LLaMA variants are read (reference.rope_frequencies applies them) ---------------
+
+
+@pytest.mark.parametrize("raw, expected", [
+    ({"rope_scaling": {"type": "linear", "factor": 2.0}}, RopeScaling("linear", 2.0, 128)),
+    ({"rope_scaling": {"rope_type": "dynamic", "factor": 4}}, RopeScaling("dynamic", 4.0, 128)),
+    ({"rope_parameters": {"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0, "low_freq_factor": 1.0,
+                          "high_freq_factor": 4.0, "original_max_position_embeddings": 64}},
+     RopeScaling("llama3", 8.0, 64, 1.0, 4.0)),
+    # HF 5: original_max_position_embeddings defaults to max_position_embeddings
+    ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0}},
+     RopeScaling("llama3", 8.0, 128, 1.0, 4.0)),
+    ({"rope_scaling": {}, "rope_parameters": {"rope_type": "default", "rope_theta": 5e5}}, None),
+    ({"rope_scaling": None}, None),
+], ids=["legacy_type_key", "dynamic", "llama3", "llama3_default_original", "empty_scaling", "null_scaling"])
+def test_rope_scaling_variants(raw, expected):
+    config = from_hf_dict(MINIMAL | {"max_position_embeddings": 128} | raw)
+    assert config.rope_scaling == expected
+    assert fields(from_hf_dict(config.to_hf_dict())) == fields(config)  # written back as rope_parameters
+
+
+def test_rope_scaling_wins_over_rope_parameters_as_in_hf():
+    raw = MINIMAL | {"rope_theta": 1e6, "rope_scaling": {"rope_type": "linear", "factor": 2.0},
+                     "rope_parameters": {"rope_type": "default", "rope_theta": 5e5}}
+    config = from_hf_dict(raw)
+    assert (config.rope_scaling.kind, config.rope_theta) == ("linear", 1e6)
+    raw["rope_scaling"]["rope_theta"] = 2e6
+    assert from_hf_dict(raw).rope_theta == 2e6

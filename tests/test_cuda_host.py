@@ -14,7 +14,8 @@ from cullama import Llama, device, plan as plans
 from cullama.backends.cuda_backend import CudaBackend
 from cullama.backends.numpy_backend import NumpyBackend
 from cullama.checkpoint import open_checkpoint
-from cullama.engine import FILL, PlanRunner, device_config, load_checkpoint
+from cullama.engine import PlanRunner
+from cullama.weights import FILL, device_config, load_checkpoint
 from cullama.errors import KernelError, PromptError
 from cullama.registry import KernelLoader
 from cullama.sampling import SamplingParams

@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from cullama.engine import FILL, random_weights
+from cullama.weights import FILL, random_weights
 from cullama.ops import fill as twin
 from cullama.sampling import uniform
 from conftest import poisoned

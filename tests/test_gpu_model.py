@@ -9,9 +9,10 @@ import pytest
 import cullama
 from cullama.backends.cuda_backend import CudaBackend
 from cullama.backends.numpy_backend import NumpyBackend
-from cullama.checkpoint import load_weights, write_random
+from cullama.checkpoint import write_random
 from cullama.config import preset
-from cullama.engine import PlanRunner, load_checkpoint
+from cullama.engine import PlanRunner
+from cullama.weights import load_checkpoint, load_weights
 from cullama.checkpoint import open_checkpoint
 from cullama.reference import ReferenceModel
 from cullama.sampling import SamplingParams

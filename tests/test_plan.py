@@ -10,7 +10,8 @@ from cullama import plan as plans
 from cullama.backends.numpy_backend import NumpyBackend
 from cullama.checkpoint import open_checkpoint
 from cullama.config import preset
-from cullama.engine import PlanRunner, load_checkpoint
+from cullama.engine import PlanRunner
+from cullama.weights import host_weights, load_checkpoint
 from cullama.errors import KernelError
 from cullama.prefill_kernels import PrefillKernels
 from cullama.reference import ReferenceModel
@@ -36,7 +37,7 @@ def fp16_close(ours, ref, tol=2e-2):
 def test_decode_matches_reference_step_by_step(name):
     directory, cases, _ = load_golden(name)
     runner, ckpt = numpy_runner(directory)
-    reference = ReferenceModel(ckpt.load())
+    reference = ReferenceModel(host_weights(ckpt))
     for case in cases:
         prompt = case["prompt_ids"]
         token = runner.start(prompt, GREEDY)
@@ -83,7 +84,7 @@ def test_seeded_sampling_equals_the_reference_sampler(stories_dir):
     params = SamplingParams(temperature=0.8, top_k=20, top_p=0.9, repetition_penalty=1.1, seed=1234)
     runner, ckpt = numpy_runner(stories_dir)
     ours = [runner.start([1], params)] + [runner.next() for _ in range(30)]
-    reference, sampler = ReferenceModel(ckpt.load()), Sampler(params, 512, [1])
+    reference, sampler = ReferenceModel(host_weights(ckpt)), Sampler(params, 512, [1])
     theirs = [sampler(reference.forward([1])[-1])]
     for _ in range(30):
         theirs.append(sampler(reference.forward([theirs[-1]])[-1]))

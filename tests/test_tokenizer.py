@@ -230,6 +230,38 @@ def test_missing_garbage_and_directory_paths(tmp_path):
         Tokenizer(tmp_path)
 
 
+@pytest.mark.parametrize("content, why", [
+    (b"", "the file is empty"),
+    (b"\x08\x01", "not a SentencePiece"),  # a protobuf, but no model in it
+])
+def test_empty_or_corrupt_model_is_refused_at_load(tmp_path, content, why):
+    path = tmp_path / "tokenizer.model"
+    path.write_bytes(content)
+    with pytest.raises(TokenizerError) as info:
+        Tokenizer.from_model_dir(tmp_path)
+    assert str(path) in str(info.value) and why in str(info.value) and "\n" not in str(info.value)
+
+
+def test_truncated_and_oversized_models_are_refused(tiny, tmp_path):
+    truncated = tmp_path / "truncated.model"
+    truncated.write_bytes(tiny.path.read_bytes()[: tiny.path.stat().st_size // 2])
+    with pytest.raises(TokenizerError, match=re.escape(f"{truncated} is not a SentencePiece")):
+        Tokenizer(truncated)
+    huge = tmp_path / "huge.model"
+    with open(huge, "wb") as fh:
+        fh.truncate(65 * 1024 * 1024)  # sparse: takes no disk
+    with pytest.raises(TokenizerError, match="larger than 64 MiB"):
+        Tokenizer(huge)
+
+
+def test_check_fits_the_model_vocabulary(tiny):
+    tiny.check_fits(320)
+    tiny.check_fits(512)  # a model may have more rows than pieces (padded vocabularies)
+    with pytest.raises(TokenizerError) as info:
+        tiny.check_fits(256, model="stories260K")
+    assert str(info.value).startswith(f"{tiny.path} has 320 pieces but stories260K has a vocabulary of 256")
+
+
 def test_from_model_dir(tiny, tmp_path):
     expected = f"{tmp_path / 'tokenizer.model'} not found; use --tokenizer PATH"
     with pytest.raises(TokenizerError, match=re.escape(expected)):

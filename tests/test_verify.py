@@ -16,7 +16,8 @@ from cullama import plan as plans, sampling
 from cullama.backends.numpy_backend import NumpyBackend
 from cullama.checkpoint import open_checkpoint
 from cullama.config import preset
-from cullama.engine import PlanRunner, load_checkpoint, random_weights
+from cullama.engine import PlanRunner
+from cullama.weights import load_checkpoint, random_weights
 from cullama.errors import KernelError, PromptError
 from cullama.ops import attention as attention_twin, gemv as gemv_twin, sampling as sample_twin
 from cullama.reference import rope_tables
