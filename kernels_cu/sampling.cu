@@ -341,6 +341,7 @@ sample(const float* __restrict__ logits, unsigned char* __restrict__ seen, int* 
        const int* __restrict__ ids, int* picks, int* __restrict__ out, unsigned int* arrivals, int V, int d) {
     __shared__ uint64_t scratch[WARPS];
     __shared__ int accepted[2];  // the last block's verdict: n, and the token that ends the accepted run
+    __shared__ bool is_last;
     pdl_wait();  // the logits come from the kernel before
     const int row = blockIdx.x, rows = gridDim.x;
     const float temperature = fparams[FP_TEMPERATURE], top_p = fparams[FP_TOP_P];
@@ -360,10 +361,10 @@ sample(const float* __restrict__ logits, unsigned char* __restrict__ seen, int* 
     if (rows > 1) {  // the last block to finish accepts
         if (threadIdx.x == 0) {
             __threadfence();
-            accepted[0] = atomicAdd(arrivals, 1u) == (unsigned int)(rows - 1);
+            is_last = atomicAdd(arrivals, 1u) == (unsigned int)(rows - 1);
         }
         __syncthreads();
-        if (!accepted[0]) return;
+        if (!is_last) return;
         __threadfence();
         if (threadIdx.x == 0) {
             int j = 0;
