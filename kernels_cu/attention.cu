@@ -10,12 +10,12 @@
 //
 // Variants: HEAD_DIM (a power of two, 8..128), GROUP (query heads per kv head, 1..8) and, for prefill
 // only, ROWS_Q (query rows per block, 1..8), all compile-time. Launch: grid (n_kv_heads, splits) for
-// decode ((n_kv_heads, splits, rows) for a verify step), (n_kv_heads, ceil(n_rows / ROWS_Q)) for prefill; THREADS (128) threads. Inside a block,
-// LPK = HEAD_DIM / 8 lanes share one key (a 16-byte load of 8 halves each), so a warp covers 32 / LPK
-// keys at once and every key of K and V is loaded once for all the block's queries: the GROUP query
-// heads of its kv head (decode), times ROWS_Q rows (prefill). Each lane group keeps an online softmax
-// (m, l, acc) per query for its keys, UNROLL keys per batch with all their loads issued first; lane
-// groups merge through shuffles, warps through shared memory.
+// decode ((n_kv_heads, splits, rows) for a verify step), (n_kv_heads, ceil(n_rows / ROWS_Q)) for prefill;
+// THREADS (128) threads. Inside a block, LPK = HEAD_DIM / 8 lanes share one key (a 16-byte load of 8
+// halves each), so a warp covers 32 / LPK keys at once and every key of K and V is loaded once for all
+// the block's queries: the GROUP query heads of its kv head (decode), times ROWS_Q rows (prefill). Each
+// lane group keeps an online softmax (m, l, acc) per query for its keys, UNROLL keys per batch with all
+// their loads issued first; lane groups merge through shuffles, warps through shared memory.
 // Shapes: q [rows, n_heads * HD] float32 (decode: rows = gridDim.z, 1 for a decode step); q_rows, out_rows
 // [rows, n_heads * HD] FP16; k_cache, v_cache [n_kv_heads, max_seq, HD] FP16 (this layer's); part [rows,
 // n_heads, splits, HD + 2] float32 (acc[HD], m, l: unnormalised sums of one split); count [rows, n_kv_heads]

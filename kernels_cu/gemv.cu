@@ -73,8 +73,7 @@ __device__ __forceinline__ void first_batch(RowLoads& b, const half_t* __restric
     load_batch(b, threadIdx.x, K / 8);
 }
 
-// The block's sums, reduced: dot[t][r] = W[rows[r], :] · (x_t ⊙ g) and ss[t] = Σ x_t² (NORM only) for
-// token row t = threadIdx.x < TOKENS, the thread that finishes that row (see block_dot_rows).
+// block_dot_rows' per-warp sums in shared memory; reduced() adds them up, in warp order, for one token row.
 struct RowSums {
     float partial[THREADS / WARP][TOKENS][ROWS + 1];  // per warp: the ROWS dot products, then ss
 };

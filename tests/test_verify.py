@@ -292,7 +292,8 @@ def test_verify_rows_are_the_plain_steps_bit_for_bit(stories_dir):
             np.testing.assert_array_equal(spec.backend.read(name), value, err_msg=name)
         cached = len(spec.cached)
         for name in ("k_cache", "v_cache"):
-            np.testing.assert_array_equal(spec.backend.read(name)[:, :, :cached], plain.backend.read(name)[:, :, :cached])
+            np.testing.assert_array_equal(spec.backend.read(name)[:, :, :cached],
+                                          plain.backend.read(name)[:, :, :cached])
     assert done == 5 + 2 + 9 + 1 + 4  # every verdict above
 
 
@@ -400,8 +401,8 @@ def distributions_differ(plain: list, speculative: list, drafts) -> bool:
         first, second = drafts(t0)
         return (t1 == first, t1 == first and t2 == second)
 
-    samples = [([t[1] for t in plain], [t[1] for t in speculative]), ([t[2] for t in plain], [t[2] for t in speculative]),
-               ([matches(*t) for t in plain], [matches(*t) for t in speculative])]
+    samples = [([t[i] for t in plain], [t[i] for t in speculative]) for i in (1, 2)]
+    samples.append(([matches(*t) for t in plain], [matches(*t) for t in speculative]))
     for a, b in samples:
         chi2, dof = two_sample_chi2(a, b)
         if chi2 > dof + 6 * math.sqrt(2 * dof):

@@ -2,32 +2,19 @@
 NumPy twins): the same tokens and buffers as the numpy backend bit for bit, one captured graph per k, a few bytes
 each way per verify, a step queued ahead accounted for, and the overlapped capture."""
 
-import sys
-
 import numpy as np
 import pytest
 
 import fake_cupy
-from cullama import device
 from cullama.backends.cuda_backend import CudaBackend
 from cullama.backends.numpy_backend import NumpyBackend
-from cullama.registry import KernelLoader
 from cullama.sampling import SamplingParams
 from test_cuda_host import RecordingPdl, runner_on
+from test_cuda_host import fake as fake  # noqa: F401 - the fixture, as test_cuda_host.py has it
 from test_verify import drafts_from
 
 GREEDY = SamplingParams(seed=0)
 SAMPLED = SamplingParams(temperature=0.9, top_k=40, top_p=0.95, repetition_penalty=1.1, seed=5)
-
-
-@pytest.fixture
-def fake(monkeypatch):
-    fake_cupy.reset()
-    monkeypatch.setitem(sys.modules, "cupy", fake_cupy)
-    monkeypatch.setitem(sys.modules, "cupyx", fake_cupy.cupyx)
-    monkeypatch.setattr(KernelLoader, "function", fake_cupy.loader_function)
-    monkeypatch.setattr(device, "cuda_status", lambda: (True, "1 GPU(s) (fake CuPy)"))
-    return fake_cupy.state
 
 
 def plain_tokens(stories_dir, prompt, params, n):
