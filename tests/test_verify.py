@@ -573,6 +573,32 @@ def test_gpu_greedy_verify_sample_equals_its_twin(kernels, V, penalty):
         assert int(arrivals.get()[0]) == 0
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("draft", [4, 2])
+def test_gpu_sampled_verify_row_is_distributed_as_p(kernels, draft):
+    """Two rows (one draft) at temperature 1, launched over and over (the kernel advances the step by what it
+    accepts): row 0's pick, out[1] either way, follows p, and equals the draft exactly when accepted."""
+    import cupy as cp
+
+    n, V = 8000, len(LOGITS)
+    fn = kernels.function(plans.SAMPLE)
+    logits = cp.asarray(np.array([LOGITS, LOGITS], np.float32))
+    state = cp.asarray(state_at(0, seed=2**63 + 9))
+    ids, picks, out = cp.asarray(np.array([0, draft], np.int32)), cp.zeros(2, np.int32), cp.zeros(3, np.int32)
+    args = (logits, cp.zeros(V, np.uint8), state, cp.asarray(np.array([1.0, 1.0, 1.0, 0.0], np.float32)),
+            cp.zeros((V, 8), np.float16), cp.zeros(8, np.float32), ids, picks, out, cp.zeros(1, np.uint32),
+            np.int32(V), np.int32(8))
+    firsts, steps = [], 0
+    for _ in range(n):
+        fn((2,), (1024,), args)
+        got = out.get()
+        firsts.append(int(got[1]))
+        assert got[0] == (2 if got[1] == draft else 1)
+        steps += int(got[0])
+    assert int(state.get()[sample_twin.STATE_STEP]) == steps
+    assert_distribution(np.bincount(firsts, minlength=V) / n, softmax(LOGITS), n)
+
+
 def gpu_verify_against_plain(plain: PlanRunner, spec: PlanRunner, prompt, params, calls=16):
     """Plain steps on one runner, verify calls (k cycling 1..8, drafts from the plain tokens, some wrong) on
     the other: the same tokens, every accepted row's logits bit-identical to the plain step's, and the state,
