@@ -7,7 +7,7 @@ import sys
 
 import click
 
-from .main import friendly_errors, main
+from .main import friendly_errors, main, out
 
 
 class BenchProgress:
@@ -48,9 +48,11 @@ def bench(model_dir, synthetic, device, lengths, samples, warmup, prompt_len, ma
     """Per-token decode latency (p50/p90/p99/max), tokens/s, GB/s and TTFT at each length."""
     from .. import bench as protocol
     from ..config import from_pretrained as read_config, preset
-    from ..device import cuda_status, resolve
+    from ..device import resolve
+    from ..weights import device_config
     from ..errors import PromptError
     from ..llama import Llama
+    from ..plan import check_supported
 
     command = {"model": model_dir, "synthetic": synthetic, "device": device, "lengths": lengths,
                "samples": samples, "warmup": warmup, "prompt_len": prompt_len, "max_seq_len": max_seq_len,
@@ -58,13 +60,17 @@ def bench(model_dir, synthetic, device, lengths, samples, warmup, prompt_len, ma
     if model_dir is not None and synthetic is not None:
         raise PromptError("give either --model or --synthetic, not both")
     lengths = protocol.parse_lengths(lengths)
-    dev = resolve(device)
+    if json_path:
+        protocol.check_writable(json_path)  # before the run, not after it
+    fallback = []
+    dev = resolve(device, on_fallback=fallback.append)
     if model_dir is None and synthetic is None:
         synthetic = "llama-2-7b" if dev == "cuda" else "tiny"
-        if device == "auto" and dev == "cpu":
-            BenchProgress.note(f"no GPU ({cuda_status()[1]}): running the protocol on the CPU with the tiny "
-                               "preset (--device cpu --synthetic tiny)")
+    if fallback:
+        tiny = " (the tiny preset: --device cpu --synthetic tiny)" if synthetic == "tiny" else ""
+        BenchProgress.note(f"note: {fallback[0]}{tiny}")
     config = read_config(model_dir) if model_dir is not None else preset(synthetic)
+    check_supported(device_config(config))
     protocol.check_options(lengths, samples, warmup, prompt_len, max_seq_len or config.max_seq_len)
 
     bandwidth = None
@@ -92,8 +98,8 @@ def bench(model_dir, synthetic, device, lengths, samples, warmup, prompt_len, ma
     if dev == "cuda":
         from ..device import environment
         gpu = f" ({environment().get('gpu')})"
-    click.echo(protocol.format_table(result, title=f"cullama bench: {label}, {dev}{gpu}"
-                                                             f"{', overlap on' if overlapped else ''}"))
+    title = f"cullama bench: {label}, {dev}{gpu}{', overlap on' if overlapped else ''}"
+    out(protocol.format_table(result, title=title))
     if json_path:
         protocol.write_json(result, json_path, model=label)
         BenchProgress.note(f"wrote {json_path}")

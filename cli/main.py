@@ -1,33 +1,121 @@
 """`cullama` commands. Parsing and printing only: the work is done by the library.
 
-Any CullamaError becomes one line on stderr (`error: ...`) and exit code 2; Ctrl-C stops a
-generation cleanly, keeps what was printed and exits with 130.
+Any CullamaError becomes one line on stderr (`error: ...`) and the error's exit code: 2 for bad input, 1
+for what the machine cannot do now (memory, a full disk, standard output that cannot be written). Options,
+the prompt and the shapes are checked before any weight loads. Ctrl-C exits with 130 wherever it comes
+(loading, the chat prompt, a generation, which keeps what was printed; `--json` prints the record so far
+with finish_reason "interrupted").
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
+import os
 import sys
+from typing import Iterator
 
 import click
 
 from .. import __version__
-from ..errors import CullamaError
+from ..errors import CullamaError, OptionError, PromptError, ResourceError
+
+INTERRUPTED = 130  # 128 + SIGINT, as a shell reports a command Ctrl-C stopped
+
+
+def note(text: str) -> None:
+    click.echo(f"note: {text}", err=True)
 
 
 def friendly_errors(command):
-    """Turn a CullamaError into one line and exit code 2, never a traceback."""
+    """A CullamaError becomes one line and its exit code, Ctrl-C exit code 130: never a traceback. An
+    OptionError names the option as its flag (--top-p, not top_p)."""
 
     @functools.wraps(command)
     def wrapper(*args, **kwargs):
         try:
             return command(*args, **kwargs)
+        except OptionError as exc:
+            click.echo(f"error: --{exc.option.replace('_', '-')} {exc.problem}", err=True)
+            sys.exit(exc.exit_code)
         except CullamaError as exc:
             click.echo(f"error: {exc}", err=True)
-            sys.exit(2)
+            sys.exit(exc.exit_code)
+        except KeyboardInterrupt:
+            click.echo("interrupted", err=True)
+            sys.exit(INTERRUPTED)
 
     return wrapper
+
+
+def out(text: str, nl: bool = True) -> None:
+    """Text to standard output, flushed; a full disk or a closed pipe is a ResourceError (exit 1)."""
+    try:
+        click.echo(text, nl=nl)
+    except OSError as exc:
+        _discard_stdout()
+        raise ResourceError(f"cannot write to standard output: {exc.strerror or exc}") from None
+
+
+def _discard_stdout() -> None:
+    """Point file descriptor 1 at /dev/null, so that Python's own flush at exit does not fail a second time
+    and print a traceback of its own."""
+    try:
+        fd = sys.stdout.fileno()
+    except (AttributeError, OSError, ValueError):
+        return  # not a real file (a test runner's buffer): nothing is flushed at exit
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, fd)
+    os.close(devnull)
+
+
+class TextInput:
+    """Standard input as text: bytes that are not UTF-8 become U+FFFD, and a note says so once."""
+
+    def __init__(self):
+        self.noted = False
+        self.binary = getattr(sys.stdin, "buffer", None)
+
+    def _text(self, data: bytes | str) -> str:
+        if isinstance(data, str):
+            return data
+        try:
+            return data.decode("utf-8")
+        except UnicodeDecodeError:
+            if not self.noted:
+                self.noted = True
+                note("standard input is not valid UTF-8: the bytes that are not became U+FFFD")
+            return data.decode("utf-8", errors="replace")
+
+    def _read(self, method: str) -> bytes | str:
+        try:
+            return getattr(self.binary or sys.stdin, method)()
+        except OSError as exc:  # a directory given as input, a device that fails
+            raise PromptError(f"cannot read standard input: {exc.strerror or exc}") from None
+
+    def read(self) -> str:
+        return self._text(self._read("read"))
+
+    def lines(self) -> Iterator[str]:
+        while True:
+            line = self._read("readline")
+            if not line:
+                return
+            yield self._text(line)
+
+
+def argument_text(value: str | None, name: str) -> str | None:
+    """A command-line text as valid Unicode: bytes the locale could not decode (kept by Python as lone
+    surrogates, which the tokenizer refuses) become U+FFFD, with a note."""
+    if value is None:
+        return None
+    try:
+        value.encode("utf-8")
+        return value
+    except UnicodeEncodeError:
+        note(f"{name} is not valid UTF-8: the bytes that are not became U+FFFD")
+        return value.encode("utf-8", errors="surrogateescape").decode("utf-8", errors="replace")
 
 
 class LoadProgress:
@@ -76,50 +164,79 @@ def shared_options(command):
         click.option("--top-k", default=0, show_default=True, type=int, help="0 = off."),
         click.option("--top-p", default=1.0, show_default=True, type=float, help="1 = off."),
         click.option("--repetition-penalty", default=1.0, show_default=True, type=float),
-        click.option("--seed", type=int, help="Seed for sampling (reproducible); random when omitted."),
+        click.option("--seed", type=int, help="Seed for sampling (reproducible); random when omitted (--json "
+                                              "records it)."),
         click.option("--stop", multiple=True, help="Stop when this text appears (repeatable)."),
         click.option("--ignore-eos", is_flag=True, help="Keep generating past the end-of-sequence token."),
         click.option("--device", default="auto", show_default=True, type=click.Choice(["auto", "cpu", "cuda"])),
         click.option("--max-seq-len", type=int, help="Context to allocate (default: the model's)."),
         click.option("--tokenizer", type=click.Path(), help="tokenizer.model to use instead of the checkpoint's."),
-        click.option("--json", "as_json", is_flag=True, help="Print JSON: ids, text, finish reason, timings."),
+        click.option("--json", "as_json", is_flag=True, help="Print JSON: ids, text, finish reason, seed, timings."),
     ]
     for option in reversed(options):
         command = option(command)
     return command
 
 
-def load(model_dir, device, max_seq_len, tokenizer):
+def generation_options(kwargs: dict, **more):
+    """The sampling and stop options, checked before anything loads (OptionError names the flag)."""
+    from ..generate import GenerationOptions
+
+    keys = ("max_new_tokens", "temperature", "top_k", "top_p", "repetition_penalty", "seed", "ignore_eos")
+    stop = [argument_text(s, "--stop") for s in kwargs["stop"]]
+    return GenerationOptions.checked(**{k: kwargs[k] for k in keys}, stop=stop, **more)
+
+
+def pick_device(device: str) -> str:
+    """The device to load on; `auto` on a machine without a usable GPU says so, and why, before loading."""
+    from ..device import resolve
+
+    return resolve(device, on_fallback=note)
+
+
+def load(model_dir, device, max_seq_len, tokenizer, check=None):
     """The model, with a progress bar while the weights load and its notes said once."""
     from ..llama import Llama
 
     progress = LoadProgress("loading weights")
     try:
-        llm = Llama.from_pretrained(model_dir, device=device, max_seq_len=max_seq_len, tokenizer=tokenizer,
-                                    progress=progress)
+        llm = Llama.from_pretrained(model_dir, device=pick_device(device), max_seq_len=max_seq_len,
+                                    tokenizer=tokenizer, progress=progress, check=check)
     finally:
         progress.close()
-    for note in llm.notes:
-        click.echo(f"note: {note}", err=True)
+    for text in llm.notes:
+        note(text)
     return llm
 
 
-def stream_out(stream, as_json: bool) -> None:
-    """Print the pieces as they become final; Ctrl-C keeps what was printed and exits with 130."""
+def record(result, llm) -> str:
+    return json.dumps({**result.to_dict(), "device": llm.device})
+
+
+def stream_out(stream, llm, as_json: bool) -> None:
+    """Print the pieces as they become final, then the end of the output (a newline; the ids where there is
+    no tokenizer; the JSON record). Ctrl-C keeps what was printed, ends it the same way (the record's
+    finish_reason is "interrupted") and exits with 130."""
+    interrupted = False
     try:
         for piece in stream:
             if not as_json:
-                click.echo(piece, nl=False)
+                out(piece, nl=False)
     except KeyboardInterrupt:
-        if not as_json:
-            click.echo("")
+        stream.close("interrupted")
+        interrupted = True
+    finally:
+        stream.close()  # an error while printing leaves the model free (and the record says "cancelled")
+    result = stream.result
+    if as_json:
+        out(record(result, llm))
+    elif llm.tokenizer is None:
+        out(" ".join(map(str, result.token_ids)))
+    else:
+        out("")
+    if interrupted:
         click.echo("interrupted", err=True)
-        sys.exit(130)
-
-
-def sampling(kwargs: dict) -> dict:
-    keys = ("max_new_tokens", "temperature", "top_k", "top_p", "repetition_penalty", "seed", "stop", "ignore_eos")
-    return {k: kwargs[k] for k in keys}
+        sys.exit(INTERRUPTED)
 
 
 @main.command()
@@ -131,31 +248,37 @@ def sampling(kwargs: dict) -> dict:
 @friendly_errors
 def generate(model_dir, prompt, prompt_ids, chat, system, device, max_seq_len, tokenizer, as_json, **kwargs):
     """Generate text from PROMPT (or standard input; an empty prompt starts from BOS alone)."""
-    from ..errors import PromptError
+    from ..generate import check_prompt_fits
+    from ..llama import prompt_ids as checked_ids
 
     if prompt is not None and prompt_ids is not None:
         raise PromptError("give either PROMPT or --prompt-ids, not both")
     if system is not None and not chat:
         raise PromptError("--system needs --chat")
-    if prompt is None and prompt_ids is None:
-        prompt = "" if sys.stdin is None or sys.stdin.isatty() else sys.stdin.read().rstrip("\n")
+    if chat and prompt_ids is not None:
+        raise PromptError("--chat wraps a text PROMPT in the chat template: it takes no --prompt-ids")
+    options = generation_options(kwargs)
+    ids = parse_ids(prompt_ids) if prompt_ids is not None else None
+    if prompt is None and ids is None:
+        prompt = "" if sys.stdin is None or sys.stdin.isatty() else TextInput().read().rstrip("\n")
+    prompt, system = argument_text(prompt, "PROMPT"), argument_text(system, "--system")
+    request: list[int] = []
 
-    llm = load(model_dir, device, max_seq_len, tokenizer)
-    if prompt_ids is not None:
-        request = parse_ids(prompt_ids)
-    elif chat:
-        request = llm.chat_ids([{"role": "user", "content": prompt}], system=system)
-    else:
-        request = prompt
-    stream = llm.stream(request, **sampling(kwargs))
-    stream_out(stream, as_json)
-    result = stream.result
-    if as_json:
-        click.echo(json.dumps({**result.to_dict(), "device": llm.device}))
-    elif llm.tokenizer is None:
-        click.echo(" ".join(map(str, result.token_ids)))
-    else:
-        click.echo("")
+    def check(config, tok, context):
+        """The prompt, as ids, fits the model and its context: before the weights load."""
+        if ids is not None:
+            request[:] = checked_ids(ids, config.vocab_size, None)
+        elif tok is None:
+            raise PromptError(f"{model_dir} has no tokenizer.model: give the prompt as --prompt-ids, or name "
+                              "a tokenizer with --tokenizer PATH")
+        elif chat:
+            request[:] = tok.chat_ids([{"role": "user", "content": prompt}], system=system)
+        else:
+            request[:] = checked_ids(prompt, config.vocab_size, tok)
+        check_prompt_fits(len(request), context, options.max_new_tokens)
+
+    llm = load(model_dir, device, max_seq_len, tokenizer, check)
+    stream_out(llm.stream(request, **dataclasses.asdict(options)), llm, as_json)
 
 
 @main.command()
@@ -165,32 +288,53 @@ def generate(model_dir, prompt, prompt_ids, chat, system, device, max_seq_len, t
 def chat(model_dir, system, device, max_seq_len, tokenizer, as_json, **kwargs):
     """A multi-turn LLaMA-2 chat: each line of standard input is a user turn; replies stream back.
 
-    The whole conversation goes through the chat template at every turn; an empty line is skipped,
-    end of input ends the conversation."""
-    llm = load(model_dir, device, max_seq_len, tokenizer)
+    The whole conversation goes through the chat template at every turn (only its new tokens are computed).
+    When it outgrows the context, the oldest exchanges are dropped (the system prompt stays), with a note; a
+    message too long for the context is refused and the chat goes on. An empty line is skipped, end of input
+    ends the conversation."""
+    options = generation_options(kwargs, reuse_cache=True)  # each turn's prompt starts with the last one's
+    system = argument_text(system, "--system")
+
+    def check(config, tok, context):
+        if tok is None:
+            raise PromptError(f"cullama chat needs a tokenizer: {model_dir} has no tokenizer.model (name one with "
+                              "--tokenizer PATH)")
+        n = len(tok.chat_ids([{"role": "user", "content": ""}], system=system))
+        if n >= context:
+            raise PromptError(f"--system takes {n} tokens in the chat template, which leaves no room in the "
+                              f"context of {context} tokens (--max-seq-len)")
+
+    llm = load(model_dir, device, max_seq_len, tokenizer, check)
     interactive = sys.stdin is not None and sys.stdin.isatty()
+    lines = TextInput().lines()
     messages: list[dict] = []
     while True:
         if interactive:
             click.echo("> ", nl=False, err=True)
-        line = sys.stdin.readline()
-        if not line:
+        line = next(lines, None)
+        if line is None:
             break
         if not line.strip():
             continue
-        messages.append({"role": "user", "content": line.strip()})
-        # Each turn's prompt starts with the last one's: only the new tokens are prefilled.
-        stream = llm.stream(llm.chat_ids(messages, system=system), reuse_cache=True, **sampling(kwargs))
-        stream_out(stream, as_json)
-        result = stream.result
-        messages.append({"role": "assistant", "content": result.text})
-        click.echo(json.dumps({**result.to_dict(), "device": llm.device}) if as_json else "")
+        turn = messages + [{"role": "user", "content": line.strip()}]
+        try:
+            ids, dropped = llm.fit_chat(turn, system, options.max_new_tokens)
+        except PromptError as exc:
+            click.echo(f"error: {exc}; the message was not sent", err=True)
+            continue
+        if dropped:
+            note(f"the conversation outgrew the context of {llm.runner.max_seq_len} tokens: dropped its oldest "
+                 f"{dropped} exchange{'s' if dropped > 1 else ''}")
+        messages = turn[2 * dropped:]
+        stream = llm.stream(ids, **dataclasses.asdict(options))
+        stream_out(stream, llm, as_json)
+        messages.append({"role": "assistant", "content": stream.result.text})
 
 
 @main.command()
 def info():
     """Python, NumPy, CuPy, NVRTC and the GPU (or why there is none)."""
-    from ..device import environment
+    from ..device import environment, two_cupys_warning
 
     env = environment()
     for key, value in env.items():
@@ -198,14 +342,17 @@ def info():
             value = f"none ({env.get('gpu_status', 'no GPU')})"
         if key != "gpu_status":
             click.echo(f"{key:>18}: {value}")
+    if warning := two_cupys_warning():
+        click.echo(f"warning: {warning}", err=True)
 
 
 @main.command()
 @click.option("--arch", default="sm_90", show_default=True, help="GPU architecture to compile for (no GPU needed).")
 @friendly_errors
 def kernels(arch):
-    """Compile every kernel with NVRTC; print registers, shared memory and spills (exit 1 on a spill)."""
-    from ..kernel_report import compile_all
+    """Compile every kernel with NVRTC; print registers, shared memory and spills (exit 1 on a spill). Kernels
+    that have no version for the arch (wgmma: sm_90 only) are skipped with a note."""
+    from ..kernel_report import compile_all, skipped
 
     reports = compile_all(arch)
     click.echo(f"{'kernel':<22} {'file':<14} {'defines':<22} {'regs':>5} {'smem B':>7} {'stack B':>8} {'spill st/ld':>12}")
@@ -214,7 +361,11 @@ def kernels(arch):
         click.echo(f"{r.name:<22} {r.source:<14} {r.define_text:<22} {res.registers:>5} {res.smem_bytes:>7} "
                    f"{res.stack_bytes:>8} {res.spill_stores:>5}/{res.spill_loads:<6}")
     spilled = [r for r in reports if r.resources.spills]
+    for note in skipped(arch):
+        click.echo(f"skipped {note}")
     click.echo(f"{len(reports)} kernels compiled for {arch}; {len(spilled)} with spills or local memory")
     if spilled:
         sys.exit(1)
+
+
 from . import bench as _bench  # noqa: E402,F401  (registers `cullama bench`)

@@ -24,6 +24,7 @@ import json
 import math
 import os
 import subprocess
+import tempfile
 import time
 from pathlib import Path
 from typing import Callable, Sequence
@@ -31,7 +32,7 @@ from typing import Callable, Sequence
 import numpy as np
 
 from .config import LlamaConfig
-from .errors import PromptError
+from .errors import OptionError, PromptError, ResourceError
 from .sampling import SamplingParams
 
 DEFAULT_LENGTHS = (10, *range(50, 501, 50))
@@ -252,8 +253,61 @@ def to_json(result: BenchResult, model: str | None = None) -> dict:
     }
 
 
+def check_writable(path: str | os.PathLike) -> None:
+    """OptionError (--json) now, before a run, when the record could not be written at `path`: a directory
+    that does not exist or cannot be written, or a directory in its place. Creates and removes a scratch file
+    beside it, the way write_json will write. A device or pipe (/dev/stdout) is written as it is, later."""
+    target = Path(path)
+    if target.is_dir():
+        raise OptionError("json", f"{target} is a directory")
+    if target.exists() and not target.is_file():
+        return
+    if not target.parent.is_dir():
+        raise OptionError("json", f"{target}: the directory {target.parent} does not exist")
+    try:
+        with tempfile.NamedTemporaryFile(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp"):
+            pass
+    except OSError as exc:
+        raise OptionError("json", f"{target}: cannot write in {target.parent} ({exc.strerror or exc})") from None
+
+
 def write_json(result: BenchResult, path: str | os.PathLike, model: str | None = None) -> None:
-    Path(path).write_text(json.dumps(to_json(result, model), indent=1) + "\n")
+    """The record to `path`, through a temporary file beside it renamed into place (a failed write leaves no
+    half-written file). When that fails (a full disk, say), the record goes to the system's temporary
+    directory instead and a ResourceError says where: a finished run's samples are never lost."""
+    text = json.dumps(to_json(result, model), indent=1) + "\n"
+    target = Path(path)
+    try:
+        _write(target, text)
+        return
+    except OSError as exc:
+        failure = f"cannot write {target} ({exc.strerror or exc})"
+    try:
+        fd, saved = tempfile.mkstemp(prefix="cullama-bench-", suffix=".json")
+        with os.fdopen(fd, "w") as file:
+            file.write(text)
+    except OSError as exc:
+        raise ResourceError(f"{failure}, nor a copy in {tempfile.gettempdir()} ({exc.strerror or exc}): "
+                            "the samples are lost") from None
+    raise ResourceError(f"{failure}; the record with every sample is in {saved}")
+
+
+def _write(target: Path, text: str) -> None:
+    if target.exists() and not target.is_file():  # a device or a pipe: no file to replace
+        with open(target, "w") as file:
+            file.write(text)
+        return
+    fd, scratch = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
+    umask = os.umask(0)
+    os.umask(umask)
+    try:
+        os.fchmod(fd, 0o666 & ~umask)  # as a plain open() would make it (mkstemp makes 0600)
+        with os.fdopen(fd, "w") as file:
+            file.write(text)
+        os.replace(scratch, target)
+    except BaseException:
+        Path(scratch).unlink(missing_ok=True)
+        raise
 
 
 def _num(value: float | None, width: int, digits: int) -> str:

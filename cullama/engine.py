@@ -15,10 +15,10 @@ from typing import Sequence
 
 import numpy as np
 
-from . import plan as plans
+from . import memory, plan as plans
 from .config import LlamaConfig
 from .errors import PromptError
-from .prefill_kernels import PrefillKernels
+from .prefill_kernels import PrefillKernels, default_for
 from .sampling import Sampler, SamplingParams
 from .weights import device_config
 # kernels_cu/common.cuh: STATE_POS, STATE_TOKEN, STATE_STEP, STATE_TOP_K, STATE_SEED_LO, STATE_SEED_HI
@@ -26,18 +26,32 @@ POS, TOKEN, STEP, TOP_K, SEED_LO, SEED_HI = range(6)
 
 
 class PlanRunner:
-    def __init__(self, cfg: LlamaConfig, backend, max_seq_len: int, prefill_chunk: int | None = None):
+    """Runs one sequence at a time. `cached` only ever names the ids whose K and V rows were completely
+    written (queued in full, on the GPU): it is cut back before a prefill or a step writes and extended after,
+    so work cut short (a KeyboardInterrupt, an error) never leaves it claiming rows it overwrote. A start()
+    or decode step cut short also drops `last`: decoding then needs a start()."""
+
+    def __init__(self, cfg: LlamaConfig, backend, max_seq_len: int, prefill_chunk: int | None = None,
+                 weight_bytes: int = 0):
         """`prefill_chunk`: prompt rows per prefill pass (default plan.PREFILL_CHUNK); it sizes the prefill
-        buffers, and any prompt length works."""
+        buffers, and any prompt length works. `weight_bytes`: what the weights will still take on this device
+        once the runner is made: the KV cache, the runtime buffers and they must fit in what it has free, or
+        a ResourceError says so before anything is allocated (make the runner before loading the weights)."""
         cfg = device_config(cfg)
         plans.check_supported(cfg)
         self.cfg, self.backend, self.max_seq_len = cfg, backend, max_seq_len
         self.prefill_chunk = prefill_chunk or plans.PREFILL_CHUNK
-        backend.allocate(plans.runtime_buffers(cfg, max_seq_len, self.prefill_chunk))
+        buffers = plans.runtime_buffers(cfg, max_seq_len, self.prefill_chunk)
+        kv = sum(b.nbytes for b in buffers if b.kind == "cache")
+        others = sum(b.nbytes for b in buffers) - kv
+        memory.check_fits(backend.device, {"KV cache": kv, "other runtime buffers": others, "weights": weight_bytes},
+                          f"use a shorter context than {max_seq_len} tokens (max_seq_len, --max-seq-len; "
+                          f"the KV cache takes {memory.gib(kv // max_seq_len * 1024)} per 1024 tokens)")
+        backend.allocate(buffers)
         backend.set("rope", plans.rope_table(cfg, max_seq_len))
         self.decode = plans.decode_plan(cfg, max_seq_len)
         self._prefills: dict[tuple, plans.Plan] = {}
-        self.prefill_kernels = PrefillKernels()  # the GEMM and attention of the prompt path: set_prefill_kernels
+        self.prefill_kernels = default_for(getattr(backend, "arch", None))  # the prompt path's GEMM and attention
         self.cached: list[int] = []  # the ids whose K and V are in the cache, at positions 0..len - 1
         self.last: int | None = None  # the last sampled token: the next decode step's input
         self._queued: int | None = None  # the token slot of a decode step already queued for `last`
@@ -64,8 +78,8 @@ class PlanRunner:
 
     def _prefill(self, ids: Sequence[int], output: str, state: np.ndarray | None = None,
                  begin: int = 0) -> list[np.ndarray]:
-        """Run ids[begin:] through in chunks (the cache already holds ids[:begin]); output applies to the
-        last chunk ("logits": to all)."""
+        """Run ids[begin:] through in chunks (the cache already holds ids[:begin], and `cached` names no more
+        than those); output applies to the last chunk ("logits": to all). `cached` grows chunk by chunk."""
         logits = []
         for start in range(begin, len(ids), self.prefill_chunk):
             chunk = np.asarray(ids[start:start + self.prefill_chunk], dtype=np.int32)
@@ -76,6 +90,7 @@ class PlanRunner:
                 state[POS] = start + n - 1  # the sample kernel advances it to start + n
                 self.backend.set("state", state)
             self.backend.run(self._prefill_plan(start, n, out))
+            self.cached = list(ids[:start + n])  # this chunk's rows are written (queued in full, on the GPU)
             if out == "logits":
                 logits.append(self.backend.read("logits_rows")[:n])
         return logits
@@ -85,22 +100,25 @@ class PlanRunner:
         that the KV cache already holds (from the last generation) is not computed again: a chat turn
         prefills only what is new. The reused K and V may differ from a fresh prefill's in the last FP16
         bit, so a seeded run is reproducible only with reuse off (the default)."""
+        if not 0 < len(prompt_ids) < self.max_seq_len:
+            raise PromptError(f"a prompt of {len(prompt_ids)} tokens needs 1 to {self.max_seq_len - 1} tokens "
+                              f"(the context is {self.max_seq_len})")
         sampler = Sampler(params, self.cfg.vocab_size, prompt_ids)  # resolves the seed, marks the prompt seen
         p = sampler.params
         seed = p.seed & (2**64 - 1)
         state = np.zeros(8, dtype=np.int32)
-        state[TOP_K] = p.top_k
+        state[TOP_K] = min(p.top_k, self.cfg.vocab_size)  # int32; at or above the vocabulary is off, as 0 is
         state[SEED_LO:SEED_HI + 1] = np.array([seed & 0xFFFFFFFF, seed >> 32], dtype=np.uint32).view(np.int32)
-        self.backend.set("fparams", np.array([p.temperature, p.top_p, p.repetition_penalty, 0], np.float32))
-        self.backend.set("seen", sampler.seen.astype(np.uint8))
-        if not 0 < len(prompt_ids) < self.max_seq_len:
-            raise PromptError(f"a prompt of {len(prompt_ids)} tokens needs 1 to {self.max_seq_len - 1} tokens "
-                              f"(the context is {self.max_seq_len})")
         prompt = list(prompt_ids)
         begin = min(common_prefix(self.cached, prompt), len(prompt) - 1) if reuse else 0  # the last id runs
-        self._queued = None  # a step still queued is ordered before this prefill on the stream; dropped
+        # From here the cache is rewritten from row `begin`: until the prefill is through, nothing to decode
+        # from, and only the rows before `begin` (and then each finished chunk's) are known to hold these ids.
+        self.last, self._queued = None, None  # a step still queued is ordered before this prefill; dropped
+        self.cached = prompt[:begin]
+        self.backend.set("fparams", np.array([p.temperature, p.top_p, p.repetition_penalty, 0], np.float32))
+        self.backend.set("seen", sampler.seen.astype(np.uint8))
         self._prefill(prompt, "sample", state, begin)
-        self.cached, self.last = prompt, self.backend.read_token()
+        self.last = self.backend.read_token()
         return self.last
 
     def _queue_step(self) -> int:
@@ -115,15 +133,20 @@ class PlanRunner:
         Until then the backend's buffers (logits, state) are that queued step's."""
         if self.last is None:
             raise PromptError("decoding needs a prompt first: call start()")
-        if self._queued is None:
-            if len(self.cached) >= self.max_seq_len:  # the kernels would write past the KV cache
-                raise PromptError(f"the context of {self.max_seq_len} tokens is full")
-            self._queued = self._queue_step()
-        slot, self._queued = self._queued, None
-        self.cached.append(self.last)
-        if ahead and self.backend.asynchronous and len(self.cached) < self.max_seq_len:
-            self._queued = self._queue_step()  # for the token `slot` will hold
-        self.last = self.backend.token(slot)
+        if self._queued is None and len(self.cached) >= self.max_seq_len:  # the step would write past the cache
+            raise PromptError(f"the context of {self.max_seq_len} tokens is full")
+        try:
+            if self._queued is None:
+                self._queued = self._queue_step()
+            slot, self._queued = self._queued, None
+            self.cached.append(self.last)  # its step is queued in full: its K and V row will be written
+            if ahead and self.backend.asynchronous and len(self.cached) < self.max_seq_len:
+                self._queued = self._queue_step()  # for the token `slot` will hold
+            self.last = self.backend.token(slot)
+        except BaseException:
+            # Cut short (a step half run on the CPU leaves the device state half advanced): start() again.
+            self.last, self._queued = None, None
+            raise
         return self.last
 
     def drain(self) -> None:
@@ -185,10 +208,8 @@ class PlanRunner:
     def logits(self, token_ids: Sequence[int]) -> np.ndarray:
         if not 0 < len(token_ids) <= self.max_seq_len:
             raise PromptError(f"logits() takes 1 to {self.max_seq_len} tokens, got {len(token_ids)}")
-        self._queued = None
-        logits = np.concatenate(self._prefill(list(token_ids), "logits"))
-        self.cached, self.last = list(token_ids), None  # nothing was sampled: decoding needs a start()
-        return logits
+        self.last, self._queued, self.cached = None, None, []  # nothing is sampled: decoding needs a start()
+        return np.concatenate(self._prefill(list(token_ids), "logits"))
 
 
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:

@@ -1,12 +1,15 @@
 """Errors a user can cause. Each message is one line naming the file, tensor or option at fault.
 
-The CLI prints `error: <message>` and exits non-zero for any CullamaError; anything else is a bug
-and keeps its traceback.
+The CLI prints `error: <message>` and exits with the error's `exit_code` for any CullamaError: 2 for bad
+input (the default), 1 for a machine that cannot do it now (memory, a full disk, a closed output);
+anything else is a bug and keeps its traceback.
 """
 
 
 class CullamaError(Exception):
     """Base class: a problem with the user's input, reported in one line."""
+
+    exit_code = 2
 
 
 class ConfigError(CullamaError):
@@ -25,9 +28,32 @@ class PromptError(CullamaError):
     """A prompt or generation request that cannot be served (too long, bad options)."""
 
 
+class OptionError(PromptError):
+    """An option of the wrong type or out of range. `option` is its Python name (top_p); the message
+    starts with it, and the CLI says it as its flag (--top-p)."""
+
+    def __init__(self, option: str, problem: str):
+        super().__init__(f"{option} {problem}")
+        self.option, self.problem = option, problem
+
+
+class SupersededError(CullamaError):
+    """A stream read after another generation started on the same model (one generation at a time)."""
+
+
 class DeviceError(CullamaError):
     """The requested device is not available (no GPU, no CuPy, no NVRTC)."""
 
 
+class ResourceError(CullamaError):
+    """Not enough memory or disk for the request, or an output that cannot be written: exit code 1."""
+
+    exit_code = 1
+
+
 class KernelError(CullamaError):
     """A CUDA kernel failed to compile, or was asked for a shape it does not support."""
+
+
+class GenerationError(CullamaError):
+    """A generation that cannot go on: the model gave logits no token can be drawn from (all NaN or -inf)."""

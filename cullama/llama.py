@@ -2,6 +2,9 @@
 
     llm = cullama.Llama.from_pretrained("path/to/llama-2-7b-hf")
     print(llm.generate("The capital of France is", max_new_tokens=20).text)
+
+One generation at a time per model (generate.RunnerGuard): a new generation ends an unfinished stream
+(its next read raises SupersededError), and calls from several threads are serialised, never mixed.
 """
 
 from __future__ import annotations
@@ -12,40 +15,64 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from . import checkpoint, device as devices
+from . import checkpoint, device as devices, plan as plans
 from .config import LlamaConfig, from_pretrained as read_config, preset
-from .errors import PromptError
-from .generate import Generation, GenerationStream, Runner
+from .errors import OptionError, PromptError
+from .generate import Generation, GenerationOptions, GenerationStream, Runner, RunnerGuard
 from .backends import make_backend
 from .engine import PlanRunner
-from .weights import load_checkpoint, random_weights
-from .sampling import SamplingParams
+from .sampling import INT32_MAX, is_int
+from .weights import device_config, load_checkpoint, random_weights
 from .tokenizer import Tokenizer
 
 Progress = Callable[[int, int], None]  # (bytes done, bytes total) while weights load
+# The caller's own check, run before the weights load: (config, tokenizer or None, context in tokens)
+Check = Callable[[LlamaConfig, "Tokenizer | None", int], None]
 
 
 class Llama:
-    """A loaded model on one device, with its tokenizer when the checkpoint has one."""
+    """A loaded model on one device, with its tokenizer when the checkpoint has one.
+
+    One generation at a time: the model holds one KV cache. `generate` and `logits` hold the model for their
+    whole run, so calls from several threads wait for each other (and each gets what it would get alone). A
+    `stream` holds it while it computes each token; starting another generation before a stream is finished
+    ends that stream: its next read raises SupersededError, and its `result` keeps what it streamed, with
+    finish_reason "cancelled". A stream that is closed or dropped mid-way leaves the model ready."""
 
     def __init__(self, config: LlamaConfig, runner: Runner, tokenizer: Tokenizer | None, device: str,
                  notes: Sequence[str] = ()):
         self.config, self.runner, self.tokenizer, self.device = config, runner, tokenizer, device
         self.notes = list(notes)  # things the user should hear once (e.g. a dtype conversion)
+        self.guard = RunnerGuard()  # one generation at a time on self.runner
 
     @classmethod
     def from_pretrained(cls, path: str | os.PathLike, device: str = "auto", max_seq_len: int | None = None,
-                        tokenizer: str | os.PathLike | None = None, progress: Progress | None = None) -> "Llama":
-        """Load an HF-format LLaMA checkpoint directory (safetensors) onto `device` ("auto", "cpu", "cuda")."""
-        device = devices.resolve(device)
+                        tokenizer: str | os.PathLike | None = None, progress: Progress | None = None,
+                        check: Check | None = None) -> "Llama":
+        """Load an HF-format LLaMA checkpoint directory (safetensors) onto `device` ("auto", "cpu", "cuda").
+
+        What can be checked without the weights is checked before they load, in this order: the device,
+        config.json and the shapes cullama's kernels support, max_seq_len, the tokenizer (its pieces must be
+        ids of the model's vocabulary), `check(config, tokenizer, context)` (the caller's own, e.g. its
+        prompt), the checkpoint's files and tensors, and the memory the KV cache and the weights need."""
+        notes: list[str] = []
+        device = devices.resolve(device, on_fallback=notes.append)
         config = read_config(path)
+        plans.check_supported(device_config(config))
         seq_len = _context(config, max_seq_len)
         tok = None
         if tokenizer is not None or (Path(path) / "tokenizer.model").is_file():
             tok = Tokenizer.from_model_dir(path, override=tokenizer)
+            tok.check_fits(config.vocab_size)
+        if check is not None:
+            check(config, tok, seq_len)
         ckpt = checkpoint.open_checkpoint(path, config)
-        notes = [ckpt.conversion_note] if ckpt.conversion_note else []
-        return cls(config, _make_runner(device, ckpt, seq_len, progress), tok, device, notes)
+        if ckpt.conversion_note:
+            notes.append(ckpt.conversion_note)
+        backend = make_backend(device)
+        runner = PlanRunner(config, backend, seq_len, weight_bytes=device_weight_bytes(config))  # fits, or says so
+        load_checkpoint(backend, ckpt, progress)
+        return cls(config, runner, tok, device, notes)
 
     @classmethod
     def synthetic(cls, config: LlamaConfig | str, device: str = "auto", max_seq_len: int | None = None,
@@ -54,73 +81,137 @@ class Llama:
         For benchmarks; there is no tokenizer, so prompts are token ids."""
         config = preset(config) if isinstance(config, str) else config
         device = devices.resolve(device)
+        plans.check_supported(device_config(config))
         backend = make_backend(device)
+        runner = PlanRunner(config, backend, _context(config, max_seq_len), weight_bytes=device_weight_bytes(config))
         random_weights(backend, config, seed)
-        return cls(config, PlanRunner(config, backend, _context(config, max_seq_len)), None, device)
+        return cls(config, runner, None, device)
 
     # -- prompts ----------------------------------------------------------------------------
-    def encode(self, prompt: str | Sequence[int]) -> list[int]:
-        """Text -> ids with BOS (an empty text is BOS alone); a list of ids is taken as it is."""
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise PromptError("this model has no tokenizer.model: pass token ids, or name one with --tokenizer")
-            return self.tokenizer.encode(prompt, bos=True)
-        ids = [int(t) for t in prompt]
-        bad = [t for t in ids if not 0 <= t < self.config.vocab_size]
-        if bad:
-            raise PromptError(f"token id {bad[0]} is outside the vocabulary [0, {self.config.vocab_size})")
-        return ids
+    def encode(self, prompt: str | Sequence[int] | np.ndarray) -> list[int]:
+        """Text -> ids with BOS (an empty text is BOS alone); ids (a list, tuple or 1-D integer array) are
+        checked against the vocabulary and taken as they are."""
+        return prompt_ids(prompt, self.config.vocab_size, self.tokenizer)
 
     def chat_ids(self, messages: list[dict], system: str | None = None) -> list[int]:
+        """Prompt ids for a LLaMA-2 chat (see Tokenizer.chat_ids)."""
         if self.tokenizer is None:
-            raise PromptError("--chat needs a tokenizer.model")
+            raise PromptError("chat_ids() needs a tokenizer and this model has none: put a tokenizer.model in its "
+                              "directory or load it with tokenizer=PATH")
+        if system is not None:
+            check_text(system, "the system prompt")
+        for i, message in enumerate(messages if isinstance(messages, (list, tuple)) else ()):
+            if isinstance(message, dict) and isinstance(message.get("content"), str):
+                check_text(message["content"], f"message {i}")
         return self.tokenizer.chat_ids(messages, system=system)
+
+    def fit_chat(self, messages: list[dict], system: str | None, reply_tokens: int) -> tuple[list[int], int]:
+        """Prompt ids for a chat whose history may have outgrown the context: the oldest exchanges (a user
+        message and its reply) are dropped, the system prompt and the last message kept, until the prompt
+        leaves room for min(reply_tokens, half the context) new tokens, or until only the last message is
+        left. Returns (ids, exchanges dropped); PromptError when the last message alone leaves no room."""
+        context = self.runner.max_seq_len
+        room = max(1, min(reply_tokens, context // 2))
+        messages = list(messages)
+        head = messages[:1] if messages and isinstance(messages[0], dict) and messages[0].get("role") == "system" \
+            else []  # a system message stays, as `system` does
+        turns = messages[len(head):]
+        exchanges = max(0, (len(turns) - 1) // 2)
+        for dropped in range(exchanges + 1):
+            ids = self.chat_ids(head + turns[2 * dropped:], system=system)
+            if len(ids) + room <= context:
+                return ids, dropped
+        if len(ids) >= context:
+            raise PromptError(f"the last message takes {len(ids)} tokens in the chat template"
+                              f"{' with the system prompt' if system else ''}, which leaves no room in the context "
+                              f"of {context} tokens")
+        return ids, exchanges
 
     # -- generation ------------------------------------------------------------------------------
     def stream(self, prompt: str | Sequence[int], max_new_tokens: int = 256, temperature: float = 0.0,
                top_k: int = 0, top_p: float = 1.0, repetition_penalty: float = 1.0, seed: int | None = None,
-               stop: Sequence[str] = (), ignore_eos: bool = False, reuse_cache: bool = False) -> GenerationStream:
+               stop: str | Sequence[str] | None = (), ignore_eos: bool = False,
+               reuse_cache: bool = False) -> GenerationStream:
         """Iterate over text pieces as they become final; the stream's `.result` is the Generation.
 
-        reuse_cache: skip the prompt prefix the KV cache still holds from the last generation (a chat
-        turn then prefills only what is new); off by default, since reused K and V can differ from a
-        fresh prefill's in the last FP16 bit."""
-        params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p,
-                                repetition_penalty=repetition_penalty, seed=seed)
-        params.validate()
-        if isinstance(stop, str):
-            stop = (stop,)
+        Every option is checked here (OptionError, a PromptError, naming it), before anything runs.
+        seed: None draws one at random, reported as `result.seed`. stop: a string, a list of them, or None.
+        reuse_cache: skip the prompt prefix the KV cache still holds from the last generation (a chat turn
+        then prefills only what is new); off by default, since reused K and V can differ from a fresh
+        prefill's in the last FP16 bit.
+
+        The stream starts computing at its first read, and from then on it owns the model until it ends:
+        another generation started before that ends it (see the class docstring)."""
+        options = GenerationOptions.checked(
+            max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+            repetition_penalty=repetition_penalty, seed=seed, stop=stop, ignore_eos=ignore_eos,
+            reuse_cache=reuse_cache)
         detok = self.tokenizer.stream_decoder() if self.tokenizer else None
-        return GenerationStream(self.runner, detok, self.encode(prompt), max_new_tokens, params, stop,
-                                self.config.eos_token_ids, ignore_eos, reuse_cache)
+        return GenerationStream(self.runner, detok, self.encode(prompt), options, self.config.eos_token_ids,
+                                self.guard)
 
     def generate(self, prompt: str | Sequence[int], **options) -> Generation:
-        """Generate to the end; same options as `stream`."""
+        """Generate to the end; same options as `stream`. Holds the model throughout: concurrent calls from
+        other threads wait their turn."""
         stream = self.stream(prompt, **options)
-        for _ in stream:
-            pass
+        with self.guard.lock:
+            for _ in stream:
+                pass
         return stream.result
 
-    def logits(self, token_ids: Sequence[int]) -> np.ndarray:
-        """float32 [len(token_ids), vocab]: the logits at every position (resets the KV cache)."""
-        ids = self.encode(list(token_ids))
+    def logits(self, prompt: str | Sequence[int]) -> np.ndarray:
+        """float32 [len(ids), vocab]: the logits at every position of the prompt (token ids, or text, which
+        gets BOS). Ends an unfinished stream, like any generation, and leaves nothing to decode from."""
+        ids = self.encode(prompt)
         if not ids:
             raise PromptError("logits() needs at least one token id")
         if len(ids) > self.runner.max_seq_len:
             raise PromptError(f"{len(ids)} tokens do not fit in the context of {self.runner.max_seq_len}")
-        return np.asarray(self.runner.logits(ids), dtype=np.float32)
+        with self.guard.lock:
+            self.guard.claim()
+            return np.asarray(self.runner.logits(ids), dtype=np.float32)
+
+
+def prompt_ids(prompt, vocab_size: int, tokenizer: Tokenizer | None) -> list[int]:
+    """A prompt as ids: text through the tokenizer (with BOS), or token ids checked one by one (ints or NumPy
+    integers, each in [0, vocab_size)). PromptError for anything else: bytes, floats, bools, nested lists."""
+    if isinstance(prompt, str):
+        if tokenizer is None:
+            raise PromptError("this model has no tokenizer.model: give token ids, or name a tokenizer "
+                              "(tokenizer=PATH, --tokenizer PATH)")
+        check_text(prompt, "the prompt")
+        return tokenizer.encode(prompt, bos=True)
+    if isinstance(prompt, np.ndarray):
+        if prompt.ndim != 1 or prompt.dtype.kind not in "iu":
+            raise PromptError(f"a prompt array must hold token ids: 1-D and of an integer dtype, got "
+                              f"{prompt.ndim}-D {prompt.dtype}")
+    elif not isinstance(prompt, (list, tuple, range)):
+        raise PromptError(f"a prompt is text (str) or a list of token ids (int), not {type(prompt).__name__}")
+    for i, token in enumerate(prompt):
+        if not is_int(token):
+            raise PromptError(f"token {i} of the prompt must be an int id, got {token!r} ({type(token).__name__})")
+        if not 0 <= token < vocab_size:
+            raise PromptError(f"token id {token} is outside the vocabulary [0, {vocab_size})")
+    return [int(t) for t in prompt]
+
+
+def check_text(text: str, what: str) -> None:
+    """PromptError for text the tokenizer cannot take: a lone surrogate (undecodable bytes that Python kept
+    as such, e.g. from a command line in another encoding)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise PromptError(f"{what} is not valid Unicode (character {exc.start}: {exc.reason})") from None
+
+
+def device_weight_bytes(config: LlamaConfig) -> int:
+    """Bytes the weights take on the device, in its layout (FP16, padded)."""
+    return sum(b.nbytes for b in plans.weight_buffers(device_config(config)))
 
 
 def _context(config: LlamaConfig, max_seq_len: int | None) -> int:
     if max_seq_len is None:
         return config.max_seq_len
-    if not isinstance(max_seq_len, int) or max_seq_len < 2:
-        raise PromptError(f"--max-seq-len must be an integer >= 2, got {max_seq_len!r}")
-    return max_seq_len
-
-
-def _make_runner(device: str, ckpt: checkpoint.Checkpoint, max_seq_len: int, progress: Progress | None) -> Runner:
-    """The same plans on either device: CUDA kernels on a GPU, their NumPy twins on the CPU."""
-    backend = make_backend(device)
-    load_checkpoint(backend, ckpt, progress)
-    return PlanRunner(ckpt.config, backend, max_seq_len)
+    if not is_int(max_seq_len) or not 2 <= max_seq_len <= INT32_MAX:
+        raise OptionError("max_seq_len", f"must be an integer from 2 to {INT32_MAX}, got {max_seq_len!r}")
+    return int(max_seq_len)

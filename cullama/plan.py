@@ -99,15 +99,20 @@ class Plan:
 
 
 def check_supported(cfg: LlamaConfig) -> None:
-    """Shapes the kernels handle; anything else is a clear error, never wrong numbers."""
+    """Shapes the kernels handle; anything else is a clear error, never wrong numbers. The CPU runs the same
+    plans (the kernels' twins), so the limits hold on every device. Cheap: call it as soon as a config is read,
+    before any weight loads (of the device layout: engine.device_config pads intermediate_size)."""
     hd = cfg.head_dim
     if hd < 8 or hd > 128 or hd & (hd - 1):
-        raise KernelError(f"{cfg.name}: head_dim {hd} is not supported on the GPU (a power of two from 8 to 128)")
+        raise KernelError(f"{cfg.name}: head_dim {hd} is not supported by cullama's kernels "
+                          "(a power of two from 8 to 128)")
     for field in ("hidden_size", "intermediate_size"):
         if getattr(cfg, field) % 8:
-            raise KernelError(f"{cfg.name}: {field} {getattr(cfg, field)} is not a multiple of 8")
+            raise KernelError(f"{cfg.name}: {field} {getattr(cfg, field)} is not supported by cullama's kernels "
+                              "(a multiple of 8)")
     if cfg.group_size > 8:
-        raise KernelError(f"{cfg.name}: {cfg.group_size} query heads per key/value head (at most 8 supported)")
+        raise KernelError(f"{cfg.name}: {cfg.group_size} query heads per key/value head are not supported by "
+                          "cullama's kernels (at most 8)")
 
 
 def attention_splits(cfg: LlamaConfig) -> int:

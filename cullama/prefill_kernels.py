@@ -1,8 +1,10 @@
 """Which kernels a prefill plan launches: the GEMM and the causal attention, each with its geometry.
 
 Two GEMMs compute cullama/ops/gemm.py's function, with the same parameters and split-K contract:
-    mma     gemm.cu: mma.sync m16n8k16, 64 x 128 tiles, three blocks per SM, any GPU from sm_80
+    mma     gemm.cu: mma.sync m16n8k16, 64 x 128 tiles, three blocks per SM (two before sm_90), any GPU from sm_80
     wgmma   gemm_wgmma.cu: Hopper's warpgroup MMA, 128 x 192 tiles, one block per SM, sm_90 only
+A runner starts with default_for(its GPU's arch): PREFERRED, or on a GPU without wgmma (A100, L40S, RTX 4090,
+Blackwell) the same with the mma GEMM.
 Two attentions compute ops/attention.py's attention_prefill:
     scalar  attention.cu: FP32 on the CUDA cores, any head_dim from 8 to 128
     mma     attention_mma.cu: tensor cores (flash-attention-2 style), head_dim 16 to 128 (else scalar)
@@ -13,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from . import registry
 from .config import LlamaConfig
 from .errors import KernelError
 from .ops import attention_mma as attention_mma_ops
@@ -113,8 +116,8 @@ class PrefillKernels:
 
     def runs_on(self, arch: str | None) -> bool:
         """Whether the GPU (`arch`, e.g. "sm_90"; None: the CPU twins, any choice) can run them: wgmma is
-        sm_90a code, which runs on compute capability 9.0 only."""
-        return arch is None or self.gemm != "wgmma" or arch.removesuffix("a") == "sm_90"
+        sm_90a code, which runs on compute capability 9.0 only; the rest runs on every GPU cullama supports."""
+        return arch is None or registry.runs_on(arch, self.gemm_kernel.spec.arch_specific)
 
     def check_arch(self, arch: str | None) -> None:
         """runs_on, as a one-line KernelError."""
@@ -124,6 +127,17 @@ class PrefillKernels:
     def mma_attention(self, cfg: LlamaConfig) -> bool:
         """Whether the tensor-core attention runs for this model (chosen, and its head_dim is supported)."""
         return self.attention == "mma" and attention_mma_ops.supports(cfg.head_dim, cfg.group_size)
+
+
+PREFERRED = PrefillKernels()  # what a plan uses where the GPU runs it (benchmarks/prefill_step.py decides)
+
+
+def default_for(arch: str | None) -> PrefillKernels:
+    """The prefill kernels a runner starts with on a GPU of `arch` (None: the CPU twins): PREFERRED where it
+    runs there, else PREFERRED with the mma.sync GEMM, which runs on every GPU cullama supports (sm_80 on)."""
+    if PREFERRED.runs_on(arch):
+        return PREFERRED
+    return dataclasses.replace(PREFERRED, gemm=MMA_GEMM.name)
 
 
 def workspace_floats(cfg: LlamaConfig, chunk: int) -> int:

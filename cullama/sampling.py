@@ -8,6 +8,11 @@ two can disagree only on a draw whose target lies within rounding of a bucket bo
 
 Randomness is counter-based, `uniform(seed, step)`: no RNG state lives on the device, so the
 kernel can be replayed in a graph, and a (seed, step) pair always gives the same draw.
+
+Non-finite logits have one rule, here and on the device: NaN counts as -inf; a token whose logit
+is -inf (after the penalty and the temperature) is never drawn; if the largest is +inf, the +inf
+tokens share the mass equally (greedy: the lowest such id). Where every logit is NaN or -inf, no
+token can be drawn: `sample` returns NO_TOKEN and the host raises (`drawn`).
 """
 
 from __future__ import annotations
@@ -19,13 +24,15 @@ import os
 
 import numpy as np
 
-from .errors import PromptError
+from .errors import GenerationError, OptionError
 
 MASK64 = (1 << 64) - 1
+INT32_MAX = (1 << 31) - 1
 GOLDEN64 = 0x9E3779B97F4A7C15  # 2**64 / golden ratio: splitmix64's increment
 # Below this, l / temperature can overflow float32 (inf - inf = NaN) for large logits, and the
 # distribution is greedy in all but name anyway.
 MIN_TEMPERATURE = 1e-6
+NO_TOKEN = -1  # sample()'s answer, and the kernel's state[TOKEN], when every logit is NaN or -inf
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,38 +44,38 @@ class SamplingParams:
     seed: int | None = None  # None: drawn from os.urandom once, then fixed for the generation
 
     def validate(self) -> None:
-        """Raise PromptError, one line naming the option, for a request `sample` cannot serve."""
+        """Raise OptionError, one line naming the option, for a request `sample` cannot serve."""
         for name in ("temperature", "top_p", "repetition_penalty"):
             value = getattr(self, name)
             # NaN compares False with everything, so it would slip past the range checks below.
-            if not _is_real(value) or not math.isfinite(value):
-                raise PromptError(f"{name} must be a finite number, got {value!r}")
+            if not is_real(value) or not math.isfinite(value):
+                raise OptionError(name, f"must be a finite number, got {value!r}")
         if self.temperature < 0:
-            raise PromptError(f"temperature must be >= 0 (0 = greedy), got {self.temperature!r}")
+            raise OptionError("temperature", f"must be >= 0 (0 = greedy), got {self.temperature!r}")
         if 0 < self.temperature < MIN_TEMPERATURE:
-            raise PromptError(f"temperature must be 0 (greedy) or at least {MIN_TEMPERATURE}, "
+            raise OptionError("temperature", f"must be 0 (greedy) or at least {MIN_TEMPERATURE}, "
                               f"got {self.temperature!r}")
-        if not _is_int(self.top_k) or self.top_k < 0:
-            raise PromptError(f"top_k must be an integer >= 0 (0 = off), got {self.top_k!r}")
+        # The device keeps top_k in an int32 (a top_k at or above the vocabulary is off, as 0 is).
+        if not is_int(self.top_k) or not 0 <= self.top_k <= INT32_MAX:
+            raise OptionError("top_k", f"must be an integer from 0 (off) to {INT32_MAX}, got {self.top_k!r}")
         if not 0 < self.top_p <= 1:
-            raise PromptError(f"top_p must be in (0, 1] (1 = off), got {self.top_p!r}")
+            raise OptionError("top_p", f"must be in (0, 1] (1 = off), got {self.top_p!r}")
         if self.repetition_penalty <= 0:
-            raise PromptError(f"repetition_penalty must be > 0 (1 = off), "
-                              f"got {self.repetition_penalty!r}")
+            raise OptionError("repetition_penalty", f"must be > 0 (1 = off), got {self.repetition_penalty!r}")
         # The device takes the seed as a uint64.
-        if self.seed is not None and (not _is_int(self.seed) or not 0 <= self.seed <= MASK64):
-            raise PromptError(f"seed must be an integer in [0, 2**64), got {self.seed!r}")
+        if self.seed is not None and (not is_int(self.seed) or not 0 <= self.seed <= MASK64):
+            raise OptionError("seed", f"must be an integer in [0, 2**64), got {self.seed!r}")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
 
 
-def _is_real(value) -> bool:
+def is_real(value) -> bool:
     return isinstance(value, numbers.Real) and not isinstance(value, bool)
 
 
-def _is_int(value) -> bool:
+def is_int(value) -> bool:
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
@@ -119,7 +126,7 @@ def sample(logits: np.ndarray, params: SamplingParams, seen_mask: np.ndarray, st
            draft: int | None = None) -> int:
     """Pick the next token id from one row of logits [vocab]. params.seed must be resolved.
 
-    Logits must be finite or -inf (masked), with at least one finite.
+    NaN logits count as -inf; NO_TOKEN where every logit is NaN or -inf (the module's rule).
 
     `draft` (speculative decoding: a drafted token for this position) moves the draft's bucket to the
     front of the inverse CDF: the draw returns the draft with probability p(draft), and otherwise a token
@@ -129,15 +136,22 @@ def sample(logits: np.ndarray, params: SamplingParams, seen_mask: np.ndarray, st
     """
     if params.seed is None:
         raise ValueError("sample() needs a resolved seed; Sampler draws one")
-    # 1. Repetition penalty, over the prompt and everything generated so far.
+    # 1. Repetition penalty, over the prompt and everything generated so far; NaN is -inf (it stays
+    #    NaN through the penalty and the temperature, so replacing it first or last is the same).
     l = np.asarray(logits, dtype=np.float32)
+    l = np.where(np.isnan(l), np.float32(-np.inf), l)
     if params.repetition_penalty != 1.0:
         l = apply_repetition_penalty(l, seen_mask, params.repetition_penalty)
     # 2. Greedy: the argmax, lowest index on ties (np.argmax returns the first).
     if params.greedy:
-        return int(np.argmax(l))
-    # 3. Temperature.
-    l = l / np.float32(params.temperature)
+        token = int(np.argmax(l))
+        return token if l[token] > -np.inf else NO_TOKEN
+    # 3. Temperature (a large logit over a small temperature may become +-inf).
+    with np.errstate(over="ignore"):
+        l = l / np.float32(params.temperature)
+    top = l.max()
+    if top == -np.inf:
+        return NO_TOKEN
     # 4. Top-k: keep everything >= the k-th largest value, so ties at the threshold all survive.
     vocab = l.shape[0]
     kept = np.ones(vocab, dtype=bool)
@@ -145,8 +159,11 @@ def sample(logits: np.ndarray, params: SamplingParams, seen_mask: np.ndarray, st
         kth_largest = np.partition(l, vocab - params.top_k)[vocab - params.top_k]
         kept = l >= kth_largest
     # 5. Unnormalised probabilities. The maximum is always kept, so max over all of l is the
-    #    max over kept tokens and every exponent is <= 0 (no overflow).
-    p = np.where(kept, np.exp(l - l.max()), np.float32(0)).astype(np.float32)
+    #    max over kept tokens and every exponent is <= 0 (no overflow). p = 1 at the maximum
+    #    (exp(0) for a finite one; a +inf maximum gives inf - inf, so the +inf tokens get 1 each).
+    with np.errstate(invalid="ignore"):
+        e = np.exp(l - top)
+    p = np.where(kept, np.where(l == top, np.float32(1), e), np.float32(0)).astype(np.float32)
     z = p.sum(dtype=np.float32)
     # 6. Top-p: the nucleus, measured against the mass top-k left; then renormalise.
     if params.top_p < 1.0:
@@ -173,6 +190,14 @@ def sample(logits: np.ndarray, params: SamplingParams, seen_mask: np.ndarray, st
     return int(rest[-1]) if rest.size else int(draft)
 
 
+def drawn(token: int) -> int:
+    """A sampled token, or a GenerationError where sampling found nothing to draw (NO_TOKEN)."""
+    if token == NO_TOKEN:
+        raise GenerationError("no token can be drawn: every logit is NaN or -inf (the model's numbers overflowed; "
+                              "check the weights)")
+    return token
+
+
 class Sampler:
     """Sampling state for one generation: params (seed resolved), the seen mask, the step."""
 
@@ -188,7 +213,7 @@ class Sampler:
         self.step = 0
 
     def __call__(self, logits: np.ndarray) -> int:
-        token = sample(logits, self.params, self.seen, self.step)
+        token = drawn(sample(logits, self.params, self.seen, self.step))
         self.seen[token] = True
         self.step += 1
         return token

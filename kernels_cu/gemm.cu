@@ -99,9 +99,16 @@ __device__ __forceinline__ void load_tile_w(Tiles& s, int stage, int kt, const h
     }
 }
 
-// At least 3 blocks per SM (<= 85 registers; shared memory would allow 4): splitting the prologue around
-// pdl_wait() cost 9 registers and, without this bound, the third block.
-extern "C" __global__ void __launch_bounds__(THREADS, 3)
+// At least 3 blocks per SM on sm_90 and newer (<= 85 registers; shared memory would allow 4): splitting the
+// prologue around pdl_wait() cost 9 registers and, without this bound, the third block. Before sm_90, ptxas
+// needs more registers than that for this code (76 bytes of spills on sm_80 / 86 / 89 at 3 blocks) and an
+// sm_86 / sm_89 SM holds only 2 blocks' shared memory anyway: 2 there.
+#if __CUDA_ARCH__ >= 900
+#define GEMM_MIN_BLOCKS 3
+#else
+#define GEMM_MIN_BLOCKS 2
+#endif
+extern "C" __global__ void __launch_bounds__(THREADS, GEMM_MIN_BLOCKS)
 gemm(const half_t* __restrict__ A, const half_t* __restrict__ W, float* __restrict__ C, float* workspace,
      unsigned int* tile_count, int M, int N, int K, int accumulate) {
     __shared__ __align__(128) Tiles s;

@@ -2,7 +2,10 @@
 // cullama.sampling.sample (the NumPy specification) picks it, then the next step set up.
 //
 //   sample         token = sample(logits, params, seen, step); state[TOKEN] = token; state[STEP] += 1;
-//                  state[POS] += 1; seen[token] = 1; x[0:d] = embed[token] as float32 (the next input)
+//                  state[POS] += 1; seen[token] = 1; x[0:d] = embed[token] as float32 (the next input).
+//                  Where no token can be drawn (every logit NaN or -inf): state[TOKEN] = NO_TOKEN (-1),
+//                  seen untouched, x = 0; the host raises when it reads the token. Never an index out of
+//                  bounds.
 //   uniform_probe  out[0] = uniform(seed, step), one thread: the RNG bit for bit, for the tests
 //
 // Launch: sample is ONE block of THREADS (1024) threads per token row, inside the decode CUDA graph after
@@ -23,6 +26,9 @@
 //
 // Every float is compared through an order-preserving uint32 key (a < b <=> key(a) < key(b), -0 == +0),
 // so thresholds are found by exact integer bit searches and all results are deterministic.
+// Non-finite logits, as in the spec: NaN counts as -inf (its key is -inf's); a -inf token is never drawn;
+// if the largest logit is +inf, the +inf tokens share the mass equally (p = 1 each, every other p = 0)
+// and greedy takes the lowest-id one.
 //   greedy   one coalesced pass (8 float4 loads in flight per thread) and one block reduction: the
 //            max of (key << 32 | ~id) over uint64 is the argmax with the lowest id on ties.
 //   sampled  thread t owns the contiguous ids [t C, t C + C), C = ceil(V / 1024) rounded up to 4; the
@@ -60,11 +66,14 @@
 #define ITEMS (REG_ITEMS + SMEM_ITEMS)
 #define GREEDY_UNROLL 8  // float4 loads in flight per thread on the greedy path
 #define FULL 0xffffffffu
-#define ABSENT 0u  // the key of an id past V: below every real key (-inf's key is 0x007fffff)
+#define ABSENT 0u  // the key of an id past V: below every real key
+#define NEG_INF_KEY 0x007fffffu  // float_key(-inf), and of NaN: the least key of a real id, never drawn
 #define NO_HIT 0x7fffffff
+#define NO_TOKEN (-1)  // cullama.sampling.NO_TOKEN: no logit can be drawn
 
-// Order-preserving key of a float (not NaN); -0 becomes +0 first, since the spec compares floats.
+// Order-preserving key of a float; -0 becomes +0 first, since the spec compares floats; NaN is -inf.
 __device__ __forceinline__ uint32_t float_key(float f) {
+    if (f != f) return NEG_INF_KEY;
     uint32_t b = __float_as_uint(f);
     if (b == 0x80000000u) b = 0u;
     return (b & 0x80000000u) ? ~b : (b | 0x80000000u);
@@ -218,12 +227,14 @@ __device__ __forceinline__ int greedy_token(const Transform& tf, uint64_t* scrat
         }
     }
     best = block_max_u64(best, scratch);
-    return (int)(FULL - (uint32_t)best);
+    return (uint32_t)(best >> 32) > NEG_INF_KEY ? (int)(FULL - (uint32_t)best) : NO_TOKEN;
 }
 
 // -- sampled -----------------------------------------------------------------------------------
+// p = expf(l - max) for a kept key, else 0. l - max is NaN only for l = max = +inf: p = 1 there.
 __device__ __forceinline__ uint32_t prob_bits(uint32_t key, uint32_t kth, float max_l) {
-    return key >= kth ? __float_as_uint(expf(key_float(key) - max_l)) : 0u;
+    const float e = key_float(key) - max_l;
+    return key >= kth ? __float_as_uint(e == e ? expf(e) : 1.f) : 0u;
 }
 
 // Calls f(j, value) for the thread's ids begin + j, j < n, in order: from v[] (registers), then from
@@ -268,7 +279,9 @@ __device__ __forceinline__ int sampled_token(const Transform& tf, int top_k, flo
     }
     uint32_t m = 0;
     for_each(v, cache, tf, begin, n, 0u, 0.f, [&](int, uint32_t k) { m = max(m, k); });
-    const float max_l = key_float(block_max_u32(m, su[0]));
+    m = block_max_u32(m, su[0]);
+    if (m <= NEG_INF_KEY) return NO_TOKEN;  // every logit NaN or -inf (the same m in every thread)
+    const float max_l = key_float(m);
 
     // 2. top-k: the k-th largest key, bit by bit from the top.
     uint32_t kth = 1;  // every real key
@@ -367,7 +380,7 @@ sample(const float* __restrict__ logits, unsigned char* __restrict__ seen, int* 
         if (!is_last) return;
         __threadfence();
         if (threadIdx.x == 0) {
-            int j = 0;
+            int j = 0;  // NO_TOKEN never equals a draft: it ends the run
             while (j + 1 < rows && load_coherent(picks + j) == ids[j + 1]) ++j;  // draft j + 1 is row j's pick
             accepted[0] = j + 1;
             accepted[1] = load_coherent(picks + j);
@@ -384,13 +397,13 @@ sample(const float* __restrict__ logits, unsigned char* __restrict__ seen, int* 
             seen[ids[i]] = 1;
         }
         out[n] = token;
-        seen[token] = 1;
+        if (token != NO_TOKEN) seen[token] = 1;
         state[STATE_TOKEN] = token;
         state[STATE_STEP] = step + n;
         state[STATE_POS] += n;
     }
-    const half_t* embedded = embed + (size_t)token * d;
-    for (int i = threadIdx.x; i < d; i += THREADS) x[i] = h2f(embedded[i]);
+    const half_t* embedded = embed + (size_t)max(token, 0) * d;
+    for (int i = threadIdx.x; i < d; i += THREADS) x[i] = token != NO_TOKEN ? h2f(embedded[i]) : 0.f;
 }
 
 // One thread: out[0] = uniform(seed, step).

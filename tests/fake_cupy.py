@@ -6,7 +6,8 @@ signature in kernels_cu/ says, as CuPy passes it (a contiguous device array of t
 a NumPy scalar of the exact C type per scalar), in blocks of its __launch_bounds__ threads, with no more dynamic
 shared memory than cuFuncSetAttribute allowed; NumPy refuses host arrays mixed with device ones, as CuPy does;
 indexing and reductions give 0-d device arrays; a capturing stream records its launches, unrun, into its Graph,
-and other work meanwhile raises CaptureError. Events time the host's perf_counter when their stream reaches them,
+and other work meanwhile raises CaptureError; a launch that fails during a capture invalidates it (end_capture
+raises). Events time the host's perf_counter when their stream reaches them,
 so elapsed times cover the twins that ran in between; an event that was not completed, or whose last record was
 a plain one inside a capture (CUDA keeps such an event as a capture dependency and will not time it), raises.
 `libcuda` is a stand-in driver: cuFuncSetAttribute, cuLaunchKernelEx (PDL launches of the fake kernels on the
@@ -54,6 +55,7 @@ class CaptureError(CudaError):
 
 def _not_capturing(what: str) -> None:
     if state.capturing is not None:
+        state.capturing.invalidated = True  # CUDA invalidates the capture too
         raise CaptureError(f"{what} while stream {state.capturing.ptr:#x} is capturing")
 
 
@@ -231,11 +233,14 @@ class Stream:
 
     def begin_capture(self, mode=None):
         assert self.ptr != 0 and state.capturing is None, "capture needs a created stream, one at a time"
-        state.capturing, self.graph = self, Graph()
+        state.capturing, self.graph, self.invalidated = self, Graph(), False
 
     def end_capture(self):
         assert state.capturing is self, "end_capture without begin_capture on this stream"
-        state.capturing = None
+        state.capturing = None  # capture mode ends either way, as in CUDA
+        if self.invalidated:
+            raise CaptureError("cudaErrorStreamCaptureInvalidated: operation failed due to a previous error "
+                               "during capture")
         state.graphs.append(self.graph)
         return self.graph
 
@@ -337,6 +342,14 @@ class Kernel:
         self._launch(grid, block, args, shared_mem, get_current_stream())
 
     def _launch(self, grid, block, args, shared_mem, stream, programmatic=False):
+        try:
+            self._checked_launch(grid, block, args, shared_mem, stream, programmatic)
+        except Exception:  # as in CUDA, a launch that fails while a stream captures invalidates the capture
+            if state.capturing is not None:
+                state.capturing.invalidated = True
+            raise
+
+    def _checked_launch(self, grid, block, args, shared_mem, stream, programmatic):
         bad = [type(a).__name__ for a in args if not isinstance(a, (ndarray, np.generic))]
         dims = all(isinstance(t, tuple) and 1 <= len(t) <= 3 for t in (grid, block))
         if dims:  # CuPy takes tuples of 1 to 3 dimensions and pads them with 1s

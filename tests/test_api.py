@@ -1,11 +1,16 @@
 """The public API on the CPU: Llama.from_pretrained, generate, stream, logits, stop conditions."""
 
+import dataclasses
+import json
+import re
+
 import numpy as np
 import pytest
 
 import cullama
-from cullama.errors import PromptError
-from cullama.generate import StopMatcher
+from cullama.config import preset
+from cullama.errors import KernelError, OptionError, PromptError, ResourceError, TokenizerError
+from cullama.generate import GenerationOptions, StopMatcher
 from conftest import load_golden
 
 
@@ -64,7 +69,7 @@ def test_bad_requests_are_prompt_errors(stories):
         stories.generate([1], temperature=-1)
     with pytest.raises(PromptError, match="context"):
         stories.generate([1] * 600)
-    with pytest.raises(PromptError, match="max-new-tokens"):
+    with pytest.raises(PromptError, match="max_new_tokens"):
         stories.generate([1], max_new_tokens=-1)
 
 
@@ -80,3 +85,170 @@ def test_stop_matcher_holds_back_possible_stops(chunks, stops, emitted, stopped)
     if not matcher.stopped:
         out += matcher.flush()
     assert out == emitted and matcher.stopped == stopped
+
+
+# -- requests refused in one line, before anything runs -----------------------------------------------
+@pytest.mark.parametrize("prompt,needle", [
+    (b"hello", "not bytes"), (bytearray(b"hi"), "not bytearray"), ([1, 1.7], "got 1.7"),
+    ([1, np.float32(2.0)], "got np.float32(2.0)"), ([1, True], "got True"), ([1, np.bool_(True)], "bool"),
+    ([[1, 2]], "got [1, 2]"), ([1, None], "got None"), ([1, "2"], "got '2'"), (7, "not int"), (None, "NoneType"),
+    (np.array([1.0, 2.0]), "float64"), (np.array([[1, 2]]), "2-D"), ("a\udcffb", "not valid Unicode"),
+])
+def test_prompts_of_the_wrong_kind_are_refused(stories, prompt, needle):
+    with pytest.raises(PromptError, match=re.escape(needle)):
+        stories.generate(prompt, max_new_tokens=2)
+
+
+def test_token_ids_may_be_numpy_integers(stories):
+    expected = stories.generate([1, 403], max_new_tokens=5).token_ids
+    assert stories.generate(np.array([1, 403], dtype=np.int64), max_new_tokens=5).token_ids == expected
+    assert stories.generate((np.int32(1), np.uint16(403)), max_new_tokens=5).token_ids == expected
+    assert stories.logits(np.array([1, 403], dtype=np.int32)).shape == (2, stories.config.vocab_size)
+
+
+@pytest.mark.parametrize("options,option", [
+    ({"max_new_tokens": None}, "max_new_tokens"), ({"max_new_tokens": 2.0}, "max_new_tokens"),
+    ({"max_new_tokens": True}, "max_new_tokens"), ({"stop": b"x"}, "stop"), ({"stop": [b"x"]}, "stop"),
+    ({"stop": 3}, "stop"), ({"stop": ["a", None]}, "stop"), ({"temperature": None}, "temperature"),
+    ({"temperature": "0.5"}, "temperature"), ({"top_k": 3_000_000_000}, "top_k"), ({"top_k": 2.5}, "top_k"),
+    ({"top_p": 1.5}, "top_p"), ({"top_p": float("nan")}, "top_p"), ({"repetition_penalty": 0}, "repetition_penalty"),
+    ({"seed": -1}, "seed"), ({"seed": 1.5}, "seed"), ({"ignore_eos": "yes"}, "ignore_eos"),
+    ({"reuse_cache": 1}, "reuse_cache"), ({"max_tokens": 3}, "max_tokens"),
+])
+def test_options_of_the_wrong_type_or_range_name_the_option(stories, options, option):
+    with pytest.raises(OptionError) as caught:
+        stories.stream([1], **options) if "max_tokens" not in options else \
+            GenerationOptions.checked(**options)
+    assert caught.value.option == option and str(caught.value).startswith(option)
+    assert "\n" not in str(caught.value)
+
+
+def test_accepted_option_spellings(stories):
+    assert stories.generate([1], max_new_tokens=np.int64(3), stop=None).finish_reason == "length"
+    assert stories.generate([1], max_new_tokens=3, stop="zzz", ignore_eos=np.bool_(False)).token_ids
+    big = stories.generate([1], max_new_tokens=4, temperature=0.7, top_k=10**9, seed=np.uint64(3))
+    off = stories.generate([1], max_new_tokens=4, temperature=0.7, top_k=0, seed=3)
+    assert big.token_ids == off.token_ids and big.seed == 3  # top_k at or above the vocabulary is off
+
+
+def test_chat_ids_refuses_bad_text_and_types(stories):
+    with pytest.raises(PromptError, match="system prompt is not valid Unicode"):
+        stories.chat_ids([{"role": "user", "content": "hi"}], system="\udcff")
+    with pytest.raises(PromptError, match="message 0 is not valid Unicode"):
+        stories.chat_ids([{"role": "user", "content": "\udcff"}])
+    with pytest.raises(PromptError, match="content of type int"):
+        stories.chat_ids([{"role": "user", "content": 5}])
+
+
+# -- what a Generation records -------------------------------------------------------------------------
+def test_the_seed_used_is_recorded_and_repeats_the_run(stories):
+    drawn = stories.generate([1], max_new_tokens=20, temperature=1.0)
+    assert isinstance(drawn.seed, int) and 0 <= drawn.seed < 2**64
+    again = stories.generate([1], max_new_tokens=20, temperature=1.0, seed=drawn.seed)
+    assert again.token_ids == drawn.token_ids and again.seed == drawn.seed
+
+
+def test_a_stop_string_cuts_the_text_not_the_ids(stories, stories_expected):
+    result = stories.generate("", max_new_tokens=60, stop=["Lily", "zzz"])
+    assert result.finish_reason == "stop" and result.stop_string == "Lily"
+    assert result.text == "Once upon a time, there was a little girl named "
+    decoded = stories.tokenizer.decode(result.token_ids)
+    assert decoded.startswith(result.text + "Lily")  # the ids spell the stop string too
+    assert result.to_dict()["stop_string"] == "Lily"
+    assert stories.generate("", max_new_tokens=5).to_dict()["stop_string"] is None
+
+
+# -- checked at load, before the weights ----------------------------------------------------------------
+@pytest.fixture
+def weights_never_load(monkeypatch):
+    """Fails a test if a checkpoint is opened or its weights read."""
+    from cullama import llama as llama_module
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the weights were read before the request was refused")
+
+    monkeypatch.setattr(llama_module.checkpoint, "open_checkpoint", refuse)
+    monkeypatch.setattr(llama_module, "load_checkpoint", refuse)
+
+
+def config_only(tmp_path, **changes):
+    """A model directory holding only config.json (no weights at all)."""
+    cfg = dataclasses.replace(preset("tiny"), **changes)
+    (tmp_path / "config.json").write_text(json.dumps(cfg.to_hf_dict()))
+    return tmp_path
+
+
+def test_a_tokenizer_larger_than_the_vocabulary_is_refused_at_load(weights_never_load):
+    from conftest import shared_path
+
+    directory, _, _ = load_golden("tiny-mha")
+    llama2 = shared_path("tokenizers", "llama2", "tokenizer.model")
+    with pytest.raises(TokenizerError) as caught:
+        cullama.Llama.from_pretrained(directory, device="cpu", tokenizer=llama2)
+    assert "32000 pieces" in str(caught.value) and "vocabulary of 512" in str(caught.value)
+
+
+@pytest.mark.parametrize("changes,needle", [
+    ({"head_dim": 96, "num_heads": 4, "num_kv_heads": 2, "hidden_size": 384}, "head_dim 96"),
+    ({"num_heads": 16, "num_kv_heads": 1, "head_dim": 16}, "16 query heads per key/value head"),
+    ({"hidden_size": 260}, "hidden_size 260"),
+])
+def test_shapes_the_kernels_do_not_run_are_refused_before_the_weights(tmp_path, weights_never_load, changes, needle):
+    with pytest.raises(KernelError) as caught:
+        cullama.Llama.from_pretrained(config_only(tmp_path, **changes), device="cpu")
+    assert needle in str(caught.value) and "not supported by cullama's kernels" in str(caught.value)
+    assert "GPU" not in str(caught.value)
+
+
+def test_a_context_too_large_for_memory_is_refused_before_anything_is_allocated(stories_dir, monkeypatch):
+    from cullama import memory
+
+    with pytest.raises(ResourceError) as caught:
+        cullama.Llama.from_pretrained(stories_dir, device="cpu", max_seq_len=1_000_000_000)
+    message = str(caught.value)
+    assert "KV cache" in message and "GiB" in message and "free" in message and "shorter context" in message
+    monkeypatch.setattr(memory, "available_ram", lambda: 1 << 20)  # 1 MiB left: even the default is too much
+    with pytest.raises(ResourceError, match="the CPU has 1.0 MiB free"):
+        cullama.Llama.synthetic("tiny", device="cpu")
+    with pytest.raises(OptionError, match="max_seq_len"):
+        cullama.Llama.from_pretrained(stories_dir, device="cpu", max_seq_len=2**31)
+
+
+def test_gpu_memory_is_read_from_cupy(monkeypatch):
+    import sys
+
+    import fake_cupy
+    from cullama import memory
+
+    monkeypatch.setitem(sys.modules, "cupy", fake_cupy)
+    free, where = memory.free_bytes("cuda")
+    assert free == fake_cupy.DEVICE_MEMORY and where == "the GPU has"
+    with pytest.raises(ResourceError, match="the GPU has 16.0 MiB free"):
+        memory.check_fits("cuda", {"KV cache": 1 << 30}, "advice")
+
+
+def test_auto_says_when_it_falls_back_to_the_cpu(stories_dir, monkeypatch):
+    from cullama import device
+
+    monkeypatch.setattr(device, "cuda_status", lambda: (False, "no NVIDIA GPU found"))
+    llm = cullama.Llama.from_pretrained(stories_dir, device="auto")
+    assert llm.device == "cpu" and llm.notes[0] == "running on the CPU: no NVIDIA GPU found"
+
+
+# -- chat history ---------------------------------------------------------------------------------------
+def test_fit_chat_drops_the_oldest_exchanges(stories_dir):
+    llm = cullama.Llama.from_pretrained(stories_dir, device="cpu", max_seq_len=128)
+    history = []
+    for i in range(4):
+        history += [{"role": "user", "content": f"Tell me about dog {i}."},
+                    {"role": "assistant", "content": "The dog ran."}]
+    turn = history + [{"role": "user", "content": "And then?"}]  # 232 tokens; each exchange dropped saves 45
+    ids, dropped = llm.fit_chat(turn, "Be brief.", 16)
+    assert dropped == 3 and len(ids) == 97
+    assert ids == llm.chat_ids(turn[2 * dropped:], system="Be brief.")
+    assert llm.fit_chat(turn[-1:], None, 16) == (llm.chat_ids(turn[-1:]), 0)
+    with_system = [{"role": "system", "content": "Be brief."}] + turn
+    assert llm.fit_chat(with_system, None, 16) == (ids, dropped)  # a system message stays too
+    assert len(llm.fit_chat(turn, "Be brief.", 100)[0]) == 52  # room for min(100, half the context)
+    with pytest.raises(PromptError, match="leaves no room in the context of 128"):
+        llm.fit_chat([{"role": "user", "content": "dog " * 200}], None, 16)

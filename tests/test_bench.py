@@ -2,6 +2,7 @@
 the bandwidth kernel and its twin, and the whole command end to end on the CPU."""
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -172,3 +173,88 @@ def test_overlap_is_recorded_and_ignored_on_the_cpu(tmp_path):
     assert "--overlap: the CPU has no kernel overlap; ignored" in result.stderr
     record = json.loads(out.read_text())
     assert record["options"]["overlap"] is False and record["options"]["command"]["overlap"] is True
+
+
+# -- the record is never lost ---------------------------------------------------------------------------
+SMALL_RUN = ["bench", "--device", "cpu", "--lengths", "3", "--samples", "3", "--warmup", "0"]
+
+
+def unwritable_directory(tmp_path):
+    """A directory this process cannot create files in (root ignores permission bits: /sys then)."""
+    import tempfile
+
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    locked.chmod(0o500)
+    for directory in (locked, Path("/sys")):
+        try:
+            tempfile.TemporaryFile(dir=directory).close()
+        except OSError:
+            return directory
+    pytest.skip("no directory here refuses a file to this process")
+
+
+@pytest.mark.parametrize("where,needle", [("missing", "does not exist"), ("locked", "cannot write in"),
+                                          ("file-parent", "does not exist"), ("directory", "is a directory")])
+def test_json_paths_that_cannot_be_written_are_refused_before_the_run(tmp_path, monkeypatch, where, needle):
+    monkeypatch.setattr(bench, "run", lambda *a, **k: pytest.fail("the benchmark ran before --json was checked"))
+    (tmp_path / "plain").write_text("")
+    path = {"missing": lambda: tmp_path / "no" / "b.json", "locked": lambda: unwritable_directory(tmp_path) / "b.json",
+            "file-parent": lambda: tmp_path / "plain" / "b.json", "directory": lambda: tmp_path}[where]()
+    result = CliRunner().invoke(main, [*SMALL_RUN, "--json", str(path)])
+    assert result.exit_code == 2, result.output
+    if where == "directory":  # click's own check (click.Path(dir_okay=False)); check_writable has it too
+        assert "is a directory" in result.stderr
+        with pytest.raises(bench.OptionError, match="is a directory"):
+            bench.check_writable(path)
+        return
+    (line,) = result.stderr.splitlines()
+    assert line.startswith("error: --json ") and needle in line
+
+
+def test_a_full_disk_at_the_end_keeps_the_samples(tmp_path, monkeypatch):
+    import errno
+
+    def full(target, text):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(bench, "_write", full)
+    monkeypatch.setattr(bench.tempfile, "tempdir", str(tmp_path))  # where the copy goes
+    result = CliRunner().invoke(main, [*SMALL_RUN, "--json", str(tmp_path / "b.json")])
+    assert result.exit_code == 1, result.output
+    (line,) = [l for l in result.stderr.splitlines() if l.startswith("error:")]
+    assert "No space left on device" in line and "the record with every sample is in" in line
+    saved = Path(line.rsplit(" ", 1)[1])
+    assert saved.parent == tmp_path and len(json.loads(saved.read_text())["results"][0]["decode_ns"]) == 3
+    assert not (tmp_path / "b.json").exists()
+
+
+def test_write_json_replaces_the_file_whole(tmp_path):
+    runner = FakeRunner(lambda trial, n: 10**6)
+    result = bench.run(runner, TINY, lengths=[3], samples=3, warmup=0, prompt_len=2, clock=runner.clock)
+    target = tmp_path / "b.json"
+    target.write_text("old")
+    bench.write_json(result, target)
+    assert json.loads(target.read_text())["schema"] == bench.SCHEMA
+    assert [p.name for p in tmp_path.iterdir()] == ["b.json"]  # no scratch file left beside it
+    assert target.stat().st_mode & 0o644 == 0o644
+    bench.write_json(result, "/dev/null")  # a device is written as it is, never replaced
+
+
+def test_bench_ctrl_c_exits_130(monkeypatch):
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(bench, "run", interrupted)
+    result = CliRunner().invoke(main, SMALL_RUN)
+    assert result.exit_code == 130 and result.stderr.splitlines()[-1] == "interrupted"
+
+
+def test_auto_says_when_the_protocol_runs_on_the_cpu(monkeypatch):
+    from cullama import device
+
+    monkeypatch.setattr(device, "cuda_status", lambda: (False, "no NVIDIA GPU found"))
+    result = CliRunner().invoke(main, ["bench", "--lengths", "3", "--samples", "3", "--warmup", "0"])
+    assert result.exit_code == 0, result.output
+    assert result.stderr.splitlines()[0] == \
+        "note: running on the CPU: no NVIDIA GPU found (the tiny preset: --device cpu --synthetic tiny)"

@@ -103,6 +103,11 @@ def test_the_fake_enforces_capture_rules(fake):
         kernel((1, 1, 1), (256, 1, 1), args)  # outside the stream context: the legacy stream
     with pytest.raises(fake_cupy.CaptureError):
         backend.stream.synchronize()
+    with pytest.raises(fake_cupy.CaptureError, match="Invalidated"):
+        backend.stream.end_capture()  # those failures invalidated the capture, as in CUDA
+    with backend.stream:
+        backend.stream.begin_capture()
+        kernel((1, 1, 1), (256, 1, 1), args)
     graph = backend.stream.end_capture()
     assert not out.get(stream=backend.stream).any()  # captured, not run
     graph.launch(stream=backend.stream)

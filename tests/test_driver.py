@@ -3,11 +3,13 @@ structures, the kernel parameter array, the launcher's call into cuLaunchKernelE
 (cuFuncSetAttribute), against one stand-in driver that records each call."""
 
 import ctypes
+import re
 
 import numpy as np
 import pytest
 
-from cullama.backends import func_attr, pdl
+from conftest import REPO
+from cullama.backends import driver, func_attr, pdl
 from cullama.errors import DeviceError
 from cullama.ops import gemm_wgmma
 
@@ -113,3 +115,103 @@ def test_func_attr_errors_are_one_line_device_errors():
     with pytest.raises(DeviceError, match="at most 232448"):
         func_attr.allow_dynamic_shared(fn, 232449, library=driver)
     assert driver.set_calls == []  # refused before calling the driver
+
+
+# ---- every ctypes prototype against the C one ----------------------------------------------------------------
+
+# The C prototypes of every driver (cuda.h, CUDA 12 and 13) and NVRTC (nvrtc.h) function cullama calls through
+# ctypes, as the headers declare them.
+PROTOTYPES = """
+CUresult cuLaunchKernelEx(const CUlaunchConfig *config, CUfunction f, void **kernelParams, void **extra);
+CUresult cuFuncSetAttribute(CUfunction hfunc, CUfunction_attribute attrib, int value);
+CUresult cuEventRecordWithFlags(CUevent hEvent, CUstream hStream, unsigned int flags);
+CUresult cuGetErrorString(CUresult error, const char **pStr);
+CUresult cuDriverGetVersion(int *driverVersion);
+nvrtcResult nvrtcGetCUBINSize(nvrtcProgram prog, size_t *cubinSizeRet);
+nvrtcResult nvrtcGetCUBIN(nvrtcProgram prog, char *cubin);
+"""
+# A C type -> the ctypes types that pass it as the x86-64 / aarch64 ABI does (enums are ints, handles pointers).
+C_TYPES = {
+    "CUresult": {ctypes.c_int}, "nvrtcResult": {ctypes.c_int}, "CUfunction_attribute": {ctypes.c_int},
+    "int": {ctypes.c_int}, "unsigned int": {ctypes.c_uint},
+    "CUfunction": {ctypes.c_void_p}, "CUevent": {ctypes.c_void_p}, "CUstream": {ctypes.c_void_p},
+    "nvrtcProgram": {ctypes.c_void_p}, "void **": {ctypes.c_void_p, ctypes.POINTER(ctypes.c_void_p)},
+    "const CUlaunchConfig *": {ctypes.POINTER(pdl.LaunchConfig)}, "const char **": {ctypes.POINTER(ctypes.c_char_p)},
+    "int *": {ctypes.POINTER(ctypes.c_int)}, "size_t *": {ctypes.POINTER(ctypes.c_size_t)},
+    "char *": {ctypes.c_char_p, ctypes.POINTER(ctypes.c_char)},
+}
+CALLERS = [REPO / "cullama" / "backends" / f for f in ("driver.py", "pdl.py", "func_attr.py")] + \
+    [REPO / "cullama" / "registry.py", REPO / "benchmarks" / "decode_step.py"]
+
+
+def c_prototypes() -> dict[str, tuple[str, list[str]]]:
+    """name -> (return type, parameter types) of PROTOTYPES."""
+    found = {}
+    for ret, name, params in re.findall(r"(\w+) (\w+)\(([^)]*)\);", PROTOTYPES):
+        found[name] = (ret, [re.sub(r"\s*(\w+)$", "", p.strip()) for p in params.split(",")])
+    return found
+
+
+class Recorder:
+    """A library whose every cu* / nvrtc* function is a Symbol returning 0, kept to read its argtypes."""
+
+    def __init__(self):
+        self.symbols = {}
+
+    def __getattr__(self, name):
+        if not name.startswith(("cu", "nvrtc")):
+            raise AttributeError(name)
+        return self.symbols.setdefault(name, Symbol(lambda *args: 0))
+
+
+def test_every_ctypes_prototype_matches_the_c_one(monkeypatch):
+    from cullama import registry
+
+    monkeypatch.syspath_prepend(str(REPO / "benchmarks"))
+    import decode_step
+
+    library = Recorder()
+    pdl.PdlLauncher(library), func_attr.FuncAttributes(library), decode_step.node_recorder(library)
+    driver.describe(library, 1), driver.cuda_version(12000, library)
+    functions = dict(library.symbols)
+    nvrtc = registry._nvrtc_library(registry.nvrtc().getVersion()[0])  # the real libnvrtc, as the registry sets it
+    functions.update({name: getattr(nvrtc, name) for name in ("nvrtcGetCUBINSize", "nvrtcGetCUBIN")})
+    used = {name for path in CALLERS
+            for name in re.findall(r'(?:\.|getattr\(\w+, ")((?:cu|nvrtc)[A-Z]\w+)', path.read_text())}
+    prototypes = c_prototypes()
+    assert used == set(functions) == set(prototypes)  # every function called is exercised here, and in the table
+    for name, (ret, params) in prototypes.items():
+        fn = functions[name]
+        assert fn.restype in C_TYPES[ret], (name, fn.restype)
+        assert len(fn.argtypes) == len(params), (name, fn.argtypes)
+        for i, (given, c_type) in enumerate(zip(fn.argtypes, params)):
+            assert given in C_TYPES[c_type], (name, i, c_type, given)
+
+
+class CupyFunction:  # cupy.cuda.function.Function: the loaded CUfunction is .ptr (an int)
+    def __init__(self, ptr):
+        self.ptr = ptr
+
+
+class CupyRawKernel:  # cupy.RawKernel, what RawModule.get_function returns: no .ptr, its Function is .kernel
+    def __init__(self, ptr):
+        self._function = CupyFunction(ptr)
+
+    @property
+    def kernel(self):
+        return self._function
+
+
+def test_the_cufunction_of_a_raw_kernel_is_its_kernel_ptr():
+    from cullama.device import import_cupy
+
+    cupy = import_cupy()
+    raw_kernel, function = cupy.RawKernel, cupy.cuda.function.Function
+    assert hasattr(raw_kernel, "kernel") and not hasattr(raw_kernel, "ptr") and hasattr(function, "ptr")  # the shapes
+    assert driver.function_handle(CupyRawKernel(0x7F00DEAD0000)) == 0x7F00DEAD0000
+    assert driver.function_handle(CupyFunction(0xBEEF)) == 0xBEEF
+    recorder = FakeDriver()
+    func_attr.allow_dynamic_shared(CupyRawKernel(0x7F00DEAD0000), 65536, library=recorder)
+    pdl.PdlLauncher(recorder)(CupyRawKernel(0x7F00DEAD1000), (1, 1, 1), (32, 1, 1), (np.int32(3),), 0)
+    assert recorder.set_calls == [(0x7F00DEAD0000, func_attr.MAX_DYNAMIC_SHARED_SIZE_BYTES, 65536)]
+    assert recorder.calls[0]["function"] == 0x7F00DEAD1000

@@ -1,6 +1,7 @@
 """The kernel registry: NVRTC compiles every kernel for sm_90 without a GPU, with no spills; the disk
 cache is keyed by everything that changes the binary and is safe under concurrent compiles."""
 
+import re
 import subprocess
 import sys
 
@@ -85,3 +86,70 @@ def test_arch_specific_kernels_compile_for_the_a_target():
     assert target_arch("sm_90a", True) == "sm_90a"
     plain, specific = KernelSpec("gemm.cu", "gemm"), KernelSpec("gemm.cu", "gemm", arch_specific=True)
     assert plain.module_key() != specific.module_key()  # loaded as two modules
+
+
+# ---- architectures ------------------------------------------------------------------------------------------
+
+OTHER_ARCHS = ("sm_80", "sm_86", "sm_89", "sm_100", "sm_120")  # A100, RTX 30xx / A40, L40S / RTX 4090, Blackwell
+
+
+def representative(arch: str) -> list:
+    """The first and last variant of each kernel source that runs on `arch` (the first is the LLaMA-2-7B one): a
+    third of the compile time of all of them, which `cullama kernels --arch` compiles."""
+    from cullama.kernel_report import variants
+
+    by_source: dict = {}
+    for variant in variants(arch):
+        by_source.setdefault(variant[0], []).append(variant)
+    return sorted({v for found in by_source.values() for v in (found[0], found[-1])})
+
+
+def test_each_arch_gets_what_it_can_run_and_never_a_false_a_target():
+    from cullama.kernel_report import skipped, variants
+
+    for arch in ("sm_90", *OTHER_ARCHS):
+        targets = {(source, target) for source, _, target in variants(arch)}
+        wgmma = {t for s, t in targets if s == "gemm_wgmma.cu"}
+        assert {t for s, t in targets if s != "gemm_wgmma.cu"} == {arch}
+        assert wgmma == ({"sm_90a"} if arch == "sm_90" else set())
+        assert bool(skipped(arch)) == (arch != "sm_90") and all("gemm_wgmma.cu" in n for n in skipped(arch))
+        assert registry.target_arch(arch, False) == arch
+        if arch != "sm_90":
+            with pytest.raises(KernelError, match=f"sm_90a code.*no {arch} version"):
+                registry.target_arch(arch, True)
+    assert registry.target_arch("sm_90", True) == registry.target_arch("sm_90a", True) == "sm_90a"
+
+
+@pytest.mark.parametrize("arch", OTHER_ARCHS)
+def test_kernels_command_compiles_each_arch_without_spills(arch, monkeypatch):
+    from cullama import kernel_report
+
+    chosen = representative(arch)
+    monkeypatch.setattr(kernel_report, "variants", lambda a: chosen if a == arch else pytest.fail(a))
+    result = CliRunner().invoke(main, ["kernels", "--arch", arch])
+    assert result.exit_code == 0, result.output
+    assert f"kernels compiled for {arch}; 0 with spills" in result.stdout
+    assert "skipped gemm_wgmma.cu: sm_90a code (wgmma), Hopper only" in result.stdout
+    compiled = set(re.findall(r"^(\w+) ", result.stdout, re.M))
+    assert {"gemm", "sample", "attention_prefill_mma", "gemv_logits"} <= compiled
+
+
+def test_archs_too_old_or_unknown_to_nvrtc_are_one_line_errors():
+    with pytest.raises(KernelError, match="sm_75: cullama's kernels need sm_80"):
+        registry.compile_module("sampling.cu", (), "sm_75")
+    with pytest.raises(KernelError, match=r"--arch sm_990: NVRTC \d+\.\d+ cannot compile for it"):
+        registry.compile_module("sampling.cu", (), "sm_990")
+    result = CliRunner().invoke(main, ["kernels", "--arch", "sm_70"])
+    assert result.exit_code == 2 and "need sm_80" in result.stderr
+
+
+def test_the_runtime_picks_prefill_kernels_the_gpu_runs(monkeypatch):
+    from cullama import prefill_kernels
+    from cullama.prefill_kernels import PrefillKernels, default_for
+
+    assert default_for("sm_80") == default_for("sm_90") == default_for(None) == prefill_kernels.PREFERRED
+    monkeypatch.setattr(prefill_kernels, "PREFERRED", PrefillKernels(gemm="wgmma", attention="mma"))
+    assert default_for("sm_90") == default_for(None) == PrefillKernels("wgmma", "mma")
+    for arch in OTHER_ARCHS:
+        assert default_for(arch) == PrefillKernels("mma", "mma") and default_for(arch).runs_on(arch)
+        assert not PrefillKernels("wgmma").runs_on(arch)

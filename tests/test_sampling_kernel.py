@@ -22,14 +22,26 @@ VOCABS = [32000, 1000, 517, 33001]  # 33001 > 1024 * 32: ids past the on-chip ca
 SAMPLED = [(1.0, 0, 1.0, 1.0), (0.7, 40, 1.0, 1.0), (0.9, 0, 0.9, 1.0), (1.3, 50, 0.8, 1.2), (0.6, 3, 0.95, 0.7)]
 
 
-def inputs(V, seed=0, ties=False):
-    """logits [V] (a few -inf; on a 0.5 grid, with many ties and a -0.0, if `ties`), seen [V], embed [V, D]."""
+NEGATIVE_NAN = np.array([0xFFC00001], np.uint32).view(np.float32)[0]  # a NaN with the sign bit set
+NONFINITE = ("nan", "inf", "none")  # some NaN; NaN and three +inf; no drawable logit (NaN and -inf only)
+
+
+def inputs(V, seed=0, ties=False, nonfinite=None):
+    """logits [V] (a few -inf; on a 0.5 grid, with many ties and a -0.0, if `ties`; NaN and +inf as `nonfinite`
+    says), seen [V], embed [V, D]."""
     rng = np.random.default_rng(seed)
     logits = (3 * rng.standard_normal(V)).astype(np.float32)
     if ties:
         logits = np.round(2 * logits) / 2
         logits[logits == 0] = -0.0
     logits[rng.integers(0, V, 3)] = -np.inf
+    bad = rng.choice(V, max(6, V // 40), replace=False)
+    if nonfinite is not None:
+        logits[bad], logits[bad[1::2]] = np.nan, NEGATIVE_NAN
+    if nonfinite == "inf":
+        logits[bad[:3]] = np.inf
+    elif nonfinite == "none":
+        logits[np.isfinite(logits)] = -np.inf
     seen = (rng.random(V) < 0.1).astype(np.uint8)
     return logits.astype(np.float32), seen, rng.standard_normal((V, D)).astype(np.float16)
 
@@ -101,13 +113,15 @@ def test_compiles_for_sm90_without_spills():
 def kept_mask(logits, params, seen):
     """The ids the twin can draw (p > 0 after both cuts): cullama.sampling.sample's steps 1-6."""
     l = np.asarray(logits, np.float32)
+    l = np.where(np.isnan(l), np.float32(-np.inf), l)  # the spec's non-finite rule
     if params.repetition_penalty != 1.0:
         l = sampling.apply_repetition_penalty(l, seen, params.repetition_penalty)
     l = l / np.float32(params.temperature)
     keep = np.ones(l.size, bool)
     if 0 < params.top_k < l.size:
         keep = l >= np.partition(l, l.size - params.top_k)[l.size - params.top_k]
-    p = np.where(keep, np.exp(l - l.max()), np.float32(0)).astype(np.float32)
+    with np.errstate(invalid="ignore"):
+        p = np.where(keep, np.where(l == l.max(), 1, np.exp(l - l.max())), np.float32(0)).astype(np.float32)
     if params.top_p < 1.0:
         p = np.where(sampling._nucleus(p, np.float32(params.top_p) * p.sum(dtype=np.float32)), p, 0)
     return p > 0
@@ -125,16 +139,17 @@ def explained(token, logits, params, seen, step, delta=1e-4):
     return lo <= token <= hi and kept_mask(logits, params, seen)[token]
 
 
-def kernel_vs_twin(kernels, V, options, draws, seed, ties=False):
-    """`draws` decode steps on both; the device's outputs must be its token's consequences. Returns the
-    number of draws on which the tokens agree (every other one must be `explained`)."""
+def kernel_vs_twin(kernels, V, options, draws, seed, ties=False, nonfinite=None):
+    """`draws` decode steps on both; the device's outputs must be its token's consequences (NO_TOKEN's: seen
+    untouched, x = 0). Returns the number of draws on which the tokens agree (every other one must be
+    `explained`)."""
     import cupy as cp
 
     temperature, top_k, top_p, penalty = options
     fn, agree, fp = kernels.function(SPEC), 0, fparams(temperature, top_p, penalty)
     for i in range(draws):  # greedy: fresh logits each step; sampled: the same logits, the step advancing
         if i == 0 or temperature == 0:
-            logits, seen, embed = inputs(V, seed=seed + i, ties=ties)
+            logits, seen, embed = inputs(V, seed=seed + i, ties=ties, nonfinite=nonfinite)
             state = make_state(SEEDS[(seed + i) % len(SEEDS)], top_k=top_k)
             d_logits, d_embed = cp.asarray(logits), cp.asarray(embed)
         d_seen, d_state, d_x = cp.asarray(seen), cp.asarray(state), poisoned(cp, D, np.float32)
@@ -145,10 +160,11 @@ def kernel_vs_twin(kernels, V, options, draws, seed, ties=False):
         token, step, before = int(dev_state[ops.STATE_TOKEN]), int(state[ops.STATE_STEP]), seen.copy()
         params = ops.params_from(state, fp)
         run_twin(logits, seen, state, fp, embed)  # advances seen and state on the host
-        assert 0 <= token < V
+        assert 0 <= token < V or token == state[ops.STATE_TOKEN] == sampling.NO_TOKEN, token
         assert dev_state.tolist() == [*state[:1], token, *state[2:]]
         np.testing.assert_array_equal(dev_seen, np.where(np.arange(V) == token, 1, before))
-        np.testing.assert_array_equal(dev_x, embed[token].astype(np.float32))
+        x = embed[token].astype(np.float32) if token != sampling.NO_TOKEN else np.zeros(D, np.float32)
+        np.testing.assert_array_equal(dev_x, x)
         if token == state[ops.STATE_TOKEN]:
             agree += 1
         else:
@@ -173,6 +189,19 @@ def test_sampled_kernel_matches_twin(kernels, V, options):
     # rounding-size move of the draw, as emulated on the CPU); with top-k / top-p or small V, almost never.
     full = options[1] == 0 and options[2] == 1.0 and V > 1000
     assert agree >= (0.85 if full else 0.99) * draws, agree
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("V", [517, 33001])
+@pytest.mark.parametrize("nonfinite", NONFINITE)
+@pytest.mark.parametrize("options", [(0.0, 0, 1.0, 1.0), (0.0, 5, 0.5, 1.3), *SAMPLED])
+def test_non_finite_logits_as_the_twin(kernels, V, nonfinite, options):
+    """NaN as -inf, +inf tokens sharing the mass, NO_TOKEN (seen untouched, x = 0) where nothing can be drawn:
+    the kernel's answer is the twin's, and it never indexes out of bounds (the embedding row, seen[token]).
+    A test for the CPU executor of the real kernels too, once it runs them (cullama/emu)."""
+    draws = 10
+    agree = kernel_vs_twin(kernels, V, options, draws, seed=5, nonfinite=nonfinite)
+    assert agree == draws if nonfinite != "nan" or options[0] == 0 else agree >= 0.8 * draws
 
 
 @pytest.mark.gpu

@@ -18,7 +18,7 @@ from cullama.checkpoint import open_checkpoint
 from cullama.config import preset
 from cullama.engine import PlanRunner
 from cullama.weights import load_checkpoint, random_weights
-from cullama.errors import KernelError, PromptError
+from cullama.errors import GenerationError, KernelError, PromptError
 from cullama.ops import attention as attention_twin, gemv as gemv_twin, sampling as sample_twin
 from cullama.reference import rope_tables
 from cullama.registry import KernelSpec
@@ -185,6 +185,26 @@ def test_sampled_sample_twin_rows_draw_each_row_with_its_draft_first(options):
         np.testing.assert_array_equal(x, embed[accepted[-1]].astype(np.float32))
         counts.add(n)
     assert len(counts) >= 3, counts  # rejections at several rows, and accepted runs
+
+
+def test_a_row_with_nothing_to_draw_ends_the_verdict():
+    """Every logit of a row NaN: its pick is NO_TOKEN, which equals no draft, so the run ends there; the drafts
+    before it are accepted and seen, x = 0, and the backend raises (cullama.sampling.drawn) on that verdict."""
+    logits, seen, embed = sample_case(rows=3, seed=2)
+    fp = np.array([0.0, 1.0, 1.0, 0.0], np.float32)
+    first = int(np.argmax(logits[0]))
+    logits[1] = np.nan
+    state, before = state_at(20, step=4), seen.copy()
+    out, picks, x = run_sample_twin(logits, seen, state, fp, embed, [3, first, 5])
+    assert out[:3].tolist() == [2, first, sampling.NO_TOKEN] and picks[1] == sampling.NO_TOKEN
+    assert state.tolist()[:3] == [22, sampling.NO_TOKEN, 6] and not x.any()
+    np.testing.assert_array_equal(seen, np.where(np.arange(517) == first, 1, before))
+    backend = NumpyBackend()
+    backend.allocate([plans.Buffer("verify_ids", (3,), "int32", "state"),
+                      plans.Buffer("verify_out", (4,), "int32", "activation")])
+    backend.set("verify_out", out)
+    with pytest.raises(GenerationError, match="no token can be drawn"):
+        backend.verify(plans.Plan("verify[2]", []), [3, first, 5])
 
 
 # -- the sampling rule: the draft's bucket first ----------------------------------------------------------------

@@ -19,6 +19,7 @@ import numpy as np
 
 from ..plan import OVERLAP_SAFE, VERIFY_ROWS, Buffer, Plan, Ref
 from ..registry import KernelLoader
+from ..sampling import drawn
 
 STATE_TOKEN = 1  # kernels_cu/common.cuh
 
@@ -28,14 +29,17 @@ class CudaBackend:
     asynchronous = True  # launches return before the GPU has run them
 
     def __init__(self, overlap: bool | None = None):
-        import cupy
+        from ..device import import_cupy
+
+        cupy = import_cupy()  # its kernel cache under cullama's
         import cupyx
 
         self.cp = cupy
         self.loader = KernelLoader()
         self.stream = cupy.cuda.Stream(non_blocking=True)  # graphs cannot be captured on the legacy stream
         self.arrays: dict = {}
-        self.graphs: dict[str, object] = {}
+        self.graphs: dict[str, object] = {}  # plan name -> its captured graph
+        self._graph_plans: dict[str, Plan] = {}  # plan name -> the plan its graph was captured from
         self._prepared: dict[int, tuple[Plan, list[tuple]]] = {}  # id(plan) -> (plan, its launches)
         self._smem_allowed: dict[int, int] = {}  # id(kernel) -> the dynamic shared memory it may use
         self._calls: dict[int, tuple[Plan, list]] = {}  # id(plan) -> (plan, its launches as callables)
@@ -51,6 +55,13 @@ class CudaBackend:
         self.set_overlap(os.environ.get("CULLAMA_OVERLAP", "0") == "1" if overlap is None else overlap)
 
     def allocate(self, buffers: list[Buffer]) -> None:
+        """Zeroed device arrays for `buffers`. A name already allocated gets new memory: every captured graph and
+        every launch resolved before holds the old address, so they are all dropped (rebuilt on next use)."""
+        if any(b.name in self.arrays for b in buffers):
+            self.graphs.clear()
+            self._graph_plans.clear()
+            self._prepared.clear()
+            self._calls.clear()
         with self.stream:  # the zero-fill is ordered before this stream's copies and kernels
             for b in buffers:  # zeroed: padding in the weights and the KV cache must read as 0
                 self.arrays[b.name] = self.cp.zeros(b.shape, dtype=b.dtype)
@@ -129,11 +140,14 @@ class CudaBackend:
         if on != self.overlap:
             self.overlap = on
             self.graphs.clear()
+            self._graph_plans.clear()
             self._calls.clear()
 
     def replay(self, plan: Plan) -> None:
+        """Run the plan as one CUDA graph, captured on its first replay (and again for another plan of the
+        same name). A launch that fails during the capture raises its own error, not the capture's."""
         graph = self.graphs.get(plan.name)
-        if graph is None:
+        if graph is None or self._graph_plans.get(plan.name) is not plan:
             calls = self.calls(plan)  # compile and load every kernel before capturing
             self.stream.synchronize()
             with self.stream:  # a RawKernel launches on the current stream
@@ -141,10 +155,20 @@ class CudaBackend:
                 try:
                     for call in calls:  # the first node waits for everything before the graph
                         call()
-                finally:
-                    graph = self.stream.end_capture()
-            self.graphs[plan.name] = graph
+                except BaseException:
+                    self._abandon_capture()
+                    raise
+                graph = self.stream.end_capture()
+            self.graphs[plan.name], self._graph_plans[plan.name] = graph, plan
         graph.launch(stream=self.stream)
+
+    def _abandon_capture(self) -> None:
+        """End a capture that a failed launch broke. CUDA then reports the capture invalidated: that says
+        nothing the launch's own error does not, so it is dropped and the stream is left out of capture mode."""
+        try:
+            self.stream.end_capture()
+        except Exception:
+            pass
 
     def _copy_token(self, slot: int) -> None:
         """Queue the copy of state[TOKEN] into pinned slot `slot` on the stream."""
@@ -155,7 +179,7 @@ class CudaBackend:
     def read_token(self) -> int:
         self._copy_token(2)
         self.stream.synchronize()
-        return int(self._tokens[2])
+        return drawn(int(self._tokens[2]))
 
     def launch_step(self, plan: Plan, slot: int) -> None:
         """Replay the step and queue the copy of its sampled id into slot `slot` (0 or 1); returns at once."""
@@ -166,7 +190,7 @@ class CudaBackend:
     def token(self, slot: int) -> int:
         """The id that launch_step(..., slot) sampled, once its copy has landed (waits for that only)."""
         self._token_ready[slot].synchronize()
-        return int(self._tokens[slot])
+        return drawn(int(self._tokens[slot]))
 
     def verify(self, plan: Plan, ids) -> list[int]:
         """A verify step (its graph, captured by plan name on first use) over the token rows `ids` (the last
@@ -181,7 +205,8 @@ class CudaBackend:
         runtime.memcpyAsync(self._verify_out.ctypes.data, self.arrays["verify_out"].data.ptr, 4 * (rows + 1),
                             runtime.memcpyDeviceToHost, self.stream.ptr)
         self.stream.synchronize()
-        return [int(t) for t in self._verify_out[1:1 + int(self._verify_out[0])]]
+        *drafts, last = (int(t) for t in self._verify_out[1:1 + int(self._verify_out[0])])
+        return [*drafts, drawn(last)]
 
     def synchronize(self) -> None:
         self.stream.synchronize()

@@ -8,6 +8,7 @@ import numpy as np
 
 from .. import ops
 from ..plan import Buffer, Launch, Plan, Ref
+from ..sampling import drawn
 
 STATE_TOKEN = 1  # kernels_cu/common.cuh
 
@@ -57,7 +58,7 @@ class NumpyBackend:
     replay = run  # no graphs on the CPU: a decode step is just run
 
     def read_token(self) -> int:
-        return int(self.arrays["state"][STATE_TOKEN])
+        return drawn(int(self.arrays["state"][STATE_TOKEN]))
 
     def launch_step(self, plan: Plan, slot: int) -> None:
         self.run(plan)
@@ -71,4 +72,5 @@ class NumpyBackend:
         self.set("verify_ids", np.asarray(ids, dtype=np.int32))
         self.run(plan)
         out = self.arrays["verify_out"]
-        return [int(t) for t in out[1:1 + int(out[0])]]
+        *drafts, last = (int(t) for t in out[1:1 + int(out[0])])
+        return [*drafts, drawn(last)]

@@ -32,7 +32,8 @@ def sample(logits, seen, state, fparams, embed, x, ids, picks, out, arrivals, V,
     draft=ids[r + 1] if r + 1 < rows). Then n - 1 = how many leading drafts ids[1..] equal the pick of the row
     before them, out = [n, ids[1..n-1], picks[n-1]], and as n decode steps would: state[TOKEN] = picks[n-1],
     state[STEP] += n, state[POS] += n, seen[those n tokens] = 1, x = embed[picks[n-1]] as float32, all in
-    place; arrivals is left at 0.
+    place; arrivals is left at 0. Where the last pick is NO_TOKEN (every logit of its row NaN or -inf), it is
+    not marked seen and x = 0.
     """
     rows, step = int(grid[0]), int(state[STATE_STEP])
     params, seen_mask = params_from(state, fparams), seen[:V] != 0
@@ -48,9 +49,13 @@ def sample(logits, seen, state, fparams, embed, x, ids, picks, out, arrivals, V,
     state[STATE_TOKEN] = accepted[-1]
     state[STATE_STEP] = step + n
     state[STATE_POS] += n
+    arrivals[0] = 0
+    if accepted[-1] == sampling.NO_TOKEN:
+        seen[accepted[:-1]] = 1
+        x[:d] = 0
+        return
     seen[accepted] = 1
     x[:d] = embed[accepted[-1], :d].astype(np.float32)
-    arrivals[0] = 0
 
 
 def uniform_probe(seed, step, out):
