@@ -200,7 +200,11 @@ class PlanRunner:
             return [first] + self.verify(drafts[1:])
         if not drafts:
             return [self.next()]
-        accepted = self.backend.verify(self.verify_plan(len(drafts)), [self.last, *drafts])
+        try:
+            accepted = self.backend.verify(self.verify_plan(len(drafts)), [self.last, *drafts])
+        except BaseException:  # as in next(): a step cut short leaves the device state half advanced
+            self.last, self._queued = None, None
+            raise
         self.cached += [self.last, *accepted[:-1]]
         self.last = accepted[-1]
         return accepted

@@ -363,6 +363,34 @@ def test_verify_refuses_bad_drafts_and_no_prompt(stories_dir):
     np.testing.assert_array_equal(runner.backend.read("state"), plain.backend.read("state"))
 
 
+def test_an_interrupted_verify_leaves_the_record_exact(stories_dir, monkeypatch):
+    """A verify cut short inside its plan (Ctrl-C on the CPU) leaves `cached` as it was (its rows may be half
+    written) and nothing to decode from; a start() that reuses the cache then equals a fresh run."""
+    runner, fresh = numpy_runner(stories_dir), numpy_runner(stories_dir)
+    prompt = [1, 403, 407]
+    tokens = [fresh.start(prompt, GREEDY)] + [fresh.next() for _ in range(12)]
+    runner.start(prompt, GREEDY)
+    assert runner.verify(tokens[1:4]) == tokens[1:5]
+    cached, real = list(runner.cached), runner.backend.run
+
+    def run(plan):
+        if plan.name.startswith("verify"):
+            for launch in plan.launches[:7]:
+                real(plans.Plan(plan.name, [launch]))
+            raise KeyboardInterrupt
+        real(plan)
+
+    monkeypatch.setattr(runner.backend, "run", run)
+    with pytest.raises(KeyboardInterrupt):
+        runner.verify(tokens[5:9])
+    monkeypatch.undo()
+    assert runner.cached == cached and runner.last is None
+    with pytest.raises(PromptError, match="start"):
+        runner.verify([3])
+    follow = prompt + tokens[:8]
+    assert runner.start(follow, GREEDY, reuse=True) == fresh.start(follow, GREEDY) == tokens[8]
+
+
 # -- sampling at temperature > 0: the tokens are distributed as plain sampling's -------------------------------
 CHI_CONFIG = cullama.config.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=1,
                                         num_heads=2, num_kv_heads=1, head_dim=16, max_seq_len=16, name="chi")
