@@ -16,10 +16,11 @@
 //
 // Speculative verify (grid = rows = k + 1 > 1): row r's logits follow ids[r] (ids[0] the last sampled token,
 // ids[1..k] the drafts). Block r picks row r's token exactly as a decode step would there, with the drafts
-// before it counted as seen (repetition penalty) and step + r as the RNG counter, except that on the sampled
-// path the draft ids[r + 1] gets the first bucket of the inverse CDF: the draw picks it with probability
-// p(draft) and otherwise samples p with the draft removed, renormalised: speculative sampling with a point
-// mass for the draft distribution, so every row's pick is distributed as p itself. The last block to
+// before it counted as seen (repetition penalty: block r penalises those logits of its own row in place and
+// restores them before it finishes) and step + r as the RNG counter, except that on the sampled path the
+// draft ids[r + 1] gets the first bucket of the inverse CDF: the draw picks it with probability p(draft) and
+// otherwise samples p with the draft removed, renormalised: speculative sampling with a point mass for the
+// draft distribution, so every row's pick is distributed as p itself. The last block to
 // finish accepts: n - 1 = how many leading drafts equal their row's pick (greedy: the argmax), then the
 // pick of row n - 1; out = [n, the n tokens]; state, seen and x end as n decode steps would leave them.
 // The counters of the rows past n - 1 are drawn again by the next step: those draws decided nothing.
@@ -85,25 +86,26 @@ __device__ __forceinline__ float key_float(uint32_t k) {
 
 // uniform(seed, step): the spec's splitmix64 draw, in common.cuh.
 
+// HF's repetition penalty on one logit: divided by the penalty if positive, else multiplied (IEEE, as NumPy).
+__device__ __forceinline__ float penalised(float v, float penalty) {
+    return v > 0.f ? __fdiv_rn(v, penalty) : __fmul_rn(v, penalty);
+}
+
+// This block's row of logits (a verify step's row blockIdx.x), set once by sample(). Read from shared memory
+// where needed: a row pointer held in registers through the sampled path's passes spills on sm_100 / sm_120.
+__shared__ const float* row_logits;
+#define MAX_DRAFTS 8  // drafts before a row at most: cullama.plan.MAX_DRAFT
+
 struct Transform {  // logit -> key: HF repetition penalty on seen ids, then / temperature (IEEE, as NumPy)
-    const float* logits;
     const unsigned char* seen;
-    const int* drafted;  // ids seen too: a verify row's drafts before it (n_drafted of them)
-    int n_drafted;
     int V;
     bool penalise, scale;  // scale: divide by the temperature (not on the greedy path)
     float penalty, temperature;
 
-    __device__ __forceinline__ bool is_drafted(int i) const {
-        bool hit = false;
-        for (int e = 0; e < n_drafted; ++e) hit |= drafted[e] == i;
-        return hit;
-    }
-
     // The key of id i < V.
     __device__ __forceinline__ uint32_t key1(int i) const {
-        float v = logits[i];
-        if (penalise && (seen[i] || is_drafted(i))) v = v > 0.f ? __fdiv_rn(v, penalty) : __fmul_rn(v, penalty);
+        float v = row_logits[i];
+        if (penalise && seen[i]) v = penalised(v, penalty);
         if (scale) v = __fdiv_rn(v, temperature);
         return float_key(v);
     }
@@ -113,28 +115,22 @@ struct Transform {  // logit -> key: HF repetition penalty on seen ids, then / t
         float l[4] = {0.f, 0.f, 0.f, 0.f};
         uint32_t s = 0;
         if (i + 3 < V) {
-            const float4 v = *reinterpret_cast<const float4*>(logits + i);
+            const float4 v = *reinterpret_cast<const float4*>(row_logits + i);
             l[0] = v.x; l[1] = v.y; l[2] = v.z; l[3] = v.w;
             if (penalise) s = *reinterpret_cast<const uint32_t*>(seen + i);
         } else {
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
                 if (i + e < V) {
-                    l[e] = logits[i + e];
+                    l[e] = row_logits[i + e];
                     if (penalise) s |= (uint32_t)seen[i + e] << (8 * e);
                 }
-            }
-        }
-        if (penalise) {
-            for (int e = 0; e < n_drafted; ++e) {
-                const unsigned int at = drafted[e] - i;  // 0..3: one of these four ids
-                if (at < 4u) s |= 1u << (8 * at);
             }
         }
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
             float v = l[e];
-            if ((s >> (8 * e)) & 0xffu) v = v > 0.f ? __fdiv_rn(v, penalty) : __fmul_rn(v, penalty);
+            if ((s >> (8 * e)) & 0xffu) v = penalised(v, penalty);
             if (scale) v = __fdiv_rn(v, temperature);
             k[e] = i + e < V ? float_key(v) : ABSENT;
         }
@@ -349,7 +345,7 @@ __device__ __forceinline__ int sampled_token(const Transform& tf, int top_k, flo
 
 // grid (rows): block r samples token row r (1 row: a decode step; k + 1: a verify step, see the header).
 extern "C" __global__ void __launch_bounds__(THREADS)
-sample(const float* __restrict__ logits, unsigned char* __restrict__ seen, int* __restrict__ state,
+sample(float* logits, unsigned char* __restrict__ seen, int* __restrict__ state,
        const float* __restrict__ fparams, const half_t* __restrict__ embed, float* __restrict__ x,
        const int* __restrict__ ids, int* picks, int* __restrict__ out, unsigned int* arrivals, int V, int d) {
     __shared__ uint64_t scratch[WARPS];
@@ -362,13 +358,32 @@ sample(const float* __restrict__ logits, unsigned char* __restrict__ seen, int* 
     const int step = state[STATE_STEP], top_k = state[STATE_TOP_K];
     const uint64_t seed = (uint64_t)(uint32_t)state[STATE_SEED_LO] | (uint64_t)(uint32_t)state[STATE_SEED_HI] << 32;
     const bool greedy = temperature == 0.f;
-    const Transform tf{logits + (size_t)row * V, seen, ids + 1, row, V, penalty != 1.f, !greedy, penalty,
-                       temperature};
+    // The drafts before this row count as seen: each one not seen yet (its first occurrence) is penalised in
+    // this block's own row, in place, and put back once the token is picked (thread e: draft e + 1; the ids
+    // and values wait in shared memory, not in registers the passes below need).
+    __shared__ int marked[MAX_DRAFTS];  // the id thread e penalised, or -1
+    __shared__ float raw[MAX_DRAFTS];   // its logit before
+    float* const own = logits + (size_t)row * V;
+    if (threadIdx.x < MAX_DRAFTS) {
+        const int e = threadIdx.x, draft = e < row ? ids[1 + e] : -1;
+        bool repeated = false;
+        for (int f = 0; f < e; ++f) repeated |= ids[1 + f] == draft;
+        marked[e] = draft >= 0 && penalty != 1.f && !seen[draft] && !repeated ? draft : -1;
+        if (marked[e] >= 0) {
+            raw[e] = own[draft];
+            own[draft] = penalised(raw[e], penalty);
+        }
+    }
+    if (threadIdx.x == 0) row_logits = own;
+    __syncthreads();
+    const Transform tf{seen, V, penalty != 1.f, !greedy, penalty, temperature};
     const int front = row + 1 < rows ? ids[row + 1] : -1;  // this row's draft, if any
     // Every thread gets the token from the block reductions; those barriers also order every read of
     // state and seen above before the writes below (in a verify, the other blocks' reads come before their
     // arrival, so before the last block writes).
     int token = greedy ? greedy_token(tf, scratch) : sampled_token(tf, top_k, top_p, seed, step + row, front);
+    if (threadIdx.x < MAX_DRAFTS && marked[threadIdx.x] >= 0)  // every read of the row is behind the reductions
+        const_cast<float*>(row_logits)[marked[threadIdx.x]] = raw[threadIdx.x];
     int n = 1;
     if (threadIdx.x == 0) picks[row] = token;
     if (rows > 1) {  // the last block to finish accepts
