@@ -618,6 +618,7 @@ def test_gpu_greedy_verify_sample_equals_its_twin(kernels, V, penalty):
         np.testing.assert_array_equal(d[2].get(), twin_state)
         np.testing.assert_array_equal(d[1].get(), twin_seen)
         np.testing.assert_array_equal(x.get(), twin_x)
+        np.testing.assert_array_equal(d[0].get(), logits)  # the drafts' logits, penalised in place, put back
         assert int(arrivals.get()[0]) == 0
 
 
