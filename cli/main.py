@@ -332,6 +332,35 @@ def chat(model_dir, system, device, max_seq_len, tokenizer, as_json, **kwargs):
 
 
 @main.command()
+@click.option("--model", "model_dir", required=True, type=click.Path(), help="HF LLaMA checkpoint directory.")
+@click.option("--host", default="127.0.0.1", show_default=True,
+              help="Address to listen on (loopback: this machine only).")
+@click.option("--port", default=8000, show_default=True, type=click.IntRange(0, 65535), help="0 = any free port.")
+@click.option("--device", default="auto", show_default=True, type=click.Choice(["auto", "cpu", "cuda"]))
+@click.option("--max-seq-len", type=int, help="Context to allocate (default: the model's).")
+@click.option("--tokenizer", type=click.Path(), help="tokenizer.model to use instead of the checkpoint's.")
+@click.option("--served-model-name", help="The model's name in the API [default: the directory's name].")
+@click.option("--max-queue", default=64, show_default=True, type=click.IntRange(min=0),
+              help="Requests that may wait behind the running one; past it, 429.")
+@click.option("--api-key", envvar="CULLAMA_API_KEY", help="Require `Authorization: Bearer KEY` on /v1/* "
+              "[env: CULLAMA_API_KEY].")
+@friendly_errors
+def serve(model_dir, host, port, device, max_seq_len, tokenizer, served_model_name, max_queue, api_key):
+    """An OpenAI-compatible HTTP server: /v1/completions, /v1/chat/completions, /v1/models, /health, /metrics.
+
+    One generation at a time, the others wait in a FIFO queue. Needs the serve extra:
+    pip install 'cullama[serve]'."""
+    try:
+        from ..server.launch import serve as run_server
+    except ImportError as exc:
+        click.echo(f"error: cullama serve needs the serve extra (pip install 'cullama[serve]'): {exc}", err=True)
+        sys.exit(2)
+    sys.exit(run_server(model_dir, host=host, port=port, device=device, max_seq_len=max_seq_len,
+                        served_model_name=served_model_name, max_queue=max_queue, api_key=api_key,
+                        tokenizer=tokenizer))
+
+
+@main.command()
 def info():
     """Python, NumPy, CuPy, NVRTC and the GPU (or why there is none)."""
     from ..device import environment, two_cupys_warning

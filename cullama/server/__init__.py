@@ -1,0 +1,9 @@
+"""`cullama serve`: an OpenAI-compatible HTTP server (the `serve` extra: FastAPI, uvicorn, pydantic).
+
+    protocol.py   the request bodies (pydantic) and OpenAI-shaped errors
+    responses.py  the answers: whole, streamed chunks, Server-Sent Events
+    engine.py     the thread that owns the model: one generation at a time, a bounded FIFO queue, cancelling
+    app.py        the routes, the API key, every error as OpenAI's error object
+    metrics.py    Prometheus text for /metrics
+    launch.py     the process: listen, load in the background, serve, stop on SIGINT/SIGTERM
+"""

@@ -1,0 +1,282 @@
+"""The HTTP routes: OpenAI's /v1/completions, /v1/chat/completions and /v1/models, plus /health and /metrics.
+
+A generation request's body is read as JSON (whatever its Content-Type says) and checked (types by
+pydantic, the rest by `GenerationRequest.check`, the prompt and the sampling options by the library)
+before it may queue, so a bad request never waits; then it becomes a Job for the engine thread, and
+the handler only awaits the job's events. Every answer other than 200 is an OpenAI-shaped error,
+Starlette's own (unknown route, wrong method) included, and no answer carries a stack trace.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import hmac
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from pydantic import ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from ..errors import CullamaError, OptionError, PromptError
+from ..generate import GenerationOptions, check_prompt_fits
+from .engine import Busy, Engine, Failed, Finished, Job, Piece, Refused, Stopped, Unavailable
+from .metrics import Metrics
+from .protocol import ApiError, ChatRequest, CompletionRequest, GenerationRequest
+from .responses import SSE_DONE, Answer, sse
+
+GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
+OPENAI_NAMES = {"max_new_tokens": "max_tokens"}  # Llama.stream's option names that the API spells otherwise
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    model_name: str  # what /v1/models lists and requests must name (or leave out)
+    context: int  # the model's context in tokens (--max-seq-len)
+    api_key: str | None = None  # every /v1/* request needs `Authorization: Bearer <key>` when set
+
+
+def create_app(engine: Engine, settings: Settings, metrics: Metrics) -> FastAPI:
+    app = FastAPI(title="cullama", docs_url=None, redoc_url=None, openapi_url=None)
+    if settings.api_key:
+        app.add_middleware(BearerKey, key=settings.api_key, metrics=metrics)
+    install_error_handlers(app, metrics)
+
+    @app.get("/health")
+    async def health():
+        if engine.state != "ready":
+            raise ApiError(503, "the model is loading" if engine.state == "loading" else
+                           f"the model is not served ({engine.state})")
+        return {"status": "ok"}
+
+    @app.get("/metrics")
+    async def prometheus():
+        return PlainTextResponse(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [model_card(settings)]}
+
+    @app.get("/v1/models/{name:path}")
+    async def model(name: str):
+        check_model(name, settings)
+        return model_card(settings)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await generate(request, await read_body(request, CompletionRequest), engine, settings)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        return await generate(request, await read_body(request, ChatRequest), engine, settings)
+
+    return app
+
+
+def model_card(settings: Settings) -> dict:
+    return {"id": settings.model_name, "object": "model", "created": 0, "owned_by": "cullama",
+            "max_model_len": settings.context}
+
+
+def check_model(name: str | None, settings: Settings) -> None:
+    if name is not None and name != settings.model_name:
+        raise ApiError(404, f"the model `{name}` does not exist: this server serves `{settings.model_name}`",
+                       param="model", code="model_not_found")
+
+
+async def read_body(request: Request, model: type[GenerationRequest]) -> GenerationRequest:
+    """The body as JSON whatever its Content-Type says (curl -d sends a form's), validated by `model`."""
+    raw = await request.body()
+    if not raw.strip():
+        raise ApiError(400, "the request has no body: send a JSON object")
+    try:
+        return model.model_validate_json(raw)
+    except ValidationError as exc:
+        raise validation_error(exc) from None
+
+
+# -- a generation --------------------------------------------------------------------------------
+async def generate(request: Request, body: GenerationRequest, engine: Engine, settings: Settings):
+    body.check()
+    check_model(body.model, settings)
+    if engine.state != "ready":
+        raise ApiError(503, "the model is still loading; GET /health answers 200 once it is ready"
+                       if engine.state == "loading" else "the model failed to load")
+    chat = isinstance(body, ChatRequest)
+    job = Job(*prepare(engine.llm, body, chat), asyncio.get_running_loop())
+    try:
+        engine.submit(job)
+    except Busy as exc:
+        raise ApiError(429, str(exc), code="queue_full", headers={"Retry-After": "1"}) from None
+    except Unavailable as exc:
+        raise ApiError(503, str(exc)) from None
+    # The client may leave while its job waits or runs (uvicorn does not cancel a handler when it does).
+    watcher = asyncio.ensure_future(cancel_on_disconnect(request, engine, job))
+    answer, streaming = Answer(chat, settings.model_name), False
+    try:
+        first = await job.next_event()
+        if body.stream and isinstance(first, (Piece, Finished)):
+            # The status is known once the generation has produced something: an error before that is
+            # still a proper 4xx/5xx rather than an event inside a 200 stream.
+            events = stream_events(answer, job, first, body.include_usage())
+            streaming = True  # from here the stream's own `finally` ends the watcher and the job
+            return StreamingResponse(closing(events, engine, job, watcher), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        return await whole_answer(answer, job, first)
+    finally:
+        if not streaming:
+            watcher.cancel()
+            engine.cancel(job)  # a no-op once the job is done; else the handler itself was cancelled
+
+
+def prepare(llm, body: GenerationRequest, chat: bool) -> tuple[list[int], dict]:
+    """The prompt's ids and the keyword arguments of Llama.stream, checked by the library before the request
+    may queue: a 400 naming the field at fault."""
+    param = "messages" if chat else "prompt"
+    try:
+        ids = llm.chat_ids([m.as_dict() for m in body.messages]) if chat else llm.encode(body.prompt)
+    except CullamaError as exc:
+        raise ApiError(400, str(exc), param=param) from None
+    context = llm.runner.max_seq_len
+    options = {"max_new_tokens": body.token_budget(context) if chat else body.max_tokens,
+               "temperature": body.temperature, "top_k": body.top_k, "top_p": body.top_p,
+               "repetition_penalty": body.repetition_penalty, "seed": body.seed, "stop": body.stops(),
+               "ignore_eos": body.ignore_eos}
+    try:
+        GenerationOptions.checked(**options)
+    except OptionError as exc:
+        raise ApiError(400, str(exc), param=OPENAI_NAMES.get(exc.option, exc.option)) from None
+    try:
+        check_prompt_fits(len(ids), context, options["max_new_tokens"])
+    except PromptError as exc:
+        raise ApiError(400, str(exc), param=param, code="context_length_exceeded") from None
+    return ids, options
+
+
+async def whole_answer(answer: Answer, job: Job, event) -> JSONResponse:
+    pieces = []
+    while isinstance(event, Piece):
+        pieces.append(event.text)
+        event = await job.next_event()
+    if isinstance(event, Finished):
+        return JSONResponse(answer.whole("".join(pieces), event.finish_reason, event.prompt_tokens,
+                                         event.completion_tokens))
+    return error_response(job_error(event))
+
+
+async def stream_events(answer: Answer, job: Job, event, include_usage: bool):
+    """The SSE body: chunks as the text becomes final, the finish reason, the usage if asked, [DONE]."""
+    first = True
+    while True:
+        if isinstance(event, Piece):
+            yield sse(answer.chunk(event.text, first=first))
+            first = False
+        elif isinstance(event, Finished):
+            yield sse(answer.chunk(None, event.finish_reason, first=first))
+            if include_usage:
+                yield sse(answer.usage_chunk(event.prompt_tokens, event.completion_tokens))
+            yield SSE_DONE
+            return
+        elif isinstance(event, Stopped) and event.reason == "cancelled":
+            return  # nobody is listening
+        else:  # too late for a status code: an error event, as OpenAI's stream sends one
+            yield sse(job_error(event).body())
+            yield SSE_DONE
+            return
+        event = await job.next_event()
+
+
+async def closing(events, engine: Engine, job: Job, watcher: asyncio.Future):
+    """`events`, then (also when the client left and Starlette cancelled the stream) the job's end."""
+    try:
+        async for chunk in events:
+            yield chunk
+    finally:
+        watcher.cancel()
+        engine.cancel(job)
+
+
+async def cancel_on_disconnect(request: Request, engine: Engine, job: Job) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+    engine.cancel(job)
+
+
+def job_error(event) -> ApiError:
+    if isinstance(event, Refused):
+        return ApiError(400, event.message)
+    if isinstance(event, Failed):
+        return ApiError(500, event.message)
+    assert isinstance(event, Stopped), event
+    if event.reason == "shutdown":
+        return ApiError(503, "the server is shutting down")
+    return ApiError(499, "the request was cancelled")  # the client left: nobody reads this
+
+
+# -- errors ----------------------------------------------------------------------------------------
+def error_response(error: ApiError) -> JSONResponse:
+    return JSONResponse(error.body(), status_code=error.status, headers=error.headers)
+
+
+def count_refusal(metrics: Metrics, path: str, status: int) -> None:
+    """A generation request answered before it became a job (the engine counts the others)."""
+    if path in GENERATION_PATHS:
+        metrics.count("rejected" if status in (429, 503) else "failed" if status >= 500 else "invalid")
+
+
+def install_error_handlers(app: FastAPI, metrics: Metrics) -> None:
+    def answer(request: Request, error: ApiError) -> JSONResponse:
+        count_refusal(metrics, request.url.path, error.status)
+        return error_response(error)
+
+    @app.exception_handler(ApiError)
+    async def api_error(request: Request, exc: ApiError):
+        return answer(request, exc)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException):
+        if exc.status_code == 404:
+            message = f"no route {request.method} {request.url.path}"
+        elif exc.status_code == 405:
+            message = f"{request.method} is not allowed on {request.url.path}"
+        else:
+            message = str(exc.detail)
+        return answer(request, ApiError(exc.status_code, message, headers=getattr(exc, "headers", None)))
+
+    @app.exception_handler(Exception)
+    async def bug(request: Request, exc: Exception):  # Starlette re-raises it after this, and uvicorn logs it
+        return answer(request, ApiError(500, f"internal error ({type(exc).__name__}); the server logged "
+                                             "the details"))
+
+
+def validation_error(exc: ValidationError) -> ApiError:
+    """pydantic's first complaint as one OpenAI-shaped 400 naming the field."""
+    error = exc.errors()[0]
+    loc = [str(part) for part in error["loc"]]
+    if error["type"] == "json_invalid":
+        return ApiError(400, f"the body is not valid JSON: {error.get('ctx', {}).get('error', error['msg'])}")
+    if not loc:
+        return ApiError(400, f"the body must be a JSON object: {error['msg']}")
+    param = ".".join(loc)
+    return ApiError(400, f"{param}: {error['msg']}", param=param)
+
+
+class BearerKey:
+    """ASGI middleware: every /v1/* request needs `Authorization: Bearer <key>`, compared in constant
+    time; checked before the body is read, so a client without the key learns nothing else."""
+
+    def __init__(self, app, key: str, metrics: Metrics):
+        self.app, self.key, self.metrics = app, key.encode(), metrics
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and scope["path"].startswith("/v1/") and not self.authorized(scope):
+            count_refusal(self.metrics, scope["path"], 401)
+            error = ApiError(401, "a valid API key is needed: send `Authorization: Bearer <key>`",
+                             code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+            return await error_response(error)(scope, receive, send)
+        await self.app(scope, receive, send)
+
+    def authorized(self, scope) -> bool:
+        header = dict(scope["headers"]).get(b"authorization", b"")
+        scheme, _, token = header.partition(b" ")
+        return scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self.key)

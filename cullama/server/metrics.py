@@ -1,0 +1,105 @@
+"""The server's counters in the Prometheus text format (version 0.0.4), for GET /metrics.
+
+Written here rather than with prometheus_client: three kinds of metric, fixed label sets and one
+output format fit in these lines, and the serve extra stays FastAPI + uvicorn + pydantic. Updated from
+the engine thread and the HTTP event loop, so every update and the rendering take one lock.
+"""
+
+from __future__ import annotations
+
+import bisect
+import threading
+
+# Seconds. Time to first token spans a tiny model's prefill to a long queue; a decode step on a GPU is
+# a few ms, on the CPU's NumPy twins tens of ms.
+TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+TOKEN_BUCKETS = (0.001, 0.002, 0.003, 0.004, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.05, 0.1, 0.25, 1.0)
+
+
+class Histogram:
+    def __init__(self, buckets: tuple[float, ...]):
+        self.bounds = tuple(buckets)
+        self.counts = [0] * (len(self.bounds) + 1)  # [len(bounds) + 1]: the last is +Inf
+        self.sum, self.count = 0.0, 0
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect.bisect_left(self.bounds, value)] += 1
+        self.sum += value
+        self.count += 1
+
+    def lines(self, name: str) -> list[str]:
+        out, running = [], 0
+        for bound, n in zip((*map(_number, self.bounds), "+Inf"), self.counts):
+            running += n
+            out.append(f'{name}_bucket{{le="{bound}"}} {running}')
+        return out + [f"{name}_sum {_number(self.sum)}", f"{name}_count {self.count}"]
+
+
+OUTCOMES = ("completed", "cancelled", "failed", "rejected", "invalid")
+
+
+class Metrics:
+    """Everything /metrics shows. `outcome` of a generation request: completed (ran to a finish
+    reason), cancelled (its client went away, or the server stopped), failed (500), rejected (429 or
+    503: the queue is full, the model is loading), invalid (any other 4xx)."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self.requests = dict.fromkeys(OUTCOMES, 0)
+        self.prompt_tokens = 0
+        self.generated_tokens = 0
+        self.queue_depth = 0
+        self.running = 0
+        self.ttft = Histogram(TTFT_BUCKETS)
+        self.token_time = Histogram(TOKEN_BUCKETS)
+
+    def count(self, outcome: str) -> None:
+        with self._lock:
+            self.requests[outcome] += 1
+
+    def set_load(self, queue_depth: int, running: int) -> None:
+        with self._lock:
+            self.queue_depth, self.running = queue_depth, running
+
+    def prompt(self, tokens: int) -> None:
+        with self._lock:
+            self.prompt_tokens += tokens
+
+    def generated(self, tokens: int, first_token_s: float | None, token_s: list[float]) -> None:
+        """One generation's tokens and times, however it ended; no first token, no time to it."""
+        with self._lock:
+            self.generated_tokens += tokens
+            if first_token_s is not None:
+                self.ttft.observe(first_token_s)
+            for t in token_s:
+                self.token_time.observe(t)
+
+    def render(self) -> str:
+        with self._lock:
+            blocks = [
+                _metric("cullama_requests_total", "counter", "Generation requests by outcome.",
+                        [f'cullama_requests_total{{outcome="{o}"}} {n}' for o, n in self.requests.items()]),
+                _metric("cullama_prompt_tokens_total", "counter", "Prompt tokens of the generations started.",
+                        [f"cullama_prompt_tokens_total {self.prompt_tokens}"]),
+                _metric("cullama_generation_tokens_total", "counter", "Tokens generated, cancelled requests included.",
+                        [f"cullama_generation_tokens_total {self.generated_tokens}"]),
+                _metric("cullama_queue_depth", "gauge", "Requests waiting for the engine.",
+                        [f"cullama_queue_depth {self.queue_depth}"]),
+                _metric("cullama_generation_running", "gauge", "1 while the engine runs a generation.",
+                        [f"cullama_generation_running {self.running}"]),
+                _metric("cullama_time_to_first_token_seconds", "histogram",
+                        "Arrival to first token (queue wait and prefill).",
+                        self.ttft.lines("cullama_time_to_first_token_seconds")),
+                _metric("cullama_time_between_tokens_seconds", "histogram",
+                        "The engine's time from one token to the next (Llama.stream's timings).",
+                        self.token_time.lines("cullama_time_between_tokens_seconds")),
+            ]
+        return "".join(blocks)
+
+
+def _metric(name: str, kind: str, help_text: str, samples: list[str]) -> str:
+    return "\n".join([f"# HELP {name} {help_text}", f"# TYPE {name} {kind}", *samples]) + "\n"
+
+
+def _number(value: float) -> str:
+    return repr(float(value))

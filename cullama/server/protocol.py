@@ -1,0 +1,152 @@
+"""The OpenAI request bodies cullama serves (pydantic models) and its OpenAI-shaped errors.
+
+Types are checked strictly (a string is not a number, 1.0 is not an integer); the ranges of the sampling
+options are the library's own (GenerationOptions.checked), checked when the prompt is prepared. Unknown
+fields are ignored, as OpenAI's peers do, but a known field that asks for something cullama cannot do
+(`logprobs`, `tools`, `n=2`, ...) is refused by `check()` with a 400 naming it, rather than ignored.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import (BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, ValidationInfo,
+                      field_validator)
+
+Number = Annotated[float, Field(strict=True, allow_inf_nan=False)]  # a JSON number; true/"1" are not
+MaxTokens = Annotated[StrictInt, Field(ge=1)]
+
+# The error `type` OpenAI's API gives each status (clients key on the status; people read the type).
+ERROR_TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error",
+               405: "invalid_request_error", 413: "invalid_request_error", 422: "invalid_request_error",
+               429: "rate_limit_error", 500: "server_error", 503: "server_error"}
+
+
+class ApiError(Exception):
+    """An answer other than 200: `{"error": {"message", "type", "param", "code"}}` with `status`."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 headers: dict[str, str] | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+        self.headers = headers or {}
+
+    def body(self) -> dict:
+        kind = ERROR_TYPES.get(self.status, "server_error" if self.status >= 500 else "invalid_request_error")
+        return {"error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}}
+
+
+# Fields of OpenAI's API that cullama cannot honour, with the values that ask for nothing (some clients
+# send them as defaults). Any other value is a 400 naming the field: silently ignoring it would answer a
+# different question than the one asked.
+UNHONOURED: dict[str, tuple] = {
+    "logprobs": (None, False), "top_logprobs": (None,), "echo": (None, False), "best_of": (None, 1),
+    "suffix": (None, ""), "logit_bias": (None, {}), "presence_penalty": (None, 0, 0.0),
+    "frequency_penalty": (None, 0, 0.0), "tools": (None, []), "tool_choice": (None, "none"),
+    "functions": (None, []), "function_call": (None, "none"), "response_format": (None, {"type": "text"}),
+    "audio": (None,), "modalities": (None, ["text"]), "prediction": (None,),
+}
+
+
+def _asks_nothing(value: Any, inert: tuple) -> bool:
+    # By type as well as value: `logprobs: 0` asks for the sampled token's log-probability, although 0 == False.
+    return any(value is None if v is None else (type(value) is type(v) and value == v) for v in inert)
+
+
+class StreamOptions(BaseModel):
+    include_usage: StrictBool = False
+
+
+class GenerationRequest(BaseModel):
+    """What /v1/completions and /v1/chat/completions share."""
+
+    model_config = ConfigDict(extra="allow")  # unknown fields are kept aside (model_extra) and ignored
+
+    model: StrictStr | None = None  # None: the served model (OpenAI requires it; its peers do not)
+    max_tokens: MaxTokens | None = None
+    temperature: Number = 1.0  # OpenAI's default; 0 = greedy
+    top_p: Number = 1.0
+    top_k: StrictInt = 0  # cullama's own, as in vLLM: 0 = off
+    repetition_penalty: Number = 1.0  # cullama's own: 1 = off
+    seed: StrictInt | None = None
+    stop: StrictStr | list[StrictStr] | None = None
+    ignore_eos: StrictBool = False  # cullama's own, as in vLLM: for fixed-length benchmark runs
+    stream: StrictBool = False
+    stream_options: StreamOptions | None = None
+    n: StrictInt = 1
+    user: StrictStr | None = None  # accepted and ignored
+
+    @field_validator("max_tokens", "temperature", "top_p", "top_k", "repetition_penalty", "ignore_eos", "stream",
+                     "n", mode="before")
+    @classmethod
+    def null_is_the_default(cls, value, info: ValidationInfo):
+        # OpenAI's API takes null for "not given", and clients send it so.
+        return cls.model_fields[info.field_name].default if value is None else value
+
+    def check(self) -> None:
+        """Raise ApiError (400, naming the field) for what the types allow but cullama does not serve."""
+        if self.n != 1:
+            raise ApiError(400, f"n must be 1, got {self.n}: cullama runs one generation per request "
+                                "(n > 1 and batch prompts are not supported)", param="n")
+        if self.stream_options is not None and not self.stream:
+            raise ApiError(400, "stream_options is only allowed with stream: true", param="stream_options")
+        for name, value in (self.model_extra or {}).items():
+            if name in UNHONOURED and not _asks_nothing(value, UNHONOURED[name]):
+                raise ApiError(400, f"{name} is not supported by cullama (got {value!r}); leave it out",
+                               param=name)
+
+    def stops(self) -> tuple[str, ...]:
+        if self.stop is None:
+            return ()
+        return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+
+class CompletionRequest(GenerationRequest):
+    """POST /v1/completions: `prompt` is a text or a list of token ids (BOS is added to a text only)."""
+
+    prompt: StrictStr | list[Any]
+    max_tokens: MaxTokens | None = 16  # OpenAI's default for completions
+
+    def check(self) -> None:
+        super().check()
+        if isinstance(self.prompt, list):
+            if any(isinstance(p, (str, list)) for p in self.prompt):
+                raise ApiError(400, "prompt must be one text or one list of token ids: batch prompts (a list of "
+                                    "texts or of id lists) and n > 1 are not supported", param="prompt")
+            if not all(isinstance(t, int) and not isinstance(t, bool) for t in self.prompt):
+                raise ApiError(400, "prompt must be a text or a list of integer token ids", param="prompt")
+            if not self.prompt:
+                raise ApiError(400, "prompt is an empty list of token ids: give at least one (an empty text "
+                                    "starts from BOS alone)", param="prompt")
+
+
+class TextPart(BaseModel):
+    type: Literal["text"]
+    text: StrictStr
+
+
+class Message(BaseModel):
+    model_config = ConfigDict(extra="allow")  # e.g. `name`: ignored
+
+    role: StrictStr
+    content: StrictStr | list[TextPart] | None = None
+
+    def as_dict(self) -> dict:
+        """{"role", "content": str} for Tokenizer.chat_ids; `developer` is OpenAI's new name for `system`."""
+        content = self.content
+        if isinstance(content, list):
+            content = "".join(part.text for part in content)
+        return {"role": "system" if self.role == "developer" else self.role, "content": content}
+
+
+class ChatRequest(GenerationRequest):
+    """POST /v1/chat/completions: `messages` go through the LLaMA-2 chat template."""
+
+    messages: list[Message]
+    max_completion_tokens: MaxTokens | None = None  # OpenAI's newer name for max_tokens; it wins
+
+    def token_budget(self, default: int) -> int:
+        return self.max_completion_tokens or self.max_tokens or default

@@ -1,0 +1,67 @@
+"""OpenAI's response shapes: a whole answer, a streamed chunk, and the Server-Sent Events framing.
+
+One `Answer` per request knows its kind ("text_completion" or "chat.completion"), id, creation time
+and model name, and builds every body of that request; the chunks are plain dicts dumped compactly,
+since they are built once per token.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+
+# The library's finish reasons in OpenAI's words: an EOS token and a stop string both end with "stop".
+FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length"}
+
+SSE_DONE = b"data: [DONE]\n\n"
+
+
+def sse(payload: dict) -> bytes:
+    """One Server-Sent Event carrying a JSON object."""
+    return b"data: " + json.dumps(payload, separators=(",", ":"), ensure_ascii=False).encode() + b"\n\n"
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+class Answer:
+    """The bodies of one request's answer, whole or streamed."""
+
+    def __init__(self, chat: bool, model: str):
+        self.chat, self.model = chat, model
+        self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+        self.created = int(time.time())
+
+    def _head(self, obj: str) -> dict:
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
+
+    def whole(self, text: str, finish_reason: str, prompt_tokens: int, completion_tokens: int) -> dict:
+        finish = FINISH_REASONS[finish_reason]
+        if self.chat:
+            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+                      "finish_reason": finish}
+        else:
+            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+        return {**self._head("chat.completion" if self.chat else "text_completion"), "choices": [choice],
+                "usage": usage(prompt_tokens, completion_tokens)}
+
+    def chunk(self, text: str | None, finish_reason: str | None = None, first: bool = False) -> dict:
+        """A streamed choice: `text` (None in the last chunk, which carries the finish reason). The
+        first chat chunk also names the role, as OpenAI's does."""
+        finish = FINISH_REASONS[finish_reason] if finish_reason else None
+        if self.chat:
+            delta = {} if text is None else {"content": text}
+            if first:
+                delta = {"role": "assistant", **delta}
+            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+            return {**self._head("chat.completion.chunk"), "choices": [choice]}
+        choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
+        return {**self._head("text_completion"), "choices": [choice]}
+
+    def usage_chunk(self, prompt_tokens: int, completion_tokens: int) -> dict:
+        """The extra last chunk of `stream_options.include_usage`: no choices, the usage."""
+        head = self._head("chat.completion.chunk" if self.chat else "text_completion")
+        return {**head, "choices": [], "usage": usage(prompt_tokens, completion_tokens)}

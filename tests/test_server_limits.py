@@ -1,0 +1,166 @@
+"""`cullama serve`'s limits and its process, each on a real server: the API key, the bounded queue (429),
+SIGTERM and Ctrl-C (stop accepting, end what runs and waits, exit 0), and failures to start."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from serving import CLI, ServerProcess
+
+pytest.importorskip("fastapi", reason="the serve extra is not installed (pip install -e '.[test]')")
+openai = pytest.importorskip("openai", reason="the openai client is a test dependency (pip install -e '.[test]')")
+
+KEY = "sk-test-0123456789"
+MODEL = "stories260K"
+LONG = {"model": MODEL, "prompt": [1], "max_tokens": 400, "temperature": 0, "stream": True}  # seconds on a CPU
+SHORT = {"model": MODEL, "prompt": [1], "max_tokens": 5, "temperature": 0}
+AUTH = {"Authorization": f"Bearer {KEY}"}
+
+
+@pytest.fixture(scope="module")
+def server(stories_dir, tmp_path_factory):
+    proc = ServerProcess(stories_dir, tmp_path_factory.mktemp("serve") / "server.log", "--api-key", KEY,
+                         "--max-queue", "2")
+    try:
+        proc.wait_ready()
+        yield proc
+    finally:
+        proc.stop()
+
+
+def client_with(server, key):
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key=key, max_retries=0, timeout=120)
+
+
+def test_with_an_api_key_only_the_key_gets_in(server):
+    out = client_with(server, KEY).completions.create(model=MODEL, prompt=[1], max_tokens=4, temperature=0)
+    assert out.choices[0].text == "Once upon a time"
+    for key in ("sk-wrong", KEY[:-1], KEY + "0"):
+        with pytest.raises(openai.AuthenticationError):
+            client_with(server, key).completions.create(model=MODEL, prompt=[1], max_tokens=4)
+        with pytest.raises(openai.AuthenticationError):
+            client_with(server, key).models.list()
+    status, headers, raw = server.request("POST", "/v1/completions", SHORT)  # no Authorization at all
+    assert status == 401 and headers["www-authenticate"] == "Bearer"
+    assert json.loads(raw)["error"]["code"] == "invalid_api_key"
+    assert server.request("POST", "/v1/completions", b"{not json", {"Authorization": "Basic " + KEY})[0] == 401
+    assert server.request("GET", "/health")[0] == 200 and server.request("GET", "/metrics")[0] == 200
+
+
+class LongStream:
+    """A streamed request that keeps the engine busy until `close()`; started once its first chunk came."""
+
+    def __init__(self, server):
+        import http.client
+
+        self.conn = http.client.HTTPConnection(server.host, server.port, timeout=60)
+        self.conn.request("POST", "/v1/completions", body=json.dumps(LONG), headers=AUTH)
+        self.response = self.conn.getresponse()
+        assert self.response.status == 200
+        self.first = self.response.readline()
+        assert self.first.startswith(b"data: ")
+
+    def rest(self) -> bytes:
+        return self.response.read()
+
+    def close(self):
+        self.conn.close()
+
+
+def test_a_burst_past_max_queue_gets_429s_and_nothing_else_breaks(server):
+    before = server.metrics()
+    running = LongStream(server)  # the engine is busy...
+    with ThreadPoolExecutor(10) as pool:
+        waiting = [pool.submit(server.request, "POST", "/v1/completions", SHORT, AUTH) for _ in range(2)]
+        server.wait_metric("cullama_queue_depth", lambda v: v == 2)  # ...and the queue (--max-queue 2) is full
+        burst = [server.request("POST", "/v1/completions", SHORT, AUTH) for _ in range(6)]
+        for status, headers, raw in burst:
+            assert status == 429 and headers["retry-after"] == "1"
+            error = json.loads(raw)["error"]
+            assert error["code"] == "queue_full" and "--max-queue 2" in error["message"]
+        with pytest.raises(openai.RateLimitError):
+            client_with(server, KEY).completions.create(**SHORT)
+        running.close()  # the long stream's client leaves: the two waiting requests run
+        for future in waiting:
+            status, _, raw = future.result()
+            assert status == 200 and json.loads(raw)["choices"][0]["text"] == "Once upon a time,"
+    after = server.wait_metric("cullama_generation_running", lambda v: v == 0)
+    for outcome, moved in (("rejected", 7), ("completed", 2)):  # rejected: the burst's 6, the openai client's 1
+        name = f'cullama_requests_total{{outcome="{outcome}"}}'
+        assert after[name] - before[name] == moved
+    assert after["cullama_queue_depth"] == 0
+    assert json.loads(server.request("POST", "/v1/completions", SHORT, AUTH)[2])["choices"][0]["text"]
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "Ctrl-C"])
+def test_a_signal_stops_accepting_ends_the_running_and_waiting_requests_and_exits_0(stories_dir, tmp_path, sig):
+    # The key comes from CULLAMA_API_KEY here.
+    proc = ServerProcess(stories_dir, tmp_path / "server.log", env={**os.environ, "CULLAMA_API_KEY": KEY})
+    try:
+        proc.wait_ready()
+        running = LongStream(proc)
+        queued = []
+        thread = threading.Thread(target=lambda: queued.append(proc.request("POST", "/v1/completions", SHORT, AUTH)))
+        thread.start()
+        proc.wait_metric("cullama_queue_depth", lambda v: v == 1)
+        proc.process.send_signal(sig)
+        rest = running.rest().decode()  # the stream ends at its next token, saying why
+        assert '"message":"the server is shutting down"' in rest and rest.endswith("data: [DONE]\n\n")
+        assert rest.count('"text"') < 100  # of 400: the tokens made while the signal reached the engine
+        thread.join(30)
+        assert queued[0][0] == 503 and json.loads(queued[0][2])["error"]["message"] == "the server is shutting down"
+        assert proc.process.wait(30) == 0
+        assert "Traceback" not in proc.log()
+        with pytest.raises(ConnectionRefusedError):
+            proc.request("GET", "/health")
+    finally:
+        proc.kill()
+
+
+def test_a_model_directory_that_is_not_one_fails_before_listening(tmp_path):
+    done = run_serve("--model", str(tmp_path / "nothing"), "--port", "0")
+    assert done.returncode == 2 and done.stderr.startswith("error: ") and "listening" not in done.stderr
+    assert "Traceback" not in done.stderr
+
+
+def test_without_the_serve_extra_the_command_says_how_to_get_it(stories_dir):
+    hide_fastapi = "import sys; sys.modules['fastapi'] = None; "  # as if it were not installed
+    done = subprocess.run([sys.executable, "-c", hide_fastapi + CLI, "serve", "--model", str(stories_dir)],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    assert done.stderr.startswith("error: cullama serve needs the serve extra (pip install 'cullama[serve]')")
+
+
+def test_a_port_in_use_is_one_line_and_exit_2(stories_dir):
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        done = run_serve("--model", str(stories_dir), "--port", str(taken.getsockname()[1]))
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    assert done.stderr.startswith("error: cannot listen on 127.0.0.1:") and "in use" in done.stderr
+
+
+def test_weights_that_fail_to_load_end_the_server_with_exit_2_and_no_key_off_loopback_warns(stories_dir, tmp_path):
+    # config.json and tokenizer.model are fine, so the server listens; the weights are missing, so loading
+    # (in the background) fails and the server exits with the one-line error.
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    for name in ("config.json", "tokenizer.model"):
+        (broken / name).symlink_to(stories_dir / name)
+    done = run_serve("--model", str(broken), "--host", "0.0.0.0", "--port", "0", "--device", "cpu")
+    assert done.returncode == 2, done.stderr
+    assert "listening on http://0.0.0.0:" in done.stderr
+    assert "warning: cullama serve listens on 0.0.0.0 without an API key" in done.stderr
+    assert "\nerror: " in done.stderr and "Traceback" not in done.stderr
+
+
+def run_serve(*args: str) -> subprocess.CompletedProcess:
+    """A server that is expected to exit by itself."""
+    return subprocess.run([sys.executable, "-c", CLI, "serve", *args], capture_output=True, text=True, timeout=60)
