@@ -497,24 +497,29 @@ def test_every_verify_kernel_is_a_compiled_variant():
     assert plans.gemv("gemv_residual", 1).defines == gemv_twin.DECODE_VARIANTS[0]  # the decode step's as before
 
 
-# -- GPU: the kernels' rows against one-row launches, bit for bit; the model's verify against its steps ------
-def gemv_launch(kernels, name, tokens, grid, args):
+# -- the kernels: their rows against one-row launches, bit for bit (on a GPU; on the CPU executor in test_verify_emu)
+def gpu_launcher(kernels):
+    """launch(spec, grid, block, args): the kernel on the GPU, its NumPy array arguments copied in and back."""
     import cupy as cp
 
-    arrays = tuple(cp.asarray(a) if isinstance(a, np.ndarray) else a for a in args)
-    kernels.function(plans.gemv(name, tokens))((grid,), (plans.GEMV_THREADS,), arrays)
-    return arrays
+    def launch(spec, grid, block, args):
+        device = [cp.asarray(a) if isinstance(a, np.ndarray) else a for a in args]
+        kernels.function(spec)(grid, (block,), tuple(device))
+        for host, on_device in zip(args, device):
+            if isinstance(host, np.ndarray):
+                host[...] = on_device.get()
+
+    return launch
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("rows", [2, 5, 9])
-def test_gpu_gemv_rows_are_one_row_launches(kernels, rows):
-    """Each kernel with TOKENS = rows against `rows` launches of the decode step's instance (TOKENS 1): the same
-    bits, odd sizes, outputs poisoned."""
-    import cupy as cp
+def nan(*shape, dtype=np.float32):
+    return np.full(shape, np.nan, dtype)
 
-    rng = np.random.default_rng()
-    d, ff, V, heads, kv_heads, hd, pos = 136, 172, 1001, 5, 1, 32, 29
+
+def check_gemv_rows(launch, rows, d=136, ff=172, V=1001, heads=5, kv_heads=1, hd=32, pos=29, seed=0):
+    """Each gemv kernel with TOKENS = rows against `rows` launches of the decode step's instance (TOKENS 1) at
+    the rows' positions: the same bits; odd sizes, outputs poisoned; and close to the twin."""
+    rng = np.random.default_rng(seed)
     max_seq = pos + rows + 3
     x, g = rand(rng, rows, d, dtype=np.float32), rand(rng, d)
     wqkv, wo = rand(rng, (heads + 2 * kv_heads) * hd, d, scale=0.1), rand(rng, d, heads * hd, scale=0.1)
@@ -526,53 +531,50 @@ def test_gpu_gemv_rows_are_one_row_launches(kernels, rows):
     def run(tokens, sl, pos_now):
         """Every kernel on token rows `sl` of the inputs: {output name: array}."""
         n, per_block = len(range(rows)[sl]), plans.gemv_rows(tokens)
-        q = poisoned(cp, (n, heads * hd), np.float32)
-        caches = [poisoned(cp, (kv_heads, max_seq, hd), np.float16) for _ in range(2)]
-        gemv_launch(kernels, "gemv_qkv_rope", tokens, -(-(heads + 2 * kv_heads) * hd // per_block),
-                    (x[sl], g, wqkv, q, *caches, rope, state_at(pos_now), *shape))
-        xo, xd = cp.asarray(x[sl]), cp.asarray(x[sl])
-        gemv_launch(kernels, "gemv_residual", tokens, -(-d // per_block), (inp[sl], wo, xo, np.int32(d),
-                                                                          np.int32(heads * hd)))
-        gemv_launch(kernels, "gemv_residual", tokens, -(-d // per_block), (hin[sl], w_down, xd, np.int32(d),
-                                                                          np.int32(ff)))
-        h, logits = poisoned(cp, (n, ff), np.float32), poisoned(cp, (n, V), np.float32)
-        gemv_launch(kernels, "gemv_gate_up_silu", tokens, -(-ff // (per_block // 2)),
-                    (x[sl], g, w_gu, h, np.int32(ff), np.int32(d), np.float32(EPS)))
-        gemv_launch(kernels, "gemv_logits", tokens, -(-V // per_block),
-                    (x[sl], g, w_lm, logits, np.int32(V), np.int32(d), np.float32(EPS)))
-        k_rows, v_rows = (c.get()[:, pos_now:pos_now + n] for c in caches)
-        return {"q": q.get(), "k": k_rows, "v": v_rows, "o": xo.get(), "down": xd.get(), "h": h.get(),
-                "logits": logits.get()}
+        spec = lambda name: plans.gemv(name, tokens)  # noqa: E731
+        q, caches = nan(n, heads * hd), [nan(kv_heads, max_seq, hd, dtype=np.float16) for _ in range(2)]
+        launch(spec("gemv_qkv_rope"), (-(-(heads + 2 * kv_heads) * hd // per_block),), plans.GEMV_THREADS,
+               (x[sl].copy(), g, wqkv, q, *caches, rope, state_at(pos_now), *shape))
+        xo, xd = x[sl].copy(), x[sl].copy()
+        launch(spec("gemv_residual"), (-(-d // per_block),), plans.GEMV_THREADS,
+               (inp[sl].copy(), wo, xo, np.int32(d), np.int32(heads * hd)))
+        launch(spec("gemv_residual"), (-(-d // per_block),), plans.GEMV_THREADS,
+               (hin[sl].copy(), w_down, xd, np.int32(d), np.int32(ff)))
+        h, logits = nan(n, ff), nan(n, V)
+        launch(spec("gemv_gate_up_silu"), (-(-ff // (per_block // 2)),), plans.GEMV_THREADS,
+               (x[sl].copy(), g, w_gu, h, np.int32(ff), np.int32(d), np.float32(EPS)))
+        launch(spec("gemv_logits"), (-(-V // per_block),), plans.GEMV_THREADS,
+               (x[sl].copy(), g, w_lm, logits, np.int32(V), np.int32(d), np.float32(EPS)))
+        return {"q": q, "k": caches[0][:, pos_now:pos_now + n], "v": caches[1][:, pos_now:pos_now + n], "o": xo,
+                "down": xd, "h": h, "logits": logits}
 
     many = run(rows, slice(None), pos)
     for t in range(rows):
-        one = run(1, slice(t, t + 1), pos + t)
-        for name, value in one.items():
+        for name, value in run(1, slice(t, t + 1), pos + t).items():
             row = many[name][:, t:t + 1] if name in ("k", "v") else many[name][t:t + 1]
             np.testing.assert_array_equal(row, value, err_msg=f"{name}, row {t} of {rows}")
     twin_q = np.empty((rows, heads * hd), np.float32)
     caches = [np.zeros((kv_heads, max_seq, hd), np.float16) for _ in range(2)]
     gemv_twin.gemv_qkv_rope(x, g, wqkv, twin_q, *caches, rope, state_at(pos), d, heads, kv_heads, hd, max_seq, EPS)
     np.testing.assert_allclose(many["q"], twin_q, rtol=2e-3, atol=2e-3)  # and right, not only consistent
+    twin_logits = np.empty((rows, V), np.float32)
+    gemv_twin.gemv_logits(x, g, w_lm, twin_logits, V, d, EPS)
+    np.testing.assert_allclose(many["logits"], twin_logits, rtol=2e-3, atol=2e-3)
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("hd,group,kv_heads,pos,rows,splits", ATTENTION_CASES + [(128, 1, 32, 500, 9, 8)])
-def test_gpu_attention_rows_are_one_row_launches(kernels, hd, group, kv_heads, pos, rows, splits):
-    import cupy as cp
-
+def check_attention_rows(launch, hd, group, kv_heads, pos, rows, splits):
+    """attention_decode over `rows` token rows (gridDim.z) against one-row launches at pos + t: the same bits,
+    counters left at zero; and close to the twin."""
     q, k, v, max_seq, scale = attention_rows(hd, group, kv_heads, pos, rows, splits, seed=pos)
     heads = kv_heads * group
-    fn = kernels.function(KernelSpec("attention.cu", "attention_decode", (("HEAD_DIM", hd), ("GROUP", group))))
-    dk, dv = cp.asarray(k), cp.asarray(v)
+    spec = KernelSpec("attention.cu", "attention_decode", (("HEAD_DIM", hd), ("GROUP", group)))
 
     def run(sl, n, pos_now):
-        out, part = poisoned(cp, (n, heads * hd), np.float32), poisoned(cp, (n, heads, splits, hd + 2), np.float32)
-        count = cp.zeros((n, kv_heads), np.uint32)
-        fn((kv_heads, splits, n), (128,), (cp.asarray(q[sl]), dk, dv, part, count, out, cp.asarray(state_at(pos_now)),
-                                           np.int32(max_seq), np.float32(scale)))
-        assert not count.get().any()
-        return out.get(), part.get()
+        out, part, count = nan(n, heads * hd), nan(n, heads, splits, hd + 2), np.zeros((n, kv_heads), np.uint32)
+        launch(spec, (kv_heads, splits, n), plans.ATTENTION_THREADS,
+               (q[sl].copy(), k, v, part, count, out, state_at(pos_now), np.int32(max_seq), np.float32(scale)))
+        assert not count.any()
+        return out, part
 
     out, part = run(slice(None), rows, pos)
     for t in range(rows):
@@ -585,41 +587,58 @@ def test_gpu_attention_rows_are_one_row_launches(kernels, hd, group, kv_heads, p
     np.testing.assert_allclose(out, twin_out, rtol=1e-3, atol=1e-4)
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("penalty", [1.0, 1.3])
-@pytest.mark.parametrize("V", [517, 32000])
-def test_gpu_greedy_verify_sample_equals_its_twin(kernels, V, penalty):
+def check_greedy_sample_rows(launch, V, penalty, D=40):
     """The sample kernel over 5 rows (greedy): picks, verdict, state, seen and x exactly the twin's, for drafts
-    that miss at every row in turn; the arrivals counter left at zero for the next launch."""
-    import cupy as cp
-
-    fn = kernels.function(plans.SAMPLE)
+    that miss at every row in turn (and a row with nothing to draw); the logits put back; arrivals at zero."""
     logits, seen, embed = sample_case(V=V, seed=V)
     fp = np.array([0.0, 1.0, penalty, 0.0], np.float32)
     argmax = SamplingParams(repetition_penalty=penalty, seed=0)
-    for wrong in range(5):
+    for wrong in range(6):
+        rows_logits = logits.copy()
         ids = [3]
         for r in range(4):
             before = seen.astype(bool) | np.isin(np.arange(V), ids[1:])
             pick = sampling.sample(logits[r], argmax, before, 0)
             ids.append(pick if r != wrong else (pick + 1) % V)
-        state = state_at(11, step=3)
-        d = [cp.asarray(a) for a in (logits, seen, state, fp, embed)]
-        x, picks, out = poisoned(cp, embed.shape[1], np.float32), cp.full(5, -7, np.int32), cp.full(6, -7, np.int32)
-        arrivals = cp.zeros(1, np.uint32)
-        fn((5,), (1024,), (*d, x, cp.asarray(np.array(ids, np.int32)), picks, out, arrivals, np.int32(V),
-                           np.int32(embed.shape[1])))
-        twin_seen, twin_state = seen.copy(), state.copy()
-        twin_out, twin_picks, twin_x = run_sample_twin(logits, twin_seen, twin_state, fp, embed, ids)
+        if wrong == 5:  # every draft right, and the last row has nothing to draw
+            rows_logits[4] = np.nan
+        state, kernel_seen = state_at(11, step=3), seen.copy()
+        x, picks, out = nan(D), np.full(5, -7, np.int32), np.full(6, -7, np.int32)
+        arrivals = np.zeros(1, np.uint32)
+        kernel_logits = rows_logits.copy()
+        launch(plans.SAMPLE, (5,), plans.SAMPLE_THREADS, (kernel_logits, kernel_seen, state, fp, embed, x,
+                                                           np.array(ids, np.int32), picks, out, arrivals,
+                                                           np.int32(V), np.int32(D)))
+        twin_seen, twin_state = seen.copy(), state_at(11, step=3)
+        twin_out, twin_picks, twin_x = run_sample_twin(rows_logits, twin_seen, twin_state, fp, embed, ids)
         n = int(twin_out[0])
         assert n == min(wrong, 4) + 1
-        np.testing.assert_array_equal(out.get()[:n + 1], twin_out[:n + 1])
-        np.testing.assert_array_equal(picks.get(), twin_picks)
-        np.testing.assert_array_equal(d[2].get(), twin_state)
-        np.testing.assert_array_equal(d[1].get(), twin_seen)
-        np.testing.assert_array_equal(x.get(), twin_x)
-        np.testing.assert_array_equal(d[0].get(), logits)  # the drafts' logits, penalised in place, put back
-        assert int(arrivals.get()[0]) == 0
+        np.testing.assert_array_equal(out[:n + 1], twin_out[:n + 1])
+        np.testing.assert_array_equal(picks, twin_picks)
+        np.testing.assert_array_equal(state, twin_state)
+        np.testing.assert_array_equal(kernel_seen, twin_seen)
+        np.testing.assert_array_equal(x, twin_x)
+        np.testing.assert_array_equal(kernel_logits, rows_logits)  # the drafts' logits, penalised in place, put back
+        assert int(arrivals[0]) == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", [2, 5, 9])
+def test_gpu_gemv_rows_are_one_row_launches(kernels, rows):
+    check_gemv_rows(gpu_launcher(kernels), rows, seed=rows)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("hd,group,kv_heads,pos,rows,splits", ATTENTION_CASES + [(128, 1, 32, 500, 9, 8)])
+def test_gpu_attention_rows_are_one_row_launches(kernels, hd, group, kv_heads, pos, rows, splits):
+    check_attention_rows(gpu_launcher(kernels), hd, group, kv_heads, pos, rows, splits)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("penalty", [1.0, 1.3])
+@pytest.mark.parametrize("V", [517, 32000])
+def test_gpu_greedy_verify_sample_equals_its_twin(kernels, V, penalty):
+    check_greedy_sample_rows(gpu_launcher(kernels), V, penalty)
 
 
 @pytest.mark.gpu
