@@ -367,7 +367,7 @@ sample(float* logits, unsigned char* __restrict__ seen, int* __restrict__ state,
     if (threadIdx.x < MAX_DRAFTS) {
         const int e = threadIdx.x, draft = e < row ? ids[1 + e] : -1;
         bool repeated = false;
-        for (int f = 0; f < e; ++f) repeated |= ids[1 + f] == draft;
+        for (int f = 0; f < e && draft >= 0; ++f) repeated |= ids[1 + f] == draft;  // ids[1..row] only
         marked[e] = draft >= 0 && penalty != 1.f && !seen[draft] && !repeated ? draft : -1;
         if (marked[e] >= 0) {
             raw[e] = own[draft];
