@@ -24,7 +24,7 @@ from cullama.reference import rope_tables
 from cullama.registry import KernelSpec
 from cullama.sampling import SamplingParams
 
-from conftest import FAKE_GPU, load_golden, poisoned
+from conftest import FAKE_GPU
 from test_sampling import LOGITS, assert_distribution, softmax
 
 GREEDY = SamplingParams(seed=0)

@@ -5,8 +5,8 @@ keyword-only parameter `grid`, and the numpy backend passes the launch's grid (a
 to every twin that declares it. attention_decode takes its token rows from grid[2] (a verify step's
 k + 1 rows; 1 for a decode step), as the kernel does from gridDim.z. attention_prefill takes its kv-head
 count (the row stride) from grid[0], as the kernel does from gridDim.x; its row count is the argument
-n_rows (grid[1] counts blocks of ROWS_Q rows, a compile-time define the twin never needs). HEAD_DIM and GROUP are never
-arguments: they follow from the arrays' shapes.
+n_rows (grid[1] counts blocks of ROWS_Q rows, a compile-time define the twin never needs). HEAD_DIM and
+GROUP are never arguments: they follow from the arrays' shapes.
 """
 
 from __future__ import annotations

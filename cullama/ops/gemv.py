@@ -14,7 +14,8 @@ SOURCE = "gemv.cu"
 # (ROWS, UNROLL) of a decode step (one token row): the plan's choice first; the others are the benchmark
 # sweep's candidates.
 DECODE_VARIANTS = [(("ROWS", r), ("UNROLL", u)) for r, u in ((4, 4), (2, 4), (4, 2), (8, 2), (2, 8))]
-# A verify step's k + 1 token rows, k = 1..8, as cullama.plan.gemv builds them (plan.VERIFY_GEMV).
+# A verify step's k + 1 token rows, k = 1..8, as cullama.plan.gemv builds them (plan.VERIFY_GEMV_ROWS and
+# VERIFY_GEMV_UNROLL; tests/test_verify.py checks that every verify plan's kernel is one of these).
 VERIFY_VARIANTS = [(("ROWS", 4), ("UNROLL", 2), ("TOKENS", t)) for t in range(2, 10)]
 VARIANTS = DECODE_VARIANTS + VERIFY_VARIANTS
 
