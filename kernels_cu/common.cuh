@@ -52,10 +52,8 @@ __device__ __forceinline__ float load_coherent(const float* p) {
     return v;
 }
 
-__device__ __forceinline__ int load_coherent(const int* p) {
-    int v;
-    asm volatile("ld.global.cg.s32 %0, [%1];" : "=r"(v) : "l"(p));
-    return v;
+__device__ __forceinline__ int load_coherent(const int* p) {  // the same 32-bit load: the bits, not a value
+    return __float_as_int(load_coherent(reinterpret_cast<const float*>(p)));
 }
 
 // Programmatic dependent launch (sm_90+). A kernel launched with the attribute may start while the

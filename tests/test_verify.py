@@ -622,6 +622,50 @@ def check_greedy_sample_rows(launch, V, penalty, D=40):
         assert int(arrivals[0]) == 0
 
 
+def explained(token, logits, params, seen, step, draft, delta=1e-4) -> bool:
+    """Whether the spec draws `token` for a draw moved by at most delta (the kernel's block scan and the spec's
+    float32 cumsum round differently), in the draft-first order of the inverse CDF."""
+    order = (lambda t: -1 if t == draft else t)  # noqa: E731 - the draft's bucket first, then id order
+    u = sampling.uniform(params.seed, step)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(sampling, "uniform", lambda s, t: max(u - delta, 0.0))
+        lo = sampling.sample(logits, params, seen, step, draft)
+        mp.setattr(sampling, "uniform", lambda s, t: u + delta)
+        hi = sampling.sample(logits, params, seen, step, draft)
+    return order(lo) <= order(token) <= order(hi)
+
+
+def check_sampled_sample_rows(launch, V, trials, D=8):
+    """The sample kernel over 5 rows at temperature > 0 (penalty, top-k, top-p): each row's pick is the twin's,
+    or within rounding of a bucket edge in the draft-first order; the verdict follows from the picks."""
+    logits, seen, embed = sample_case(V=V, seed=3, spike=9.0)
+    fp = np.array([0.9, 0.95, 1.2, 0.0], np.float32)
+    argmax = SamplingParams(repetition_penalty=1.2, seed=0)
+    agree = 0
+    for trial in range(trials):
+        ids = [5]
+        for r in range(4):  # the rows' argmax (likely accepted), one of them wrong
+            before = seen.astype(bool) | np.isin(np.arange(V), ids[1:])
+            pick = sampling.sample(logits[r], argmax, before, 0)
+            ids.append(pick if r != trial % 5 else (pick + 3) % V)
+        state, kernel_seen = state_at(11, step=7 * trial, seed=99, top_k=50), seen.copy()
+        picks, out = np.full(5, -7, np.int32), np.full(6, -7, np.int32)
+        launch(plans.SAMPLE, (5,), plans.SAMPLE_THREADS, (logits.copy(), kernel_seen, state, fp, embed, nan(D),
+                                                           np.array(ids, np.int32), picks, out, np.zeros(1, np.uint32),
+                                                           np.int32(V), np.int32(D)))
+        params = sample_twin.params_from(state_at(11, step=7 * trial, seed=99, top_k=50), fp)
+        for r in range(5):
+            before = seen.astype(bool) | np.isin(np.arange(V), ids[1:r + 1])
+            draft = ids[r + 1] if r < 4 else None
+            expected = sampling.sample(logits[r], params, before, 7 * trial + r, draft)
+            agree += picks[r] == expected
+            assert picks[r] == expected or explained(picks[r], logits[r], params, before, 7 * trial + r, draft)
+        n = next((r + 1 for r in range(4) if picks[r] != ids[r + 1]), 5)
+        assert out[:n + 1].tolist() == [n, *ids[1:n], picks[n - 1]]
+        assert state[sample_twin.STATE_STEP] == 7 * trial + n and state[sample_twin.STATE_TOKEN] == picks[n - 1]
+    assert agree >= 0.9 * 5 * trials
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("rows", [2, 5, 9])
 def test_gpu_gemv_rows_are_one_row_launches(kernels, rows):
@@ -639,6 +683,12 @@ def test_gpu_attention_rows_are_one_row_launches(kernels, hd, group, kv_heads, p
 @pytest.mark.parametrize("V", [517, 32000])
 def test_gpu_greedy_verify_sample_equals_its_twin(kernels, V, penalty):
     check_greedy_sample_rows(gpu_launcher(kernels), V, penalty)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("V", [517, 32000])
+def test_gpu_sampled_verify_sample_follows_its_twin(kernels, V):
+    check_sampled_sample_rows(gpu_launcher(kernels), V, trials=40)
 
 
 @pytest.mark.gpu
