@@ -1,6 +1,7 @@
 """Where cullama writes on disk: one directory, $CULLAMA_CACHE or ~/.cache/cullama, and nothing outside it.
 
     kernels/   the registry's cubins (registry.py)
+    emu/       the CUDA emulator's kernel libraries (emu/build.py)
     cupy/      CuPy's own kernel cache (CUPY_CACHE_DIR), unless the user set CUPY_CACHE_DIR
 
 CuPy creates its cache directory (~/.cupy/kernel_cache by default) the moment it is imported, so cullama

@@ -51,7 +51,9 @@ def stories_expected(stories_dir) -> dict:
 # CULLAMA_FAKE_GPU=1: the tests marked `gpu` run on the CPU against tests/fake_cupy.py, whose kernels are the
 # NumPy twins. That proves nothing about the kernels, but it runs every line of the GPU tests' own code
 # (arguments, shapes, fixtures), so a lent GPU's few minutes are not lost to a typo in a test.
-FAKE_GPU = os.environ.get("CULLAMA_FAKE_GPU") == "1"
+# CULLAMA_FAKE_GPU=emu: the same fake GPU, whose kernels are the real ones run by the CPU executor (cullama.emu).
+FAKE_GPU_MODE = os.environ.get("CULLAMA_FAKE_GPU")
+FAKE_GPU = FAKE_GPU_MODE in ("1", "emu")
 
 
 def _install_fake_gpu() -> None:
@@ -67,7 +69,8 @@ def _install_fake_gpu() -> None:
     sys.modules["cupy"], sys.modules["cupyx"] = fake_cupy, fake_cupy.cupyx
 
     KernelLoader.function = fake_cupy.loader_function
-    device.cuda_status = lambda: (True, "1 GPU(s) (fake CuPy: CULLAMA_FAKE_GPU=1)")
+    fake_cupy.EMULATE = FAKE_GPU_MODE == "emu"
+    device.cuda_status = lambda: (True, f"1 GPU(s) (fake CuPy: CULLAMA_FAKE_GPU={FAKE_GPU_MODE})")
 
     # backends/driver.py loads the driver with ctypes.CDLL("libcuda.so.1"): it gets the fake's (cuFuncSetAttribute,
     # cuLaunchKernelEx on the fake streams, cuGetErrorString); every other name is ctypes'.
@@ -84,8 +87,25 @@ if FAKE_GPU:
     _install_fake_gpu()
 
 
+def pytest_report_header(config):
+    if FAKE_GPU_MODE == "emu":
+        return "CULLAMA_FAKE_GPU=emu: the fake GPU runs kernels_cu on the CPU executor (cullama.emu)"
+    return None
+
+
 def pytest_collection_modifyitems(config, items):
-    """Tests marked `gpu` are skipped, with the reason, where CuPy sees no GPU."""
+    """Tests marked `gpu` are skipped, with the reason, where CuPy sees no GPU; tests marked `emu` where there is
+    no host C++ compiler for the CUDA emulator."""
+    if any(item.get_closest_marker("emu") for item in items):
+        from cullama.emu import build
+        from cullama.errors import KernelError
+
+        try:
+            build.compiler()
+        except KernelError as exc:
+            for item in items:
+                if item.get_closest_marker("emu"):
+                    item.add_marker(pytest.mark.skip(reason=str(exc)))
     if FAKE_GPU or not any(item.get_closest_marker("gpu") for item in items):
         return
     from cullama.device import cuda_status

@@ -13,11 +13,16 @@ a plain one inside a capture (CUDA keeps such an event as a capture dependency a
 `libcuda` is a stand-in driver: cuFuncSetAttribute, cuLaunchKernelEx (PDL launches of the fake kernels on the
 fake streams, captured like any launch), cuEventRecordWithFlags and cuGetErrorString. The memory pool's
 used_bytes counts the device arrays alive. The device is small (DEVICE_MEMORY, L2_BYTES), so whatever code
-sizes by its memory or L2 stays small on a CPU."""
+sizes by its memory or L2 stays small on a CPU.
+
+EMULATE (conftest sets it for CULLAMA_FAKE_GPU=emu): the kernels are the real ones, kernels_cu compiled for the
+CPU by cullama.emu, run in the warp schedule $CULLAMA_EMU_SCHEDULE (default forward, the fastest) instead of
+their twins."""
 
 import collections
 import ctypes
 import inspect
+import os
 import re
 import time
 import types
@@ -26,11 +31,13 @@ from functools import partial
 
 import numpy as np
 
-from cullama import ops
+from cullama import emu, ops
 from cullama.kernels_cu import SOURCE_DIR
 
 __version__ = "0.0-fake"
 state = types.SimpleNamespace()
+EMULATE = False  # True: kernels run as emulated CUDA (cullama.emu), not as their NumPy twins
+EMU_SCHEDULE = os.environ.get("CULLAMA_EMU_SCHEDULE", "forward")
 
 
 def reset() -> None:
@@ -395,6 +402,10 @@ class Kernel:
 
     def run(self, launch):
         state.runs.append(launch)
+        if EMULATE:  # the kernel itself: NumPy scalars as they are (the exact C types), arrays as host arrays
+            emu.launch(self.spec, launch.grid, launch.block, [_host(a) for a in launch.args], launch.shared_mem,
+                       schedule=EMU_SCHEDULE)
+            return
         args = [a.item() if isinstance(a, np.generic) else _host(a) for a in launch.args]
         self.twin(*args, **({"grid": launch.grid} if self.wants_grid else {}))
 

@@ -29,6 +29,7 @@ def test_wheel_holds_every_module_the_kernels_and_the_cli(wheel):
     expected = {f"cullama/{p.relative_to(REPO / 'cullama')}" for p in (REPO / "cullama").rglob("*.py")}
     expected |= {f"cullama/cli/{p.name}" for p in (REPO / "cli").glob("*.py")}
     expected |= {f"cullama/kernels_cu/{p.name}" for p in (REPO / "kernels_cu").glob("*.cu*")}
+    expected |= {f"cullama/emu/{p.name}" for ext in ("h", "cpp") for p in (REPO / "cullama" / "emu").glob(f"*.{ext}")}
     assert expected - names == set()
     assert not any(n.startswith(("cli/", "kernels_cu/", "tests/")) for n in names)  # nothing at the top level
 

@@ -1,0 +1,271 @@
+"""cullama.emu itself: FP16 conversions bit for bit as NumPy's; every inline-PTX template in kernels_cu known to
+the rewrite table, anything else refused with its text; hazards, deadlocks and stray accesses reported as
+one-line errors naming the kernel, block, thread and line (never a hang or a crash), on small kernels written
+here; CuPy's argument rules; the build cache; the portable fiber switch."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from cullama import cache, emu, ops
+from cullama.emu import asm, build
+from cullama.errors import KernelError
+from cullama.kernels_cu import SOURCE_DIR
+from cullama.registry import KernelSpec
+
+pytestmark = pytest.mark.emu
+REPO = Path(__file__).resolve().parents[1]
+
+# Small kernels with one hazard or misuse each, on the kernels' own headers.
+PROBES = r"""
+#include "mma.cuh"
+
+extern "C" __global__ void exits_before_barrier(float* out) {
+    if (threadIdx.x == 37) return;
+    __syncthreads();
+    out[threadIdx.x] = 1.f;
+}
+
+extern "C" __global__ void two_barriers(float* out) {
+    if (threadIdx.x < 32) __syncthreads();
+    else __syncthreads();
+    out[threadIdx.x] = 1.f;
+}
+
+extern "C" __global__ void shuffle_after_exit(float* out) {
+    if (threadIdx.x == 3) return;
+    out[threadIdx.x] = warp_sum(1.f);
+}
+
+// Each warp reads what the other warp wrote, with no barrier between.
+extern "C" __global__ void missing_barrier(float* out) {
+    __shared__ float s[64];
+    s[threadIdx.x] = (float)threadIdx.x;
+    out[threadIdx.x] = s[63 - threadIdx.x];
+}
+
+// The same within a warp: lane l reads lane l + 1's write (no __syncwarp either).
+extern "C" __global__ void warp_race(float* out) {
+    __shared__ float s[32];
+    s[threadIdx.x] = (float)threadIdx.x;
+    out[threadIdx.x] = s[(threadIdx.x + 1) % 32];
+}
+
+// cp.async: the destination before and after its wait_group, and the zero fill of src-size 0.
+extern "C" __global__ void cp_async_probe(const half_t* src, half_t* before, half_t* after, half_t* zero) {
+    __shared__ __align__(16) half_t s[2][32 * 8];
+    const int t = threadIdx.x;
+    cp_async16(smem_addr(&s[0][8 * t]), src + 8 * t, true);
+    cp_async16(smem_addr(&s[1][8 * t]), src + 8 * t, false);
+    cp_async_commit();
+    before[t] = s[0][8 * t];
+    cp_async_wait<0>();
+    after[t] = s[0][8 * t];
+    zero[t] = s[1][8 * t];
+}
+
+extern "C" __global__ void stray_pointer(float* out) { out[(size_t)1 << 40] = 1.f; }
+
+extern "C" __global__ void past_the_end(float* out, int n) { out[n + threadIdx.x] = 1.f; }
+
+extern "C" __global__ void misaligned_load(const half_t* p, float* out) {
+    const uint4 v = load_stream(p + 1);
+    out[0] = __uint_as_float(v.x);
+}
+
+extern "C" __global__ void dynamic_overflow(int n) {
+    extern __shared__ unsigned char window[];
+    window[n] = 1;
+}
+
+extern "C" __global__ void __launch_bounds__(64) bounded(float* out) { out[threadIdx.x] = 1.f; }
+
+extern "C" __global__ void scalars(float* out, int i, unsigned long long u, float f) {
+    out[0] = (float)i, out[1] = (float)u, out[2] = f;
+}
+"""
+
+
+@pytest.fixture(scope="module")
+def probes(tmp_path_factory) -> Path:
+    directory = tmp_path_factory.mktemp("probes")
+    for header in SOURCE_DIR.glob("*.cuh"):
+        shutil.copy(header, directory)
+    (directory / "probes.cu").write_text(PROBES)
+    return directory
+
+
+def probe(source_dir, name, grid, block, args, schedule="forward", shared_mem=0):
+    emu.launch(KernelSpec("probes.cu", name), grid, block, args, shared_mem, schedule=schedule, source_dir=source_dir)
+
+
+# -- FP16 conversions: every half, and floats at and around every rounding boundary ---------------------------
+def test_fp16_conversions_are_numpys():
+    rt = build.runtime()
+    halves = np.arange(1 << 16, dtype=np.uint16)
+    floats = np.empty(halves.size, np.float32)
+    rt.emu_h2f_array(halves.ctypes.data_as(ctypes.c_void_p), floats.ctypes.data_as(ctypes.c_void_p),
+                     ctypes.c_longlong(halves.size))
+    expected = halves.view(np.float16).astype(np.float32)
+    assert np.array_equal(floats.view(np.uint32), expected.view(np.uint32))  # NaN payloads too
+    rng = np.random.default_rng(0)
+    finite = expected[np.isfinite(expected)].astype(np.float64)
+    mids = np.float32((finite[:-1] + finite[1:]) / 2)  # exact ties between neighbouring halves
+    bits = np.concatenate([rng.integers(0, 2**32, 1 << 20, dtype=np.uint64).astype(np.uint32),
+                           expected.view(np.uint32), mids.view(np.uint32),
+                           np.nextafter(mids, np.float32(np.inf)).view(np.uint32),
+                           np.array([0x477FF000, 0x477FEFFF, 0x33000000, 0x33000001, 0x7F800000, 0xFF800001],
+                                    np.uint32)])
+    values = bits.view(np.float32)
+    out = np.empty(values.size, np.uint16)
+    rt.emu_f2h_array(values.ctypes.data_as(ctypes.c_void_p), out.ctypes.data_as(ctypes.c_void_p),
+                     ctypes.c_longlong(values.size))
+    with np.errstate(over="ignore"):
+        assert np.array_equal(out, values.astype(np.float16).view(np.uint16))
+
+
+# -- the rewrite table --------------------------------------------------------------------------------------
+def test_every_template_in_kernels_cu_is_known_and_the_table_has_no_dead_entry():
+    used = set()
+    for stem in ops.STEMS:
+        module = ops.module(stem)
+        extra = [(("GW_TILE_N", 64),)] if stem == "gemm_wgmma" else []  # a tile width the .cu has, no variant uses
+        for defines in [*module.VARIANTS, *extra]:
+            text = build.preprocess(module.SOURCE, tuple(defines), SOURCE_DIR, build.DEFAULT_ARCH,
+                                    getattr(module, "ARCH_SPECIFIC", False))
+            used |= set(re.findall(r"emu_ptx::(\w+)\(", asm.rewrite(text)))
+    assert used == {function for function, _ in asm.PTX_TEMPLATES.values()}
+
+
+@pytest.mark.parametrize("statement,message", [
+    ('asm("cvt.rn.f16.f32 %0, %1" : "=h"(h) : "f"(f));', "inline PTX the emulator does not know"),  # no ';'
+    ('asm("cvt.rn.f16.f32 %0, %1;" : "=r"(h) : "f"(f));', "operand constraints '=r f'"),
+    ('asm(TEMPLATE : "=h"(h) : "f"(f));', "not a string literal"),
+])
+def test_an_unknown_template_fails_the_build_with_its_text(statement, message):
+    with pytest.raises(KernelError, match=re.escape(message)):
+        asm.rewrite(f'# 7 "kernels_cu/x.cu"\nvoid f() {{\n  {statement}\n}}\n')
+
+
+def test_a_rewritten_asm_is_a_call_with_its_site_and_operands():
+    text = asm.rewrite('void f() { asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), '
+                       '"l"(src), "r"(valid ? 16 : 0) : "memory"); }')
+    assert text == "void f() { emu_ptx::cp_async_cg_16(__FILE__, __LINE__, (dst), (src), (valid ? 16 : 0)); }"
+    dynamic = asm.rewrite("extern __shared__ __align__(16) unsigned char buf[];")
+    assert dynamic == "unsigned char* const buf = (unsigned char*)emu_dynamic_shared();"
+
+
+# -- hazards and deadlocks ----------------------------------------------------------------------------------
+@pytest.mark.parametrize("schedule", emu.SCHEDULES)
+@pytest.mark.parametrize("name,block,message", [
+    ("exits_before_barrier", 64, r"exits_before_barrier block \(0, 0, 0\): deadlock: thread \d+ waits at "
+                                 r"__syncthreads \(probes.cu:6\), which thread 37 never reaches \(it exited\)"),
+    ("two_barriers", 64, r"two_barriers block \(0, 0, 0\): thread \d+ waits at __syncthreads \(probes.cu:1[12]\), "
+                         r"thread \d+ at another one \(probes.cu:1[12]\)"),
+    ("shuffle_after_exit", 32, r"shuffle_after_exit block \(0, 0, 0\): deadlock: thread \d+ waits at a warp "
+                               r"collective \(common.cuh:\d+\) that thread 3 never reaches \(exited\)"),
+])
+def test_a_deadlock_is_an_error_naming_kernel_block_and_barrier(probes, name, block, message, schedule):
+    with pytest.raises(emu.EmuError, match=message):
+        probe(probes, name, 1, block, (np.zeros(64, np.float32),), schedule)
+
+
+@pytest.mark.parametrize("schedule", emu.SCHEDULES)
+@pytest.mark.parametrize("name,block", [("missing_barrier", 64), ("warp_race", 32)])
+def test_shared_memory_is_poisoned_so_a_missing_barrier_reads_nan(probes, name, block, schedule):
+    out = np.zeros(block, np.float32)
+    probe(probes, name, 1, block, (out,), schedule)
+    assert np.isnan(out).any()  # a read of a slot its writer has not reached yet
+
+
+def test_a_cp_async_destination_is_poisoned_until_its_wait_and_src_size_0_fills_zeros(probes):
+    src = np.random.default_rng(0).standard_normal(32 * 8).astype(np.float16)
+    before, after, zero = (np.zeros(32, np.float16) for _ in range(3))
+    probe(probes, "cp_async_probe", 1, 32, (src, before, after, zero))
+    assert np.isnan(before.astype(np.float32)).all()
+    np.testing.assert_array_equal(after, src[::8])
+    assert (zero == 0).all()
+
+
+@pytest.mark.parametrize("name,args,message", [
+    ("stray_pointer", (np.zeros(4, np.float32),),
+     r"stray_pointer block \(0, 0, 0\) thread \(0, 0, 0\): invalid memory access \(SIGSEGV"),
+    ("past_the_end", (np.zeros(40, np.float32), np.int32(40)), r"past_the_end: wrote past the end of argument 0"),
+    ("misaligned_load", (np.zeros(16, np.float16), np.zeros(1, np.float32)),
+     r"misaligned_load block \(0, 0, 0\) thread \(0, 0, 0\) at common.cuh:\d+: ld.global.nc.v4.u32 of .*: not "
+     r"16-byte aligned"),
+])
+def test_a_stray_access_is_an_error_not_a_crash(probes, name, args, message):
+    with pytest.raises(emu.EmuError, match=message):
+        probe(probes, name, 1, 1, args)
+    out = np.zeros(4, np.float32)
+    probe(probes, "scalars", 1, 1, (out, np.int32(-3), np.uint64(2**40), np.float32(0.5)))  # the process goes on
+    assert out.tolist() == [-3.0, 2.0**40, 0.5, 0.0]
+
+
+def test_writes_past_the_dynamic_shared_memory_are_caught(probes):
+    probe(probes, "dynamic_overflow", 1, 32, (np.int32(999),), shared_mem=1000)
+    with pytest.raises(emu.EmuError, match="wrote 1 bytes past the end of its 1000 bytes of dynamic shared memory"):
+        probe(probes, "dynamic_overflow", 1, 32, (np.int32(1000),), shared_mem=1000)
+
+
+# -- CuPy's launch rules --------------------------------------------------------------------------------------
+@pytest.mark.parametrize("args,message", [
+    ((np.zeros(4, np.float32), np.int64(1), np.uint64(1), np.float32(1)), "argument 1 is a 4-byte signed scalar"),
+    ((np.zeros(4, np.float32), 1, np.uint64(1), np.float32(1)), "argument 1 is a 4-byte signed scalar"),
+    ((np.zeros(4, np.float32), np.int32(1), np.uint64(1), np.float64(1)), "argument 3 is a 4-byte float scalar"),
+    ((np.zeros(8, np.float32)[::2], np.int32(1), np.uint64(1), np.float32(1)), "argument 0 is a pointer"),
+    ((np.zeros(4, np.float32), np.int32(1)), "2 arguments, the kernel takes 4"),
+])
+def test_arguments_must_be_what_the_kernel_takes(probes, args, message):
+    with pytest.raises(emu.EmuError, match=message):
+        probe(probes, "scalars", 1, 1, args)
+
+
+def test_launch_bounds_and_dimensions(probes):
+    probe(probes, "bounded", 1, (32, 2), (np.zeros(64, np.float32),))
+    with pytest.raises(emu.EmuError, match=r"a block of 65 threads, above its __launch_bounds__ \(64\)"):
+        probe(probes, "bounded", 1, 65, (np.zeros(65, np.float32),))
+    with pytest.raises(emu.EmuError, match="schedule 'sideways'"):
+        probe(probes, "bounded", 1, 1, (np.zeros(1, np.float32),), schedule="sideways")
+    with pytest.raises(emu.EmuError, match="grid"):
+        probe(probes, "bounded", (0, 1), 1, (np.zeros(1, np.float32),))
+
+
+# -- the build ------------------------------------------------------------------------------------------------
+def test_builds_are_cached_by_content_under_the_cullama_cache(probes, tmp_path):
+    first = build.library("probes.cu", (), source_dir=probes)
+    assert first.path.parent == cache.root() / "emu" and first.path.exists()
+    assert build.library("probes.cu", (), source_dir=probes) is first
+    other = tmp_path / "copy"
+    shutil.copytree(probes, other)
+    (other / "probes.cu").write_text(PROBES.replace("out[2] = f;", "out[2] = f + 1.f;"))
+    assert build.library("probes.cu", (), source_dir=other).path != first.path  # another text, another library
+    rows = [build.library("gemv.cu", (("ROWS", r), ("UNROLL", 4))).path for r in (2, 4)]
+    assert rows[0] != rows[1]  # another define, another text
+
+
+def test_a_compile_error_is_one_line_naming_the_source(probes, tmp_path):
+    (tmp_path / "broken.cu").write_text('extern "C" __global__ void broken(float* out) { out[0] = undefined; }\n')
+    with pytest.raises(KernelError, match=r"broken.cu: the host compiler failed: .*undefined"):
+        build.library("broken.cu", (), source_dir=tmp_path)
+
+
+def test_the_portable_fiber_switch_runs_the_kernels_too():
+    """Off x86-64 the fibers switch with makecontext + _setjmp / _longjmp: forced here (CULLAMA_EMU_PORTABLE=1,
+    a fresh process: one runtime per process), on kernels with barriers, shuffles, cp.async and mma."""
+    code = ("import test_emu_kernels as k; k.check_prefill('shuffled'); k.check_gemm(k.MMA_GEMM.spec, 64, 128, 256, 0, "
+            "'reverse', cases=k.GEMM_CASES[:2]); k.check_sample(k.SAMPLE_OPTIONS[3], 1000, 'forward', draws=1)")
+    env = {**os.environ, "CULLAMA_EMU_PORTABLE": "1", "PYTHONPATH": str(REPO / "tests")}
+    done = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]

@@ -1,0 +1,118 @@
+"""The CPU executor (cullama.emu) against the GPU on the same inputs, for the kernels whose inline PTX the executor
+models from the ISA's text rather than from a run: mma.sync + ldmatrix (gemm.cu, attention_mma.cu) and wgmma with
+its shared-memory descriptors and swizzle (gemm_wgmma.cu). A layout the executor gets wrong would pass its own
+tests against the twins only if the kernel had the same misreading; this compares it with the hardware once.
+
+Agreement means the same numbers up to the one thing the executor does not model, the tensor cores' rounding (it
+sums products in double): within 1e-5 of the sum of |products| for the GEMMs, one FP16 rounding (plus P rounded
+to FP16 alike on both) for attention. CULLAMA_EMU_VS_GPU_JSON=FILE records every case's largest difference
+(benchmarks/device_check.sh keeps it). On the fake GPU (CULLAMA_FAKE_GPU=1) the "GPU" is the twin: the test's own
+code still runs in CI."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+import pytest
+
+import test_attention_mma as mma_cases
+from cullama import emu
+from cullama.backends import func_attr
+from cullama.ops import attention_mma as attention_mma_ops
+from cullama.ops import gemm_wgmma as wgmma_ops
+from cullama.prefill_kernels import MMA_GEMM
+from cullama.registry import KernelSpec
+
+pytestmark = pytest.mark.gpu
+RECORD: list[dict] = []  # one row per case, written at the end of the module when asked
+
+
+@pytest.fixture(scope="module", autouse=True)
+def record():
+    yield
+    path = os.environ.get("CULLAMA_EMU_VS_GPU_JSON")
+    if path and RECORD:
+        with open(path, "w") as f:
+            json.dump({"cases": RECORD}, f, indent=1)
+
+
+def both(kernels, spec, grid, threads, args, smem=0):
+    """Run one launch on the GPU and on the executor from the same host arrays; (gpu outputs, emu outputs), each
+    the arrays of `args` after the launch (scalars as given)."""
+    import cupy as cp
+
+    fn = kernels.function(spec)
+    if smem > 48 * 1024:
+        func_attr.allow_dynamic_shared(fn, smem)
+    dev = [cp.asarray(a) if isinstance(a, np.ndarray) else a for a in args]
+    fn(grid, (threads,), tuple(dev), shared_mem=smem)
+    cp.cuda.runtime.deviceSynchronize()
+    gpu = [d.get() if isinstance(a, np.ndarray) else a for a, d in zip(args, dev)]
+    host = [a.copy() if isinstance(a, np.ndarray) else a for a in args]
+    emu.launch(spec, grid, threads, tuple(host), smem)
+    return gpu, host
+
+
+def agree(what: str, gpu: np.ndarray, cpu: np.ndarray, bound: np.ndarray, rel: float) -> None:
+    gpu, cpu = np.asarray(gpu, np.float64), np.asarray(cpu, np.float64)
+    assert np.isfinite(gpu).all() and np.isfinite(cpu).all(), f"{what}: unwritten (NaN) elements"
+    diff = np.abs(gpu - cpu)
+    worst = float((diff / np.maximum(bound, 1e-30)).max(initial=0))
+    RECORD.append({"case": what, "max_abs_diff": float(diff.max(initial=0)), "max_diff_over_bound": worst,
+                   "tolerance": rel})
+    assert worst <= rel, f"{what}: the executor and the GPU differ by {worst:.3g} of the bound (> {rel})"
+
+
+GEMM_CASES = [(70, 200, 808, 1), (70, 200, 808, 3), (5, 136, 40, 4), (130, 65, 72, 2)]
+
+
+def gemm_case(kernels, spec, geo_grid, threads, smem, M, N, K, splits, what):
+    rng = np.random.default_rng(M * 7 + N + K + splits)
+    A = rng.standard_normal((M, K)).astype(np.float16)
+    W = (0.05 * rng.standard_normal((N, K))).astype(np.float16)
+    C = np.full((M, N), np.nan, np.float32)
+    grid = geo_grid(M, N, splits)
+    workspace = np.full(max(1, splits * grid[0] * grid[1] * 128 * 256), np.nan, np.float32)  # the largest tile
+    count = np.zeros(grid[0] * grid[1], np.uint32)
+    args = (A, W, C, workspace, count, np.int32(M), np.int32(N), np.int32(K), np.int32(0))
+    gpu, cpu = both(kernels, spec, grid, threads, args, smem)
+    bound = np.abs(A).astype(np.float64) @ np.abs(W).astype(np.float64).T
+    agree(f"{what} M={M} N={N} K={K} S={splits}", gpu[2], cpu[2], bound, 1e-5)
+
+
+@pytest.mark.parametrize("M,N,K,splits", GEMM_CASES)
+def test_mma_gemm_on_the_executor_equals_the_gpu(kernels, M, N, K, splits):
+    """mma.sync.m16n8k16 and ldmatrix (x4, .trans) fragments, cp.async: gemm.cu."""
+    g = MMA_GEMM
+    grid = lambda m, n, s: (-(-n // g.tile_n), -(-m // g.tile_m), s)  # noqa: E731
+    gemm_case(kernels, g.spec, grid, g.threads, g.smem, M, N, K, splits, "gemm (mma.sync)")
+
+
+@pytest.mark.parametrize("M,N,K,splits", GEMM_CASES)
+@pytest.mark.parametrize("defines", wgmma_ops.VARIANTS, ids=["-".join(f"{k}{v}" for k, v in d) or "default"
+                                                              for d in wgmma_ops.VARIANTS])
+def test_wgmma_gemm_on_the_executor_equals_the_gpu(kernels, defines, M, N, K, splits):
+    """wgmma.mma_async with its shared-memory descriptors, 128-byte swizzle (and none): gemm_wgmma.cu."""
+    geo = wgmma_ops.geometry(defines)
+    spec = KernelSpec(wgmma_ops.SOURCE, "gemm_wgmma", tuple(defines), arch_specific=True)
+    grid = lambda m, n, s: (-(-n // geo.tile_n), -(-m // geo.tile_m), s)  # noqa: E731
+    gemm_case(kernels, spec, grid, geo.threads, geo.smem_bytes, M, N, K, splits, f"gemm_wgmma {dict(defines)}")
+
+
+@pytest.mark.parametrize("defines", attention_mma_ops.VARIANTS,
+                         ids=["-".join(f"{k}{v}" for k, v in d) for d in attention_mma_ops.VARIANTS])
+def test_mma_attention_on_the_executor_equals_the_gpu(kernels, defines):
+    """mma.sync for Q K^T and P V, ldmatrix (.trans for V), ex2.approx: attention_mma.cu, 70 rows after 75 keys."""
+    d = dict(defines)
+    hd, group, warps = d["HEAD_DIM"], d["GROUP"], d["WARPS"]
+    start, n, kv_heads = 70, 75, 2
+    q_rows, k, v, max_seq, scale = mma_cases.inputs(hd, group, kv_heads, start, n, n, seed=hd + group, poison=False)
+    out = np.full(q_rows.shape, np.nan, np.float16)
+    spec = KernelSpec("attention_mma.cu", "attention_prefill_mma", tuple(defines))
+    grid = (kv_heads, -(-n // attention_mma_ops.rows_per_block(group, warps)))
+    gpu, cpu = both(kernels, spec, grid, attention_mma_ops.threads(warps),
+                    (q_rows, k, v, out, np.int32(start), np.int32(n), np.int32(max_seq), np.float32(scale)))
+    bound = np.maximum(np.abs(cpu[3].astype(np.float64)), 1.0)  # an FP16 rounding or two of the output
+    agree(f"attention_prefill_mma {d}", gpu[3], cpu[3], bound, 2e-3)
