@@ -2,6 +2,7 @@
 
     python benchmarks/decode_step.py [--contexts 10,100,500,1000] [--steps 100] [--trials N] [--json FILE]
                                      [--model PRESET] [--max-seq-len N] [--breakdown-context L]
+                                     [--verify-drafts 1,2,4,8] [--verify-context L]
 
 Random LLaMA-2-7B weights are made on the GPU (Llama.synthetic). For each context L, a fresh
 prefill of an L-token prompt, then CUDA events around --steps back-to-back replays of the
@@ -10,8 +11,11 @@ captured plainly and once with its kernels overlapped (programmatic dependent la
 then the same from a fresh prefill with eager launches of the same plan (backend.run), and the
 host-observed time from one runner.next() token to the next (replay + reading the token id back),
 plain and with next(ahead=True) (the next step queued before the token is read: what generation does).
-Last, a per-kernel breakdown at context 500 (--breakdown-context): the same launches captured with
-an event-record node between each pair, so each kernel's share of the step (and its GB/s) can be
+Then the speculative verify step at context 500 (--verify-context), for each k of --verify-drafts: its
+captured graph (k + 1 token rows: the last token and k drafts) replayed --steps times, against the plain
+decode graph replayed from the same prompt in the same trial, and the host-observed verify() call (ids in,
+verdict out). Last, a per-kernel breakdown at context 500 (--breakdown-context): the same launches captured
+with an event-record node between each pair, so each kernel's share of the step (and its GB/s) can be
 read off. --model synthesizes another preset (the tests run `tiny` on a fake CuPy).
 The floor is the bytes a step must read (decode_weight_bytes) over the measured read bandwidth.
 Medians over --trials. Run it on a GPU; without one it says so in one line.
@@ -67,6 +71,38 @@ def measure(llm, cp, prompt: list[int], steps: int) -> dict:
         host[ahead] = statistics.median(times)
     return {"graph_ms": timed[False], "overlap_ms": timed[True], "eager_ms": eager,
             "next_ms": host[False], "ahead_ms": host[True]}
+
+
+def verify_times(llm, cp, prompt: list[int], steps: int, ks: list[int]) -> dict:
+    """One trial of the verify step per k, ms: its graph replayed `steps` times (each replay moves the position
+    by the tokens it accepts: fixed drafts on random weights accept next to none, so about one) and the
+    host-observed verify() call, against the plain decode graph replayed from the same prompt."""
+    from cullama.bench import GREEDY as greedy
+
+    runner = llm.runner
+    backend = runner.backend
+    runner.start(prompt, greedy)
+    backend.replay(runner.decode)  # captured here if it was not yet, untimed
+    runner.start(prompt, greedy)
+    plain = events_ms(cp, backend.stream, lambda: backend.replay(runner.decode), steps)
+    rows = []
+    for k in ks:
+        plan, drafts = runner.verify_plan(k), [(7 * i + 3) % llm.config.vocab_size for i in range(k)]
+        runner.start(prompt, greedy)
+        runner.verify(drafts)  # captured on first use, untimed; the drafts are on the device now
+        replay = events_ms(cp, backend.stream, lambda: backend.replay(plan), steps)
+        runner.start(prompt, greedy)
+        times, last = [], time.perf_counter()
+        for _ in range(steps):
+            runner.verify(drafts)
+            now = time.perf_counter()
+            times.append((now - last) * 1e3)
+            last = now
+        rows.append({"k": k, "replay_ms": replay, "verify_ms": statistics.median(times), "x_plain": replay / plain})
+    return {"plain_ms": plain, "rows": rows}
+
+
+VERIFY_TARGETS = {4: 1.10, 8: 1.25}  # issue 9: the verify step at 500 tokens of context, x the plain step
 
 
 LAYER_LABELS = ("qkv_rope", "attention", "o_proj", "gate_up_silu", "down")
@@ -157,12 +193,22 @@ def main(argv=None) -> int:
     parser.add_argument("--model", default="llama-2-7b", help="preset to synthesize")
     parser.add_argument("--breakdown-context", type=positive_int, default=500,
                         help="the context the per-kernel breakdown starts at")
+    parser.add_argument("--verify-drafts", type=positive_ints, default=[1, 2, 4, 8],
+                        help="the k of the verify steps timed (drafts per step, at most 8)")
+    parser.add_argument("--verify-context", type=positive_int, default=500,
+                        help="the context the verify steps start at")
     parser.add_argument("--json", metavar="FILE", help="write the rows and the environment here")
     args = parser.parse_args(argv)
     longest = max(args.contexts + [args.breakdown_context])
     if max(longest + args.steps, WARMUP_CONTEXT + WARMUP_STEPS) + 1 > args.max_seq_len:  # replays are unchecked
         parser.error(f"context {longest} + {args.steps} steps (or the warm-up's {WARMUP_CONTEXT} + {WARMUP_STEPS}) "
                      f"does not fit in --max-seq-len {args.max_seq_len}")
+    if max(args.verify_drafts) > 8:
+        parser.error(f"--verify-drafts: a verify step checks at most 8 drafts, not {max(args.verify_drafts)}")
+    verify_reach = args.verify_context + (max(args.verify_drafts) + 1) * (args.steps + 1)  # all accepted, at worst
+    if verify_reach + 1 > args.max_seq_len:
+        parser.error(f"--verify-context {args.verify_context} + {args.steps + 1} verify steps of up to "
+                     f"{max(args.verify_drafts) + 1} tokens does not fit in --max-seq-len {args.max_seq_len}")
     require_gpu("decode_step")
     import cupy as cp
 
@@ -185,9 +231,10 @@ def main(argv=None) -> int:
               f"{floor_ms:.3f} ms")
         measure(llm, cp, prompt_ids(WARMUP_CONTEXT, cfg.vocab_size), WARMUP_STEPS)
         rows, parts = [], []
+        verify = {"context": args.verify_context, "steps": args.steps, "trials": []}
         record = {"model": args.model, "read_bandwidth_bytes_per_s": bps, "bandwidth": bandwidth,
                   "weight_bytes": weight_bytes, "floor_ms": floor_ms, "environment": environment(), "rows": rows,
-                  "kernels": parts}
+                  "verify": verify, "kernels": parts}
         for L in args.contexts:
             prompt = prompt_ids(L, cfg.vocab_size, seed=L)
             trials = [measure(llm, cp, prompt, args.steps) for _ in range(args.trials)]
@@ -204,6 +251,14 @@ def main(argv=None) -> int:
             print(f"  context {L}: graph {row['graph_ms']:.3f} ms/step, overlapped {overlapped}", flush=True)
             if args.json:
                 save_json(args.json, record, args, complete=False)
+        prompt = prompt_ids(args.verify_context, cfg.vocab_size, seed=args.verify_context)
+        verify["trials"] = [verify_times(llm, cp, prompt, args.steps, args.verify_drafts) for _ in range(args.trials)]
+        verify["plain_ms"] = statistics.median(t["plain_ms"] for t in verify["trials"])
+        verify["rows"] = [{key: statistics.median(t["rows"][i][key] for t in verify["trials"]) if key != "k" else k
+                           for key in ("k", "replay_ms", "verify_ms", "x_plain")}
+                          for i, k in enumerate(args.verify_drafts)]
+        if args.json:
+            save_json(args.json, record, args, complete=False)
         L = args.breakdown_context
         parts += breakdown(llm, cp, prompt_ids(L, cfg.vocab_size, seed=L), args.steps)
     except CullamaError as exc:
@@ -221,6 +276,15 @@ def main(argv=None) -> int:
           f"overlap = the same graph with programmatic dependent launch between its kernels (CULLAMA_OVERLAP=1); "
           f"eager = backend.run of the same plan; next() = replay + token id read back, arrival to arrival on "
           f"the host clock; ahead = the same with next(ahead=True), the next step queued first (as generation)")
+    print(f"\nverify step (k drafts: k + 1 token rows in one pass) at context {args.verify_context}, {args.steps} "
+          f"replays, median of {args.trials} trials; plain decode graph {verify['plain_ms']:.3f} ms/step:")
+    print(f"{'k':>3} {'replay ms':>10} {'x plain':>8} {'target':>7} {'verify() ms':>12}")
+    for r in verify["rows"]:
+        target = f"<= {VERIFY_TARGETS[r['k']]:.2f}" if r["k"] in VERIFY_TARGETS else ""
+        print(f"{r['k']:>3} {r['replay_ms']:>10.3f} {r['x_plain']:>8.3f} {target:>7} {r['verify_ms']:>12.3f}")
+    print("replay: the verify graph alone (each replay accepts about one token here: fixed drafts on random "
+          "weights); x plain: over the plain decode graph timed from the same prompt in the same trial; "
+          "verify() ms: the host-observed call, ids in and verdict out")
     total = sum(p["us_per_step"] for p in parts)
     print(f"\nper kernel, inside the graph (events between launches), context {args.breakdown_context}, "
           f"{args.steps} steps:")

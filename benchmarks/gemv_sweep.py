@@ -4,7 +4,7 @@
 
 Each shape is timed with the kernel the decode step uses for it (qkv: gemv_qkv_rope, o_proj and
 down: gemv_residual, gate_up: gemv_gate_up_silu, lm_head: gemv_logits), in every (ROWS, UNROLL)
-variant of cullama.ops.gemv.VARIANTS. --model sweeps another preset's shapes instead, as the decode
+variant of cullama.ops.gemv.DECODE_VARIANTS. --model sweeps another preset's shapes instead, as the decode
 step runs them (cullama.weights.device_config; the tests run `tiny` on a fake CuPy). Launches are
 captured in a CUDA graph (as in the decode step) that rotates over copies of the weight matrix
 totalling several times the L2, so no launch finds its weights in the cache; CUDA events time the
@@ -178,7 +178,7 @@ def sweep_shape(cp, loader, cfg, label, kernel, M, K, args, pdl=None) -> list[di
     launches = n_copies * math.ceil(args.launches / n_copies)
     stream = cp.cuda.Stream(non_blocking=True)
     rows = []
-    for defines in twins.VARIANTS:
+    for defines in twins.DECODE_VARIANTS:
         variant = " ".join(f"{k}={v}" for k, v in defines)
         fn = loader.function(KernelSpec(twins.SOURCE, kernel, tuple(defines)))
         grid = (plans.cdiv(M, dict(defines)["ROWS"]), 1, 1)  # ROWS rows (or ROWS/2 pairs) per block

@@ -5,6 +5,8 @@
                            with `ahead`, the following step is queued before this one's token is read
     drain():               wait for a step queued ahead (its token is kept for the next next())
     logits(ids):           prefill with every row's logits kept
+    verify(drafts):        one pass over [last, *drafts] (speculative decoding): the accepted tokens
+    max_draft():           how many drafts verify() takes now
 """
 
 from __future__ import annotations
@@ -54,6 +56,7 @@ class PlanRunner:
         self.last: int | None = None  # the last sampled token: the next decode step's input
         self._queued: int | None = None  # the token slot of a decode step already queued for `last`
         self._slot = 0  # the token slot the next queued step uses (two alternate)
+        self._verify_plans: dict[int, plans.Plan] = {}  # k -> the verify step of k drafts
 
     @property
     def device(self) -> str:
@@ -150,6 +153,61 @@ class PlanRunner:
         """Wait for a step queued ahead; the next next() returns its token without a launch."""
         if self._queued is not None:
             self.backend.token(self._queued)
+
+    # -- speculative decoding ----------------------------------------------------------------------
+    def max_draft(self) -> int:
+        """The most drafts verify() takes now: plan.MAX_DRAFT, fewer near the end of the context (its k + 1
+        rows must fit in the KV cache); 0 also when the context is full (then verify, as next, raises)."""
+        return max(0, min(plans.MAX_DRAFT, self.max_seq_len - len(self.cached) - 1))
+
+    def verify_plan(self, k: int) -> plans.Plan:
+        """The verify step of k drafts (1..plan.MAX_DRAFT), made once: the CUDA backend captures it as its own
+        graph (by its name, verify[k]). For benchmarks: backend.replay(plan) times one verify step; each
+        replay advances the position by the tokens it accepts (1..k + 1), like a decode step's by one."""
+        if k not in self._verify_plans:
+            self._verify_plans[k] = plans.verify_plan(self.cfg, self.max_seq_len, k)
+        return self._verify_plans[k]
+
+    def verify(self, drafts: Sequence[int]) -> list[int]:
+        """Check k = len(drafts) drafted tokens in ONE pass over the rows [last, *drafts] at positions
+        len(cached)..len(cached) + k (k = 0 is next()). Returns the accepted tokens: the longest prefix of the
+        drafts the target accepts, then the target's own next token (1..k + 1 ids). `cached` grows by last and
+        all of them but the final one, which becomes `last`; the device state (position, token, step counter,
+        seen, the next input) is as if plain steps had produced them.
+
+        Greedy: row r's pick is the argmax of its logits (bit for bit a plain step's at that position), so the
+        tokens are exactly what next() calls would return. Sampled: row r draws with counter step + r, the
+        draft first in its inverse CDF (speculative sampling, cullama.sampling.sample's `draft`): the tokens
+        are distributed as plain sampling's. Either way the drafts before a row count as seen.
+
+        A step queued ahead (next(ahead=True)) already computed the token after `last`: it is taken as the
+        first result (as next() would) and checked against the first draft; only if they agree do the other
+        drafts go through a verify step after it."""
+        if self.last is None:
+            raise PromptError("decoding needs a prompt first: call start()")
+        drafts = [int(t) for t in drafts]
+        bad = [t for t in drafts if not 0 <= t < self.cfg.vocab_size]
+        if bad:
+            raise PromptError(f"draft token id {bad[0]} is outside the vocabulary [0, {self.cfg.vocab_size})")
+        if len(drafts) > self.max_draft():
+            raise PromptError(f"{len(drafts)} drafts at position {len(self.cached)} do not fit: at most "
+                              f"{self.max_draft()} now (at most {plans.MAX_DRAFT}; the context is "
+                              f"{self.max_seq_len})")
+        if self._queued is not None:  # that step's token is the target's pick for the first row
+            first = self.next()
+            if not drafts or drafts[0] != first:
+                return [first]
+            return [first] + self.verify(drafts[1:])
+        if not drafts:
+            return [self.next()]
+        try:
+            accepted = self.backend.verify(self.verify_plan(len(drafts)), [self.last, *drafts])
+        except BaseException:  # as in next(): a step cut short leaves the device state half advanced
+            self.last, self._queued = None, None
+            raise
+        self.cached += [self.last, *accepted[:-1]]
+        self.last = accepted[-1]
+        return accepted
 
     def logits(self, token_ids: Sequence[int]) -> np.ndarray:
         if not 0 < len(token_ids) <= self.max_seq_len:

@@ -9,6 +9,12 @@ position lives in device memory, so one captured graph serves every position.
     per layer: gemv_qkv_rope -> attention_decode -> gemv_residual (o) -> gemv_gate_up_silu -> gemv_residual (down)
     then:      gemv_logits -> sample
 
+A verify step (speculative decoding) is the same launches over k + 1 token rows at positions pos..pos + k:
+verify_ids = [the last sampled token, k drafts] (written by the host), embed_rows, then every kernel above
+with k + 1 rows (each weight read once for all of them; every row computed exactly as a decode step at its
+position), and the sample kernel accepts on the device: verify_out = [n, the n accepted tokens], and
+state, seen and x end as n decode steps would leave them.
+
 A prefill chunk runs n prompt tokens at positions start..start+n-1 with GEMMs, then the same
 gemv_logits + sample on its last row (or a logits GEMM over every row, for `Llama.logits`).
 """
@@ -27,6 +33,11 @@ from .reference import rope_tables
 from .registry import KernelSpec
 
 GEMV_ROWS, GEMV_UNROLL, GEMV_THREADS = 4, 4, 128
+# A verify step's GEMVs (TOKENS = k + 1 rows): fewer loads in flight per thread leave registers for the
+# k + 1 sums of every weight row (gemv.cu; no spills up to 9 rows). Weight rows per block as in decode.
+VERIFY_GEMV_ROWS, VERIFY_GEMV_UNROLL = 4, 2
+MAX_DRAFT = 8  # drafts one verify step checks at most
+VERIFY_ROWS = MAX_DRAFT + 1  # its token rows at most: the last sampled token and the drafts
 ATTENTION_THREADS = 128
 SAMPLE_THREADS = 1024
 PREFILL_CHUNK = 256  # default prompt tokens per prefill pass: bounds the prefill buffers, any prompt length works
@@ -55,10 +66,18 @@ class Buffer:
 
 @dataclasses.dataclass(frozen=True)
 class Ref:
-    """A buffer argument; `index` selects one slice along the first axis (a layer, a row)."""
+    """A buffer argument; `index` selects one slice along the first axis (a layer, a row), `rows` the first
+    `rows` slices (a verify step's token rows: the kernels get their address, the twins that shape)."""
 
     name: str
     index: int | None = None
+    rows: int | None = None
+
+    def of(self, array):
+        """This argument's view of the buffer `array` (NumPy or CuPy)."""
+        if self.index is not None:
+            return array[self.index]
+        return array if self.rows is None else array[:self.rows]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -149,6 +168,19 @@ def runtime_buffers(cfg: LlamaConfig, max_seq: int, chunk: int | None = None) ->
         Buffer("attn_out", (cfg.q_dim,), "float32", "activation"),  # [heads * hd]
         Buffer("h", (ff,), "float32", "activation"),  # [ff] silu(gate) * up
         Buffer("logits", (V,), "float32", "activation"),  # [vocab]
+        # verify step: the decode step's activations for up to VERIFY_ROWS token rows, and the acceptance
+        Buffer("verify_ids", (VERIFY_ROWS,), "int32", "state"),  # [rows] row inputs: last sampled, drafts (host)
+        Buffer("verify_picks", (VERIFY_ROWS,), "int32", "activation"),  # [rows] each row's sampled token
+        Buffer("verify_out", (VERIFY_ROWS + 1,), "int32", "activation"),  # [1 + rows] n accepted, those n ids
+        Buffer("verify_arrivals", (1,), "uint32", "activation"),  # sample blocks done (zero between launches)
+        Buffer("verify_x", (VERIFY_ROWS, d), "float32", "activation"),  # [rows, d] residual streams
+        Buffer("verify_q", (VERIFY_ROWS, cfg.q_dim), "float32", "activation"),  # [rows, heads * hd]
+        Buffer("verify_attn_part", (VERIFY_ROWS, cfg.num_heads, attention_splits(cfg), hd + 2), "float32",
+               "activation"),  # [rows, heads, splits, hd + 2]
+        Buffer("verify_attn_count", (VERIFY_ROWS, cfg.num_kv_heads), "uint32", "activation"),  # [rows, kv heads]
+        Buffer("verify_attn_out", (VERIFY_ROWS, cfg.q_dim), "float32", "activation"),  # [rows, heads * hd]
+        Buffer("verify_h", (VERIFY_ROWS, ff), "float32", "activation"),  # [rows, ff]
+        Buffer("verify_logits", (VERIFY_ROWS, V), "float32", "activation"),  # [rows, vocab]
         # prefill chunk of up to `chunk` rows
         Buffer("prefill_ids", (chunk,), "int32", "activation"),  # [n] the chunk's token ids
         Buffer("x_rows", (chunk, d), "float32", "activation"),  # [n, d] residual stream
@@ -174,8 +206,16 @@ def rope_table(cfg: LlamaConfig, max_seq: int) -> np.ndarray:
 
 
 # -- kernels --------------------------------------------------------------------------------------
-def gemv(name: str) -> KernelSpec:
-    return KernelSpec("gemv.cu", name, (("ROWS", GEMV_ROWS), ("UNROLL", GEMV_UNROLL)))
+def gemv_rows(tokens: int = 1) -> int:
+    """Weight rows per GEMV block for `tokens` token rows (1: a decode step)."""
+    return GEMV_ROWS if tokens == 1 else VERIFY_GEMV_ROWS
+
+
+def gemv(name: str, tokens: int = 1) -> KernelSpec:
+    """A gemv.cu kernel for `tokens` token rows: the decode step's instance for 1, a verify step's for k + 1."""
+    if tokens == 1:
+        return KernelSpec("gemv.cu", name, (("ROWS", GEMV_ROWS), ("UNROLL", GEMV_UNROLL)))
+    return KernelSpec("gemv.cu", name, (("ROWS", VERIFY_GEMV_ROWS), ("UNROLL", VERIFY_GEMV_UNROLL), ("TOKENS", tokens)))
 
 
 def attention(name: str, cfg: LlamaConfig) -> KernelSpec:
@@ -209,36 +249,62 @@ def _layer(i: int, name: str) -> Ref:
 
 def decode_plan(cfg: LlamaConfig, max_seq: int) -> Plan:
     check_supported(cfg)
+    return Plan("decode", _step_launches(cfg, max_seq, 1, Ref))
+
+
+def verify_plan(cfg: LlamaConfig, max_seq: int, k: int) -> Plan:
+    """A verify step of k drafts (1..MAX_DRAFT): the token rows verify_ids[:k + 1] at positions pos..pos + k
+    (the host keeps pos + k < max_seq); the decode step's launches with k + 1 rows, sample accepting."""
+    check_supported(cfg)
+    if not 1 <= k <= MAX_DRAFT:
+        raise KernelError(f"a verify step checks 1 to {MAX_DRAFT} drafts, not {k}")
+    rows = k + 1
+
+    def act(name: str) -> Ref:  # a verify buffer's first `rows` token rows
+        return Ref(f"verify_{name}", rows=rows)
+
+    embed = Launch(prefill("embed_rows"), (rows, 1, 1), ROW_THREADS,
+                   (act("ids"), Ref("embed"), act("x"), i32(cfg.hidden_size)))
+    return Plan(f"verify[{k}]", [embed] + _step_launches(cfg, max_seq, rows, act))
+
+
+def _step_launches(cfg: LlamaConfig, max_seq: int, rows: int, act) -> list[Launch]:
+    """Every layer, the logits and the sample kernel over `rows` token rows (1: a decode step); act(name) is
+    the activation buffer `name` (x, q, attn_part, attn_count, attn_out, h, logits) as the kernels take it."""
     d, ff = cfg.hidden_size, cfg.intermediate_size
     nh, nkv, hd, eps = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, f32(cfg.rms_norm_eps)
-    pairs_per_block = GEMV_ROWS // 2
+    per_block = gemv_rows(rows)
     launches = []
     for i in range(cfg.num_layers):
         launches += [
-            Launch(gemv("gemv_qkv_rope"), (cdiv(cfg.qkv_dim // 2, pairs_per_block), 1, 1), GEMV_THREADS,
-                   (Ref("x"), _layer(i, "attn_norm"), _layer(i, "wqkv"), Ref("q"), Ref("k_cache", i),
+            Launch(gemv("gemv_qkv_rope", rows), (cdiv(cfg.qkv_dim // 2, per_block // 2), 1, 1), GEMV_THREADS,
+                   (act("x"), _layer(i, "attn_norm"), _layer(i, "wqkv"), act("q"), Ref("k_cache", i),
                     Ref("v_cache", i), Ref("rope"), Ref("state"), i32(d), i32(nh), i32(nkv), i32(hd),
                     i32(max_seq), eps)),
-            Launch(attention("attention_decode", cfg), (nkv, attention_splits(cfg), 1), ATTENTION_THREADS,
-                   (Ref("q"), Ref("k_cache", i), Ref("v_cache", i), Ref("attn_part"), Ref("attn_count"),
-                    Ref("attn_out"), Ref("state"), i32(max_seq), f32(1.0 / np.sqrt(hd)))),
-            Launch(gemv("gemv_residual"), (cdiv(d, GEMV_ROWS), 1, 1), GEMV_THREADS,
-                   (Ref("attn_out"), _layer(i, "wo"), Ref("x"), i32(d), i32(cfg.q_dim))),
-            Launch(gemv("gemv_gate_up_silu"), (cdiv(ff, pairs_per_block), 1, 1), GEMV_THREADS,
-                   (Ref("x"), _layer(i, "ffn_norm"), _layer(i, "w_gate_up"), Ref("h"), i32(ff), i32(d), eps)),
-            Launch(gemv("gemv_residual"), (cdiv(d, GEMV_ROWS), 1, 1), GEMV_THREADS,
-                   (Ref("h"), _layer(i, "w_down"), Ref("x"), i32(d), i32(ff))),
+            Launch(attention("attention_decode", cfg), (nkv, attention_splits(cfg), rows), ATTENTION_THREADS,
+                   (act("q"), Ref("k_cache", i), Ref("v_cache", i), act("attn_part"), act("attn_count"),
+                    act("attn_out"), Ref("state"), i32(max_seq), f32(1.0 / np.sqrt(hd)))),
+            Launch(gemv("gemv_residual", rows), (cdiv(d, per_block), 1, 1), GEMV_THREADS,
+                   (act("attn_out"), _layer(i, "wo"), act("x"), i32(d), i32(cfg.q_dim))),
+            Launch(gemv("gemv_gate_up_silu", rows), (cdiv(ff, per_block // 2), 1, 1), GEMV_THREADS,
+                   (act("x"), _layer(i, "ffn_norm"), _layer(i, "w_gate_up"), act("h"), i32(ff), i32(d), eps)),
+            Launch(gemv("gemv_residual", rows), (cdiv(d, per_block), 1, 1), GEMV_THREADS,
+                   (act("h"), _layer(i, "w_down"), act("x"), i32(d), i32(ff))),
         ]
-    return Plan("decode", launches + _logits_and_sample(cfg, Ref("x")))
+    return launches + _logits_and_sample(cfg, act("x"), act("logits"), rows)
 
 
-def _logits_and_sample(cfg: LlamaConfig, x: Ref) -> list[Launch]:
+def _logits_and_sample(cfg: LlamaConfig, x: Ref, logits: Ref = Ref("logits"), rows: int = 1) -> list[Launch]:
+    """logits = lm_head · rmsnorm(x) for `rows` token rows, then the sample kernel over them (1 row: the next
+    token; more: a verify step's acceptance). Either way it sets up the next decode step (state, seen, x)."""
     d, V = cfg.hidden_size, cfg.vocab_size
+    verify = [Ref("verify_ids", rows=rows), Ref("verify_picks", rows=rows), Ref("verify_out", rows=rows + 1),
+              Ref("verify_arrivals")]
     return [
-        Launch(gemv("gemv_logits"), (cdiv(V, GEMV_ROWS), 1, 1), GEMV_THREADS,
-               (x, Ref("final_norm"), Ref("lm_head"), Ref("logits"), i32(V), i32(d), f32(cfg.rms_norm_eps))),
-        Launch(SAMPLE, (1, 1, 1), SAMPLE_THREADS,
-               (Ref("logits"), Ref("seen"), Ref("state"), Ref("fparams"), Ref("embed"), Ref("x"), i32(V), i32(d))),
+        Launch(gemv("gemv_logits", rows), (cdiv(V, gemv_rows(rows)), 1, 1), GEMV_THREADS,
+               (x, Ref("final_norm"), Ref("lm_head"), logits, i32(V), i32(d), f32(cfg.rms_norm_eps))),
+        Launch(SAMPLE, (rows, 1, 1), SAMPLE_THREADS,
+               (logits, Ref("seen"), Ref("state"), Ref("fparams"), Ref("embed"), Ref("x"), *verify, i32(V), i32(d))),
     ]
 
 

@@ -122,10 +122,17 @@ def _nucleus(p: np.ndarray, budget: np.float32) -> np.ndarray:
     return p >= threshold
 
 
-def sample(logits: np.ndarray, params: SamplingParams, seen_mask: np.ndarray, step: int) -> int:
+def sample(logits: np.ndarray, params: SamplingParams, seen_mask: np.ndarray, step: int,
+           draft: int | None = None) -> int:
     """Pick the next token id from one row of logits [vocab]. params.seed must be resolved.
 
     NaN logits count as -inf; NO_TOKEN where every logit is NaN or -inf (the module's rule).
+
+    `draft` (speculative decoding: a drafted token for this position) moves the draft's bucket to the
+    front of the inverse CDF: the draw returns the draft with probability p(draft), and otherwise a token
+    drawn from p with the draft removed, renormalised. That is speculative sampling with a point mass for
+    the draft distribution (accept with probability min(1, p/q) = p(draft), else resample from the
+    residual), and the result is distributed as p itself. Greedy ignores it. Without a draft: plain id order.
     """
     if params.seed is None:
         raise ValueError("sample() needs a resolved seed; Sampler draws one")
@@ -162,16 +169,25 @@ def sample(logits: np.ndarray, params: SamplingParams, seen_mask: np.ndarray, st
     if params.top_p < 1.0:
         p = np.where(_nucleus(p, np.float32(params.top_p) * z), p, np.float32(0)).astype(np.float32)
         z = p.sum(dtype=np.float32)
-    # 7. Inverse CDF in id order. A token with p = 0 never raises the cumulative sum, so it can
-    #    never be the first to exceed the target: only kept tokens with p > 0 are chosen.
-    target = np.float32(uniform(params.seed, step)) * z
+    # 7. Inverse CDF in id order, after the draft's bucket [0, p(draft)) if there is a draft. A token
+    #    with p = 0 never raises the cumulative sum, so it can never be the first to exceed the target:
+    #    only kept tokens with p > 0 are chosen.
+    p_draft = np.float32(0)
+    if draft is not None:
+        p_draft, p = p[draft], np.where(np.arange(vocab) == draft, np.float32(0), p).astype(np.float32)
+        z = p.sum(dtype=np.float32)  # the rest's mass
+    target = np.float32(uniform(params.seed, step)) * (z + p_draft)
+    if target < p_draft:
+        return int(draft)
+    target = target - p_draft
     cumulative = np.cumsum(p, dtype=np.float32)
     (hits,) = np.nonzero(cumulative > target)
     if hits.size:
         return int(hits[0])
     # The cumsum's rounding can leave its total at or below target (z is summed in another
-    # order): the draw belongs to the last bucket.
-    return int(np.flatnonzero(p > 0)[-1])
+    # order): the draw belongs to the last bucket (the draft's, when nothing else has mass).
+    rest = np.flatnonzero(p > 0)
+    return int(rest[-1]) if rest.size else int(draft)
 
 
 def drawn(token: int) -> int:

@@ -1,22 +1,25 @@
 // attention.cu — softmax(q·K^T * scale)·V over the KV cache, for the decode step and for a prompt chunk.
 //
 //   attention_decode   one new token: flash-decoding, the keys 0..pos split across gridDim.y blocks per
-//                      kv head; the last block of each kv head to finish combines the splits
+//                      kv head; the last block of each kv head to finish combines the splits. A verify
+//                      step's k + 1 token rows are gridDim.z: row t (position pos + t) runs exactly the
+//                      one-row computation over its own keys 0..pos + t, its own splits included, so each
+//                      row is bit for bit what a decode step at that position computes
 //   attention_prefill  a prompt chunk: row r (position start + r) attends causally to keys 0..start + r;
 //                      a block takes ROWS_Q rows of one kv head, so each key is loaded once per ROWS_Q rows
 //
 // Variants: HEAD_DIM (a power of two, 8..128), GROUP (query heads per kv head, 1..8) and, for prefill
 // only, ROWS_Q (query rows per block, 1..8), all compile-time. Launch: grid (n_kv_heads, splits) for
-// decode, (n_kv_heads, ceil(n_rows / ROWS_Q)) for prefill; THREADS (128) threads. Inside a block,
-// LPK = HEAD_DIM / 8 lanes share one key (a 16-byte load of 8 halves each), so a warp covers 32 / LPK
-// keys at once and every key of K and V is loaded once for all the block's queries: the GROUP query
-// heads of its kv head (decode), times ROWS_Q rows (prefill). Each lane group keeps an online softmax
-// (m, l, acc) per query for its keys, UNROLL keys per batch with all their loads issued first; lane
-// groups merge through shuffles, warps through shared memory.
-// Shapes: q [n_heads * HD] float32; q_rows, out_rows [rows, n_heads * HD] FP16; k_cache, v_cache
-// [n_kv_heads, max_seq, HD] FP16 (this layer's); part [n_heads, splits, HD + 2] float32 (acc[HD], m, l:
-// unnormalised sums of one split); count [n_kv_heads] uint32, zero between launches; out [n_heads * HD]
-// float32. Query head h uses kv head h / GROUP.
+// decode ((n_kv_heads, splits, rows) for a verify step), (n_kv_heads, ceil(n_rows / ROWS_Q)) for prefill;
+// THREADS (128) threads. Inside a block, LPK = HEAD_DIM / 8 lanes share one key (a 16-byte load of 8
+// halves each), so a warp covers 32 / LPK keys at once and every key of K and V is loaded once for all
+// the block's queries: the GROUP query heads of its kv head (decode), times ROWS_Q rows (prefill). Each
+// lane group keeps an online softmax (m, l, acc) per query for its keys, UNROLL keys per batch with all
+// their loads issued first; lane groups merge through shuffles, warps through shared memory.
+// Shapes: q [rows, n_heads * HD] float32 (decode: rows = gridDim.z, 1 for a decode step); q_rows, out_rows
+// [rows, n_heads * HD] FP16; k_cache, v_cache [n_kv_heads, max_seq, HD] FP16 (this layer's); part [rows,
+// n_heads, splits, HD + 2] float32 (acc[HD], m, l: unnormalised sums of one split); count [rows, n_kv_heads]
+// uint32, zero between launches; out [rows, n_heads * HD] float32. Query head h uses kv head h / GROUP.
 #include "common.cuh"
 
 #ifndef HEAD_DIM
@@ -178,10 +181,11 @@ __device__ __forceinline__ float combine_warps(const State<NQ>* red, int j, int 
     return a;
 }
 
-// grid (n_kv_heads, splits). n = state[STATE_POS] + 1 keys; split s takes keys [s c, min(n, (s + 1) c)),
-// c = ceil(n / splits) (decided here, so one captured graph serves every length); an empty split
-// writes acc = 0, m = -inf, l = 0. The last block of a kv head to finish combines its splits in order
-// s = 0, 1, ... into out and zeroes count[kv_head] for the next launch.
+// grid (n_kv_heads, splits, rows). Row t = blockIdx.z sees n = state[STATE_POS] + t + 1 keys; split s takes
+// keys [s c, min(n, (s + 1) c)), c = ceil(n / splits) (decided here, so one captured graph serves every
+// length); an empty split writes acc = 0, m = -inf, l = 0. The last block of a (row, kv head) to finish
+// combines its splits in order s = 0, 1, ... into out and zeroes its count for the next launch. Rows only
+// offset the pointers: every row runs the same instructions on its own data, whatever gridDim.z is.
 extern "C" __global__ void __launch_bounds__(THREADS)
 attention_decode(const float* __restrict__ q, const half_t* __restrict__ k_cache, const half_t* __restrict__ v_cache,
                  float* part, unsigned int* count, float* __restrict__ out, const int* __restrict__ state,
@@ -190,8 +194,13 @@ attention_decode(const float* __restrict__ q, const half_t* __restrict__ k_cache
     __shared__ bool is_last;
     pdl_launch_dependents();  // o_proj's blocks may start streaming their weights next to this grid
     pdl_wait();               // q and this position's k, v come from the kernel before
-    const int kv = blockIdx.x, split = blockIdx.y, splits = gridDim.y;
-    const int n = min(state[STATE_POS] + 1, max_seq);
+    const int kv = blockIdx.x, split = blockIdx.y, splits = gridDim.y, row = blockIdx.z;
+    const int heads = gridDim.x * GROUP;
+    q += (size_t)row * heads * HEAD_DIM;
+    out += (size_t)row * heads * HEAD_DIM;
+    part += (size_t)row * heads * splits * PART_STRIDE;
+    count += (size_t)row * gridDim.x;
+    const int n = min(state[STATE_POS] + row + 1, max_seq);
     const int chunk = (n + splits - 1) / splits;
     const int begin = min(split * chunk, n), end = min(begin + chunk, n);
     const int sub = (threadIdx.x % WARP) % LPK;

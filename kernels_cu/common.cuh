@@ -52,6 +52,10 @@ __device__ __forceinline__ float load_coherent(const float* p) {
     return v;
 }
 
+__device__ __forceinline__ int load_coherent(const int* p) {  // the same 32-bit load: the bits, not a value
+    return __float_as_int(load_coherent(reinterpret_cast<const float*>(p)));
+}
+
 // Programmatic dependent launch (sm_90+). A kernel launched with the attribute may start while the
 // kernel before it in the stream is still running; it must call pdl_wait() before it touches anything
 // an earlier kernel writes (activations, the KV cache, the state) and may only read weights before

@@ -1,4 +1,5 @@
-// gemv.cu — the decode step's matrix-vector products, each with its neighbours fused in.
+// gemv.cu — the decode step's matrix-vector products, each with its neighbours fused in, for TOKENS token
+// rows at once: 1 for a decode step, k + 1 for a speculative verify step (the last token and k drafts).
 //
 //   gemv_qkv_rope      q|k|v = W_qkv · rmsnorm(x)   + RoPE on q and k, k and v written to the KV cache
 //   gemv_residual      x += W · in                  (o_proj on the attention output, down_proj on h)
@@ -9,9 +10,16 @@
 // sweep K together in 16-byte vectors (split-K inside the block, reduced through shared memory),
 // with UNROLL x ROWS streaming loads in flight per thread. RMSNorm is free here: the block reads
 // all of x for the dot product anyway, so it sums x^2 on the way and scales the result.
-// Shapes: W [M, K] FP16 row-major, K % 8 == 0, any M; x, in: [K] float32; 16-byte aligned rows.
+// Shapes: W [M, K] FP16 row-major, K % 8 == 0, any M; x, in: [TOKENS, K] float32 (row t at t * K), outputs
+// [TOKENS, M] likewise; token row t is at position state[STATE_POS] + t; 16-byte aligned rows.
 // Rows that need each other share a block: RoPE pairs (j, j + hd/2) of one head, and the gate
 // and up rows (r, ff + r) of one SwiGLU unit.
+// Token rows: each weight vector a thread loads is multiplied with all TOKENS rows of x, so W is read once
+// for all of them. Row t's arithmetic is exactly the 1-row kernel's on that row, whatever TOKENS, ROWS and
+// UNROLL are: thread i always adds the products of its vectors i, i + THREADS, i + 2 THREADS, ... in that
+// order, with explicit fmaf (NVRTC would contract a*b + c on its own, and could decide differently when the
+// code around it differs), then the same warp butterfly and the same sum over warps in order. So a verify
+// step's logits equal the plain steps' bit for bit (tests/test_verify.py).
 // Overlap: each kernel lets the next one launch at once (pdl_launch_dependents) and issues its first
 // batch of weight loads before pdl_wait(), so under programmatic dependent launch (the decode graph's
 // `overlap` mode) a block streams its weights while the previous kernel's tail runs.
@@ -24,14 +32,21 @@
 #ifndef UNROLL
 #define UNROLL 4  // 16-byte loads per row per thread in one batch
 #endif
+#ifndef TOKENS
+#define TOKENS 1  // token rows per launch: 1 = a decode step, k + 1 = a verify step of k drafts
+#endif
 #define THREADS 128
 // Resident blocks per SM that ptxas must leave room for: at most 65536 / (5 * 128) = 102 registers.
 // Without it the split first batch (below) takes 108-115 registers and only 4 blocks fit: fewer
-// loads in flight per SM. 0 spills either way (CI checks).
+// loads in flight per SM. 0 spills either way (CI checks). More token rows hold more sums: fewer blocks.
 #ifndef MIN_BLOCKS
-#define MIN_BLOCKS 5
+#define MIN_BLOCKS (TOKENS == 1 ? 5 : TOKENS <= 3 ? 4 : TOKENS <= 5 ? 3 : 2)
 #endif
 #define PAIRS (ROWS / 2)
+
+#if TOKENS < 1 || TOKENS > 9
+#error "TOKENS must be 1..9 (a verify step of at most 8 drafts)"
+#endif
 
 // One block's weight rows and the batch of streaming loads in flight: w[u][r] is row r's vector
 // base + u * THREADS. Kernels issue the first batch before pdl_wait(): it reads only W, which no kernel
@@ -58,62 +73,83 @@ __device__ __forceinline__ void first_batch(RowLoads& b, const half_t* __restric
     load_batch(b, threadIdx.x, K / 8);
 }
 
-// acc[r] = W[rows[r], :] · (x ⊙ g)  (g = 1 without NORM); ss = Σ x² (NORM only), over the rows that
-// first_batch set up. Block-wide: on return, thread 0 holds the reduced sums.
+// block_dot_rows' per-warp sums in shared memory; reduced() adds them up, in warp order, for one token row.
+struct RowSums {
+    float partial[THREADS / WARP][TOKENS][ROWS + 1];  // per warp: the ROWS dot products, then ss
+};
+
+// dot[t][r] = W[rows[r], :] · (x_t ⊙ g) (g = 1 without NORM), ss[t] = Σ x_t² (NORM only), for the rows that
+// first_batch set up and the TOKENS rows of x ([TOKENS, K]). Block-wide; on return (after a barrier) thread
+// t < TOKENS gets token row t's sums from reduced(), summed over the warps in order.
 template <bool NORM>
 __device__ __forceinline__ void block_dot_rows(RowLoads& b, int K, const float* __restrict__ x,
-                                               const half_t* __restrict__ g, float (&acc)[ROWS], float& ss) {
-    __shared__ float partial[THREADS / WARP][ROWS + 1];
+                                               const half_t* __restrict__ g, RowSums& sums) {
     const int nvec = K / 8;
+    float acc[TOKENS][ROWS], ss[TOKENS];
 #pragma unroll
-    for (int r = 0; r < ROWS; ++r) acc[r] = 0.f;
-    ss = 0.f;
+    for (int t = 0; t < TOKENS; ++t) {
+        ss[t] = 0.f;
+#pragma unroll
+        for (int r = 0; r < ROWS; ++r) acc[t][r] = 0.f;
+    }
     for (int base = threadIdx.x; base < nvec; base += THREADS * UNROLL) {
         if (base != (int)threadIdx.x) load_batch(b, base, nvec);  // the first batch is already in flight
 #pragma unroll
         for (int u = 0; u < UNROLL; ++u) {
             const int v = base + u * THREADS;
             if (v >= nvec) continue;  // not break: a break can keep the loop from unrolling
-            const float4 x0 = reinterpret_cast<const float4*>(x)[2 * v];
-            const float4 x1 = reinterpret_cast<const float4*>(x)[2 * v + 1];
-            float xv[8] = {x0.x, x0.y, x0.z, x0.w, x1.x, x1.y, x1.z, x1.w};
-            if (NORM) {
-                float gv[8];
-                unpack8(reinterpret_cast<const uint4*>(g)[v], gv);
+            float wv[ROWS][8];  // each weight vector converted once, for every token row
 #pragma unroll
-                for (int i = 0; i < 8; ++i) {
-                    ss += xv[i] * xv[i];
-                    xv[i] *= gv[i];
+            for (int r = 0; r < ROWS; ++r) unpack8(b.w[u][r], wv[r]);
+            float gv[8];
+            if (NORM) unpack8(reinterpret_cast<const uint4*>(g)[v], gv);
+#pragma unroll
+            for (int t = 0; t < TOKENS; ++t) {
+                const float4* xt = reinterpret_cast<const float4*>(x + (size_t)t * K);
+                const float4 x0 = xt[2 * v], x1 = xt[2 * v + 1];
+                float xv[8] = {x0.x, x0.y, x0.z, x0.w, x1.x, x1.y, x1.z, x1.w};
+                if (NORM) {
+#pragma unroll
+                    for (int i = 0; i < 8; ++i) {
+                        ss[t] = fmaf(xv[i], xv[i], ss[t]);
+                        xv[i] = __fmul_rn(xv[i], gv[i]);
+                    }
                 }
-            }
 #pragma unroll
-            for (int r = 0; r < ROWS; ++r) {
-                float wv[8];
-                unpack8(b.w[u][r], wv);
+                for (int r = 0; r < ROWS; ++r) {
 #pragma unroll
-                for (int i = 0; i < 8; ++i) acc[r] += wv[i] * xv[i];
+                    for (int i = 0; i < 8; ++i) acc[t][r] = fmaf(wv[r][i], xv[i], acc[t][r]);
+                }
             }
         }
     }
     const int lane = threadIdx.x % WARP, warp = threadIdx.x / WARP;
 #pragma unroll
-    for (int r = 0; r < ROWS; ++r) acc[r] = warp_sum(acc[r]);
-    if (NORM) ss = warp_sum(ss);
+    for (int t = 0; t < TOKENS; ++t) {
+#pragma unroll
+        for (int r = 0; r < ROWS; ++r) acc[t][r] = warp_sum(acc[t][r]);
+        if (NORM) ss[t] = warp_sum(ss[t]);
+    }
     if (lane == 0) {
 #pragma unroll
-        for (int r = 0; r < ROWS; ++r) partial[warp][r] = acc[r];
-        partial[warp][ROWS] = ss;
+        for (int t = 0; t < TOKENS; ++t) {
+#pragma unroll
+            for (int r = 0; r < ROWS; ++r) sums.partial[warp][t][r] = acc[t][r];
+            sums.partial[warp][t][ROWS] = ss[t];
+        }
     }
     __syncthreads();
-    if (threadIdx.x == 0) {
+}
+
+// Token row t's sums over the warps, in warp order: dot[r] for the block's ROWS rows, and ss.
+__device__ __forceinline__ void reduced(const RowSums& sums, int t, float (&dot)[ROWS], float& ss) {
 #pragma unroll
-        for (int r = 0; r < ROWS; ++r) {
-            acc[r] = 0.f;
-            for (int w2 = 0; w2 < THREADS / WARP; ++w2) acc[r] += partial[w2][r];
-        }
-        ss = 0.f;
-        for (int w2 = 0; w2 < THREADS / WARP; ++w2) ss += partial[w2][ROWS];
+    for (int r = 0; r < ROWS; ++r) {
+        dot[r] = 0.f;
+        for (int w = 0; w < THREADS / WARP; ++w) dot[r] += sums.partial[w][t][r];
     }
+    ss = 0.f;
+    for (int w = 0; w < THREADS / WARP; ++w) ss += sums.partial[w][t][ROWS];
 }
 
 __device__ __forceinline__ float rms_scale(float ss, int K, float eps) { return rsqrtf(ss / (float)K + eps); }
@@ -121,13 +157,14 @@ __device__ __forceinline__ float rms_scale(float ss, int K, float eps) { return 
 __device__ __forceinline__ float silu(float a) { return a / (1.f + expf(-a)); }
 
 // grid: ceil(qkv_dim / ROWS); rows are RoPE pairs. W_qkv [(n_heads + 2 n_kv_heads) * hd, d].
-// q_out [n_heads * hd] float32 (after RoPE); k_cache, v_cache [n_kv_heads, max_seq, hd] FP16 (this
-// layer's), written at position state[STATE_POS]; rope [max_seq, hd / 2, 2] float32 (cos, sin).
+// q_out [TOKENS, n_heads * hd] float32 (after RoPE); k_cache, v_cache [n_kv_heads, max_seq, hd] FP16 (this
+// layer's), token row t's written at position state[STATE_POS] + t; rope [max_seq, hd / 2, 2] float32 (cos, sin).
 extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS)
 gemv_qkv_rope(const float* __restrict__ x, const half_t* __restrict__ norm_w, const half_t* __restrict__ W,
               float* __restrict__ q_out, half_t* __restrict__ k_cache, half_t* __restrict__ v_cache,
               const float* __restrict__ rope, const int* __restrict__ state, int d, int n_heads, int n_kv_heads,
               int hd, int max_seq, float eps) {
+    __shared__ RowSums sums;
     pdl_launch_dependents();  // the next kernel may start streaming its weights
     const int half_hd = hd / 2, n_pairs = (n_heads + 2 * n_kv_heads) * half_hd;
     int rows[ROWS];
@@ -141,23 +178,26 @@ gemv_qkv_rope(const float* __restrict__ x, const half_t* __restrict__ norm_w, co
     RowLoads loads;
     first_batch(loads, W, rows, d);
     pdl_wait();  // everything below may read what the previous kernel wrote
-    float acc[ROWS], ss;
-    block_dot_rows<true>(loads, d, x, norm_w, acc, ss);
-    if (threadIdx.x != 0) return;
+    block_dot_rows<true>(loads, d, x, norm_w, sums);
+    const int t = threadIdx.x;
+    if (t >= TOKENS) return;
+    float dot[ROWS], ss;
+    reduced(sums, t, dot, ss);
     const float scale = rms_scale(ss, d, eps);
-    const int pos = state[STATE_POS];
+    const int pos = state[STATE_POS] + t;
 #pragma unroll
     for (int i = 0; i < PAIRS; ++i) {
         const int p = blockIdx.x * PAIRS + i;
         if (p >= n_pairs) continue;
-        rope_store_pair(p, acc[2 * i] * scale, acc[2 * i + 1] * scale, rope + pos * half_hd * 2, q_out, k_cache,
-                        v_cache, pos, n_heads, n_kv_heads, hd, max_seq);
+        rope_store_pair(p, dot[2 * i] * scale, dot[2 * i + 1] * scale, rope + pos * half_hd * 2,
+                        q_out + (size_t)t * n_heads * hd, k_cache, v_cache, pos, n_heads, n_kv_heads, hd, max_seq);
     }
 }
 
-// grid: ceil(M / ROWS). x [M] float32 += W [M, K] · in [K].
+// grid: ceil(M / ROWS). x [TOKENS, M] float32 += W [M, K] · in [TOKENS, K].
 extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS)
 gemv_residual(const float* __restrict__ in, const half_t* __restrict__ W, float* __restrict__ x, int M, int K) {
+    __shared__ RowSums sums;
     pdl_launch_dependents();  // the next kernel may start streaming its weights
     int rows[ROWS];
 #pragma unroll
@@ -165,20 +205,23 @@ gemv_residual(const float* __restrict__ in, const half_t* __restrict__ W, float*
     RowLoads loads;
     first_batch(loads, W, rows, K);
     pdl_wait();  // everything below may read what the previous kernel wrote
-    float acc[ROWS], ss;
-    block_dot_rows<false>(loads, K, in, nullptr, acc, ss);
-    if (threadIdx.x != 0) return;
+    block_dot_rows<false>(loads, K, in, nullptr, sums);
+    const int t = threadIdx.x;
+    if (t >= TOKENS) return;
+    float dot[ROWS], ss;
+    reduced(sums, t, dot, ss);
 #pragma unroll
     for (int r = 0; r < ROWS; ++r) {
         const int row = blockIdx.x * ROWS + r;
-        if (row < M) x[row] += acc[r];
+        if (row < M) x[(size_t)t * M + row] += dot[r];
     }
 }
 
-// grid: ceil(ff / PAIRS). W [2 ff, d]: gate rows then up rows. h [ff] float32.
+// grid: ceil(ff / PAIRS). W [2 ff, d]: gate rows then up rows. h [TOKENS, ff] float32.
 extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS)
 gemv_gate_up_silu(const float* __restrict__ x, const half_t* __restrict__ norm_w, const half_t* __restrict__ W,
                   float* __restrict__ h, int ff, int d, float eps) {
+    __shared__ RowSums sums;
     pdl_launch_dependents();  // the next kernel may start streaming its weights
     int rows[ROWS];
 #pragma unroll
@@ -190,21 +233,24 @@ gemv_gate_up_silu(const float* __restrict__ x, const half_t* __restrict__ norm_w
     RowLoads loads;
     first_batch(loads, W, rows, d);
     pdl_wait();  // everything below may read what the previous kernel wrote
-    float acc[ROWS], ss;
-    block_dot_rows<true>(loads, d, x, norm_w, acc, ss);
-    if (threadIdx.x != 0) return;
+    block_dot_rows<true>(loads, d, x, norm_w, sums);
+    const int t = threadIdx.x;
+    if (t >= TOKENS) return;
+    float dot[ROWS], ss;
+    reduced(sums, t, dot, ss);
     const float scale = rms_scale(ss, d, eps);
 #pragma unroll
     for (int i = 0; i < PAIRS; ++i) {
         const int r = blockIdx.x * PAIRS + i;
-        if (r < ff) h[r] = silu(acc[2 * i] * scale) * (acc[2 * i + 1] * scale);
+        if (r < ff) h[(size_t)t * ff + r] = silu(dot[2 * i] * scale) * (dot[2 * i + 1] * scale);
     }
 }
 
-// grid: ceil(V / ROWS). logits [V] float32 = W [V, d] · rmsnorm(x).
+// grid: ceil(V / ROWS). logits [TOKENS, V] float32 = W [V, d] · rmsnorm(x [TOKENS, d]).
 extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS)
 gemv_logits(const float* __restrict__ x, const half_t* __restrict__ norm_w, const half_t* __restrict__ W,
             float* __restrict__ logits, int V, int d, float eps) {
+    __shared__ RowSums sums;
     pdl_launch_dependents();  // the next kernel may start streaming its weights
     int rows[ROWS];
 #pragma unroll
@@ -212,13 +258,15 @@ gemv_logits(const float* __restrict__ x, const half_t* __restrict__ norm_w, cons
     RowLoads loads;
     first_batch(loads, W, rows, d);
     pdl_wait();  // everything below may read what the previous kernel wrote
-    float acc[ROWS], ss;
-    block_dot_rows<true>(loads, d, x, norm_w, acc, ss);
-    if (threadIdx.x != 0) return;
+    block_dot_rows<true>(loads, d, x, norm_w, sums);
+    const int t = threadIdx.x;
+    if (t >= TOKENS) return;
+    float dot[ROWS], ss;
+    reduced(sums, t, dot, ss);
     const float scale = rms_scale(ss, d, eps);
 #pragma unroll
     for (int r = 0; r < ROWS; ++r) {
         const int row = blockIdx.x * ROWS + r;
-        if (row < V) logits[row] = acc[r] * scale;
+        if (row < V) logits[(size_t)t * V + row] = dot[r] * scale;
     }
 }

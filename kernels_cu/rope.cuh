@@ -20,7 +20,10 @@ __device__ __forceinline__ void rope_store_pair(int p, float y0, float y1, const
     const int half_hd = hd / 2, head = p / half_hd, j = p % half_hd;
     if (head < n_heads + n_kv_heads) {  // q and k rotate; v does not
         const float c = cs[2 * j], s = cs[2 * j + 1];
-        const float r0 = y0 * c - y1 * s, r1 = y1 * c + y0 * s;
+        // Rounded products, never contracted into an FMA: every caller rotates a pair bit for bit alike
+        // (decode and verify rows are compared bit for bit; NVRTC contracts a*b + c where it likes).
+        const float r0 = __fsub_rn(__fmul_rn(y0, c), __fmul_rn(y1, s));
+        const float r1 = __fadd_rn(__fmul_rn(y1, c), __fmul_rn(y0, s));
         y0 = r0;
         y1 = r1;
     }

@@ -8,10 +8,22 @@
 //                  bounds.
 //   uniform_probe  out[0] = uniform(seed, step), one thread: the RNG bit for bit, for the tests
 //
-// Launch: sample is ONE block of THREADS (1024) threads, inside the decode CUDA graph after gemv_logits,
-// so every parameter is read from device memory: temperature, top_p, repetition penalty from fparams,
-// top_k, seed (two words) and step from state (layouts in common.cuh). Shapes: logits [V] float32,
-// seen [V] uint8 (nonzero = seen), embed [V, d] FP16, x [d] float32, state [8] int32, fparams [4] f32.
+// Launch: sample is ONE block of THREADS (1024) threads per token row, inside the decode CUDA graph after
+// gemv_logits, so every parameter is read from device memory: temperature, top_p, repetition penalty from
+// fparams, top_k, seed (two words) and step from state (layouts in common.cuh). Shapes: logits [rows, V]
+// float32, seen [V] uint8 (nonzero = seen), embed [V, d] FP16, x [d] float32, state [8] int32, fparams [4]
+// f32, ids [rows] int32, picks [rows] int32, out [1 + rows] int32, arrivals [1] uint32 (zero between launches).
+//
+// Speculative verify (grid = rows = k + 1 > 1): row r's logits follow ids[r] (ids[0] the last sampled token,
+// ids[1..k] the drafts). Block r picks row r's token exactly as a decode step would there, with the drafts
+// before it counted as seen (repetition penalty: block r penalises those logits of its own row in place and
+// restores them before it finishes) and step + r as the RNG counter, except that on the sampled path the
+// draft ids[r + 1] gets the first bucket of the inverse CDF: the draw picks it with probability p(draft) and
+// otherwise samples p with the draft removed, renormalised: speculative sampling with a point mass for the
+// draft distribution, so every row's pick is distributed as p itself. The last block to
+// finish accepts: n - 1 = how many leading drafts equal their row's pick (greedy: the argmax), then the
+// pick of row n - 1; out = [n, the n tokens]; state, seen and x end as n decode steps would leave them.
+// The counters of the rows past n - 1 are drawn again by the next step: those draws decided nothing.
 //
 // Every float is compared through an order-preserving uint32 key (a < b <=> key(a) < key(b), -0 == +0),
 // so thresholds are found by exact integer bit searches and all results are deterministic.
@@ -74,8 +86,17 @@ __device__ __forceinline__ float key_float(uint32_t k) {
 
 // uniform(seed, step): the spec's splitmix64 draw, in common.cuh.
 
+// HF's repetition penalty on one logit: divided by the penalty if positive, else multiplied (IEEE, as NumPy).
+__device__ __forceinline__ float penalised(float v, float penalty) {
+    return v > 0.f ? __fdiv_rn(v, penalty) : __fmul_rn(v, penalty);
+}
+
+// This block's row of logits (a verify step's row blockIdx.x), set once by sample(). Read from shared memory
+// where needed: a row pointer held in registers through the sampled path's passes spills on sm_100 / sm_120.
+__shared__ const float* row_logits;
+#define MAX_DRAFTS 8  // drafts before a row at most: cullama.plan.MAX_DRAFT
+
 struct Transform {  // logit -> key: HF repetition penalty on seen ids, then / temperature (IEEE, as NumPy)
-    const float* logits;
     const unsigned char* seen;
     int V;
     bool penalise, scale;  // scale: divide by the temperature (not on the greedy path)
@@ -83,8 +104,8 @@ struct Transform {  // logit -> key: HF repetition penalty on seen ids, then / t
 
     // The key of id i < V.
     __device__ __forceinline__ uint32_t key1(int i) const {
-        float v = logits[i];
-        if (penalise && seen[i]) v = v > 0.f ? __fdiv_rn(v, penalty) : __fmul_rn(v, penalty);
+        float v = row_logits[i];
+        if (penalise && seen[i]) v = penalised(v, penalty);
         if (scale) v = __fdiv_rn(v, temperature);
         return float_key(v);
     }
@@ -94,14 +115,14 @@ struct Transform {  // logit -> key: HF repetition penalty on seen ids, then / t
         float l[4] = {0.f, 0.f, 0.f, 0.f};
         uint32_t s = 0;
         if (i + 3 < V) {
-            const float4 v = *reinterpret_cast<const float4*>(logits + i);
+            const float4 v = *reinterpret_cast<const float4*>(row_logits + i);
             l[0] = v.x; l[1] = v.y; l[2] = v.z; l[3] = v.w;
             if (penalise) s = *reinterpret_cast<const uint32_t*>(seen + i);
         } else {
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
                 if (i + e < V) {
-                    l[e] = logits[i + e];
+                    l[e] = row_logits[i + e];
                     if (penalise) s |= (uint32_t)seen[i + e] << (8 * e);
                 }
             }
@@ -109,7 +130,7 @@ struct Transform {  // logit -> key: HF repetition penalty on seen ids, then / t
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
             float v = l[e];
-            if ((s >> (8 * e)) & 0xffu) v = v > 0.f ? __fdiv_rn(v, penalty) : __fmul_rn(v, penalty);
+            if ((s >> (8 * e)) & 0xffu) v = penalised(v, penalty);
             if (scale) v = __fdiv_rn(v, temperature);
             k[e] = i + e < V ? float_key(v) : ABSENT;
         }
@@ -228,7 +249,9 @@ __device__ __forceinline__ void for_each(const uint32_t (&v)[REG_ITEMS], const u
     }
 }
 
-__device__ __forceinline__ int sampled_token(const Transform& tf, int top_k, float top_p, uint64_t seed, int step) {
+// front >= 0 (a draft): its bucket comes first in the inverse CDF (see the header); -1: plain id order.
+__device__ __forceinline__ int sampled_token(const Transform& tf, int top_k, float top_p, uint64_t seed, int step,
+                                             int front) {
     __shared__ uint32_t su[2][WARPS];
     __shared__ float sf[2][WARPS];
     __shared__ int si[2][WARPS];
@@ -291,17 +314,23 @@ __device__ __forceinline__ int sampled_token(const Transform& tf, int top_k, flo
         }
     }
 
-    // 5. inverse CDF in id order over the kept mass.
-    float total = 0.f;
-    for_each(v, cache, tf, begin, n, kth, max_l,
-             [&](int, uint32_t p) { total += p >= tp ? __uint_as_float(p) : 0.f; });
-    __syncthreads();  // the searches' last scratch buffers are free again
-    float z_kept;
-    float c = block_exclusive_scan(total, sf[1], z_kept);
-    const float target = uniform(seed, step) * z_kept;
-    int hit = NO_HIT, last = -1;
+    // 5. inverse CDF over the kept mass: the front's bucket [0, p_front) first, then the others in id order.
+    float total = 0.f, mine = 0.f;  // kept mass of this thread's ids but the front; the front's (its owner)
     for_each(v, cache, tf, begin, n, kth, max_l, [&](int j, uint32_t p) {
         const float q = p >= tp ? __uint_as_float(p) : 0.f;
+        if (begin + j == front) mine = q;
+        else total += q;
+    });
+    __syncthreads();  // the searches' last scratch buffers are free again
+    float z_rest;
+    float c = block_exclusive_scan(total, sf[1], z_rest);
+    const float p_front = front < 0 ? 0.f : block_sum_f(mine, sf[0]);  // block-uniform branch
+    float target = __fmul_rn(uniform(seed, step), z_rest + p_front);  // without a front: u * z_rest, exactly
+    if (target < p_front) return front;
+    target = __fsub_rn(target, p_front);
+    int hit = NO_HIT, last = -1;
+    for_each(v, cache, tf, begin, n, kth, max_l, [&](int j, uint32_t p) {
+        const float q = p >= tp && begin + j != front ? __uint_as_float(p) : 0.f;
         c += q;
         if (q > 0.f) {  // a token without mass is never picked, even where the scans' rounding differ
             if (c > target && hit == NO_HIT) hit = begin + j;
@@ -310,31 +339,86 @@ __device__ __forceinline__ int sampled_token(const Transform& tf, int top_k, flo
     });
     hit = block_min_int(hit, si[0]);
     if (hit != NO_HIT) return hit;
-    return block_max_int(last, si[1]);  // the cumulative sums' rounding left the draw past them all
+    last = block_max_int(last, si[1]);  // the cumulative sums' rounding left the draw past them all
+    return last >= 0 ? last : front;    // nothing kept but the front (front >= 0 then: the max is kept)
 }
 
+// grid (rows): block r samples token row r (1 row: a decode step; k + 1: a verify step, see the header).
 extern "C" __global__ void __launch_bounds__(THREADS)
-sample(const float* __restrict__ logits, unsigned char* __restrict__ seen, int* __restrict__ state,
-       const float* __restrict__ fparams, const half_t* __restrict__ embed, float* __restrict__ x, int V, int d) {
+sample(float* logits, unsigned char* __restrict__ seen, int* __restrict__ state,
+       const float* __restrict__ fparams, const half_t* __restrict__ embed, float* __restrict__ x,
+       const int* __restrict__ ids, int* picks, int* __restrict__ out, unsigned int* arrivals, int V, int d) {
     __shared__ uint64_t scratch[WARPS];
+    __shared__ int accepted[2];  // the last block's verdict: n, and the token that ends the accepted run
+    __shared__ bool is_last;
     pdl_wait();  // the logits come from the kernel before
+    const int row = blockIdx.x, rows = gridDim.x;
     const float temperature = fparams[FP_TEMPERATURE], top_p = fparams[FP_TOP_P];
     const float penalty = fparams[FP_REP_PENALTY];
     const int step = state[STATE_STEP], top_k = state[STATE_TOP_K];
     const uint64_t seed = (uint64_t)(uint32_t)state[STATE_SEED_LO] | (uint64_t)(uint32_t)state[STATE_SEED_HI] << 32;
     const bool greedy = temperature == 0.f;
-    const Transform tf{logits, seen, V, penalty != 1.f, !greedy, penalty, temperature};
-    // Every thread gets the token from the block reductions; those barriers also order every read of
-    // state and seen above before the writes below.
-    const int token = greedy ? greedy_token(tf, scratch) : sampled_token(tf, top_k, top_p, seed, step);
-    if (threadIdx.x == 0) {
-        state[STATE_TOKEN] = token;
-        state[STATE_STEP] = step + 1;
-        state[STATE_POS] += 1;
-        if (token != NO_TOKEN) seen[token] = 1;
+    // The drafts before this row count as seen: each one not seen yet (its first occurrence) is penalised in
+    // this block's own row, in place, and put back once the token is picked (thread e: draft e + 1; the ids
+    // and values wait in shared memory, not in registers the passes below need).
+    __shared__ int marked[MAX_DRAFTS];  // the id thread e penalised, or -1
+    __shared__ float raw[MAX_DRAFTS];   // its logit before
+    float* const own = logits + (size_t)row * V;
+    if (threadIdx.x < MAX_DRAFTS) {
+        const int e = threadIdx.x, draft = e < row ? ids[1 + e] : -1;
+        bool repeated = false;
+        for (int f = 0; f < e && draft >= 0; ++f) repeated |= ids[1 + f] == draft;  // ids[1..row] only
+        marked[e] = draft >= 0 && penalty != 1.f && !seen[draft] && !repeated ? draft : -1;
+        if (marked[e] >= 0) {
+            raw[e] = own[draft];
+            own[draft] = penalised(raw[e], penalty);
+        }
     }
-    const half_t* row = embed + (size_t)max(token, 0) * d;
-    for (int i = threadIdx.x; i < d; i += THREADS) x[i] = token != NO_TOKEN ? h2f(row[i]) : 0.f;
+    if (threadIdx.x == 0) row_logits = own;
+    __syncthreads();
+    const Transform tf{seen, V, penalty != 1.f, !greedy, penalty, temperature};
+    const int front = row + 1 < rows ? ids[row + 1] : -1;  // this row's draft, if any
+    // Every thread gets the token from the block reductions; those barriers also order every read of
+    // state and seen above before the writes below (in a verify, the other blocks' reads come before their
+    // arrival, so before the last block writes).
+    int token = greedy ? greedy_token(tf, scratch) : sampled_token(tf, top_k, top_p, seed, step + row, front);
+    if (threadIdx.x < MAX_DRAFTS && marked[threadIdx.x] >= 0)  // every read of the row is behind the reductions
+        const_cast<float*>(row_logits)[marked[threadIdx.x]] = raw[threadIdx.x];
+    int n = 1;
+    if (threadIdx.x == 0) picks[row] = token;
+    if (rows > 1) {  // the last block to finish accepts
+        if (threadIdx.x == 0) {
+            __threadfence();
+            is_last = atomicAdd(arrivals, 1u) == (unsigned int)(rows - 1);
+        }
+        __syncthreads();
+        if (!is_last) return;
+        __threadfence();
+        if (threadIdx.x == 0) {
+            int j = 0;  // NO_TOKEN never equals a draft: it ends the run
+            while (j + 1 < rows && load_coherent(picks + j) == ids[j + 1]) ++j;  // draft j + 1 is row j's pick
+            accepted[0] = j + 1;
+            accepted[1] = load_coherent(picks + j);
+            *arrivals = 0u;
+        }
+        __syncthreads();
+        n = accepted[0];
+        token = accepted[1];
+    }
+    if (threadIdx.x == 0) {
+        out[0] = n;
+        for (int i = 1; i < n; ++i) {
+            out[i] = ids[i];
+            seen[ids[i]] = 1;
+        }
+        out[n] = token;
+        if (token != NO_TOKEN) seen[token] = 1;
+        state[STATE_TOKEN] = token;
+        state[STATE_STEP] = step + n;
+        state[STATE_POS] += n;
+    }
+    const half_t* embedded = embed + (size_t)max(token, 0) * d;
+    for (int i = threadIdx.x; i < d; i += THREADS) x[i] = token != NO_TOKEN ? h2f(embedded[i]) : 0.f;
 }
 
 // One thread: out[0] = uniform(seed, step).

@@ -79,7 +79,7 @@ def run_decode_twin(q, k, v, state, max_seq, scale, splits):
     part = np.full((heads, splits, hd + 2), np.nan, np.float32)
     count = np.zeros(k.shape[0], np.uint32)
     out = np.full(heads * hd, np.nan, np.float32)
-    ops.attention_decode(q, k, v, part, count, out, state, max_seq, scale)
+    ops.attention_decode(q, k, v, part, count, out, state, max_seq, scale, grid=(k.shape[0], splits, 1))
     return part, count, out
 
 

@@ -98,7 +98,7 @@ def test_gemv_sweep_times_and_checks_every_variant_of_every_shape(fake, tmp_path
     assert code == 0
     record = json.loads(out.read_text())
     check_bandwidth(record)
-    variants = [" ".join(f"{k}={v}" for k, v in d) for d in gemv_twins.VARIANTS]
+    variants = [" ".join(f"{k}={v}" for k, v in d) for d in gemv_twins.DECODE_VARIANTS]
     shapes = gemv_sweep.shapes(TINY)
     assert [(r["shape"], r["variant"]) for r in record["rows"]] == [(s[0], v) for s in shapes for v in variants]
     for row, (label, kernel, M, K) in zip(record["rows"], [s for s in shapes for _ in variants]):
@@ -226,7 +226,7 @@ def test_gemm_sweep_flags_a_nondeterministic_split(fake, monkeypatch, capsys):
 
 # -- decode_step ----------------------------------------------------------------------------------
 DECODE_ARGS = ["--model", "tiny", "--contexts", "3,7", "--steps", "3", "--trials", "2", "--max-seq-len", "24",
-               "--breakdown-context", "5"]
+               "--breakdown-context", "5", "--verify-drafts", "1,3", "--verify-context", "4"]
 
 
 def test_decode_step_times_every_mode_and_every_kernel(fake, tmp_path, capsys):
@@ -259,6 +259,15 @@ def test_decode_step_times_every_mode_and_every_kernel(fake, tmp_path, capsys):
         assert k["us_each"] > 0 and k["us_per_step"] == pytest.approx(k["us_each"] * k["count"])
         assert k["bytes"] == decode_step.launch_bytes(TINY, name, 5 + 3 // 2)  # at the steps' middle context
         assert k["gb_s"] == pytest.approx(k["bytes"] / k["us_each"] / 1e3)
+    verify = record["verify"]
+    assert (verify["context"], verify["steps"], len(verify["trials"])) == (4, 3, 2) and verify["plain_ms"] > 0
+    assert [r["k"] for r in verify["rows"]] == [1, 3]
+    for r in verify["rows"]:
+        assert r["replay_ms"] > 0 and r["verify_ms"] > 0 and r["x_plain"] > 0
+    # one graph per k, each trial: a verify() that captures or replays it, 3 timed replays and 3 verify() calls
+    verify_graphs = [g for g in fake.graphs if g.launches[0].spec.name == "embed_rows"]
+    assert [(g.launches[-1].grid[0], g.replays) for g in verify_graphs] == [(2, 2 * 7), (4, 2 * 7)]
+    assert "verify step (k drafts" in stdout and "<= 1.10" not in stdout  # targets at k = 4 and 8 only
     assert f"{launches} launches per decode step" in stdout
     progress = [line for line in stdout.splitlines() if line.startswith("  context ")]
     assert len(progress) == 2 and not any("n/a" in line for line in progress)
@@ -270,7 +279,8 @@ def test_decode_step_before_sm_90_has_no_overlapped_time(fake, monkeypatch, tmp_
     monkeypatch.setattr(fake_cupy.device, "compute_capability", "80")
     out = tmp_path / "decode.json"
     code, stdout = run_main("decode_step", ["--model", "tiny", "--contexts", "2", "--steps", "1", "--trials", "1",
-                                            "--max-seq-len", "19", "--breakdown-context", "2", "--json", str(out)],
+                                            "--max-seq-len", "19", "--breakdown-context", "2", "--verify-drafts", "2",
+                                            "--verify-context", "2", "--json", str(out)],
                             capsys)
     assert code == 0 and fake.pdl.launches == 0
     (row,) = json.loads(out.read_text())["rows"]

@@ -49,6 +49,8 @@ def test_every_launch_matches_its_kernel_signature(name):
     launches = plans.decode_plan(cfg, 512).launches
     for output in plans.PREFILL_OUTPUTS:
         launches += plans.prefill_plan(cfg, 512, 64, 37, output).launches
+    for k in range(1, plans.MAX_DRAFT + 1):
+        launches += plans.verify_plan(cfg, 512, k).launches
     for launch in launches:
         where = f"{launch.spec.source}:{launch.spec.name}"
         params = SIGNATURES[launch.spec.source, launch.spec.name]
@@ -81,7 +83,16 @@ def test_grids_cover_every_output_row():
     assert grid["gemv_qkv_rope"][0] * pairs * 2 >= cfg.qkv_dim
     assert grid["gemv_gate_up_silu"][0] * pairs >= cfg.intermediate_size
     assert grid["gemv_logits"][0] * rows >= cfg.vocab_size
-    assert grid["attention_decode"][:2] == (cfg.num_kv_heads, plans.attention_splits(cfg))
+    assert grid["attention_decode"] == (cfg.num_kv_heads, plans.attention_splits(cfg), 1)
+    for k in (1, 8):  # a verify step: the same output rows per block, k + 1 token rows
+        verify = {l.spec.name: l for l in plans.verify_plan(cfg, 512, k).launches}
+        per_block = dict(verify["gemv_residual"].spec.defines)["ROWS"]
+        assert verify["gemv_qkv_rope"].grid[0] * per_block >= cfg.qkv_dim
+        assert verify["gemv_gate_up_silu"].grid[0] * per_block // 2 >= cfg.intermediate_size
+        assert verify["gemv_logits"].grid[0] * per_block >= cfg.vocab_size
+        assert verify["attention_decode"].grid == (cfg.num_kv_heads, plans.attention_splits(cfg), k + 1)
+        assert verify["sample"].grid == verify["embed_rows"].grid == (k + 1, 1, 1)
+        assert {dict(l.spec.defines).get("TOKENS") for l in verify.values() if l.spec.source == "gemv.cu"} == {k + 1}
 
 
 def kernel_body(text: str, name: str) -> str:
@@ -105,8 +116,11 @@ def pre_wait_reads(body: str, pointer_params: list[str]) -> set[str] | None:
 
 
 def every_plan_launch(cfg) -> list:
-    """The decode step's launches and a prefill chunk's, with every output and every prefill kernel choice."""
+    """The decode step's launches, a verify step's for every k, and a prefill chunk's, with every output and
+    every prefill kernel choice."""
     launches = list(plans.decode_plan(cfg, 512).launches)
+    for k in range(1, plans.MAX_DRAFT + 1):
+        launches += plans.verify_plan(cfg, 512, k).launches
     for gemm in GEMMS:
         for attention in ATTENTIONS:
             for output in plans.PREFILL_OUTPUTS:

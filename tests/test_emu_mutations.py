@@ -44,7 +44,8 @@ MUTATIONS = [
      "for (int o = WARP / 4; o > 0; o >>= 1) v += __shfl_xor_sync",
      lambda s, d: checks.check_gemv((("ROWS", 4), ("UNROLL", 4)), s, d)),
     ("gemv-partials-barrier-removed", "gemv.cu",
-     "        partial[warp][ROWS] = ss;\n    }\n    __syncthreads();", "        partial[warp][ROWS] = ss;\n    }",
+     "            sums.partial[warp][t][ROWS] = ss[t];\n        }\n    }\n    __syncthreads();",
+     "            sums.partial[warp][t][ROWS] = ss[t];\n        }\n    }",
      lambda s, d: checks.check_gemv((("ROWS", 2), ("UNROLL", 8)), s, d),
      ("forward", "shuffled")),  # thread 0 sums the warps' partials: unseen when warp 0 runs last (reverse)
     ("gemm-cp.async-wait-off-by-one", "gemm.cu", "cp_async_wait<STAGES - 2>();", "cp_async_wait<STAGES - 1>();", gemm),

@@ -17,7 +17,7 @@ import os
 
 import numpy as np
 
-from ..plan import OVERLAP_SAFE, Buffer, Plan, Ref
+from ..plan import OVERLAP_SAFE, VERIFY_ROWS, Buffer, Plan, Ref
 from ..registry import KernelLoader
 from ..sampling import drawn
 
@@ -47,6 +47,9 @@ class CudaBackend:
         # must not overwrite the id of the step before it), 2 for read_token.
         self._tokens = cupyx.empty_pinned((3,), dtype=np.int32)
         self._token_ready = [cupy.cuda.Event(disable_timing=True) for _ in range(2)]
+        # pinned: a verify step's token rows on their way in, its verdict (n, then n ids) on its way out
+        self._verify_ids = cupyx.empty_pinned((VERIFY_ROWS,), dtype=np.int32)
+        self._verify_out = cupyx.empty_pinned((VERIFY_ROWS + 1,), dtype=np.int32)
         self.overlap = False
         self._pdl = None  # the PdlLauncher, made on first use
         self.set_overlap(os.environ.get("CULLAMA_OVERLAP", "0") == "1" if overlap is None else overlap)
@@ -74,8 +77,7 @@ class CudaBackend:
 
     def _arg(self, arg):
         if isinstance(arg, Ref):
-            array = self.arrays[arg.name]
-            return array if arg.index is None else array[arg.index]
+            return arg.of(self.arrays[arg.name])
         return arg
 
     @property
@@ -189,6 +191,22 @@ class CudaBackend:
         """The id that launch_step(..., slot) sampled, once its copy has landed (waits for that only)."""
         self._token_ready[slot].synchronize()
         return drawn(int(self._tokens[slot]))
+
+    def verify(self, plan: Plan, ids) -> list[int]:
+        """A verify step (its graph, captured by plan name on first use) over the token rows `ids` (the last
+        sampled token, then the drafts): the ids go in and the verdict comes back through pinned memory, a few
+        bytes each way, around one graph replay; returns the accepted tokens."""
+        runtime = self.cp.cuda.runtime
+        rows = len(ids)
+        self._verify_ids[:rows] = ids
+        runtime.memcpyAsync(self.arrays["verify_ids"].data.ptr, self._verify_ids.ctypes.data, 4 * rows,
+                            runtime.memcpyHostToDevice, self.stream.ptr)
+        self.replay(plan)
+        runtime.memcpyAsync(self._verify_out.ctypes.data, self.arrays["verify_out"].data.ptr, 4 * (rows + 1),
+                            runtime.memcpyDeviceToHost, self.stream.ptr)
+        self.stream.synchronize()
+        *drafts, last = (int(t) for t in self._verify_out[1:1 + int(self._verify_out[0])])
+        return [*drafts, drawn(last)]
 
     def synchronize(self) -> None:
         self.stream.synchronize()

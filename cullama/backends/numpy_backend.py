@@ -46,8 +46,7 @@ class NumpyBackend:
 
     def _arg(self, arg):
         if isinstance(arg, Ref):
-            array = self.arrays[arg.name]
-            return array if arg.index is None else array[arg.index]
+            return arg.of(self.arrays[arg.name])
         return arg.item()  # np.int32 / np.float32 -> Python number
 
     def run(self, plan: Plan) -> None:
@@ -66,3 +65,12 @@ class NumpyBackend:
 
     def token(self, slot: int) -> int:
         return self.read_token()
+
+    def verify(self, plan: Plan, ids) -> list[int]:
+        """Run a verify step over the token rows `ids` (the last sampled token, then the drafts); the tokens
+        it accepted."""
+        self.set("verify_ids", np.asarray(ids, dtype=np.int32))
+        self.run(plan)
+        out = self.arrays["verify_out"]
+        *drafts, last = (int(t) for t in out[1:1 + int(out[0])])
+        return [*drafts, drawn(last)]

@@ -2,10 +2,11 @@
 
 Convention for twins whose kernel reads its extent from the launch grid: the twin declares a
 keyword-only parameter `grid`, and the numpy backend passes the launch's grid (a 3-tuple) as `grid=`
-to every twin that declares it. attention_prefill takes its kv-head count (the row stride) from
-grid[0], as the kernel does from gridDim.x; its row count is the argument n_rows (grid[1] counts
-blocks of ROWS_Q rows, a compile-time define the twin never needs). HEAD_DIM and GROUP are never
-arguments: they follow from the arrays' shapes.
+to every twin that declares it. attention_decode takes its token rows from grid[2] (a verify step's
+k + 1 rows; 1 for a decode step), as the kernel does from gridDim.z. attention_prefill takes its kv-head
+count (the row stride) from grid[0], as the kernel does from gridDim.x; its row count is the argument
+n_rows (grid[1] counts blocks of ROWS_Q rows, a compile-time define the twin never needs). HEAD_DIM and
+GROUP are never arguments: they follow from the arrays' shapes.
 """
 
 from __future__ import annotations
@@ -31,14 +32,24 @@ def _split_state(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float):
     return p @ v, m, p.sum(axis=1)
 
 
-def attention_decode(q, k_cache, v_cache, part, count, out, state, max_seq, scale):
-    """out [heads*hd] f32 = attention of q [heads*hd] over keys 0..state[0] of k_cache/v_cache
-    [kv_heads, max_seq, hd] f16; part [heads, splits, hd+2] gets each split's (acc, m, l) as the kernel
-    writes it, the splits are combined in order, count [kv_heads] is left at 0."""
+def attention_decode(q, k_cache, v_cache, part, count, out, state, max_seq, scale, *, grid):
+    """Per token row t < grid[2] (1 for a decode step): out[t] [heads*hd] f32 = attention of q[t] [heads*hd]
+    over keys 0..state[0] + t of k_cache/v_cache [kv_heads, max_seq, hd] f16; part[t] [heads, splits, hd+2]
+    gets each split's (acc, m, l) as the kernel writes it, the splits are combined in order, count[t]
+    [kv_heads] is left at 0. A decode step's arrays are one row (q [heads*hd], part [heads, splits, hd+2], ...).
+    Each row is the one-row computation at its own position, as on the GPU."""
+    rows = int(grid[2])
+    parts = part.reshape(rows, *part.shape[-3:])
+    for t, (qt, pt, ct, ot) in enumerate(zip(q.reshape(rows, -1), parts, count.reshape(rows, -1),
+                                             out.reshape(rows, -1))):
+        _attention_decode_row(qt, k_cache, v_cache, pt, ct, ot, int(state[0]) + t, int(max_seq), scale)
+
+
+def _attention_decode_row(q, k_cache, v_cache, part, count, out, pos: int, max_seq: int, scale):
     heads, splits, stride = part.shape
     kv_heads, hd = k_cache.shape[0], stride - 2
     group = heads // kv_heads
-    n = min(int(state[0]) + 1, int(max_seq))
+    n = min(pos + 1, max_seq)
     chunk = -(-n // splits)
     qh = q[: heads * hd].astype(np.float32).reshape(kv_heads, group, hd)
     for kv in range(kv_heads):

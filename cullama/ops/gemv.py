@@ -1,29 +1,44 @@
-"""Twins of kernels_cu/gemv.cu: the decode step's matrix-vector products with their fusions."""
+"""Twins of kernels_cu/gemv.cu: the decode step's matrix-vector products with their fusions.
+
+Token rows: a kernel compiled with TOKENS = T takes x, in and its outputs as [T, width] rows (token row t at
+position state[0] + t); the plan hands the twin exactly those rows (Ref(..., rows=T)), 1-D arrays for a
+decode step. Each multi-row twin is the one-row twin applied row by row (one converted copy of W shared by
+the rows), so a verify step on the numpy backend is bit for bit its plain steps, as on the GPU.
+"""
 
 from __future__ import annotations
 
 import numpy as np
 
 SOURCE = "gemv.cu"
-# (ROWS, UNROLL): the plan's choice first; the others are the benchmark sweep's candidates.
-VARIANTS = [(("ROWS", r), ("UNROLL", u)) for r, u in ((4, 4), (2, 4), (4, 2), (8, 2), (2, 8))]
+# (ROWS, UNROLL) of a decode step (one token row): the plan's choice first; the others are the benchmark
+# sweep's candidates.
+DECODE_VARIANTS = [(("ROWS", r), ("UNROLL", u)) for r, u in ((4, 4), (2, 4), (4, 2), (8, 2), (2, 8))]
+# A verify step's k + 1 token rows, k = 1..8, as cullama.plan.gemv builds them (plan.VERIFY_GEMV_ROWS and
+# VERIFY_GEMV_UNROLL; tests/test_verify.py checks that every verify plan's kernel is one of these).
+VERIFY_VARIANTS = [(("ROWS", 4), ("UNROLL", 2), ("TOKENS", t)) for t in range(2, 10)]
+VARIANTS = DECODE_VARIANTS + VERIFY_VARIANTS
 
 
-def _norm_dot(w: np.ndarray, x: np.ndarray, norm_w: np.ndarray, eps: float) -> np.ndarray:
-    """W · rmsnorm(x): x scaled by rsqrt(mean(x^2) + eps) and by the norm weight, in float32."""
+def token_rows(a: np.ndarray) -> np.ndarray:
+    """[T, width] rows of a twin argument: a decode step's 1-D array is one row (a view, written through)."""
+    return a[None] if a.ndim == 1 else a
+
+
+def _norm_dot(w32: np.ndarray, x: np.ndarray, norm_w: np.ndarray, eps: float) -> np.ndarray:
+    """W · rmsnorm(x) for one row x, W already float32: x scaled by rsqrt(mean(x^2) + eps) and by the norm
+    weight, in float32."""
     x = x.astype(np.float32)
     scale = np.float32(1.0) / np.sqrt(np.mean(x * x, dtype=np.float32) + np.float32(eps))
-    return (w.astype(np.float32) @ (x * norm_w.astype(np.float32))) * scale
+    return (w32 @ (x * norm_w.astype(np.float32))) * scale
 
 
 def _silu(a: np.ndarray) -> np.ndarray:
     return a / (np.float32(1.0) + np.exp(-a))
 
 
-def gemv_qkv_rope(x, norm_w, W, q_out, k_cache, v_cache, rope, state, d, n_heads, n_kv_heads, hd, max_seq, eps):
-    """q_out [heads*hd] f32; k_cache/v_cache [kv_heads, max_seq, hd] f16 written at state[0] (pos)."""
-    pos = int(state[0])
-    y = _norm_dot(W, x[:d], norm_w, eps).reshape(n_heads + 2 * n_kv_heads, hd)  # [all heads, hd]
+def _rope_store(y: np.ndarray, q_out, k_cache, v_cache, rope, pos: int, n_heads: int, n_kv_heads: int, hd: int):
+    """One token row's q|k|v (y [all heads, hd] float32): RoPE on q and k, q to q_out, k and v into the caches."""
     cos, sin = rope[pos, :, 0], rope[pos, :, 1]  # [hd/2]
     qk = y[: n_heads + n_kv_heads]
     first, second = qk[:, : hd // 2].copy(), qk[:, hd // 2:].copy()
@@ -34,16 +49,32 @@ def gemv_qkv_rope(x, norm_w, W, q_out, k_cache, v_cache, rope, state, d, n_heads
     v_cache[:, pos] = y[n_heads + n_kv_heads:].astype(np.float16)
 
 
+def gemv_qkv_rope(x, norm_w, W, q_out, k_cache, v_cache, rope, state, d, n_heads, n_kv_heads, hd, max_seq, eps):
+    """Per token row t of x [T, d] (or [d]): q_out[t] [heads*hd] f32; k_cache/v_cache [kv_heads, max_seq, hd]
+    f16 written at position state[0] + t."""
+    w32 = W.astype(np.float32)
+    for t, (xt, qt) in enumerate(zip(token_rows(x), token_rows(q_out))):
+        y = _norm_dot(w32, xt[:d], norm_w, eps).reshape(n_heads + 2 * n_kv_heads, hd)  # [all heads, hd]
+        _rope_store(y, qt, k_cache, v_cache, rope, int(state[0]) + t, n_heads, n_kv_heads, hd)
+
+
 def gemv_residual(inp, W, x, M, K):
-    """x[:M] += W [M, K] · in[:K]."""
-    x[:M] += W.astype(np.float32) @ inp[:K].astype(np.float32)
+    """x[t, :M] += W [M, K] · in[t, :K] per token row t (1-D: one row)."""
+    w32 = W.astype(np.float32)
+    for it, xt in zip(token_rows(inp), token_rows(x)):
+        xt[:M] += w32 @ it[:K].astype(np.float32)
 
 
 def gemv_gate_up_silu(x, norm_w, W, h, ff, d, eps):
-    """h[:ff] = silu(gate) * up, where gate|up = W [2 ff, d] · rmsnorm(x)."""
-    y = _norm_dot(W, x[:d], norm_w, eps)
-    h[:ff] = _silu(y[:ff]) * y[ff:]
+    """h[t, :ff] = silu(gate) * up, where gate|up = W [2 ff, d] · rmsnorm(x[t]), per token row t."""
+    w32 = W.astype(np.float32)
+    for xt, ht in zip(token_rows(x), token_rows(h)):
+        y = _norm_dot(w32, xt[:d], norm_w, eps)
+        ht[:ff] = _silu(y[:ff]) * y[ff:]
 
 
 def gemv_logits(x, norm_w, W, logits, V, d, eps):
-    logits[:V] = _norm_dot(W, x[:d], norm_w, eps)
+    """logits[t, :V] = W [V, d] · rmsnorm(x[t]) per token row t."""
+    w32 = W.astype(np.float32)
+    for xt, lt in zip(token_rows(x), token_rows(logits)):
+        lt[:V] = _norm_dot(w32, xt[:d], norm_w, eps)

@@ -23,23 +23,39 @@ def params_from(state: np.ndarray, fparams: np.ndarray) -> sampling.SamplingPara
         seed=int(words[STATE_SEED_LO]) | int(words[STATE_SEED_HI]) << 32)
 
 
-def sample(logits, seen, state, fparams, embed, x, V, d):
-    """logits [V] f32, seen [V] uint8, state [8] int32, fparams [4] f32, embed [V, d] f16, x [d] f32.
+def sample(logits, seen, state, fparams, embed, x, ids, picks, out, arrivals, V, d, *, grid):
+    """logits [rows, V] f32 (a decode step's: [V]), seen [V] uint8, state [8] int32, fparams [4] f32,
+    embed [V, d] f16, x [d] f32, ids [rows] int32, picks [rows] int32, out [1 + rows] int32, arrivals [1];
+    rows = grid[0] (1 for a decode step).
 
-    token = cullama.sampling.sample(logits, params, seen != 0, state[STEP]); then state[TOKEN] = token,
-    state[STEP] += 1, state[POS] += 1, seen[token] = 1 and x = embed[token] as float32, all in place. Where
-    the token is NO_TOKEN (every logit NaN or -inf), seen is left alone and x = 0.
+    Row r: picks[r] = cullama.sampling.sample(logits[r], params, seen | ids[1..r], state[STEP] + r,
+    draft=ids[r + 1] if r + 1 < rows). Then n - 1 = how many leading drafts ids[1..] equal the pick of the row
+    before them, out = [n, ids[1..n-1], picks[n-1]], and as n decode steps would: state[TOKEN] = picks[n-1],
+    state[STEP] += n, state[POS] += n, seen[those n tokens] = 1, x = embed[picks[n-1]] as float32, all in
+    place; arrivals is left at 0. Where the last pick is NO_TOKEN (every logit of its row NaN or -inf), it is
+    not marked seen and x = 0.
     """
-    step = int(state[STATE_STEP])
-    token = sampling.sample(logits[:V], params_from(state, fparams), seen[:V] != 0, step)
-    state[STATE_TOKEN] = token
-    state[STATE_STEP] = step + 1
-    state[STATE_POS] += 1
-    if token == sampling.NO_TOKEN:
+    rows, step = int(grid[0]), int(state[STATE_STEP])
+    params, seen_mask = params_from(state, fparams), seen[:V] != 0
+    for r, row in enumerate(logits.reshape(rows, -1)):
+        before = seen_mask.copy()
+        before[ids[1:r + 1]] = True  # the drafts before row r: accepted by the time its pick matters
+        picks[r] = sampling.sample(row[:V], params, before, step + r, int(ids[r + 1]) if r + 1 < rows else None)
+    n = 1
+    while n < rows and picks[n - 1] == ids[n]:
+        n += 1
+    accepted = [int(t) for t in ids[1:n]] + [int(picks[n - 1])]
+    out[0], out[1:n + 1] = n, accepted
+    state[STATE_TOKEN] = accepted[-1]
+    state[STATE_STEP] = step + n
+    state[STATE_POS] += n
+    arrivals[0] = 0
+    if accepted[-1] == sampling.NO_TOKEN:
+        seen[accepted[:-1]] = 1
         x[:d] = 0
         return
-    seen[token] = 1
-    x[:d] = embed[token, :d].astype(np.float32)
+    seen[accepted] = 1
+    x[:d] = embed[accepted[-1], :d].astype(np.float32)
 
 
 def uniform_probe(seed, step, out):

@@ -1,0 +1,72 @@
+"""The verify step's kernels as written, on the CPU executor (cullama.emu): row t of a k + 1-row launch equals a
+one-row launch at position pos + t, bit for bit, in every warp schedule (gemv.cu with TOKENS = k + 1,
+attention_decode with the rows on gridDim.z), and the sample kernel over k + 1 rows gives the twin's verdict
+(greedy exactly; sampled within rounding of a bucket edge, the draft's bucket first). The same checks run on a
+GPU in tests/test_verify.py."""
+
+import shutil
+
+import pytest
+
+import test_verify as checks
+from cullama import emu
+from cullama.kernels_cu import SOURCE_DIR
+
+pytestmark = pytest.mark.emu
+
+
+def emu_launcher(schedule, source_dir=None):
+    def launch(spec, grid, block, args):
+        emu.launch(spec, grid, block, args, 0, schedule=schedule, seed=7, source_dir=source_dir)
+    return launch
+
+
+@pytest.mark.parametrize("schedule", emu.SCHEDULES)
+@pytest.mark.parametrize("rows", [2, 5, 9])
+def test_gemv_rows_are_one_row_launches(rows, schedule):
+    checks.check_gemv_rows(emu_launcher(schedule), rows, d=72, ff=56, V=37, heads=3, kv_heads=1, hd=8, pos=5,
+                           seed=rows)
+
+
+@pytest.mark.parametrize("schedule", emu.SCHEDULES)
+@pytest.mark.parametrize("hd,group,kv_heads,pos,rows,splits", checks.ATTENTION_CASES[:4])
+def test_attention_rows_are_one_row_launches(hd, group, kv_heads, pos, rows, splits, schedule):
+    checks.check_attention_rows(emu_launcher(schedule), hd, group, kv_heads, pos, rows, splits)
+
+
+@pytest.mark.parametrize("schedule", emu.SCHEDULES)
+@pytest.mark.parametrize("V,penalty", [(517, 1.0), (517, 1.3), (33001, 1.3)])
+def test_greedy_verify_sample_equals_its_twin(V, penalty, schedule):
+    checks.check_greedy_sample_rows(emu_launcher(schedule), V, penalty)
+
+
+@pytest.mark.parametrize("V,trials", [(517, 6), (33001, 2)])
+def test_sampled_verify_sample_follows_its_twin(V, trials):
+    checks.check_sampled_sample_rows(emu_launcher("shuffled"), V, trials)
+
+
+# (id, file, original text, its replacement, the check that must fail): the checks above have teeth
+MUTATIONS = [
+    ("gemv-rows-at-one-position", "gemv.cu", "const int pos = state[STATE_POS] + t;", "const int pos = state[STATE_POS];",
+     lambda launch: checks.check_gemv_rows(launch, 3, d=72, ff=56, V=37, heads=3, kv_heads=1, hd=8, pos=5)),
+    ("attention-rows-see-the-first-row's-keys", "attention.cu", "min(state[STATE_POS] + row + 1, max_seq)",
+     "min(state[STATE_POS] + 1, max_seq)", lambda launch: checks.check_attention_rows(launch, 8, 2, 2, 5, 3, 4)),
+    ("sample-accepts-against-the-wrong-draft", "sampling.cu", "load_coherent(picks + j) == ids[j + 1]",
+     "load_coherent(picks + j) == ids[j]", lambda launch: checks.check_greedy_sample_rows(launch, 517, 1.0)),
+    ("sample-drafts-not-seen", "sampling.cu", "? draft : -1;", "? -1 : -1;",
+     lambda launch: checks.check_greedy_sample_rows(launch, 517, 1.3)),
+    ("sample-logits-not-put-back", "sampling.cu", "const_cast<float*>(row_logits)[marked[threadIdx.x]] = raw[threadIdx.x];",
+     ";", lambda launch: checks.check_greedy_sample_rows(launch, 517, 1.3)),
+]
+
+
+@pytest.mark.parametrize("mutation", MUTATIONS, ids=[m[0] for m in MUTATIONS])
+def test_a_seeded_bug_fails_its_check(tmp_path, mutation):
+    _, file, original, replacement, check = mutation
+    source_dir = tmp_path / "kernels_cu"
+    shutil.copytree(SOURCE_DIR, source_dir)
+    text = (source_dir / file).read_text()
+    assert text.count(original) == 1, f"the mutation's original text is not in {file} exactly once"
+    (source_dir / file).write_text(text.replace(original, replacement))
+    with pytest.raises((AssertionError, emu.EmuError)):
+        check(emu_launcher("shuffled", source_dir))
