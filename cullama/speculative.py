@@ -14,10 +14,10 @@ end the text at that token (the rest of the burst is dropped); k shrinks near th
 `max_new_tokens` and of the context, so no step ever computes a token past either. The result
 carries the statistics: method, k, steps, drafted, accepted, tokens per step.
 
-Where the runner has no `verify` (the batched verify step is not on this branch), `sequential_verify`
-stands in for it: up to k + 1 plain next() calls, stopping at the first mismatch. It is the reference
-the batched verify must equal token for token under greedy sampling; under temperature > 0 it is plain
-sampling, whose output distribution is the target's, as speculative sampling's must be.
+PlanRunner.verify is the batched step (one pass on the device). `sequential_verify` is its reference:
+up to k + 1 plain next() calls, stopping at the first mismatch; under greedy sampling the batched verify
+must return exactly what it returns (tests/test_speculative.py checks it), and a runner without a
+`verify` of its own (any other Runner) decodes speculatively through it.
 """
 
 from __future__ import annotations
@@ -26,12 +26,13 @@ import collections
 import dataclasses
 from typing import Callable, Sequence
 
+from . import plan as plans
 from .drafters import DraftModel, Drafter, PromptLookup
 from .errors import OptionError, PromptError
 from .generate import GenerationOptions, GenerationStream, Runner, RunnerGuard
 from .sampling import SamplingParams, is_int
 
-MAX_DRAFT = 8  # the most drafted tokens one verify step checks (k + 1 <= 9 rows)
+MAX_DRAFT = plans.MAX_DRAFT  # the most drafted tokens one verify step checks (k + 1 <= 9 rows)
 DEFAULT_DRAFT_TOKENS = 4
 METHODS = ("ngram", "draft")  # the names `speculative=` and `--speculative` take
 
@@ -161,7 +162,6 @@ class SpeculativeDecoder:
         self.runner, self.drafter, self.length = runner, drafter, length
         self.stats = SpeculativeStats(drafter.name, length.k, length.adaptive)
         self._verify, self._max_draft = verify_step(runner)
-        self._vocab = runner.cfg.vocab_size if hasattr(runner, "cfg") else None
         self.produced = 0  # tokens the target produced in this generation, the burst's unread ones included
         self._burst: collections.deque[int] = collections.deque()  # produced, not yet handed out
 
@@ -176,10 +176,7 @@ class SpeculativeDecoder:
     def step(self, budget: int) -> list[int]:
         """One verify step: the accepted drafts and the target's own token (1 to k + 1 ids)."""
         k = min(self.length.k, budget - self.produced - 1, self._max_draft())
-        drafts = [int(d) for d in self.drafter.propose(k)[:k]] if k > 0 else []
-        if self._vocab is not None and any(not 0 <= d < self._vocab for d in drafts):
-            raise PromptError(f"the {self.drafter.name} drafter proposed a token outside the vocabulary "
-                              f"[0, {self._vocab}): {drafts}")
+        drafts = [int(d) for d in self.drafter.propose(k)[:k]] if k > 0 else []  # the runner checks the ids
         accepted = self._verify(drafts)
         self.stats.steps += 1
         self.stats.drafted += len(drafts)

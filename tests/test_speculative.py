@@ -48,6 +48,33 @@ def test_verify_returns_what_plain_steps_return(stories, stories_expected, k, wr
     assert runner.next() == expected[10 + n]  # the state is as if plain steps had produced them
 
 
+@pytest.mark.parametrize("drafts_from", ["greedy", "wrong at 3", "ngram"])
+def test_the_batched_verify_equals_the_sequential_reference(stories_dir, stories_expected, drafts_from):
+    """PlanRunner.verify (one pass) against speculative.sequential_verify (plain steps), step after step:
+    the same tokens, the same cached ids, the same next input."""
+    expected = stories_expected["ids"]
+    batched, reference = (cullama.Llama.from_pretrained(stories_dir, device="cpu").runner for _ in range(2))
+    assert hasattr(batched, "verify")
+    prompt = [1, *expected[:20]]
+    assert batched.start(prompt, GREEDY) == reference.start(prompt, GREEDY)
+    lookup = PromptLookup()
+    lookup.reset(prompt + [batched.last])
+    for step in range(12):
+        k = min(1 + step % 8, batched.max_draft())
+        done = len(batched.cached) - 20
+        if drafts_from == "ngram":
+            drafts = lookup.propose(k)
+        else:
+            drafts = expected[done + 1:done + 1 + k]
+            if drafts_from == "wrong at 3" and len(drafts) > 3:
+                drafts[3] = (drafts[3] + 7) % 512
+        accepted = batched.verify(drafts)
+        assert accepted == speculative.sequential_verify(reference, drafts), step
+        assert batched.cached == reference.cached and batched.last == reference.last
+        lookup.extend(accepted)
+    assert batched.cached == [1, *expected[:len(batched.cached) - 1]]
+
+
 def test_max_draft_shrinks_at_the_end_of_the_context(stories_dir, stories_expected):
     llm = cullama.Llama.from_pretrained(stories_dir, device="cpu", max_seq_len=16)
     verify, max_draft = verify_step(llm.runner)
@@ -251,7 +278,7 @@ def test_draft_needs_a_draft_model(stories_dir):
 
 
 def test_a_draft_outside_the_vocabulary_is_refused(stories):
-    with pytest.raises(PromptError, match="replay drafter proposed a token outside the vocabulary"):
+    with pytest.raises(PromptError, match=r"draft token id 512 is outside the vocabulary \[0, 512\)"):
         stories.generate([1], max_new_tokens=10, speculative=Replay([403, 512, 3]))
 
 
