@@ -4,8 +4,8 @@ Each step a drafter proposes k tokens to follow the text and the target checks t
 pass over the rows [last, *drafts] (PlanRunner.verify): it returns the longest accepted prefix of the
 drafts followed by its own next token, 1 to k + 1 tokens for the price of about one decode step.
 
-    stream = SpeculativeStream(runner, detok, prompt_ids, max_new_tokens, params, stop, eos_ids,
-                               ignore_eos, drafter=PromptLookup(), length=DraftLength(4))
+    stream = SpeculativeStream(runner, detok, prompt_ids, options, eos_ids, guard,
+                               drafter=PromptLookup(), length=DraftLength(4))   # what Llama.stream builds
 
 The stream is a GenerationStream whose tokens arrive in bursts: the tokens of a burst reach the
 stream one by one, in order, and the timings record each token's arrival as a user sees it (a burst's
