@@ -6,12 +6,12 @@
 # Steps, most decisive first: install the package, `cullama info`, `cullama kernels --arch sm_90`,
 # `pytest -m gpu`, `cullama bench`, `cullama bench --overlap` at 10, 100 and 500 tokens, then
 # benchmarks/decode_step.py (plain vs overlapped graph), prefill_step.py (TTFT per prefill kernel pair),
-# gemv_sweep.py, gemm_sweep.py (mma vs wgmma) and compare_hf.py --quick. Each step runs under `timeout`
+# gemv_sweep.py, gemm_sweep.py (mma vs wgmma), `cullama bench --speculative replay` and compare_hf.py --quick. Each step runs under `timeout`
 # inside one overall budget (BUDGET_S, default 500 s), and a failing step does not stop the next.
 # ../shared (the test data beside the repo) is used when present; a copy carried as .shared otherwise.
 # Under $OUT (the device tool returns at most 8 files): steps.log (every step's output), summary.txt,
 # report.md and results.tgz (bench.json, bench_overlap.json, decode.json, prefill.json, gemv.json, gemm.json,
-# compare.json; re-packed after every step, so a run cut short still returns what it finished).
+# compare.json, speculative.json; re-packed after every step, so a run cut short still returns what it finished).
 # Environment: PYTHON (default python3), SKIP_INSTALL=1 (already installed), BENCH_SAMPLES (default 300),
 # BUDGET_S.
 # Last, benchmarks/summarize.py writes $OUT/report.md (Markdown for RESULTS.md: tables, targets, decisions);
@@ -87,6 +87,13 @@ step decode 60 "$PY" benchmarks/decode_step.py --trials 2 --json "$RESULTS/decod
 step prefill 45 "$PY" benchmarks/prefill_step.py --json "$RESULTS/prefill.json"
 step gemv 45 "$PY" benchmarks/gemv_sweep.py --json "$RESULTS/gemv.json"
 step gemm 75 "$PY" benchmarks/gemm_sweep.py --rows 10,64,256 --json "$RESULTS/gemm.json"
+# Speculative decoding's upper bound (replay: every draft accepted) and its verify step per k; the derived figures
+# use ngram's tokens per step on stories260K where the test data is here.
+STORIES=${CULLAMA_SHARED:-../shared}/models/stories260K
+LOOKUP=()
+[ -d "$STORIES" ] && LOOKUP=(--acceptance-model "$STORIES")
+step spec 40 "${CULLAMA[@]}" bench --speculative replay --draft-tokens 4 --lengths 100,500 --samples 500 \
+    ${LOOKUP[@]+"${LOOKUP[@]}"} --json "$RESULTS/speculative.json"
 budget=$(($(left) - 30))  # compare_hf starts no new engine or length after this; it saves after each engine
 ((budget < 1)) && budget=1
 step compare 300 "$PY" benchmarks/compare_hf.py --quick --json "$RESULTS/compare.json" --budget-s "$budget"

@@ -5,8 +5,9 @@
 RESULTS is results.tgz, a directory holding the JSON files (or $OUT itself, holding results.tgz), or one of
 the JSON files. The files: bench.json (`cullama bench`), bench_overlap.json (`cullama bench --overlap`),
 decode.json (decode_step.py), prefill.json (prefill_step.py), gemv.json (gemv_sweep.py), gemm.json
-(gemm_sweep.py) and compare.json (compare_hf.py). summary.txt and steps.log beside them are read too when
-present (each step's status; nvidia-smi's driver and clocks). Prints one Markdown report, --markdown writes
+(gemm_sweep.py), compare.json (compare_hf.py) and speculative.json (`cullama bench --speculative replay`).
+summary.txt and steps.log beside them are read too when present (each step's status; nvidia-smi's driver
+and clocks). Prints one Markdown report, --markdown writes
 it too: a header (date, commit, GPU, driver, CUDA runtime, CuPy, NVRTC, read bandwidth), one section per
 file, the issues' targets (PASS / FAIL / - where data is missing) and the decisions the data supports, each
 with its rule. Any file may be missing, cut short or odd: that is said in the report, never a traceback.
@@ -26,6 +27,7 @@ from device_report.header import header
 from device_report.kernel_sections import section_gemm, section_gemv, section_prefill
 from device_report.results import FILES, Results, load, missing_note
 from device_report.run_sections import section_bench, section_compare, section_decode, section_overlap
+from device_report.speculative import section_speculative
 from device_report.targets import targets
 
 
@@ -37,6 +39,8 @@ SECTIONS = [
     ("gemv.json", "GEMV sweep (gemv.json)", section_gemv),
     ("gemm.json", "GEMM sweep: mma vs wgmma, split-K (gemm.json)", section_gemm),
     ("compare.json", "cullama vs HuggingFace (compare.json)", section_compare),
+    ("speculative.json", "Speculative decoding: cullama bench --speculative replay (speculative.json)",
+     section_speculative),
 ]
 
 

@@ -43,8 +43,21 @@ class BenchProgress:
 @click.option("--overlap/--no-overlap", default=None,
               help="Link the decode graph's kernels by programmatic dependent launch (sm_90+) "
                    "[default: CULLAMA_OVERLAP=1 turns it on; off otherwise].")
+@click.option("--speculative", type=click.Choice(["ngram", "draft", "replay"]),
+              help="Benchmark speculative decoding instead: latency between tokens (bursts included), tokens per "
+                   "step, and the verify step's time per k against the plain step (replay: drafts the target's own "
+                   "greedy continuation, every draft accepted).")
+@click.option("--draft-tokens", type=int, help="--speculative: tokens drafted per step, 1 to 8 [default: 4].")
+@click.option("--adaptive-draft", is_flag=True, help="--speculative: move --draft-tokens with the recent acceptance.")
+@click.option("--draft-model", type=click.Path(), help="--speculative draft: the draft model's checkpoint directory.")
+@click.option("--verify-context", type=int, help="--speculative: context of the verify step timings [default: 500].")
+@click.option("--verify-reps", type=int, help="--speculative: timed verify calls per k [default: 20].")
+@click.option("--acceptance-model", type=click.Path(),
+              help="--speculative: a real checkpoint (e.g. stories260K) on which ngram's tokens per step is measured "
+                   "for the derived per-token figures.")
 @friendly_errors
-def bench(model_dir, synthetic, device, lengths, samples, warmup, prompt_len, max_seq_len, json_path, overlap):
+def bench(model_dir, synthetic, device, lengths, samples, warmup, prompt_len, max_seq_len, json_path, overlap,
+          **speculative):
     """Per-token decode latency (p50/p90/p99/max), tokens/s, GB/s and TTFT at each length."""
     from .. import bench as protocol
     from ..config import from_pretrained as read_config, preset
@@ -56,9 +69,10 @@ def bench(model_dir, synthetic, device, lengths, samples, warmup, prompt_len, ma
 
     command = {"model": model_dir, "synthetic": synthetic, "device": device, "lengths": lengths,
                "samples": samples, "warmup": warmup, "prompt_len": prompt_len, "max_seq_len": max_seq_len,
-               "json": json_path, "overlap": overlap}
+               "json": json_path, "overlap": overlap, **speculative}
     if model_dir is not None and synthetic is not None:
         raise PromptError("give either --model or --synthetic, not both")
+    speculative_options(speculative)
     lengths = protocol.parse_lengths(lengths)
     if json_path:
         protocol.check_writable(json_path)  # before the run, not after it
@@ -73,8 +87,10 @@ def bench(model_dir, synthetic, device, lengths, samples, warmup, prompt_len, ma
     check_supported(device_config(config))
     protocol.check_options(lengths, samples, warmup, prompt_len, max_seq_len or config.max_seq_len)
 
+    if speculative["speculative"]:
+        check_speculative(speculative, max_seq_len or config.max_seq_len)
     bandwidth = None
-    if dev == "cuda":  # before the weights arrive, so the buffer can be a few GiB on any GPU
+    if dev == "cuda" and not speculative["speculative"]:  # before the weights arrive (a few GiB on any GPU)
         BenchProgress.note("measuring the read bandwidth of this GPU ...")
         bandwidth = protocol.measure_bandwidth()
     BenchProgress.note(f"loading {model_dir or 'synthetic ' + synthetic} on {dev} ...")
@@ -91,6 +107,9 @@ def bench(model_dir, synthetic, device, lengths, samples, warmup, prompt_len, ma
     elif overlap:
         BenchProgress.note("--overlap: the CPU has no kernel overlap; ignored")
     label = model_dir or f"{synthetic} (synthetic)"
+    if speculative["speculative"]:
+        return speculative_bench(llm, label, dev, lengths, samples, warmup, prompt_len, json_path,
+                                 {"command": command, "overlap": overlapped}, **speculative_defaults(speculative))
     result = protocol.run(llm.runner, llm.config, lengths, samples, warmup, prompt_len, bandwidth=bandwidth,
                           device=dev, progress=BenchProgress(),
                           extra_options={"command": command, "overlap": overlapped})
@@ -100,6 +119,65 @@ def bench(model_dir, synthetic, device, lengths, samples, warmup, prompt_len, ma
         gpu = f" ({environment().get('gpu')})"
     title = f"cullama bench: {label}, {dev}{gpu}{', overlap on' if overlapped else ''}"
     out(protocol.format_table(result, title=title))
+    if json_path:
+        protocol.write_json(result, json_path, model=label)
+        BenchProgress.note(f"wrote {json_path}")
+
+
+def speculative_options(options: dict) -> None:
+    """The --speculative family only goes with --speculative (and --draft-model only with draft)."""
+    from ..errors import PromptError
+
+    method = options["speculative"]
+    given = [name for name, value in options.items() if name != "speculative" and value is not None and value is not False]
+    if method is None and given:
+        raise PromptError(f"--{given[0].replace('_', '-')} needs --speculative ngram|draft|replay")
+    if (method == "draft") != (options["draft_model"] is not None):
+        raise PromptError("--draft-model goes with --speculative draft, and --speculative draft needs it")
+
+
+def speculative_defaults(options: dict) -> dict:
+    """The --speculative family with its defaults filled in where not given."""
+    from ..speculative import DEFAULT_DRAFT_TOKENS
+    from ..speculative_bench import DEFAULT_VERIFY_CONTEXT, DEFAULT_VERIFY_REPS
+
+    defaults = {"draft_tokens": DEFAULT_DRAFT_TOKENS, "verify_context": DEFAULT_VERIFY_CONTEXT,
+                "verify_reps": DEFAULT_VERIFY_REPS}
+    return {name: defaults[name] if value is None and name in defaults else value for name, value in options.items()}
+
+
+def check_speculative(options: dict, max_seq_len: int) -> None:
+    """Option errors before any weight loads."""
+    from ..speculative_bench import check_options
+
+    o = speculative_defaults(options)
+    check_options(o["speculative"], o["draft_tokens"], max_seq_len, o["verify_context"], o["verify_reps"])
+
+
+def speculative_bench(llm, label, dev, lengths, samples, warmup, prompt_len, json_path, extra, *, speculative,
+                      draft_tokens, adaptive_draft, draft_model, verify_context, verify_reps, acceptance_model):
+    """`cullama bench --speculative`: cullama.speculative_bench's protocol, its report and record."""
+    from .. import speculative_bench as protocol
+    from ..drafters import check_draft_vocabulary
+    from ..llama import Llama
+
+    draft_runner = None
+    if draft_model is not None:
+        draft = Llama.from_pretrained(draft_model, device=dev, max_seq_len=llm.runner.max_seq_len)
+        check_draft_vocabulary(draft_model, draft.config.vocab_size, llm.config.vocab_size, draft.tokenizer,
+                               llm.tokenizer)
+        draft_runner = draft.runner
+    lookup = None
+    if acceptance_model is not None:
+        BenchProgress.note(f"measuring ngram's tokens per step on {acceptance_model} ...")
+        real = Llama.from_pretrained(acceptance_model, device=dev)
+        lookup = {"model": str(acceptance_model), **protocol.lookup_tokens_per_step(
+            real.runner, real.config.bos_token_id, k=draft_tokens)}
+    result = protocol.run(llm.runner, llm.config, speculative, lengths, samples, warmup, prompt_len,
+                          draft_tokens=draft_tokens, adaptive=adaptive_draft, draft_runner=draft_runner,
+                          verify_context=verify_context, verify_reps=verify_reps, device=dev, lookup=lookup,
+                          progress=BenchProgress(), extra_options=extra)
+    out(protocol.format_report(result, title=f"cullama bench --speculative {speculative}: {label}, {dev}"))
     if json_path:
         protocol.write_json(result, json_path, model=label)
         BenchProgress.note(f"wrote {json_path}")

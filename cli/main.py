@@ -140,6 +140,7 @@ class LoadProgress:
         if self.bar is not None:
             self.bar.__exit__(None, None, None)
             self.bar = None
+        self.done = 0  # a draft model's weights come next, from 0
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -172,6 +173,13 @@ def shared_options(command):
         click.option("--max-seq-len", type=int, help="Context to allocate (default: the model's)."),
         click.option("--tokenizer", type=click.Path(), help="tokenizer.model to use instead of the checkpoint's."),
         click.option("--json", "as_json", is_flag=True, help="Print JSON: ids, text, finish reason, seed, timings."),
+        click.option("--speculative", type=click.Choice(["ngram", "draft"]),
+                     help="Speculative decoding: each step checks drafted tokens in one pass (ngram: prompt "
+                          "lookup; draft: --draft-model). Greedy output is unchanged."),
+        click.option("--draft-model", type=click.Path(), help="A smaller LLaMA with the same tokenizer to draft "
+                                                              "tokens (implies --speculative draft)."),
+        click.option("--draft-tokens", type=int, help="Tokens drafted per step, 1 to 8 [default: 4]."),
+        click.option("--adaptive-draft", is_flag=True, help="Move --draft-tokens with the recent acceptance."),
     ]
     for option in reversed(options):
         command = option(command)
@@ -187,6 +195,26 @@ def generation_options(kwargs: dict, **more):
     return GenerationOptions.checked(**{k: kwargs[k] for k in keys}, stop=stop, **more)
 
 
+def speculative_options(kwargs: dict) -> dict:
+    """`stream`'s speculative keywords from the flags, checked before anything loads; --draft-model implies
+    --speculative draft."""
+    from ..speculative import SpeculativeOptions
+
+    method, draft_model = kwargs["speculative"], kwargs["draft_model"]
+    if draft_model is not None:
+        if method not in (None, "draft"):
+            raise PromptError(f"--draft-model drafts with a model: it cannot go with --speculative {method}")
+        method = "draft"
+    elif method == "draft":
+        raise PromptError("--speculative draft needs --draft-model DIR")
+    if method is None and (kwargs["draft_tokens"] is not None or kwargs["adaptive_draft"]):
+        raise PromptError("--draft-tokens and --adaptive-draft need --speculative or --draft-model")
+    spec = SpeculativeOptions.checked(method, kwargs["draft_tokens"], kwargs["adaptive_draft"])
+    if spec is None:
+        return {}
+    return {"speculative": spec.method, "draft_tokens": spec.draft_tokens, "adaptive_draft": spec.adaptive}
+
+
 def pick_device(device: str) -> str:
     """The device to load on; `auto` on a machine without a usable GPU says so, and why, before loading."""
     from ..device import resolve
@@ -194,14 +222,14 @@ def pick_device(device: str) -> str:
     return resolve(device, on_fallback=note)
 
 
-def load(model_dir, device, max_seq_len, tokenizer, check=None):
-    """The model, with a progress bar while the weights load and its notes said once."""
+def load(model_dir, device, max_seq_len, tokenizer, check=None, draft_model=None):
+    """The model (and its draft model), with a progress bar while the weights load and its notes said once."""
     from ..llama import Llama
 
     progress = LoadProgress("loading weights")
     try:
         llm = Llama.from_pretrained(model_dir, device=pick_device(device), max_seq_len=max_seq_len,
-                                    tokenizer=tokenizer, progress=progress, check=check)
+                                    tokenizer=tokenizer, progress=progress, check=check, draft_model=draft_model)
     finally:
         progress.close()
     for text in llm.notes:
@@ -258,6 +286,7 @@ def generate(model_dir, prompt, prompt_ids, chat, system, device, max_seq_len, t
     if chat and prompt_ids is not None:
         raise PromptError("--chat wraps a text PROMPT in the chat template: it takes no --prompt-ids")
     options = generation_options(kwargs)
+    spec = speculative_options(kwargs)
     ids = parse_ids(prompt_ids) if prompt_ids is not None else None
     if prompt is None and ids is None:
         prompt = "" if sys.stdin is None or sys.stdin.isatty() else TextInput().read().rstrip("\n")
@@ -277,8 +306,8 @@ def generate(model_dir, prompt, prompt_ids, chat, system, device, max_seq_len, t
             request[:] = checked_ids(prompt, config.vocab_size, tok)
         check_prompt_fits(len(request), context, options.max_new_tokens)
 
-    llm = load(model_dir, device, max_seq_len, tokenizer, check)
-    stream_out(llm.stream(request, **dataclasses.asdict(options)), llm, as_json)
+    llm = load(model_dir, device, max_seq_len, tokenizer, check, kwargs["draft_model"])
+    stream_out(llm.stream(request, **dataclasses.asdict(options), **spec), llm, as_json)
 
 
 @main.command()
@@ -293,6 +322,7 @@ def chat(model_dir, system, device, max_seq_len, tokenizer, as_json, **kwargs):
     message too long for the context is refused and the chat goes on. An empty line is skipped, end of input
     ends the conversation."""
     options = generation_options(kwargs, reuse_cache=True)  # each turn's prompt starts with the last one's
+    spec = speculative_options(kwargs)
     system = argument_text(system, "--system")
 
     def check(config, tok, context):
@@ -304,7 +334,7 @@ def chat(model_dir, system, device, max_seq_len, tokenizer, as_json, **kwargs):
             raise PromptError(f"--system takes {n} tokens in the chat template, which leaves no room in the "
                               f"context of {context} tokens (--max-seq-len)")
 
-    llm = load(model_dir, device, max_seq_len, tokenizer, check)
+    llm = load(model_dir, device, max_seq_len, tokenizer, check, kwargs["draft_model"])
     interactive = sys.stdin is not None and sys.stdin.isatty()
     lines = TextInput().lines()
     messages: list[dict] = []
@@ -326,7 +356,7 @@ def chat(model_dir, system, device, max_seq_len, tokenizer, as_json, **kwargs):
             note(f"the conversation outgrew the context of {llm.runner.max_seq_len} tokens: dropped its oldest "
                  f"{dropped} exchange{'s' if dropped > 1 else ''}")
         messages = turn[2 * dropped:]
-        stream = llm.stream(ids, **dataclasses.asdict(options))
+        stream = llm.stream(ids, **dataclasses.asdict(options), **spec)
         stream_out(stream, llm, as_json)
         messages.append({"role": "assistant", "content": stream.result.text})
 

@@ -230,22 +230,30 @@ def git_commit() -> str | None:
     return (done.stdout.strip() or None) if done.returncode == 0 else None
 
 
-def to_json(result: BenchResult, model: str | None = None) -> dict:
-    """Every sample, the summaries and the environment: the record a reader can recompute from."""
+def record_header(schema: str, device: str, model: str, config: LlamaConfig, options: dict) -> dict:
+    """What a benchmark record starts with: its schema, the date, cullama, the commit, the environment, the
+    device, the model and its config, and the options of the run."""
     from . import __version__
     from .device import environment
 
-    summaries = result.summaries()
     return {
-        "schema": SCHEMA,
+        "schema": schema,
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "cullama": __version__,
         "commit": git_commit(),
         "environment": environment(),
-        "device": result.device,
-        "model": model or result.config.name,
-        "config": dataclasses.asdict(result.config),
-        "options": result.options,
+        "device": device,
+        "model": model,
+        "config": dataclasses.asdict(config),
+        "options": options,
+    }
+
+
+def to_json(result: BenchResult, model: str | None = None) -> dict:
+    """Every sample, the summaries and the environment: the record a reader can recompute from."""
+    summaries = result.summaries()
+    return {
+        **record_header(SCHEMA, result.device, model or result.config.name, result.config, result.options),
         "decode_weight_bytes": result.config.decode_weight_bytes(),
         "bandwidth": result.bandwidth,
         "results": [{**s, "bytes_per_step": r.bytes_per_step, "decode_ns": r.decode_ns, "ttft_ns": r.ttft_ns}
@@ -272,10 +280,14 @@ def check_writable(path: str | os.PathLike) -> None:
 
 
 def write_json(result: BenchResult, path: str | os.PathLike, model: str | None = None) -> None:
-    """The record to `path`, through a temporary file beside it renamed into place (a failed write leaves no
-    half-written file). When that fails (a full disk, say), the record goes to the system's temporary
+    write_record(to_json(result, model), path)
+
+
+def write_record(record: dict, path: str | os.PathLike) -> None:
+    """A benchmark record to `path`, through a temporary file beside it renamed into place (a failed write
+    leaves no half-written file). When that fails (a full disk, say), the record goes to the system's temporary
     directory instead and a ResourceError says where: a finished run's samples are never lost."""
-    text = json.dumps(to_json(result, model), indent=1) + "\n"
+    text = json.dumps(record, indent=1) + "\n"
     target = Path(path)
     try:
         _write(target, text)

@@ -97,11 +97,13 @@ class Generation:
     timings: Timings
     seed: int | None = None  # the sampling seed used (drawn at random when none was given)
     stop_string: str | None = None  # the stop string that ended it (finish_reason "stop")
+    speculative: dict | None = None  # speculative decoding's statistics (cullama/speculative.py); None when off
 
     def to_dict(self) -> dict:
-        return {"text": self.text, "token_ids": self.token_ids, "finish_reason": self.finish_reason,
-                "stop_string": self.stop_string, "seed": self.seed, "prompt_ids": self.prompt_ids,
-                "timings": self.timings.to_dict()}
+        record = {"text": self.text, "token_ids": self.token_ids, "finish_reason": self.finish_reason,
+                  "stop_string": self.stop_string, "seed": self.seed, "prompt_ids": self.prompt_ids,
+                  "timings": self.timings.to_dict()}
+        return record if self.speculative is None else {**record, "speculative": self.speculative}
 
 
 def _flag(name: str, value) -> bool:
@@ -252,16 +254,27 @@ class GenerationStream:
     def _finish(self, reason: str) -> None:
         if self.result is None:
             self.result = Generation("".join(self.pieces), list(self.token_ids), reason, self.prompt_ids,
-                                     self.timings, self.options.seed, self.stop.matched if reason == "stop" else None)
+                                     self.timings, self.options.seed, self.stop.matched if reason == "stop" else None,
+                                     self._statistics())
 
     def _step(self, i: int, budget: int) -> int:
         """Token i from the runner, while this generation owns it (the first call takes ownership)."""
         with self.guard.lock:
             if i == 0:
                 self._ticket = self.guard.claim()
-                return self.runner.start(self.prompt_ids, self.options.sampling, self.options.reuse_cache)
-            self.guard.check(self._ticket)
-            return self.runner.next(ahead=i + 1 < budget)
+            else:
+                self.guard.check(self._ticket)
+            return self._token(i, budget)
+
+    def _token(self, i: int, budget: int) -> int:
+        """Token i of at most `budget`, the guard's lock held (speculative decoding hands out its bursts here)."""
+        if i == 0:
+            return self.runner.start(self.prompt_ids, self.options.sampling, self.options.reuse_cache)
+        return self.runner.next(ahead=i + 1 < budget)
+
+    def _statistics(self) -> dict | None:
+        """The result's `speculative` record (None: plain decoding)."""
+        return None
 
     def _drain(self) -> None:
         """A step queued ahead of a stop: finish it now, not in the next prompt's TTFT."""

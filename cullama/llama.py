@@ -22,6 +22,7 @@ from .generate import Generation, GenerationOptions, GenerationStream, Runner, R
 from .backends import make_backend
 from .engine import PlanRunner
 from .sampling import INT32_MAX, is_int
+from .speculative import SpeculativeOptions, SpeculativeStream
 from .weights import device_config, load_checkpoint, random_weights
 from .tokenizer import Tokenizer
 
@@ -40,21 +41,28 @@ class Llama:
     finish_reason "cancelled". A stream that is closed or dropped mid-way leaves the model ready."""
 
     def __init__(self, config: LlamaConfig, runner: Runner, tokenizer: Tokenizer | None, device: str,
-                 notes: Sequence[str] = ()):
+                 notes: Sequence[str] = (), draft: "Llama | None" = None):
         self.config, self.runner, self.tokenizer, self.device = config, runner, tokenizer, device
         self.notes = list(notes)  # things the user should hear once (e.g. a dtype conversion)
         self.guard = RunnerGuard()  # one generation at a time on self.runner
+        # speculative="draft"'s model: its runner is driven only from this model's generations, under self.guard
+        self.draft = draft
 
     @classmethod
     def from_pretrained(cls, path: str | os.PathLike, device: str = "auto", max_seq_len: int | None = None,
                         tokenizer: str | os.PathLike | None = None, progress: Progress | None = None,
-                        check: Check | None = None) -> "Llama":
+                        check: Check | None = None, draft_model: str | os.PathLike | None = None) -> "Llama":
         """Load an HF-format LLaMA checkpoint directory (safetensors) onto `device` ("auto", "cpu", "cuda").
 
         What can be checked without the weights is checked before they load, in this order: the device,
         config.json and the shapes cullama's kernels support, max_seq_len, the tokenizer (its pieces must be
-        ids of the model's vocabulary), `check(config, tokenizer, context)` (the caller's own, e.g. its
-        prompt), the checkpoint's files and tensors, and the memory the KV cache and the weights need."""
+        ids of the model's vocabulary), the draft model's vocabulary, `check(config, tokenizer, context)` (the
+        caller's own, e.g. its prompt), the checkpoint's files and tensors, and the memory the KV cache and the
+        weights need.
+
+        draft_model: a smaller LLaMA checkpoint with the same tokenizer, loaded after this one on the same
+        device with the same context, for speculative="draft"; one with another vocabulary size or other
+        pieces is refused before any weight loads."""
         notes: list[str] = []
         device = devices.resolve(device, on_fallback=notes.append)
         config = read_config(path)
@@ -64,6 +72,8 @@ class Llama:
         if tokenizer is not None or (Path(path) / "tokenizer.model").is_file():
             tok = Tokenizer.from_model_dir(path, override=tokenizer)
             tok.check_fits(config.vocab_size)
+        if draft_model is not None:
+            check_draft(draft_model, config, tok)
         if check is not None:
             check(config, tok, seq_len)
         ckpt = checkpoint.open_checkpoint(path, config)
@@ -72,7 +82,8 @@ class Llama:
         backend = make_backend(device)
         runner = PlanRunner(config, backend, seq_len, weight_bytes=device_weight_bytes(config))  # fits, or says so
         load_checkpoint(backend, ckpt, progress)
-        return cls(config, runner, tok, device, notes)
+        draft = None if draft_model is None else cls.from_pretrained(draft_model, device, seq_len, progress=progress)
+        return cls(config, runner, tok, device, notes + (draft.notes if draft else []), draft)
 
     @classmethod
     def synthetic(cls, config: LlamaConfig | str, device: str = "auto", max_seq_len: int | None = None,
@@ -131,7 +142,8 @@ class Llama:
     def stream(self, prompt: str | Sequence[int], max_new_tokens: int = 256, temperature: float = 0.0,
                top_k: int = 0, top_p: float = 1.0, repetition_penalty: float = 1.0, seed: int | None = None,
                stop: str | Sequence[str] | None = (), ignore_eos: bool = False,
-               reuse_cache: bool = False) -> GenerationStream:
+               reuse_cache: bool = False, speculative=None, draft_tokens: int | None = None,
+               adaptive_draft: bool = False) -> GenerationStream:
         """Iterate over text pieces as they become final; the stream's `.result` is the Generation.
 
         Every option is checked here (OptionError, a PromptError, naming it), before anything runs.
@@ -139,6 +151,11 @@ class Llama:
         reuse_cache: skip the prompt prefix the KV cache still holds from the last generation (a chat turn
         then prefills only what is new); off by default, since reused K and V can differ from a fresh
         prefill's in the last FP16 bit.
+        speculative: None (plain decoding, the default), "ngram" (prompt lookup), "draft" (the draft model
+        of from_pretrained(draft_model=...)) or a drafter object (cullama.drafters): each target pass checks
+        draft_tokens (1..8, default 4) drafted tokens at once, and adaptive_draft moves that number with the
+        recent acceptance. Greedy output is the same as plain decoding's; `result.speculative` holds the
+        statistics (method, k, steps, drafted, accepted, tokens per step).
 
         The stream starts computing at its first read, and from then on it owns the model until it ends:
         another generation started before that ends it (see the class docstring)."""
@@ -146,9 +163,13 @@ class Llama:
             max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
             repetition_penalty=repetition_penalty, seed=seed, stop=stop, ignore_eos=ignore_eos,
             reuse_cache=reuse_cache)
+        spec = SpeculativeOptions.checked(speculative, draft_tokens, adaptive_draft)
         detok = self.tokenizer.stream_decoder() if self.tokenizer else None
-        return GenerationStream(self.runner, detok, self.encode(prompt), options, self.config.eos_token_ids,
-                                self.guard)
+        args = (self.runner, detok, self.encode(prompt), options, self.config.eos_token_ids, self.guard)
+        if spec is None:
+            return GenerationStream(*args)
+        return SpeculativeStream(*args, drafter=spec.drafter(self.draft.runner if self.draft else None, reuse_cache),
+                                 length=spec.length())
 
     def generate(self, prompt: str | Sequence[int], **options) -> Generation:
         """Generate to the end; same options as `stream`. Holds the model throughout: concurrent calls from
@@ -193,6 +214,15 @@ def prompt_ids(prompt, vocab_size: int, tokenizer: Tokenizer | None) -> list[int
         if not 0 <= token < vocab_size:
             raise PromptError(f"token id {token} is outside the vocabulary [0, {vocab_size})")
     return [int(t) for t in prompt]
+
+
+def check_draft(path: str | os.PathLike, config: LlamaConfig, tokenizer: Tokenizer | None) -> None:
+    """ConfigError, before any weight loads, for a draft model that does not share the target's vocabulary."""
+    from .drafters import check_draft_vocabulary
+
+    draft_config = read_config(path)
+    draft_tok = Tokenizer.from_model_dir(path) if (Path(path) / "tokenizer.model").is_file() else None
+    check_draft_vocabulary(path, draft_config.vocab_size, config.vocab_size, draft_tok, tokenizer)
 
 
 def check_text(text: str, what: str) -> None:

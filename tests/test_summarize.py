@@ -38,6 +38,13 @@ def bench_json(path: Path, *extra: str) -> None:
     assert result.exit_code == 0, result.output
 
 
+def speculative_json(path: Path) -> None:
+    result = CliRunner().invoke(cli, ["bench", "--device", "cpu", "--speculative", "replay", "--draft-tokens", "4",
+                                      "--lengths", "10,20", "--samples", "10", "--warmup", "0", "--prompt-len", "2",
+                                      "--verify-context", "30", "--verify-reps", "2", "--json", str(path)])
+    assert result.exit_code == 0, result.output
+
+
 def compare_json(path: Path) -> None:
     """A record with compare_hf.py's layout (main() and hf_peers()): cullama bench's summaries per engine and L,
     the int L keys as json.dump turns them into strings, "fullgraph" beside them; latencies made up."""
@@ -80,6 +87,7 @@ def make_results(directory: Path, monkeypatch, capsys) -> Path:
     bench_json(directory / "bench.json")
     bench_json(directory / "bench_overlap.json", "--overlap")
     compare_json(directory / "compare.json")
+    speculative_json(directory / "speculative.json")
     return directory
 
 

@@ -20,6 +20,7 @@ FILES = {
     "gemv.json": "benchmarks/gemv_sweep.py",
     "gemm.json": "benchmarks/gemm_sweep.py",
     "compare.json": "benchmarks/compare_hf.py --quick",
+    "speculative.json": "cullama bench --speculative replay --draft-tokens 4",
 }
 SIDE_FILES = ("summary.txt", "steps.log")
 
