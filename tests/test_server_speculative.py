@@ -159,6 +159,17 @@ def test_max_tokens_is_never_exceeded_inside_a_burst(server, stories_expected, n
     assert steps == 2 * math.ceil((n - 1) / (K + 1)) and accepted == drafted == 2 * (n - 1) - steps
 
 
+@pytest.mark.parametrize("method", ["draft", "ngram"])
+def test_a_seeded_sampled_request_is_reproducible(server, method):
+    # Speculative sampling keeps the target's distribution, not plain sampling's draws: the same seed gives the
+    # same answer again, whole or streamed.
+    body = {"prompt": ONCE, "max_tokens": 24, "temperature": 0.9, "top_p": 0.95, "seed": 7, "speculative": method}
+    first, again = whole(server, body), whole(server, body)
+    assert first["choices"] == again["choices"] and first["usage"]["completion_tokens"] == 24
+    assert "".join(streamed(server, body)[0]) == first["choices"][0]["text"]
+    assert whole(server, {**body, "seed": 8})["choices"] != first["choices"]
+
+
 def test_chat_streams_the_plain_answer(server):
     client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=120)
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Tell me a story."}]

@@ -11,9 +11,9 @@ once; a running one stops between tokens: the engine checks after each text piec
 stream, so at most the token being computed is finished. A token whose text is held back
 (the first bytes of a character, a possible start of a stop string) yields no piece and is not a
 check point, so those few tokens run on. Under speculative decoding the tokens arrive in bursts, one
-verify step each, and the stream hands a burst out one token at a time without computing: a cancel
-stops it at the next piece, so within the verify step being computed, and the rest of the burst is
-dropped.
+verify step each, and the stream hands a burst out one token at a time: after a cancel the engine
+reads one more piece, the burst's next (already computed) or the first of at most one more verify
+step, and the rest of the burst is dropped.
 """
 
 from __future__ import annotations
