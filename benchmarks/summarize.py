@@ -22,6 +22,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from device_report.checks import SECTIONS as CHECK_SECTIONS
 from device_report.decisions import decisions
 from device_report.header import header
 from device_report.kernel_sections import section_gemm, section_gemv, section_prefill
@@ -41,6 +42,7 @@ SECTIONS = [
     ("compare.json", "cullama vs HuggingFace (compare.json)", section_compare),
     ("speculative.json", "Speculative decoding: cullama bench --speculative replay (speculative.json)",
      section_speculative),
+    *CHECK_SECTIONS,
 ]
 
 
