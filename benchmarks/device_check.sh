@@ -6,12 +6,15 @@
 # Steps, most decisive first: install the package, `cullama info`, `cullama kernels --arch sm_90`,
 # `pytest -m gpu`, `cullama bench`, `cullama bench --overlap` at 10, 100 and 500 tokens, then
 # benchmarks/decode_step.py (plain vs overlapped graph), prefill_step.py (TTFT per prefill kernel pair),
-# gemv_sweep.py, gemm_sweep.py (mma vs wgmma), `cullama bench --speculative replay` and compare_hf.py --quick. Each step runs under `timeout`
-# inside one overall budget (BUDGET_S, default 500 s), and a failing step does not stop the next.
+# gemv_sweep.py, gemm_sweep.py (mma vs wgmma), `cullama bench --speculative replay`, serve_latency.py (what
+# `cullama serve` adds per token) and compare_hf.py --quick. Each step runs under `timeout` inside one overall
+# budget (BUDGET_S, default 500 s), and a failing step does not stop the next. `pytest -m gpu` also runs the CPU
+# executor against the GPU on the tensor-core kernels (tests/test_emu_vs_gpu.py: emu_vs_gpu.json).
 # ../shared (the test data beside the repo) is used when present; a copy carried as .shared otherwise.
 # Under $OUT (the device tool returns at most 8 files): steps.log (every step's output), summary.txt,
 # report.md and results.tgz (bench.json, bench_overlap.json, decode.json, prefill.json, gemv.json, gemm.json,
-# compare.json, speculative.json; re-packed after every step, so a run cut short still returns what it finished).
+# compare.json, speculative.json, serve.json, emu_vs_gpu.json; re-packed after every step, so a run cut short
+# still returns what it finished). benchmarks/prepare_device.sh makes what to carry (.shared, .whl).
 # Environment: PYTHON (default python3), SKIP_INSTALL=1 (already installed), BENCH_SAMPLES (default 300),
 # BUDGET_S.
 # Last, benchmarks/summarize.py writes $OUT/report.md (Markdown for RESULTS.md: tables, targets, decisions);
@@ -77,10 +80,16 @@ if [ "${SKIP_INSTALL:-0}" = 1 ]; then
     echo "install: skipped (SKIP_INSTALL=1)" | tee -a "$LOG"
 else
     step install 120 "$PY" -m pip install -q --no-deps --no-build-isolation -e .
+    # the server's extra, from the wheels benchmarks/prepare_device.sh saved in .whl (the device has no network)
+    if ! "$PY" -c 'import fastapi, uvicorn' 2>/dev/null && [ -d .whl ]; then
+        step serve-deps 60 "$PY" -m pip install -q --no-index --find-links .whl 'fastapi>=0.115' 'uvicorn>=0.30' \
+            'pydantic>=2.7'
+    fi
 fi
 step info 30 "${CULLAMA[@]}" info
 step kernels 100 "${CULLAMA[@]}" kernels --arch sm_90
-step pytest 170 "$PY" -m pytest -m gpu -q -rs -p no:cacheprovider  # no -x: one run, every failure
+# no -x: one run, every failure
+CULLAMA_EMU_VS_GPU_JSON=$RESULTS/emu_vs_gpu.json step pytest 190 "$PY" -m pytest -m gpu -q -rs -p no:cacheprovider
 step bench 90 "${CULLAMA[@]}" bench --json "$RESULTS/bench.json" --samples "${BENCH_SAMPLES:-300}"
 step overlap 40 "${CULLAMA[@]}" bench --overlap --lengths 10,100,500 --samples 300 --json "$RESULTS/bench_overlap.json"
 step decode 60 "$PY" benchmarks/decode_step.py --trials 2 --json "$RESULTS/decode.json"
@@ -94,6 +103,9 @@ LOOKUP=()
 [ -d "$STORIES" ] && LOOKUP=(--acceptance-model "$STORIES")
 step spec 40 "${CULLAMA[@]}" bench --speculative replay --draft-tokens 4 --lengths 100,500 --samples 500 \
     ${LOOKUP[@]+"${LOOKUP[@]}"} --json "$RESULTS/speculative.json"
+TOKENIZER=${CULLAMA_SHARED:-../shared}/tokenizers/llama2/tokenizer.model
+step serve 45 "$PY" benchmarks/serve_latency.py --synthetic llama-2-7b --tokenizer "$TOKENIZER" --device cuda \
+    --lengths 64,256 --requests 3 --json "$RESULTS/serve.json"
 budget=$(($(left) - 30))  # compare_hf starts no new engine or length after this; it saves after each engine
 ((budget < 1)) && budget=1
 step compare 300 "$PY" benchmarks/compare_hf.py --quick --json "$RESULTS/compare.json" --budget-s "$budget"

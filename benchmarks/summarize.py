@@ -5,7 +5,8 @@
 RESULTS is results.tgz, a directory holding the JSON files (or $OUT itself, holding results.tgz), or one of
 the JSON files. The files: bench.json (`cullama bench`), bench_overlap.json (`cullama bench --overlap`),
 decode.json (decode_step.py), prefill.json (prefill_step.py), gemv.json (gemv_sweep.py), gemm.json
-(gemm_sweep.py), compare.json (compare_hf.py) and speculative.json (`cullama bench --speculative replay`).
+(gemm_sweep.py), compare.json (compare_hf.py), speculative.json (`cullama bench --speculative replay`),
+serve.json (serve_latency.py) and emu_vs_gpu.json (tests/test_emu_vs_gpu.py).
 summary.txt and steps.log beside them are read too when present (each step's status; nvidia-smi's driver
 and clocks). Prints one Markdown report, --markdown writes
 it too: a header (date, commit, GPU, driver, CUDA runtime, CuPy, NVRTC, read bandwidth), one section per
@@ -22,6 +23,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from device_report.checks import SECTIONS as CHECK_SECTIONS
 from device_report.decisions import decisions
 from device_report.header import header
 from device_report.kernel_sections import section_gemm, section_gemv, section_prefill
@@ -41,6 +43,7 @@ SECTIONS = [
     ("compare.json", "cullama vs HuggingFace (compare.json)", section_compare),
     ("speculative.json", "Speculative decoding: cullama bench --speculative replay (speculative.json)",
      section_speculative),
+    *CHECK_SECTIONS,
 ]
 
 

@@ -25,7 +25,7 @@ from cullama.ops import gemm_wgmma as wgmma_ops
 from cullama.prefill_kernels import MMA_GEMM
 from cullama.registry import KernelSpec
 
-pytestmark = pytest.mark.gpu
+pytestmark = [pytest.mark.gpu, pytest.mark.emu]  # emu: skipped where there is no host C++ compiler
 RECORD: list[dict] = []  # one row per case, written at the end of the module when asked
 
 

@@ -68,6 +68,28 @@ def compare_json(path: Path) -> None:
     path.write_text(json.dumps(record))
 
 
+def serve_json(path: Path) -> None:
+    """A record with benchmarks/serve_latency.py's layout (its rows and their summary); times made up."""
+    rows = []
+    for L, stream_ms, added in ((64, 3.0, 0.05), (256, 3.1, 0.08)):
+        summary = {"stream_token_ms_p50": stream_ms, "stream_token_ms_mean": stream_ms,
+                   "engine_token_ms_mean": stream_ms + 0.01, "client_gap_ms_p50": stream_ms + added,
+                   "client_gap_ms_p99": stream_ms + 3 * added, "client_token_ms_mean": stream_ms + added,
+                   "added_ms_per_token": added, "stream_ttft_ms_p50": 4.0, "client_ttft_ms_p50": 4.6}
+        rows.append({"length": L, "tokens": [L], "chunks": [L], "summary": summary})
+    path.write_text(json.dumps({"model": "llama-2-7b", "device": "cuda", "rows": rows, "date": "2026-12-01",
+                                "complete": True}))
+
+
+def emu_vs_gpu_json(path: Path) -> None:
+    """What tests/test_emu_vs_gpu.py records (its `agree`): a row per case; differences made up."""
+    cases = [{"case": "gemm (mma.sync) M=70 N=200 K=808 S=1", "max_abs_diff": 2e-6, "max_diff_over_bound": 1e-7,
+              "tolerance": 1e-5},
+             {"case": "attention_prefill_mma {'HEAD_DIM': 64}", "max_abs_diff": 1e-3, "max_diff_over_bound": 4e-4,
+              "tolerance": 2e-3}]
+    path.write_text(json.dumps({"cases": cases}))
+
+
 def make_results(directory: Path, monkeypatch, capsys) -> Path:
     from functools import partial
 
@@ -88,6 +110,8 @@ def make_results(directory: Path, monkeypatch, capsys) -> Path:
     bench_json(directory / "bench_overlap.json", "--overlap")
     compare_json(directory / "compare.json")
     speculative_json(directory / "speculative.json")
+    serve_json(directory / "serve.json")
+    emu_vs_gpu_json(directory / "emu_vs_gpu.json")
     return directory
 
 
@@ -318,6 +342,22 @@ def test_targets_pass_then_fail_one_at_a_time(records, tmp_path, capsys):
     text = report(write(tmp_path / "nulls", r), capsys)
     assert target(text, "decode p99") == ("p99 missing at L=10", "—")
     assert target(text, "TTFT <= 5")[1] == "—" and table_row(section(text, "cullama bench"), "10")[4] == "—"
+
+
+def test_serving_and_executor_checks(records, tmp_path, capsys):
+    text = report(write(tmp_path / "good", records), capsys)
+    assert table_row(section(text, "Serving"), "256")[7] == "0.080"
+    assert "2 cases" in target(text, "the CPU executor")[0] and target(text, "the CPU executor")[1] == "PASS"
+    assert target(text, "cullama serve adds") == ("worst 0.080 ms added per token at L=256", "PASS")
+    r = copy.deepcopy(records)
+    r["serve.json"]["rows"][0]["summary"]["added_ms_per_token"] = 0.25
+    r["emu_vs_gpu.json"]["cases"][1]["max_diff_over_bound"] = 5e-3
+    text = report(write(tmp_path / "bad", r), capsys)
+    assert target(text, "cullama serve adds") == ("worst 0.250 ms added per token at L=64", "FAIL")
+    assert "beyond tolerance: attention_prefill_mma" in target(text, "the CPU executor")[0]
+    assert target(text, "the CPU executor")[1] == "FAIL"
+    r["serve.json"]["device"] = "cpu"  # the CPU smoke run is never judged
+    assert target(report(write(tmp_path / "cpu", r), capsys), "cullama serve adds")[1] == "—"
 
 
 # -- decisions follow their rules -----------------------------------------------------------------

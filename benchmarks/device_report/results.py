@@ -21,6 +21,8 @@ FILES = {
     "gemm.json": "benchmarks/gemm_sweep.py",
     "compare.json": "benchmarks/compare_hf.py --quick",
     "speculative.json": "cullama bench --speculative replay --draft-tokens 4",
+    "serve.json": "benchmarks/serve_latency.py --synthetic llama-2-7b",
+    "emu_vs_gpu.json": "pytest -m gpu (tests/test_emu_vs_gpu.py)",
 }
 SIDE_FILES = ("summary.txt", "steps.log")
 

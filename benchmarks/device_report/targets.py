@@ -5,6 +5,7 @@ from __future__ import annotations
 from .values import DASH, as_int, dicts, fmt, num, ratio, table
 from .results import Results, bench_results, compare_engines, unavailable
 from .kernel_sections import fastest_prefill, gemv_best, gemv_shapes
+from .checks import TARGETS as CHECK_TARGETS
 from .speculative import TARGETS as SPECULATIVE_TARGETS
 
 
@@ -157,6 +158,7 @@ TARGETS = [
     (f"p99 >= {PEER_RATIOS[HF_EAGER]:g}x lower than HF eager, every L", "compare.json",
      lambda res: target_peer(res, HF_EAGER)),
     *SPECULATIVE_TARGETS,
+    *CHECK_TARGETS,
 ]
 
 

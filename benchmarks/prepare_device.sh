@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# prepare_device.sh: what a lent GPU machine needs that it cannot fetch (it has no network), made here, in the repo
+# root, before the one device call (`device` tool: run with carry [".shared", ".whl"], command
+# `bash benchmarks/device_check.sh`):
+#   .shared  a copy of ../shared (the golden checkpoints, stories260K, the LLaMA-2 tokenizer; ~30 MB)
+#   .whl     wheels of the server's extra for the device's Python 3.12 (fastapi, uvicorn, pydantic; ~4 MB)
+# Both are git-ignored and together stay well under the 64 MiB that a run may carry.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+rm -rf .shared .whl
+cp -r ../shared .shared
+rm -rf .shared/hooks
+pip download -q -d .whl --python-version 3.12 --only-binary=:all: \
+    --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+    'fastapi>=0.115' 'uvicorn>=0.30' 'pydantic>=2.7'
+du -sh .shared .whl
