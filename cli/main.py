@@ -173,6 +173,13 @@ def shared_options(command):
         click.option("--max-seq-len", type=int, help="Context to allocate (default: the model's)."),
         click.option("--tokenizer", type=click.Path(), help="tokenizer.model to use instead of the checkpoint's."),
         click.option("--json", "as_json", is_flag=True, help="Print JSON: ids, text, finish reason, seed, timings."),
+    ]
+    return apply(options, speculative_flags(command))  # the speculative flags listed last
+
+
+def speculative_flags(command):
+    """The speculative-decoding flags of `generate`, `chat` and `serve` (speculative_options checks them)."""
+    return apply([
         click.option("--speculative", type=click.Choice(["ngram", "draft"]),
                      help="Speculative decoding: each step checks drafted tokens in one pass (ngram: prompt "
                           "lookup; draft: --draft-model). Greedy output is unchanged."),
@@ -180,7 +187,11 @@ def shared_options(command):
                                                               "tokens (implies --speculative draft)."),
         click.option("--draft-tokens", type=int, help="Tokens drafted per step, 1 to 8 [default: 4]."),
         click.option("--adaptive-draft", is_flag=True, help="Move --draft-tokens with the recent acceptance."),
-    ]
+    ], command)
+
+
+def apply(options: list, command):
+    """`command` with click `options`, listed in --help in the order given."""
     for option in reversed(options):
         command = option(command)
     return command
@@ -374,12 +385,15 @@ def chat(model_dir, system, device, max_seq_len, tokenizer, as_json, **kwargs):
               help="Requests that may wait behind the running one; past it, 429.")
 @click.option("--api-key", envvar="CULLAMA_API_KEY", help="Require `Authorization: Bearer KEY` on /v1/* "
               "[env: CULLAMA_API_KEY].")
+@speculative_flags
 @friendly_errors
-def serve(model_dir, host, port, device, max_seq_len, tokenizer, served_model_name, max_queue, api_key):
+def serve(model_dir, host, port, device, max_seq_len, tokenizer, served_model_name, max_queue, api_key, **flags):
     """An OpenAI-compatible HTTP server: /v1/completions, /v1/chat/completions, /v1/models, /health, /metrics.
 
-    One generation at a time, the others wait in a FIFO queue. Needs the serve extra:
-    pip install 'cullama[serve]'."""
+    One generation at a time, the others wait in a FIFO queue. The speculative options are every request's
+    default; a request may change them with its own `speculative` ("ngram", "draft", "off") and `draft_tokens`
+    fields. Needs the serve extra: pip install 'cullama[serve]'."""
+    spec = speculative_options(flags)
     try:
         from ..server.launch import serve as run_server
     except ImportError as exc:
@@ -387,7 +401,7 @@ def serve(model_dir, host, port, device, max_seq_len, tokenizer, served_model_na
         sys.exit(2)
     sys.exit(run_server(model_dir, host=host, port=port, device=device, max_seq_len=max_seq_len,
                         served_model_name=served_model_name, max_queue=max_queue, api_key=api_key,
-                        tokenizer=tokenizer))
+                        tokenizer=tokenizer, speculative=spec, draft_model=flags["draft_model"]))
 
 
 @main.command()

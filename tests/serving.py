@@ -3,6 +3,7 @@ the server prints the port it got), wait for /health, talk raw HTTP, read /metri
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import json
 import re
@@ -11,9 +12,23 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Iterator
 from urllib.parse import urlsplit
 
 CLI = "from cullama.cli.main import main; main()"
+
+
+@contextlib.contextmanager
+def running(model_dir: Path, log_dir: Path, *args: str) -> Iterator["ServerProcess"]:
+    """A server ready to serve (/health answers 200), stopped by SIGTERM afterwards; its log is printed
+    when it does not exit 0."""
+    proc = ServerProcess(model_dir, log_dir / "server.log", *args)
+    try:
+        proc.wait_ready()
+        yield proc
+    finally:
+        if proc.stop(signal.SIGTERM) != 0:
+            print(proc.log())
 
 
 class ServerProcess:
@@ -89,6 +104,11 @@ class ServerProcess:
             self.process.kill()
             self.process.wait()
         self._log.close()
+
+
+def run_serve(*args: str) -> subprocess.CompletedProcess:
+    """`cullama serve` expected to exit by itself (a bad option or model, a port in use)."""
+    return subprocess.run([sys.executable, "-c", CLI, "serve", *args], capture_output=True, text=True, timeout=60)
 
 
 SAMPLE = re.compile(r'^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{(?:[a-zA-Z_][a-zA-Z0-9_]*="(?:[^"\\]|\\.)*",?)*\})? '

@@ -6,14 +6,13 @@ the server must answer exactly what a sequential run of the same request gives."
 from __future__ import annotations
 
 import json
-import signal
 import socket
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from serving import ServerProcess
+from serving import running
 
 pytest.importorskip("fastapi", reason="the serve extra is not installed (pip install -e '.[test]')")
 openai = pytest.importorskip("openai", reason="the openai client is a test dependency (pip install -e '.[test]')")
@@ -27,13 +26,8 @@ GENERATED = "cullama_generation_tokens_total"
 
 @pytest.fixture(scope="module")
 def server(stories_dir, tmp_path_factory):
-    proc = ServerProcess(stories_dir, tmp_path_factory.mktemp("serve") / "server.log")
-    try:
-        proc.wait_ready()
+    with running(stories_dir, tmp_path_factory.mktemp("serve")) as proc:
         yield proc
-    finally:
-        if proc.stop(signal.SIGTERM) != 0:
-            print(proc.log())
 
 
 @pytest.fixture(scope="module")
@@ -284,9 +278,26 @@ def test_after_bad_requests_a_wrong_method_is_405_and_a_normal_request_still_wor
     assert out.choices[0].text == "Once upon a time"
 
 
+def test_a_request_may_turn_speculation_on_but_draft_needs_a_draft_model(server, client):
+    # This server decodes plainly by default and has no draft model (tests/test_server_speculative.py has one).
+    args = dict(model=MODEL, prompt=ONCE, max_tokens=20, temperature=0)
+    plain = client.completions.create(**args)
+    before = server.metrics()
+    spec = client.completions.create(**args, extra_body={"speculative": "ngram", "draft_tokens": 3})
+    after = server.metrics()
+    assert spec.choices == plain.choices and spec.usage == plain.usage
+    steps, accepted = (after[name] - before[name] for name in (
+        'cullama_speculative_steps_total{method="ngram"}', 'cullama_speculative_accepted_tokens_total{method="ngram"}'))
+    assert steps + accepted == 19  # each step: its accepted drafts and a token of its own
+    with pytest.raises(openai.BadRequestError, match="needs a draft model") as refused:
+        client.completions.create(**args, extra_body={"speculative": "draft"})
+    assert refused.value.body["param"] == "speculative"
+
+
 def test_null_fields_mean_their_defaults_as_in_openais_api(server):
     nulls = dict.fromkeys(("max_tokens", "temperature", "top_p", "top_k", "repetition_penalty", "seed", "stop",
-                           "stream", "stream_options", "n", "user", "ignore_eos", "logprobs", "model"))
+                           "stream", "stream_options", "n", "user", "ignore_eos", "logprobs", "model",
+                           "speculative", "draft_tokens", "adaptive_draft"))
     status, _, raw = server.request("POST", "/v1/completions", {**nulls, "prompt": [1]})
     assert status == 200
     assert json.loads(raw)["usage"]["completion_tokens"] == 16  # OpenAI's default max_tokens for completions

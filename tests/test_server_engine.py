@@ -117,6 +117,51 @@ def test_the_queue_is_bounded_and_cancelling_frees_a_place_or_the_engine(llm, mo
     engine.join(10)
 
 
+class LeavingJob(Job):
+    """A job whose client leaves as its `after`-th piece is posted: on the engine thread, before the engine
+    reads on, so that the test knows exactly where the cancel came."""
+
+    def __init__(self, engine: Engine, after: int, *args):
+        super().__init__(*args)
+        self.engine, self.after, self.pieces = engine, after, 0
+
+    def post(self, event) -> None:
+        super().post(event)
+        self.pieces += isinstance(event, Piece)
+        if self.pieces == self.after and isinstance(event, Piece):
+            self.engine.cancel(self)
+
+
+@pytest.fixture(scope="module")
+def drafting_llm(stories_dir):
+    """stories260K with itself as its draft model: every draft accepted, bursts of k + 1 tokens."""
+    import cullama
+
+    return cullama.Llama.from_pretrained(stories_dir, device="cpu", draft_model=stories_dir)
+
+
+# Token 0 is the prefill's; with k = 4 each verify step makes a burst of 5: tokens 1-5 (pieces 2-6), 6-10, ...
+# The engine reads one more piece after a cancel (it checks after each read): the next of the burst, or, where
+# the burst was spent, the first of one more verify step; then the stream closes and the rest is dropped.
+@pytest.mark.parametrize("after", [1, 2, 6, 7])
+def test_a_cancel_stops_within_one_verify_step_and_drops_the_rest_of_the_burst(drafting_llm, after):
+    engine = started(drafting_llm)
+
+    async def main():
+        job = LeavingJob(engine, after, [1], {**options(400), "speculative": "draft", "draft_tokens": 4},
+                         asyncio.get_running_loop())
+        engine.submit(job)
+        return await events_of(job)
+
+    events = asyncio.run(main())
+    assert events[-1] == Stopped("cancelled") and len(events) == after + 1
+    assert engine.metrics.generated_tokens == after + 1
+    steps = -(-after // 5)  # the steps that made tokens 0..after, and not one more
+    assert engine.metrics.speculative["draft"] == {"steps": steps, "drafted": 4 * steps, "accepted": 4 * steps}
+    engine.stop()
+    engine.join(10)
+
+
 def test_stopping_ends_the_running_and_the_waiting_jobs_and_refuses_new_ones(llm):
     engine = started(llm)
 

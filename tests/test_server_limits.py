@@ -14,7 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from serving import CLI, ServerProcess
+from serving import CLI, ServerProcess, run_serve
 
 pytest.importorskip("fastapi", reason="the serve extra is not installed (pip install -e '.[test]')")
 openai = pytest.importorskip("openai", reason="the openai client is a test dependency (pip install -e '.[test]')")
@@ -159,8 +159,3 @@ def test_weights_that_fail_to_load_end_the_server_with_exit_2_and_no_key_off_loo
     assert "listening on http://0.0.0.0:" in done.stderr
     assert "warning: cullama serve listens on 0.0.0.0 without an API key" in done.stderr
     assert "\nerror: " in done.stderr and "Traceback" not in done.stderr
-
-
-def run_serve(*args: str) -> subprocess.CompletedProcess:
-    """A server that is expected to exit by itself."""
-    return subprocess.run([sys.executable, "-c", CLI, "serve", *args], capture_output=True, text=True, timeout=60)

@@ -20,6 +20,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..errors import CullamaError, OptionError, PromptError
 from ..generate import GenerationOptions, check_prompt_fits
+from ..speculative import SpeculativeOptions
 from .engine import Busy, Engine, Failed, Finished, Job, Piece, Refused, Stopped, Unavailable
 from .metrics import Metrics
 from .protocol import ApiError, ChatRequest, CompletionRequest, GenerationRequest
@@ -34,6 +35,9 @@ class Settings:
     model_name: str  # what /v1/models lists and requests must name (or leave out)
     context: int  # the model's context in tokens (--max-seq-len)
     api_key: str | None = None  # every /v1/* request needs `Authorization: Bearer <key>` when set
+    # Llama.stream's speculative keywords (speculative, draft_tokens, adaptive_draft) for every request that
+    # does not say otherwise; empty: plain decoding
+    speculative: dict = dataclasses.field(default_factory=dict)
 
 
 def create_app(engine: Engine, settings: Settings, metrics: Metrics) -> FastAPI:
@@ -103,7 +107,7 @@ async def generate(request: Request, body: GenerationRequest, engine: Engine, se
         raise ApiError(503, "the model is still loading; GET /health answers 200 once it is ready"
                        if engine.state == "loading" else "the model failed to load")
     chat = isinstance(body, ChatRequest)
-    job = Job(*prepare(engine.llm, body, chat), asyncio.get_running_loop())
+    job = Job(*prepare(engine.llm, body, chat, settings.speculative), asyncio.get_running_loop())
     try:
         engine.submit(job)
     except Busy as exc:
@@ -129,9 +133,9 @@ async def generate(request: Request, body: GenerationRequest, engine: Engine, se
             engine.cancel(job)  # a no-op once the job is done; else the handler itself was cancelled
 
 
-def prepare(llm, body: GenerationRequest, chat: bool) -> tuple[list[int], dict]:
+def prepare(llm, body: GenerationRequest, chat: bool, speculative: dict) -> tuple[list[int], dict]:
     """The prompt's ids and the keyword arguments of Llama.stream, checked by the library before the request
-    may queue: a 400 naming the field at fault."""
+    may queue: a 400 naming the field at fault. `speculative`: the server's default speculative keywords."""
     param = "messages" if chat else "prompt"
     try:
         ids = llm.chat_ids([m.as_dict() for m in body.messages]) if chat else llm.encode(body.prompt)
@@ -150,7 +154,23 @@ def prepare(llm, body: GenerationRequest, chat: bool) -> tuple[list[int], dict]:
         check_prompt_fits(len(ids), context, options["max_new_tokens"])
     except PromptError as exc:
         raise ApiError(400, str(exc), param=param, code="context_length_exceeded") from None
-    return ids, options
+    return ids, {**options, **speculation(llm, body, speculative)}
+
+
+def speculation(llm, body: GenerationRequest, default: dict) -> dict:
+    """The request's speculative keywords for Llama.stream ({}: plain decoding), checked by SpeculativeOptions:
+    a 400 naming the field at fault; "draft" needs the draft model the server was started with."""
+    method, draft_tokens, adaptive = body.speculation(default)
+    if method == "draft" and llm.draft is None:
+        raise ApiError(400, "speculative 'draft' needs a draft model and this server has none (cullama serve "
+                            "--draft-model DIR); use 'ngram' or 'off'", param="speculative")
+    try:
+        spec = SpeculativeOptions.checked(method, draft_tokens, adaptive)
+    except OptionError as exc:
+        raise ApiError(400, str(exc), param=exc.option) from None
+    if spec is None:
+        return {}
+    return {"speculative": spec.method, "draft_tokens": spec.draft_tokens, "adaptive_draft": spec.adaptive}
 
 
 async def whole_answer(answer: Answer, job: Job, event) -> JSONResponse:

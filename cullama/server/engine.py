@@ -10,7 +10,10 @@ Cancelling (a client that went away, or the server stopping) takes a waiting job
 once; a running one stops between tokens: the engine checks after each text piece and closes the
 stream, so at most the token being computed is finished. A token whose text is held back
 (the first bytes of a character, a possible start of a stop string) yields no piece and is not a
-check point, so those few tokens run on.
+check point, so those few tokens run on. Under speculative decoding the tokens arrive in bursts, one
+verify step each, and the stream hands a burst out one token at a time: after a cancel the engine
+reads one more piece, the burst's next (already computed) or the first of at most one more verify
+step, and the rest of the burst is dropped.
 """
 
 from __future__ import annotations
@@ -213,6 +216,8 @@ class Engine:
         """The tokens and timings of a generation, however it ended (Llama.stream's own timings)."""
         first_token_s = started - job.arrived + result.timings.prefill_s if result.timings.prefill_s else None
         self.metrics.generated(len(result.token_ids), first_token_s, result.timings.token_s)
+        if result.speculative is not None:
+            self.metrics.speculated(result.speculative)
 
     def _finish(self, job: Job, event: Event) -> None:
         with self._lock:

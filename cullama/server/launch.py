@@ -1,8 +1,9 @@
 """`cullama serve`'s process: check the model, listen, load the weights in the background, serve, stop.
 
-The order matters to whoever starts the server: the model directory is checked before anything else
-(a bad path is one line and exit 2), then the socket listens, and only then do the weights load, on
-the engine thread, while /health answers 503; it answers 200 once they are in. SIGINT (Ctrl-C) or
+The order matters to whoever starts the server: the model directory (and the draft model's, against the
+target's vocabulary) is checked before anything else (a bad path is one line and exit 2), then the socket
+listens, and only then do the weights load (the target's, then the draft's), on the engine thread, while
+/health answers 503; it answers 200 once they are all in. SIGINT (Ctrl-C) or
 SIGTERM stops accepting connections, ends the waiting requests with a 503 and the running generation
 at its next token, and exits 0. A model that fails to load ends the server: exit 2 for a CullamaError
 (one line), 1 for anything else (with its traceback).
@@ -79,19 +80,37 @@ def _exit_zero(signum, frame):
 
 def serve(model_dir: str, host: str = "127.0.0.1", port: int = 8000, device: str = "auto",
           max_seq_len: int | None = None, served_model_name: str | None = None, max_queue: int = 64,
-          api_key: str | None = None, tokenizer: str | None = None) -> int:
+          api_key: str | None = None, tokenizer: str | None = None, speculative: dict | None = None,
+          draft_model: str | None = None) -> int:
     """Serve a checkpoint directory until SIGINT or SIGTERM; the exit status (0, or 2 / 1 when the model
-    failed to load)."""
-    from ..llama import Llama
+    failed to load).
+
+    speculative: Llama.stream's speculative keywords (speculative, draft_tokens, adaptive_draft), every
+    request's default ({} or None: plain decoding); draft_model: the draft model's directory, loaded with
+    the target before /health answers 200."""
+    from ..llama import Llama, check_draft
+    from ..tokenizer import Tokenizer
 
     config = read_config(model_dir)  # a wrong directory is an error now, not after the socket is up
     if tokenizer is None and not (Path(model_dir) / "tokenizer.model").is_file():
         raise ServeError(f"{Path(model_dir) / 'tokenizer.model'} not found: the server turns text into tokens "
                          "and back, so it needs one (or name one with --tokenizer)")
+    if draft_model is not None:  # a draft that cannot speak the target's tokens, too
+        check_draft(draft_model, config, Tokenizer.from_model_dir(model_dir, override=tokenizer))
     name = served_model_name or Path(model_dir).resolve().name
-    settings = Settings(model_name=name, context=max_seq_len or config.max_seq_len, api_key=api_key or None)
+    settings = Settings(model_name=name, context=max_seq_len or config.max_seq_len, api_key=api_key or None,
+                        speculative=dict(speculative or {}))
     return run(lambda: Llama.from_pretrained(model_dir, device=device, max_seq_len=max_seq_len,
-                                             tokenizer=tokenizer), settings, host, port, max_queue)
+                                             tokenizer=tokenizer, draft_model=draft_model),
+               settings, host, port, max_queue)
+
+
+def describe_speculation(default: dict) -> str:
+    """The ready line's words on the requests' default decoding."""
+    if not default:
+        return ""
+    k = f"{'adaptive, from ' if default['adaptive_draft'] else ''}{default['draft_tokens']} draft tokens"
+    return f", speculative decoding by default ({default['speculative']}, {k})"
 
 
 def run(load: Callable[[], object], settings: Settings, host: str, port: int, max_queue: int) -> int:
@@ -102,7 +121,8 @@ def run(load: Callable[[], object], settings: Settings, host: str, port: int, ma
         llm = load()
         for note in llm.notes:
             print(f"note: {note}", file=sys.stderr)
-        print(f"cullama serve: {settings.model_name} is ready on {llm.device}", file=sys.stderr, flush=True)
+        decoding = describe_speculation(settings.speculative)
+        print(f"cullama serve: {settings.model_name} is ready on {llm.device}{decoding}", file=sys.stderr, flush=True)
         return llm
 
     engine = Engine(load_and_say, max_queue, metrics)

@@ -36,6 +36,16 @@ class Histogram:
 
 
 OUTCOMES = ("completed", "cancelled", "failed", "rejected", "invalid")
+SPECULATIVE_METHODS = ("ngram", "draft")  # the `method` label of the speculative counters
+# The speculative counters: (the statistic of Generation.speculative, metric name, help)
+SPECULATIVE_COUNTERS = (
+    ("steps", "cullama_speculative_steps_total",
+     "Verify steps of speculative decoding (target passes after the prefill), by drafting method."),
+    ("drafted", "cullama_speculative_draft_tokens_total", "Drafted tokens the verify steps checked."),
+    ("accepted", "cullama_speculative_accepted_tokens_total",
+     "Drafted tokens the verify steps accepted: acceptance = accepted / drafted, tokens per step = "
+     "(accepted + steps) / steps."),
+)
 
 
 class Metrics:
@@ -52,6 +62,8 @@ class Metrics:
         self.running = 0
         self.ttft = Histogram(TTFT_BUCKETS)
         self.token_time = Histogram(TOKEN_BUCKETS)
+        # {method: {"steps", "drafted", "accepted"}}: every generation's speculative statistics, summed
+        self.speculative = {method: _speculative_zeros() for method in SPECULATIVE_METHODS}
 
     def count(self, outcome: str) -> None:
         with self._lock:
@@ -74,6 +86,13 @@ class Metrics:
             for t in token_s:
                 self.token_time.observe(t)
 
+    def speculated(self, stats: dict) -> None:
+        """One generation's speculative statistics (Generation.speculative), however it ended."""
+        with self._lock:
+            totals = self.speculative.setdefault(stats["method"], _speculative_zeros())
+            for stat in totals:
+                totals[stat] += stats[stat]
+
     def render(self) -> str:
         with self._lock:
             blocks = [
@@ -93,8 +112,15 @@ class Metrics:
                 _metric("cullama_time_between_tokens_seconds", "histogram",
                         "The engine's time from one token to the next (Llama.stream's timings).",
                         self.token_time.lines("cullama_time_between_tokens_seconds")),
+                *(_metric(name, "counter", help_text,
+                          [f'{name}{{method="{m}"}} {totals[stat]}' for m, totals in self.speculative.items()])
+                  for stat, name, help_text in SPECULATIVE_COUNTERS),
             ]
         return "".join(blocks)
+
+
+def _speculative_zeros() -> dict[str, int]:
+    return {stat: 0 for stat, _, _ in SPECULATIVE_COUNTERS}
 
 
 def _metric(name: str, kind: str, help_text: str, samples: list[str]) -> str:

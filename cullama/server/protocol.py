@@ -75,6 +75,11 @@ class GenerationRequest(BaseModel):
     stream_options: StreamOptions | None = None
     n: StrictInt = 1
     user: StrictStr | None = None  # accepted and ignored
+    # cullama's own: speculative decoding for this request ("off": plain decoding); unset or null, the server's
+    # default (`cullama serve --speculative ...`). Ranges and combinations: SpeculativeOptions.checked.
+    speculative: Literal["ngram", "draft", "off"] | None = None
+    draft_tokens: StrictInt | None = None
+    adaptive_draft: StrictBool | None = None
 
     @field_validator("max_tokens", "temperature", "top_p", "top_k", "repetition_penalty", "ignore_eos", "stream",
                      "n", mode="before")
@@ -94,6 +99,19 @@ class GenerationRequest(BaseModel):
             if name in UNHONOURED and not _asks_nothing(value, UNHONOURED[name]):
                 raise ApiError(400, f"{name} is not supported by cullama (got {value!r}); leave it out",
                                param=name)
+
+    def speculation(self, default: dict) -> tuple[str | None, int | None, bool]:
+        """(method, draft_tokens, adaptive_draft) for SpeculativeOptions.checked: the request's fields over the
+        server's `default` (Llama.stream's speculative keywords, {} for plain decoding). The default's
+        draft_tokens and adaptive_draft go with a method only: a request that turns speculation on takes
+        them, one that turns it off leaves them (and may not give its own)."""
+        method = default.get("speculative") if self.speculative is None else \
+            None if self.speculative == "off" else self.speculative
+        if method is None:
+            return None, self.draft_tokens, self.adaptive_draft is True
+        k = default.get("draft_tokens") if self.draft_tokens is None else self.draft_tokens
+        adaptive = default.get("adaptive_draft", False) if self.adaptive_draft is None else self.adaptive_draft
+        return method, k, adaptive
 
     def stops(self) -> tuple[str, ...]:
         if self.stop is None:
