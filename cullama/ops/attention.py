@@ -83,13 +83,14 @@ def attention_prefill(q_rows, k_cache, v_cache, out_rows, start, n_rows, max_seq
     hd = k_cache.shape[2]
     group = q_rows.shape[1] // (kv_heads * hd)
     end = min(int(start) + rows, int(max_seq))  # keys any row sees
-    future = np.arange(end)[None, :] > int(start) + np.arange(rows)[:, None]  # [rows, end] causal mask
     q = q_rows[:rows, : kv_heads * group * hd].astype(np.float32).reshape(rows, kv_heads, group, hd)
     for kv in range(kv_heads):
-        keys, values = k_cache[kv, :end].astype(np.float32), v_cache[kv, :end].astype(np.float32)
-        s = np.einsum("rgd,kd->grk", q[:, kv], keys) * np.float32(scale)  # [group, rows, end]
-        s = np.where(future, -np.inf, s)
-        p = np.exp(s - s.max(axis=2, keepdims=True))
-        o = (p @ values) / p.sum(axis=2, keepdims=True)  # [group, rows, hd]
-        out_rows[:rows, kv * group * hd: (kv + 1) * group * hd] = o.transpose(1, 0, 2).reshape(rows, -1).astype(
-            np.float16)
+        keys, values = k_cache[kv, :end].astype(np.float32), v_cache[kv, :end].astype(np.float32)  # [end, hd]
+        # Row by row over exactly the keys a row sees: a row's numbers then depend on its position alone, not on
+        # which rows share its prefill chunk (a masked [rows, end] product sums each row in an order that does).
+        for r in range(rows):
+            n = int(start) + r + 1  # keys 0..start+r
+            s = (q[r, kv] @ keys[:n].T) * np.float32(scale)  # [group, n]
+            p = np.exp(s - s.max(axis=1, keepdims=True))
+            o = (p @ values[:n]) / p.sum(axis=1, keepdims=True)  # [group, hd]
+            out_rows[r, kv * group * hd: (kv + 1) * group * hd] = o.reshape(-1).astype(np.float16)

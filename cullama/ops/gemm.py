@@ -16,7 +16,14 @@ def gemm(A, W, C, workspace, tile_count, M, N, K, accumulate):
     tile_count all zero and workspace holds nothing anyone reads afterwards, so the twin (which does
     not split K: the split changes only the float32 summation order) leaves both untouched.
     """
-    prod = A[:M, :K].astype(np.float32) @ W[:N, :K].astype(np.float32).T  # [M, N]
+    w32 = W[:N, :K].astype(np.float32)  # [N, K]
+    a32 = A[:M, :K].astype(np.float32)  # [M, K]
+    # One matrix-vector product per row: BLAS's matrix-matrix kernels sum a row in an order that depends on how
+    # many rows share the call (OpenBLAS's small-M paths), so a prompt's numbers would change with the prefill
+    # chunk. Row by row, a row's result depends on that row alone, whatever the chunking.
+    prod = np.empty((M, N), np.float32)  # [M, N]
+    for row in range(M):
+        prod[row] = w32 @ a32[row]
     if accumulate:
         C[:M, :N] += prod
     else:
