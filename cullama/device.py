@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.metadata
+import os
 import platform
 import re
 import sys
@@ -30,32 +31,93 @@ def cupy_packages() -> list[str]:
     return sorted(found)
 
 
-def cuda_major() -> int:
-    """The CUDA major version to install wheels for: the installed CuPy's (cupy-cuda13x: 13), else the
-    driver's, else DEFAULT_CUDA."""
-    for package in cupy_packages():
-        if m := re.match(r"cupy-cuda(\d+)x ", package):
-            return int(m.group(1))
+def driver_major() -> int | None:
+    """The CUDA major version the driver supports (cuDriverGetVersion 12080: 12), or None without a driver."""
     from .backends import driver
 
-    return driver.cuda_version(default=DEFAULT_CUDA * 1000) // 1000
+    version = driver.cuda_version(default=0)
+    return version // 1000 if version > 0 else None
+
+
+def installed_cupy_major() -> int | None:
+    """The CUDA major of the one installed CuPy wheel (cupy-cuda13x: 13), or None where there is none, or more
+    than one (two_cupys_warning's case)."""
+    majors = [int(m.group(1)) for p in cupy_packages() if (m := re.match(r"cupy-cuda(\d+)x ", p))]
+    return majors[0] if len(majors) == 1 else None
+
+
+def wheels_for(driver: int) -> int:
+    """The EXTRAS major whose wheels run on a CUDA `driver` driver: the newest not newer than it (a driver runs
+    the wheels of older CUDA majors too: a CUDA 14 driver runs cuda13's), cuda12 below CUDA 12."""
+    return max((m for m in EXTRAS if m <= driver), default=min(EXTRAS))
+
+
+def cuda_major() -> int:
+    """The EXTRAS major to install wheels for. With a driver: the installed CuPy's where it runs on that driver
+    (cupy-cuda12x on a CUDA 13 driver: 12, so the hint completes it rather than adding a second CuPy), else the
+    newest the driver runs (cupy-cuda13x on a CUDA 12 driver: 12). Without one: the installed CuPy's, else
+    DEFAULT_CUDA."""
+    installed, driver = installed_cupy_major(), driver_major()
+    if driver is None:
+        return installed if installed in EXTRAS else DEFAULT_CUDA
+    if installed in EXTRAS and installed <= driver:
+        return installed
+    return wheels_for(driver)
 
 
 def install_hint() -> str:
-    """What to install, naming the wheels for this machine's CUDA."""
-    major = cuda_major()
-    extra, cupy_wheel, nvrtc_wheel = EXTRAS.get(major, EXTRAS[DEFAULT_CUDA])
-    return f"install the CUDA {major} extras: pip install 'cullama[{extra}]' ({cupy_wheel} and {nvrtc_wheel})"
+    """What to install, naming the wheels that run on this machine's driver (and, where the installed CuPy is
+    another one, to uninstall that first: two CuPy packages share one module)."""
+    major, driver, installed = cuda_major(), driver_major(), installed_cupy_major()
+    extra, cupy_wheel, nvrtc_wheel = EXTRAS[major]
+    what = f"the CUDA {major} extras"
+    if driver is not None and driver < major:
+        what = f"a CUDA {major} or newer driver (this one is CUDA {driver}) and {what}"
+    elif driver is not None and driver > major and major == max(EXTRAS):
+        what += f" (the newest; they run on this CUDA {driver} driver)"
+    first = ""
+    if installed is not None and installed != major:
+        why = f" (it needs a CUDA {installed} driver)" if driver is not None and installed > driver else ""
+        first = f"uninstall cupy-cuda{installed}x{why}, then "
+    return f"{first}install {what}: pip install 'cullama[{extra}]' ({cupy_wheel} and {nvrtc_wheel})"
 
 
 def two_cupys_warning() -> str | None:
-    """A warning line where more than one CuPy distribution is installed, else None."""
+    """A warning line where more than one CuPy distribution is installed, else None. It says which to keep: the
+    wheel for the driver's CUDA major (cupy-cuda13x on a CUDA 13 driver; the newest it runs on a newer one), or
+    without a driver DEFAULT_CUDA's, which runs on CUDA 12 and 13 drivers alike."""
     packages = cupy_packages()
     if len(packages) < 2:
         return None
-    keep = EXTRAS.get(cuda_major(), EXTRAS[DEFAULT_CUDA])[1]
+    driver = driver_major()
+    if driver is None:
+        keep = f"no driver found; {EXTRAS[DEFAULT_CUDA][1]} runs on CUDA 12 and 13 drivers alike"
+    else:
+        keep = f"for this CUDA {driver} driver: {EXTRAS[wheels_for(driver)][1]}"
     return (f"{len(packages)} CuPy packages are installed ({', '.join(packages)}): they share one `cupy` module, "
-            f"so one overwrote the other; uninstall all but one (for this CUDA: {keep}) and reinstall it")
+            f"so one overwrote the other; uninstall all but one ({keep}) and reinstall it")
+
+
+def nvrtc_library(maps: str = "/proc/self/maps") -> str | None:
+    """Which libnvrtc this process loaded, in words: its path, after the pip wheel that installed it where one did
+    ("nvidia-cuda-nvrtc-cu12 12.9.86: /…/nvidia/cuda_nvrtc/lib/libnvrtc.so.12"), else after "not from a wheel"
+    (a CUDA toolkit's). None where none is loaded or the memory map cannot be read (not Linux)."""
+    try:
+        with open(maps) as lines:
+            paths = sorted({line.split()[-1] for line in lines if "/libnvrtc.so" in line})
+    except OSError:
+        return None
+    if not paths:
+        return None
+    path = paths[0]
+    for dist in importlib.metadata.distributions():
+        name = re.sub(r"[-_.]+", "-", (dist.metadata["Name"] or "").lower())
+        if "nvrtc" not in name:
+            continue
+        for file in dist.files or ():
+            if "libnvrtc.so" in file.name and os.path.realpath(dist.locate_file(file)) == os.path.realpath(path):
+                return f"{name} {dist.version}: {path}"
+    return f"not from a wheel: {path}"
 
 
 def import_cupy():
@@ -125,6 +187,7 @@ def environment() -> dict:
     try:
         from cupy.cuda import nvrtc
         env["nvrtc"] = "%d.%d" % nvrtc.getVersion()
+        env["nvrtc_library"] = nvrtc_library()
     except Exception as exc:
         env["nvrtc"] = f"unavailable ({type(exc).__name__})"
     ok, why = cuda_status()

@@ -276,7 +276,38 @@ def test_info_names_the_cupy_package_and_the_nvrtc_in_use():
     result = CliRunner().invoke(main, ["info"])
     assert result.exit_code == 0, result.output
     assert re.search(r"cupy_packages: cupy-cuda1\dx \d+\.", result.stdout), result.stdout
-    assert re.search(r"nvrtc: \d+\.\d+$", result.stdout, re.M) and "warning" not in result.stderr
+    # one line: NVRTC's version, then the library file loaded and the wheel that installed it (NVRTC loads on the
+    # CPU too): "nvrtc: 12.9 (nvidia-cuda-nvrtc-cu12 12.9.86: /.../nvidia/cuda_nvrtc/lib/libnvrtc.so.12)"
+    line = re.search(r"^ *nvrtc: (\d+)\.\d+ \((nvidia-cuda-nvrtc\S*) \S+: (/\S+/libnvrtc\.so\.(\d+))\)$",
+                     result.stdout, re.M)
+    assert line, result.stdout
+    assert Path(line[3]).is_file() and line[1] == line[4], line[0]  # the file exists and is NVRTC's major
+    assert "nvrtc_library" not in result.stdout and "warning" not in result.stderr
+
+
+def test_the_nvrtc_library_is_named_from_the_memory_map(tmp_path, monkeypatch):
+    wheel_dir = tmp_path / "site-packages"
+    library = wheel_dir / "nvidia" / "cuda_nvrtc" / "lib" / "libnvrtc.so.13"
+    library.parent.mkdir(parents=True)
+    library.write_bytes(b"")
+
+    class Wheel:
+        metadata, version = {"Name": "nvidia_cuda_nvrtc"}, "13.0.88"
+        files = [Path("nvidia/cuda_nvrtc/lib/libnvrtc.so.13")]
+        locate_file = staticmethod(lambda file: wheel_dir / file)
+
+    def memory_map(*paths):
+        lines = [f"7f00-7f10 r-xp 00000000 08:01 42 {p}\n" for p in paths]
+        (tmp_path / "maps").write_text("7e00-7e10 r-xp 00000000 08:01 41 /usr/lib/libc.so.6\n" + "".join(lines))
+        return str(tmp_path / "maps")
+
+    monkeypatch.setattr(device.importlib.metadata, "distributions", lambda: [Wheel()])
+    assert device.nvrtc_library(memory_map(library, library)) == f"nvidia-cuda-nvrtc 13.0.88: {library}"
+    toolkit = "/usr/local/cuda-12.8/lib64/libnvrtc.so.12.8.93"
+    assert device.nvrtc_library(memory_map(toolkit, "/usr/local/cuda-12.8/lib64/libnvrtc-builtins.so.12.8")) == (
+        f"not from a wheel: {toolkit}")
+    assert device.nvrtc_library(memory_map()) is None
+    assert device.nvrtc_library(str(tmp_path / "no-such-maps")) is None
 
 
 def test_two_cupy_packages_are_warned_about(monkeypatch):
@@ -290,19 +321,45 @@ def test_two_cupy_packages_are_warned_about(monkeypatch):
     assert device.two_cupys_warning() is None
 
 
-@pytest.mark.parametrize("installed, driver_version, wheels", [
-    (("cupy-cuda13x",), 12080, "cullama[cuda13]' (cupy-cuda13x and nvidia-cuda-nvrtc)"),
-    (("cupy-cuda12x",), 13000, "cullama[cuda12]' (cupy-cuda12x and nvidia-cuda-nvrtc-cu12)"),
-    ((), 13010, "cullama[cuda13]' (cupy-cuda13x and nvidia-cuda-nvrtc)"),
-    ((), 12040, "cullama[cuda12]' (cupy-cuda12x and nvidia-cuda-nvrtc-cu12)")])
-def test_install_hints_name_the_wheels_for_this_cuda(installed, driver_version, wheels, monkeypatch):
+@pytest.mark.parametrize("driver_version, keep", [
+    (12080, "for this CUDA 12 driver: cupy-cuda12x"),
+    (13000, "for this CUDA 13 driver: cupy-cuda13x"),  # it used to say cupy-cuda12x whatever the driver
+    (14000, "for this CUDA 14 driver: cupy-cuda13x"),  # the newest wheel a CUDA 14 driver runs
+    (None, "no driver found; cupy-cuda12x runs on CUDA 12 and 13 drivers alike")])
+def test_the_two_cupys_warning_keeps_the_wheel_for_the_driver(driver_version, keep, monkeypatch):
+    from cullama.backends import driver
+
+    monkeypatch.setattr(device.importlib.metadata, "distributions", distributions("cupy-cuda12x", "cupy-cuda13x"))
+    monkeypatch.setattr(driver, "cuda_version", lambda default: driver_version or default)
+    assert f"uninstall all but one ({keep}) and reinstall it" in device.two_cupys_warning()
+
+
+CUDA12 = "pip install 'cullama[cuda12]' (cupy-cuda12x and nvidia-cuda-nvrtc-cu12)"
+CUDA13 = "pip install 'cullama[cuda13]' (cupy-cuda13x and nvidia-cuda-nvrtc)"
+
+
+# The hint follows the driver: the wheels it names must run on it. A CuPy already installed is completed (its
+# NVRTC wheel added) where it runs on the driver, so the hint never adds a second CuPy beside a working one; one
+# that does not run there is to be uninstalled first. The first case used to expect cullama[cuda13] (the installed
+# cupy-cuda13x's major) on a CUDA 12.8 driver, where the CUDA 13 wheels cannot run.
+@pytest.mark.parametrize("installed, driver_version, hint", [
+    (("cupy-cuda13x",), 12080, f"uninstall cupy-cuda13x (it needs a CUDA 13 driver), then install the CUDA 12 "
+                               f"extras: {CUDA12}"),
+    (("cupy-cuda12x",), 13000, f"install the CUDA 12 extras: {CUDA12}"),  # 12x runs on a 13 driver: complete it
+    ((), 13010, f"install the CUDA 13 extras: {CUDA13}"),
+    ((), 12040, f"install the CUDA 12 extras: {CUDA12}"),
+    ((), 14000, f"install the CUDA 13 extras (the newest; they run on this CUDA 14 driver): {CUDA13}"),
+    ((), 11080, f"install a CUDA 12 or newer driver (this one is CUDA 11) and the CUDA 12 extras: {CUDA12}"),
+    (("cupy-cuda13x",), None, f"install the CUDA 13 extras: {CUDA13}"),  # no driver: the installed CuPy's
+    ((), None, f"install the CUDA 12 extras: {CUDA12}")])
+def test_install_hints_name_the_wheels_for_this_cuda(installed, driver_version, hint, monkeypatch):
     from cullama.backends import driver
 
     monkeypatch.setattr(device.importlib.metadata, "distributions", distributions(*installed))
-    monkeypatch.setattr(driver, "cuda_version", lambda default: driver_version)
+    monkeypatch.setattr(driver, "cuda_version", lambda default: driver_version or default)
     monkeypatch.setitem(sys.modules, "cupy", None)  # `import cupy` raises ImportError
     for broken in (device.import_cupy, registry.nvrtc):
-        with pytest.raises(DeviceError, match=re.escape(f"pip install '{wheels}")):
+        with pytest.raises(DeviceError, match=f"; {re.escape(hint)}$"):
             broken()
 
 

@@ -28,8 +28,26 @@ def test_gemv_rows_are_one_row_launches(rows, schedule):
                            seed=rows)
 
 
+# K = d = 4104 (513 16-byte vectors): the decode instance (UNROLL 4, 512 vectors a batch) takes two batches, the
+# second of one vector, and the verify one (UNROLL 2, 256 a batch) three, so each thread adds 4-5 vectors in
+# batches that differ between the two. At d = 72 (9 vectors) no thread has a second vector and the UNROLL
+# difference never runs; the model's d = 4096 is one batch for decode, two for verify.
+GEMV_BIG = dict(d=4104, ff=24, V=12, heads=2, kv_heads=1, hd=8, pos=5)
+
+
 @pytest.mark.parametrize("schedule", emu.SCHEDULES)
-@pytest.mark.parametrize("hd,group,kv_heads,pos,rows,splits", checks.ATTENTION_CASES[:4])
+def test_gemv_rows_are_one_row_launches_over_several_batches(schedule):
+    checks.check_gemv_rows(emu_launcher(schedule), 5, seed=5, **GEMV_BIG)
+
+
+# hd 128, GROUP 4: UNROLL 2, 16 keys a batch (LANE_GROUPS 8), and 1001-1005 keys over 4 splits: ~16 batches per
+# split, the online softmax rescaled between them, the last batch partial and the split edges moving with the
+# row. ATTENTION_CASES[:4] give each split one batch at most.
+ATTENTION_LONG = (128, 4, 2, 1000, 5, 4)
+
+
+@pytest.mark.parametrize("schedule", emu.SCHEDULES)
+@pytest.mark.parametrize("hd,group,kv_heads,pos,rows,splits", checks.ATTENTION_CASES[:4] + [ATTENTION_LONG])
 def test_attention_rows_are_one_row_launches(hd, group, kv_heads, pos, rows, splits, schedule):
     checks.check_attention_rows(emu_launcher(schedule), hd, group, kv_heads, pos, rows, splits)
 
@@ -51,6 +69,15 @@ MUTATIONS = [
      lambda launch: checks.check_gemv_rows(launch, 3, d=72, ff=56, V=37, heads=3, kv_heads=1, hd=8, pos=5)),
     ("attention-rows-see-the-first-row's-keys", "attention.cu", "min(state[STATE_POS] + row + 1, max_seq)",
      "min(state[STATE_POS] + 1, max_seq)", lambda launch: checks.check_attention_rows(launch, 8, 2, 2, 5, 3, 4)),
+    # each batch's vectors added last to first: a thread's order then depends on UNROLL (decode 4, verify 2),
+    # seen only where a thread has two vectors in one batch (the d = 4104 case, not d = 72)
+    ("gemv-order-depends-on-unroll", "gemv.cu",
+     "for (int u = 0; u < UNROLL; ++u) {\n            const int v = base + u * THREADS;\n            if (v >= nvec)",
+     "for (int u = UNROLL - 1; u >= 0; --u) {\n            const int v = base + u * THREADS;\n            if (v >= nvec)",
+     lambda launch: checks.check_gemv_rows(launch, 5, seed=5, **GEMV_BIG)),
+    # l not rescaled when a later batch raises the max: wrong only where a lane group sees a second batch
+    ("attention-sum-not-rescaled-between-batches", "attention.cu", "l[j] *= c;", ";",
+     lambda launch: checks.check_attention_rows(launch, *ATTENTION_LONG)),
     ("sample-accepts-against-the-wrong-draft", "sampling.cu", "load_coherent(picks + j) == ids[j + 1]",
      "load_coherent(picks + j) == ids[j]", lambda launch: checks.check_greedy_sample_rows(launch, 517, 1.0)),
     ("sample-drafts-not-seen", "sampling.cu", "? draft : -1;", "? -1 : -1;",
