@@ -5,6 +5,7 @@ the server must answer exactly what a sequential run of the same request gives."
 
 from __future__ import annotations
 
+import http.client
 import json
 import socket
 import threading
@@ -250,6 +251,17 @@ BAD_REQUESTS = [  # (what, path, body, status, param)
     ("no prompt", "/v1/completions", {"max_tokens": 3}, 400, "prompt"),
     ("an unknown model", "/v1/completions", {"prompt": [1], "model": "gpt-4"}, 404, "model"),
     ("a prompt over the context", "/v1/completions", {"prompt": [1] * 600}, 400, "prompt"),
+    ("max_tokens past the context", "/v1/completions", {"prompt": [1], "max_tokens": 600}, 400, "max_tokens"),
+    ("max_tokens past the rest of the context", "/v1/completions", {"prompt": [1] * 500, "max_tokens": 13}, 400,
+     "max_tokens"),
+    ("a huge max_tokens", "/v1/completions", {"prompt": [1], "max_tokens": 10**23}, 400, "max_tokens"),
+    ("max_completion_tokens past the context", "/v1/chat/completions",
+     {"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 512}, 400, "max_completion_tokens"),
+    ("a stop of the wrong type", "/v1/completions", {"prompt": [1], "stop": 5}, 400, "stop"),
+    ("a stop list holding a number", "/v1/completions", {"prompt": [1], "stop": ["a", 1]}, 400, "stop"),
+    ("a prompt of the wrong type", "/v1/completions", {"prompt": 1}, 400, "prompt"),
+    ("a message content of the wrong type", "/v1/chat/completions", {"messages": [{"role": "user", "content": 5}]},
+     400, "messages.0.content"),
     ("an unknown route", "/v1/embeddings", {"input": "x"}, 404, None),
 ]
 
@@ -263,8 +275,10 @@ def test_a_bad_request_gets_its_4xx_as_an_openai_error(server, what, path, body,
     assert set(error) == {"message", "type", "param", "code"}
     assert error["message"] and "Traceback" not in error["message"]
     assert error["param"] == param and error["type"] == "invalid_request_error"
-    if what == "a prompt over the context":
+    if what == "a prompt over the context" or "tokens past" in what:
         assert error["code"] == "context_length_exceeded" and "512" in error["message"]
+    if param in ("stop", "messages.0.content") or what == "a prompt of the wrong type":  # unions of types
+        assert error["message"].startswith(f"{param} must be ") and ".str" not in error["message"]
 
 
 def test_after_bad_requests_a_wrong_method_is_405_and_a_normal_request_still_works(server, client):
@@ -324,3 +338,53 @@ def test_metrics_parse_as_prometheus_text_and_move_with_the_requests(server, cli
     assert moved("cullama_time_between_tokens_seconds_count") == 6  # between 7 tokens
     assert moved("cullama_time_between_tokens_seconds_sum") > 0
     assert after["cullama_queue_depth"] == 0 and after["cullama_generation_running"] == 0
+
+
+def test_a_max_tokens_that_fills_the_context_exactly_is_served_and_without_one_the_context_is_the_limit(server):
+    status, _, raw = server.request("POST", "/v1/completions", {"prompt": [1] * 500, "max_tokens": 12,
+                                                                "temperature": 0, "ignore_eos": True})
+    assert status == 200 and json.loads(raw)["usage"]["completion_tokens"] == 12
+    # No max_tokens (OpenAI's default for completions is 16): the generation stops at the context's end.
+    status, _, raw = server.request("POST", "/v1/completions", {"prompt": [1] * 508, "temperature": 0,
+                                                                "ignore_eos": True})
+    choice, usage = json.loads(raw)["choices"][0], json.loads(raw)["usage"]
+    assert status == 200 and choice["finish_reason"] == "length" and usage["completion_tokens"] == 4
+    refused = json.loads(server.request("POST", "/v1/completions", {"prompt": [1] * 500, "max_tokens": 13})[2])
+    assert refused["error"]["message"] == ("this model's maximum context length is 512 tokens; the prompt has 500 "
+                                           "and max_tokens asks for 13 more: ask for at most 12")
+
+
+def test_unknown_fields_and_a_user_are_ignored(server):
+    body = {"prompt": [1], "max_tokens": 4, "temperature": 0, "user": "user-1234", "metadata": {"team": "a"},
+            "foo": [1, 2], "x-cullama-never-heard-of-it": None}
+    status, _, raw = server.request("POST", "/v1/completions", body)
+    assert status == 200 and json.loads(raw)["choices"][0]["text"] == "Once upon a time"
+    chat = {"messages": [{"role": "user", "content": "hi", "name": "bob"}], "max_tokens": 2, "user": "u", "foo": 1}
+    assert server.request("POST", "/v1/chat/completions", chat)[0] == 200
+
+
+def test_head_health_answers_as_get_does(server):
+    status, _, raw = server.request("HEAD", "/health")
+    assert status == 200 and raw == b""
+
+
+def test_a_body_past_the_limit_is_a_413_whether_its_length_is_told_or_not(server):
+    from cullama.server.app import body_limit
+
+    limit = body_limit(512)
+    body = json.dumps({"prompt": "x" * limit}).encode()
+    status, _, raw = server.request("POST", "/v1/completions", body)
+    assert status == 413, raw
+    error = json.loads(raw)["error"]
+    assert error["type"] == "invalid_request_error" and error["code"] == "request_too_large"
+    assert f"{limit} bytes" in error["message"]
+    conn = http.client.HTTPConnection(server.host, server.port, timeout=60)  # chunked: no Content-Length
+    try:
+        conn.request("POST", "/v1/completions", body=iter([body[i:i + 65536] for i in range(0, len(body), 65536)]),
+                     headers={"Content-Type": "application/json"}, encode_chunked=True)
+        response = conn.getresponse()
+        assert response.status == 413 and json.loads(response.read())["error"]["code"] == "request_too_large"
+    finally:
+        conn.close()
+    fits = json.dumps({"prompt": [1], "max_tokens": 4, "temperature": 0, "user": "x" * (limit - 100)})
+    assert len(fits) <= limit and server.request("POST", "/v1/completions", fits)[0] == 200

@@ -8,6 +8,7 @@ import asyncio
 import contextlib
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -290,6 +291,33 @@ def test_a_generation_that_raises_answers_500_whole_or_streamed_and_the_server_g
         assert '"type":"server_error"' in events[-2] and events[-1] == "data: [DONE]"
         fine = client.post("/v1/completions", json=body)
         assert fine.status_code == 200 and fine.json()["choices"][0]["text"] == llm.generate([1], **options(8)).text
+
+
+@pytest.mark.parametrize("path, body, tokenize", [
+    ("/v1/completions", {"prompt": "Once upon a time", "max_tokens": 3}, "encode"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}, "chat_ids"),
+], ids=["completion", "chat"])
+def test_a_prompt_is_tokenized_off_the_event_loop_so_the_server_answers_meanwhile(llm, monkeypatch, path, body,
+                                                                                   tokenize):
+    inside, release = threading.Event(), threading.Event()
+    real = getattr(llm, tokenize)
+
+    def held(*args, **kwargs):  # a prompt of many megabytes: it takes as long as the test likes
+        inside.set()
+        release.wait(30)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(llm, tokenize, held)
+    engine = started(llm)
+    with serving(engine) as client, ThreadPoolExecutor(1) as pool:
+        answer = pool.submit(client.post, path, json=body)
+        assert inside.wait(30)
+        try:
+            health = client.get("/health", timeout=5)  # times out while the event loop tokenizes
+        finally:
+            release.set()
+        assert health.status_code == 200
+        assert answer.result().status_code == 200
 
 
 def test_loopback_addresses_are_told_apart_from_the_others():

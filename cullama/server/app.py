@@ -1,10 +1,12 @@
 """The HTTP routes: OpenAI's /v1/completions, /v1/chat/completions and /v1/models, plus /health and /metrics.
 
-A generation request's body is read as JSON (whatever its Content-Type says) and checked (types by
-pydantic, the rest by `GenerationRequest.check`, the prompt and the sampling options by the library)
-before it may queue, so a bad request never waits; then it becomes a Job for the engine thread, and
-the handler only awaits the job's events. Every answer other than 200 is an OpenAI-shaped error,
-Starlette's own (unknown route, wrong method) included, and no answer carries a stack trace.
+A generation request's body is read up to a size the context sets (past it, a 413), then parsed as
+JSON (whatever its Content-Type says), checked (types by pydantic, the rest by `GenerationRequest.check`,
+the prompt and the sampling options by the library) and tokenized on a worker thread, so that a long
+prompt never holds up the other streams, and a bad request never waits; then it becomes a Job for the
+engine thread, and the handler only awaits the job's events. Every answer other than 200 is an
+OpenAI-shaped error, Starlette's own (unknown route, wrong method) included, and no answer carries a
+stack trace.
 """
 
 from __future__ import annotations
@@ -12,10 +14,12 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import hmac
+import typing
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
+from pydantic.fields import FieldInfo
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..errors import CullamaError, OptionError, PromptError
@@ -28,6 +32,10 @@ from .responses import SSE_DONE, Answer, sse
 
 GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
 OPENAI_NAMES = {"max_new_tokens": "max_tokens"}  # Llama.stream's option names that the API spells otherwise
+# A body past body_limit is refused (413) before it is parsed: no prompt that fits the context is that long,
+# and parsing and tokenizing it would only cost time. 64 bytes a token is generous for text (\u-escaped
+# characters included); the floor leaves a small context room for long stop lists and the like.
+BODY_BYTES_PER_TOKEN, MIN_BODY_LIMIT = 64, 2 << 20
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,7 +54,7 @@ def create_app(engine: Engine, settings: Settings, metrics: Metrics) -> FastAPI:
         app.add_middleware(BearerKey, key=settings.api_key, metrics=metrics)
     install_error_handlers(app, metrics)
 
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])  # HEAD: for load balancers' probes
     async def health():
         if engine.state != "ready":
             raise ApiError(503, "the model is loading" if engine.state == "loading" else
@@ -68,11 +76,11 @@ def create_app(engine: Engine, settings: Settings, metrics: Metrics) -> FastAPI:
 
     @app.post("/v1/completions")
     async def completions(request: Request):
-        return await generate(request, await read_body(request, CompletionRequest), engine, settings)
+        return await generate(request, CompletionRequest, engine, settings)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
-        return await generate(request, await read_body(request, ChatRequest), engine, settings)
+        return await generate(request, ChatRequest, engine, settings)
 
     return app
 
@@ -88,26 +96,47 @@ def check_model(name: str | None, settings: Settings) -> None:
                        param="model", code="model_not_found")
 
 
-async def read_body(request: Request, model: type[GenerationRequest]) -> GenerationRequest:
+def body_limit(context: int) -> int:
+    """The largest request body, in bytes, that a server with a context of `context` tokens reads."""
+    return max(MIN_BODY_LIMIT, BODY_BYTES_PER_TOKEN * context)
+
+
+async def read_body(request: Request, context: int) -> bytes:
+    """The raw body, or a 413 once it passes body_limit: at once where Content-Length says so, else as soon
+    as the chunks read add up to more (a chunked upload), keeping nothing past the limit."""
+    limit = body_limit(context)
+    too_large = ApiError(413, f"the request body is over {limit} bytes, the most this server reads for its "
+                              f"context of {context} tokens: no prompt that fits is that long",
+                         code="request_too_large")
+    told = request.headers.get("content-length", "")
+    if told.isdigit() and int(told) > limit:
+        raise too_large
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise too_large
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def parse(raw: bytes, model: type[GenerationRequest]) -> GenerationRequest:
     """The body as JSON whatever its Content-Type says (curl -d sends a form's), validated by `model`."""
-    raw = await request.body()
     if not raw.strip():
         raise ApiError(400, "the request has no body: send a JSON object")
     try:
         return model.model_validate_json(raw)
     except ValidationError as exc:
-        raise validation_error(exc) from None
+        raise validation_error(exc, model) from None
 
 
 # -- a generation --------------------------------------------------------------------------------
-async def generate(request: Request, body: GenerationRequest, engine: Engine, settings: Settings):
-    body.check()
-    check_model(body.model, settings)
-    if engine.state != "ready":
-        raise ApiError(503, "the model is still loading; GET /health answers 200 once it is ready"
-                       if engine.state == "loading" else "the model failed to load")
+async def generate(request: Request, model: type[GenerationRequest], engine: Engine, settings: Settings):
+    raw = await read_body(request, settings.context)
+    # Parsing and tokenizing megabytes take a second: meanwhile the event loop goes on serving the others.
+    body, ids, options = await asyncio.to_thread(admit, raw, model, engine, settings)
     chat = isinstance(body, ChatRequest)
-    job = Job(*prepare(engine.llm, body, chat, settings.speculative), asyncio.get_running_loop())
+    job = Job(ids, options, asyncio.get_running_loop())
     try:
         engine.submit(job)
     except Busy as exc:
@@ -133,6 +162,19 @@ async def generate(request: Request, body: GenerationRequest, engine: Engine, se
             engine.cancel(job)  # a no-op once the job is done; else the handler itself was cancelled
 
 
+def admit(raw: bytes, model: type[GenerationRequest], engine: Engine,
+          settings: Settings) -> tuple[GenerationRequest, list[int], dict]:
+    """The request parsed and checked, its prompt's ids and the keyword arguments of Llama.stream, or the
+    ApiError that keeps it from queuing. On a worker thread: it reads the engine's state and model only."""
+    body = parse(raw, model)
+    body.check()
+    check_model(body.model, settings)
+    if engine.state != "ready":
+        raise ApiError(503, "the model is still loading; GET /health answers 200 once it is ready"
+                       if engine.state == "loading" else "the model failed to load")
+    return (body, *prepare(engine.llm, body, isinstance(body, ChatRequest), settings.speculative))
+
+
 def prepare(llm, body: GenerationRequest, chat: bool, speculative: dict) -> tuple[list[int], dict]:
     """The prompt's ids and the keyword arguments of Llama.stream, checked by the library before the request
     may queue: a 400 naming the field at fault. `speculative`: the server's default speculative keywords."""
@@ -142,7 +184,7 @@ def prepare(llm, body: GenerationRequest, chat: bool, speculative: dict) -> tupl
     except CullamaError as exc:
         raise ApiError(400, str(exc), param=param) from None
     context = llm.runner.max_seq_len
-    options = {"max_new_tokens": body.token_budget(context) if chat else body.max_tokens,
+    options = {"max_new_tokens": body.max_new_tokens(context),
                "temperature": body.temperature, "top_k": body.top_k, "top_p": body.top_p,
                "repetition_penalty": body.repetition_penalty, "seed": body.seed, "stop": body.stops(),
                "ignore_eos": body.ignore_eos}
@@ -150,11 +192,24 @@ def prepare(llm, body: GenerationRequest, chat: bool, speculative: dict) -> tupl
         GenerationOptions.checked(**options)
     except OptionError as exc:
         raise ApiError(400, str(exc), param=OPENAI_NAMES.get(exc.option, exc.option)) from None
+    check_fits(len(ids), context, options["max_new_tokens"], body.token_limit(), param)
+    return ids, {**options, **speculation(llm, body, speculative)}
+
+
+def check_fits(prompt_tokens: int, context: int, max_new_tokens: int, limit: tuple[str, int] | None,
+               param: str) -> None:
+    """The library's rule (the prompt must leave room in the context), then OpenAI's: a cap on the completion
+    that the request gives must fit beside the prompt, where the library would stop at the context's end
+    unasked (finish_reason "length"). A request that gives none may run to there."""
     try:
-        check_prompt_fits(len(ids), context, options["max_new_tokens"])
+        check_prompt_fits(prompt_tokens, context, max_new_tokens)
     except PromptError as exc:
         raise ApiError(400, str(exc), param=param, code="context_length_exceeded") from None
-    return ids, {**options, **speculation(llm, body, speculative)}
+    if limit is not None and prompt_tokens + limit[1] > context:
+        name, asked = limit
+        raise ApiError(400, f"this model's maximum context length is {context} tokens; the prompt has "
+                            f"{prompt_tokens} and {name} asks for {asked} more: ask for at most "
+                            f"{context - prompt_tokens}", param=name, code="context_length_exceeded")
 
 
 def speculation(llm, body: GenerationRequest, default: dict) -> dict:
@@ -269,16 +324,57 @@ def install_error_handlers(app: FastAPI, metrics: Metrics) -> None:
                                              "the details"))
 
 
-def validation_error(exc: ValidationError) -> ApiError:
-    """pydantic's first complaint as one OpenAI-shaped 400 naming the field."""
-    error = exc.errors()[0]
-    loc = [str(part) for part in error["loc"]]
+def validation_error(exc: ValidationError, model: type[BaseModel]) -> ApiError:
+    """pydantic's first complaint as one OpenAI-shaped 400 naming the field as the request spells it. A field
+    that takes one of several types gets a complaint per type, each under a tag ('stop.str', 'stop.list[str]'):
+    the answer says what the field takes instead, with the complaint that went deepest where there is one
+    (the value had that type's shape, but a part of it is wrong)."""
+    errors = exc.errors()
+    error, loc = errors[0], errors[0]["loc"]
     if error["type"] == "json_invalid":
         return ApiError(400, f"the body is not valid JSON: {error.get('ctx', {}).get('error', error['msg'])}")
     if not loc:
         return ApiError(400, f"the body must be a JSON object: {error['msg']}")
-    param = ".".join(loc)
-    return ApiError(400, f"{param}: {error['msg']}", param=param)
+    path, union = field_path(model, loc)
+    if union is None:
+        param = dotted(path)
+        return ApiError(400, f"{param}: {error['msg']}", param=param)
+    at, field = union
+    param = dotted(loc[:at])
+    members = [e for e in errors if e["loc"][:at] == loc[:at] and len(e["loc"]) > at]
+    takes = field.description or " or ".join(dict.fromkeys(str(e["loc"][at]) for e in members))
+    deepest = max(members, key=lambda e: len(e["loc"]))
+    detail = f" ({dotted(field_path(model, deepest['loc'])[0])}: {deepest['msg']})" \
+        if len(deepest["loc"]) > at + 1 else ""
+    return ApiError(400, f"{param} must be {takes}{detail}", param=param)
+
+
+def field_path(model: type[BaseModel], loc: tuple) -> tuple[list, tuple[int, FieldInfo] | None]:
+    """pydantic's `loc` as the request's own path (field names and list indices), without the tags it adds
+    after a union field for each of its types ('str', 'list[str]'), and (index in loc, field) of the first
+    such tag, None if none. A part is a field's name where the model at that point has such a field."""
+    path, union, node, field = [], None, model, None
+    for i, part in enumerate(loc):
+        if isinstance(part, int):
+            path.append(part)
+        elif node is not None and part in node.model_fields:
+            field = node.model_fields[part]
+            path.append(part)
+            node = model_in(field.annotation)
+        elif union is None:
+            union = i, field
+    return path, union
+
+
+def model_in(annotation) -> type[BaseModel] | None:
+    """The pydantic model a field's type holds (Message in list[Message] | None), if any."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    return next(filter(None, map(model_in, typing.get_args(annotation))), None)
+
+
+def dotted(path) -> str:
+    return ".".join(str(part) for part in path)
 
 
 class BearerKey:

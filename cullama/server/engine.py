@@ -2,9 +2,9 @@
 
 Batch 1 is the point of cullama, so there is no batching to schedule: requests wait in a FIFO queue
 bounded by `max_queue` (past it `submit` raises Busy, a 429), and the engine thread takes them one by
-one. The HTTP side never runs the model or waits on the device (it only tokenizes the prompt): it
-submits a Job and awaits the job's events (Piece..., then one of Finished / Refused / Failed /
-Stopped), which the engine thread posts onto the job's asyncio loop.
+one. The HTTP side never runs the model or waits on the device (it only tokenizes the prompt, on a
+worker thread): it submits a Job and awaits the job's events (Piece..., then one of Finished / Refused /
+Failed / Stopped), which the engine thread posts onto the job's asyncio loop.
 
 Cancelling (a client that went away, or the server stopping) takes a waiting job out of the queue at
 once; a running one stops between tokens: the engine checks after each text piece and closes the

@@ -69,7 +69,8 @@ class GenerationRequest(BaseModel):
     top_k: StrictInt = 0  # cullama's own, as in vLLM: 0 = off
     repetition_penalty: Number = 1.0  # cullama's own: 1 = off
     seed: StrictInt | None = None
-    stop: StrictStr | list[StrictStr] | None = None
+    # A union's description is what a value of the wrong type is told it must be (app.validation_error).
+    stop: StrictStr | list[StrictStr] | None = Field(None, description="a string or a list of strings")
     ignore_eos: StrictBool = False  # cullama's own, as in vLLM: for fixed-length benchmark runs
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
@@ -113,6 +114,15 @@ class GenerationRequest(BaseModel):
         adaptive = default.get("adaptive_draft", False) if self.adaptive_draft is None else self.adaptive_draft
         return method, k, adaptive
 
+    def token_limit(self) -> tuple[str, int] | None:
+        """(field, tokens): the cap on the completion that the request gives; None where it gives none."""
+        return None if self.max_tokens is None else ("max_tokens", self.max_tokens)
+
+    def max_new_tokens(self, context: int) -> int:
+        """Llama.stream's max_new_tokens: the request's cap, else up to the end of the context."""
+        limit = self.token_limit()
+        return context if limit is None else limit[1]
+
     def stops(self) -> tuple[str, ...]:
         if self.stop is None:
             return ()
@@ -125,8 +135,12 @@ class GenerationRequest(BaseModel):
 class CompletionRequest(GenerationRequest):
     """POST /v1/completions: `prompt` is a text or a list of token ids (BOS is added to a text only)."""
 
-    prompt: StrictStr | list[Any]
-    max_tokens: MaxTokens | None = 16  # OpenAI's default for completions
+    prompt: StrictStr | list[Any] = Field(description="a string or a list of token ids")
+    max_tokens: MaxTokens | None = None  # unset or null: 16, OpenAI's default for completions
+
+    def max_new_tokens(self, context: int) -> int:
+        limit = self.token_limit()
+        return 16 if limit is None else limit[1]
 
     def check(self) -> None:
         super().check()
@@ -150,7 +164,8 @@ class Message(BaseModel):
     model_config = ConfigDict(extra="allow")  # e.g. `name`: ignored
 
     role: StrictStr
-    content: StrictStr | list[TextPart] | None = None
+    content: StrictStr | list[TextPart] | None = Field(
+        None, description='a string or a list of {"type": "text", "text": ...} parts')
 
     def as_dict(self) -> dict:
         """{"role", "content": str} for Tokenizer.chat_ids; `developer` is OpenAI's new name for `system`."""
@@ -166,5 +181,7 @@ class ChatRequest(GenerationRequest):
     messages: list[Message]
     max_completion_tokens: MaxTokens | None = None  # OpenAI's newer name for max_tokens; it wins
 
-    def token_budget(self, default: int) -> int:
-        return self.max_completion_tokens or self.max_tokens or default
+    def token_limit(self) -> tuple[str, int] | None:
+        if self.max_completion_tokens is not None:
+            return "max_completion_tokens", self.max_completion_tokens
+        return super().token_limit()
