@@ -7,14 +7,17 @@ HF has written LLaMA configs in several spellings over the years; all of these a
 Presets are chosen by name, never guessed from a path.
 
 config.json is read as strictly as a file from anywhere deserves. Every key cullama reads has its JSON
-type checked, and a wrong type is an error naming the key: a size or id is a JSON integer (4096.0 and
-1e9 are floats and refused, as true is not 1), a number is an integer or a float, a flag is true or
-false (never "false"), a token id list holds integers. Sizes are range-checked (1 to 2**31 - 1: the
-kernels index with int32), rms_norm_eps and rope_theta are finite and > 0, EOS ids lie in the
-vocabulary. Keys that change what the model computes and that cullama does not run (biases, another
-activation, quantization, partial rotary, a RoPE scaling other than linear / dynamic / llama3) are
-refused, never ignored. null means "absent" only where HF reads it so (num_key_value_heads, head_dim,
-rope_scaling, rope_parameters, bos/eos_token_id, dtype).
+type checked, and a wrong type is an error naming the key (a string value shown quoted: "494" is not 494):
+a size or id is a JSON integer (4096.0 and 1e9 are floats and refused, as true is not 1), a number is an
+integer or a float, a flag is true or false (never "false"), a token id list holds integers. Sizes are
+range-checked (1 to 2**31 - 1: the kernels index with int32), rms_norm_eps and rope_theta are finite and > 0,
+BOS and EOS ids lie in the vocabulary. The HF LLaMA keys that do not change what cullama computes are
+type-checked too (pretraining_tp, attention_dropout, initializer_range, use_cache, pad_token_id). Keys that
+change what the model computes and that cullama does not run (another architecture, biases, another
+activation, quantization, partial rotary, a RoPE scaling other than linear / dynamic / llama3) are refused,
+never ignored. null means "absent" only where HF reads it so (num_key_value_heads, head_dim, rope_scaling,
+rope_parameters, bos/eos_token_id, dtype) or HF does not read it at inference (architectures,
+attention_dropout, initializer_range, use_cache, pad_token_id).
 """
 
 from __future__ import annotations
@@ -24,12 +27,14 @@ import math
 import os
 from pathlib import Path
 
+from . import untrusted
 from .errors import ConfigError
-from .untrusted import read_json, shown
+from .untrusted import read_json
 
 DTYPES = ("float16", "bfloat16", "float32")
 INT32_MAX = 2**31 - 1  # the kernels take sizes and ids as int32
 ROPE_SCALINGS = ("linear", "dynamic", "llama3")
+ARCHITECTURE = "LlamaForCausalLM"  # also spelt LLaMAForCausalLM by early conversions
 # config.json's key for each size field of LlamaConfig (also how errors name the field).
 SIZE_KEYS = {"vocab_size": "vocab_size", "hidden_size": "hidden_size", "intermediate_size": "intermediate_size",
              "num_layers": "num_hidden_layers", "num_heads": "num_attention_heads",
@@ -98,6 +103,9 @@ class LlamaConfig:
                 raise ConfigError(f"{self.name}: {key} must be a finite number > 0, got {value!r}")
         if type(self.bos_token_id) is not int or not 0 <= self.bos_token_id <= INT32_MAX:
             raise ConfigError(f"{self.name}: bos_token_id must be an integer >= 0, got {self.bos_token_id!r}")
+        if self.bos_token_id >= self.vocab_size:
+            raise ConfigError(f"{self.name}: bos_token_id {self.bos_token_id} is outside the vocabulary "
+                              f"(vocab_size {self.vocab_size})")
         bad = [t for t in self.eos_token_ids if not 0 <= t < self.vocab_size]
         if bad:
             raise ConfigError(f"{self.name}: eos_token_id {bad[0]} is outside the vocabulary "
@@ -181,9 +189,16 @@ def preset(name: str) -> LlamaConfig:
 
 
 REQUIRED = object()  # a key without a default
-# Keys that HF reads as "absent" when they are null (elsewhere null is a wrong type).
+# Keys that HF reads as "absent" when they are null, or does not read at inference (elsewhere null is a wrong
+# type; pretraining_tp is read: HF compares it with 1).
 NULL_IS_ABSENT = {"num_key_value_heads", "head_dim", "rope_scaling", "rope_parameters", "bos_token_id",
-                  "dtype", "torch_dtype"}
+                  "dtype", "torch_dtype", "architectures", "attention_dropout", "initializer_range", "use_cache",
+                  "pad_token_id"}
+
+
+def shown(value) -> str:
+    """A config value for a message, in its JSON spelling: a string quoted ("494", not 494)."""
+    return untrusted.shown(value, quote=True)
 
 
 class _Keys:
@@ -222,6 +237,17 @@ class _Keys:
             raise self.error(key, f"must be a finite number > 0, got {shown(value)}")
         return number
 
+    def bounded(self, key: str, default: float, low: float, high: float = math.inf) -> float:
+        """A finite number from low to high (integer or float)."""
+        value = self.get(key, default)
+        if type(value) not in (int, float):
+            raise self.error(key, f"must be a number, got {shown(value)}")
+        number = float(value) if abs(value) < 1e300 else math.inf
+        if not (math.isfinite(number) and low <= number <= high):
+            span = f"from {low:g} to {high:g}" if math.isfinite(high) else f">= {low:g}"
+            raise self.error(key, f"must be a finite number {span}, got {shown(value)}")
+        return number
+
     def flag(self, key: str, default: bool) -> bool:
         value = self.get(key, default)
         if type(value) is not bool:
@@ -256,6 +282,13 @@ class _Keys:
 def _check_supported(keys: _Keys) -> None:
     """Keys that change the model's function: anything cullama does not run is refused, never ignored."""
     keys.choice("model_type", REQUIRED, ("llama",))
+    # HF's Auto classes go by model_type, but vLLM, TGI and HF pipelines pick the model's code by architectures:
+    # a config that names another one (Mistral's sliding window, a classification head) was written for it.
+    architectures = keys.get("architectures", [])
+    if not isinstance(architectures, list) or not all(isinstance(a, str) for a in architectures):
+        raise keys.error("architectures", f"must be a list of strings, got {shown(architectures)}")
+    if architectures and ARCHITECTURE.lower() not in (a.lower() for a in architectures):
+        raise keys.error("architectures", f"{shown(architectures)} is not supported (cullama runs {ARCHITECTURE})")
     keys.choice("hidden_act", "silu", ("silu",))
     for key in ("attention_bias", "mlp_bias"):
         if keys.flag(key, False):
@@ -263,6 +296,21 @@ def _check_supported(keys: _Keys) -> None:
     if keys.get("quantization_config", None) is not None:
         raise keys.error("quantization_config", "is set: quantized checkpoints are not supported (FP16, BF16 "
                                                 "or FP32 weights only)")
+
+
+def _check_unused(keys: _Keys) -> None:
+    """The HF LLaMA keys that do not change what cullama computes, type-checked all the same (a config.json
+    with a wrong type there is malformed). pretraining_tp > 1 only makes HF compute its matmuls in slices,
+    the same math; attention_dropout and initializer_range are for training; cullama never pads (one
+    sequence), so pad_token_id, an integer or null, may be -1 or past the vocabulary, as published configs
+    have it."""
+    keys.integer("pretraining_tp", 1)
+    keys.bounded("attention_dropout", 0.0, 0.0, 1.0)
+    keys.bounded("initializer_range", 0.02, 0.0)
+    keys.flag("use_cache", True)
+    pad = keys.get("pad_token_id", None)
+    if pad is not None and type(pad) is not int:
+        raise keys.error("pad_token_id", f"must be an integer or null, got {shown(pad)}")
 
 
 def _rope(keys: _Keys, max_position: int) -> tuple[float, RopeScaling | None]:
@@ -298,6 +346,7 @@ def from_hf_dict(raw: dict, source: str = "config.json") -> LlamaConfig:
         raise ConfigError(f"{source}: expected a JSON object, got {type(raw).__name__}")
     keys = _Keys(raw, source)
     _check_supported(keys)
+    _check_unused(keys)
     hidden, heads = keys.integer("hidden_size"), keys.integer("num_attention_heads")
     vocab, max_position = keys.integer("vocab_size"), keys.integer("max_position_embeddings", 4096)
     head_dim = keys.integer("head_dim", hidden // heads)
@@ -331,5 +380,7 @@ def from_pretrained(path: str | os.PathLike) -> LlamaConfig:
         raise ConfigError(f"{directory}: no such model directory{hint}")
     file = directory / "config.json"
     if not file.is_file():
-        raise ConfigError(f"{file}: missing (a HuggingFace LLaMA checkpoint needs its config.json)")
+        what = "a directory" if file.is_dir() else "not a regular file" if file.exists() else \
+            "a broken symbolic link" if file.is_symlink() else "missing"
+        raise ConfigError(f"{file}: {what} (a HuggingFace LLaMA checkpoint needs its config.json)")
     return from_hf_dict(read_json(file, ConfigError), source=str(file))

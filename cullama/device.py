@@ -12,7 +12,7 @@ from typing import Callable
 import numpy as np
 
 from . import cache
-from .errors import DeviceError, KernelError
+from .errors import DeviceError, KernelError, OptionError, option
 
 DEVICES = ("auto", "cpu", "cuda")
 # The CUDA extras (setup.cfg), one per CUDA major version: CuPy's wheel for it and the NVRTC wheel it loads.
@@ -159,15 +159,15 @@ def cuda_status() -> tuple[bool, str]:
 def resolve(device: str, on_fallback: Callable[[str], None] | None = None) -> str:
     """'auto' -> 'cuda' when a GPU is usable, else 'cpu', and then `on_fallback` hears it in a line for the
     user: "running on the CPU: <why there is no GPU>". 'cuda' without a GPU is an error."""
-    if device not in DEVICES:
-        raise DeviceError(f"--device {device!r} is not one of {', '.join(DEVICES)}")
+    if not isinstance(device, str) or device not in DEVICES:
+        raise OptionError("device", f"{device!r} is not one of {', '.join(DEVICES)}")
     if device == "cpu":
         return "cpu"
     ok, why = cuda_status()
     if ok:
         return "cuda"
     if device == "cuda":
-        raise DeviceError(f"--device cuda: {why}")
+        raise DeviceError(f"{option('device')} cuda needs a usable GPU: {why}")
     if on_fallback is not None:
         on_fallback(f"running on the CPU: {why}")
     return "cpu"

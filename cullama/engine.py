@@ -32,14 +32,17 @@ class PlanRunner:
     or decode step cut short also drops `last`: decoding then needs a start()."""
 
     def __init__(self, cfg: LlamaConfig, backend, max_seq_len: int, prefill_chunk: int | None = None,
-                 weight_bytes: int = 0):
+                 weight_bytes: int = 0, sample_vocab: int | None = None):
         """`prefill_chunk`: prompt rows per prefill pass (default plan.PREFILL_CHUNK); it sizes the prefill
         buffers, and any prompt length works. `weight_bytes`: what the weights will still take on this device
         once the runner is made: the KV cache, the runtime buffers and they must fit in what it has free, or
-        a ResourceError says so before anything is allocated (make the runner before loading the weights)."""
+        a ResourceError says so before anything is allocated (make the runner before loading the weights).
+        `sample_vocab`: only the ids below it are ever sampled (default: the whole vocabulary; a tokenizer
+        with fewer pieces than a padded vocabulary has no text for the others)."""
         cfg = device_config(cfg)
         plans.check_supported(cfg)
         self.cfg, self.backend, self.max_seq_len = cfg, backend, max_seq_len
+        self.sample_vocab = min(sample_vocab or cfg.vocab_size, cfg.vocab_size)
         self.prefill_chunk = prefill_chunk or plans.PREFILL_CHUNK
         buffers = plans.runtime_buffers(cfg, max_seq_len, self.prefill_chunk)
         kv = sum(b.nbytes for b in buffers if b.kind == "cache")
@@ -49,7 +52,7 @@ class PlanRunner:
                           f"the KV cache takes {memory.gib(kv // max_seq_len * 1024)} per 1024 tokens)")
         backend.allocate(buffers)
         backend.set("rope", plans.rope_table(cfg, max_seq_len))
-        self.decode = plans.decode_plan(cfg, max_seq_len)
+        self.decode = plans.decode_plan(cfg, max_seq_len, self.sample_vocab)
         self._prefills: dict[tuple, plans.Plan] = {}
         self.prefill_kernels = default_for(getattr(backend, "arch", None))  # the prompt path's GEMM and attention
         self.cached: list[int] = []  # the ids whose K and V are in the cache, at positions 0..len - 1
@@ -73,7 +76,7 @@ class PlanRunner:
             if len(self._prefills) > 64:
                 self._prefills.clear()
             self._prefills[key] = plans.prefill_plan(self.cfg, self.max_seq_len, start, n, output,
-                                                     self.prefill_kernels, self.prefill_chunk)
+                                                     self.prefill_kernels, self.prefill_chunk, self.sample_vocab)
         return self._prefills[key]
 
     def _prefill(self, ids: Sequence[int], output: str, state: np.ndarray | None = None,
@@ -107,7 +110,7 @@ class PlanRunner:
         p = sampler.params
         seed = p.seed & (2**64 - 1)
         state = np.zeros(8, dtype=np.int32)
-        state[TOP_K] = min(p.top_k, self.cfg.vocab_size)  # int32; at or above the vocabulary is off, as 0 is
+        state[TOP_K] = min(p.top_k, self.sample_vocab)  # int32; at or above the vocabulary is off, as 0 is
         state[SEED_LO:SEED_HI + 1] = np.array([seed & 0xFFFFFFFF, seed >> 32], dtype=np.uint32).view(np.int32)
         prompt = list(prompt_ids)
         begin = min(common_prefix(self.cached, prompt), len(prompt) - 1) if reuse else 0  # the last id runs
@@ -165,7 +168,7 @@ class PlanRunner:
         graph (by its name, verify[k]). For benchmarks: backend.replay(plan) times one verify step; each
         replay advances the position by the tokens it accepts (1..k + 1), like a decode step's by one."""
         if k not in self._verify_plans:
-            self._verify_plans[k] = plans.verify_plan(self.cfg, self.max_seq_len, k)
+            self._verify_plans[k] = plans.verify_plan(self.cfg, self.max_seq_len, k, self.sample_vocab)
         return self._verify_plans[k]
 
     def verify(self, drafts: Sequence[int]) -> list[int]:
@@ -189,6 +192,10 @@ class PlanRunner:
         bad = [t for t in drafts if not 0 <= t < self.cfg.vocab_size]
         if bad:
             raise PromptError(f"draft token id {bad[0]} is outside the vocabulary [0, {self.cfg.vocab_size})")
+        # A draft the target never samples is never accepted, nor is anything after it: the same tokens come
+        # back without it (a draft with no probability changes no draw), and the kernel sees only ids it draws.
+        unsampled = [i for i, t in enumerate(drafts) if t >= self.sample_vocab]
+        drafts = drafts[:unsampled[0]] if unsampled else drafts
         if len(drafts) > self.max_draft():
             raise PromptError(f"{len(drafts)} drafts at position {len(self.cached)} do not fit: at most "
                               f"{self.max_draft()} now (at most {plans.MAX_DRAFT}; the context is "

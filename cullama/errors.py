@@ -3,13 +3,39 @@
 The CLI prints `error: <message>` and exits with the error's `exit_code` for any CullamaError: 2 for bad
 input (the default), 1 for a machine that cannot do it now (memory, a full disk, a closed output);
 anything else is a bug and keeps its traceback.
+
+A message names an option in its reader's terms: written `option("tokenizer")`, str(error) says "the tokenizer
+argument" (a Python caller's), `error.for_cli()` says "--tokenizer" (what the CLI prints).
 """
+
+OPTION = "\0"  # brackets an option's Python name inside a message (no path, nor any shown value, holds a NUL)
+
+
+def option(name: str) -> str:
+    """The option `name` (its Python name) inside an error's message, said as the reader knows it."""
+    return f"{OPTION}{name}{OPTION}"
+
+
+def flag(name: str) -> str:
+    """The CLI flag of the option `name`: top_p -> --top-p."""
+    return "--" + name.replace("_", "-")
 
 
 class CullamaError(Exception):
     """Base class: a problem with the user's input, reported in one line."""
 
     exit_code = 2
+
+    def __str__(self) -> str:
+        return self._said(lambda name: f"the {name} argument")
+
+    def for_cli(self) -> str:
+        """The message as the CLI prints it: each option as its flag."""
+        return self._said(flag)
+
+    def _said(self, term) -> str:
+        parts = super().__str__().split(OPTION)
+        return "".join(term(part) if i % 2 else part for i, part in enumerate(parts))
 
 
 class ConfigError(CullamaError):
@@ -35,6 +61,9 @@ class OptionError(PromptError):
     def __init__(self, option: str, problem: str):
         super().__init__(f"{option} {problem}")
         self.option, self.problem = option, problem
+
+    def for_cli(self) -> str:
+        return f"{flag(self.option)} {self.problem}"
 
 
 class SupersededError(CullamaError):

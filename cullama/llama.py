@@ -54,22 +54,24 @@ class Llama:
                         check: Check | None = None, draft_model: str | os.PathLike | None = None) -> "Llama":
         """Load an HF-format LLaMA checkpoint directory (safetensors) onto `device` ("auto", "cpu", "cuda").
 
-        What can be checked without the weights is checked before they load, in this order: the device,
-        config.json and the shapes cullama's kernels support, max_seq_len, the tokenizer (its pieces must be
-        ids of the model's vocabulary), the draft model's vocabulary, `check(config, tokenizer, context)` (the
-        caller's own, e.g. its prompt), the checkpoint's files and tensors, and the memory the KV cache and the
-        weights need.
+        What can be checked without the weights is checked before they load, in this order: the paths' types,
+        the device, config.json and the shapes cullama's kernels support, max_seq_len, the tokenizer (its pieces
+        must be ids of the model's vocabulary; the ids of a padded vocabulary past them are never sampled), the
+        draft model's vocabulary, `check(config, tokenizer, context)` (the caller's own, e.g. its prompt), the
+        checkpoint's files and tensors, and the memory the KV cache and the weights need.
 
         draft_model: a smaller LLaMA checkpoint with the same tokenizer, loaded after this one on the same
         device with the same context, for speculative="draft"; one with another vocabulary size or other
         pieces is refused before any weight loads."""
         notes: list[str] = []
+        path, tokenizer = checked_path(path, "path"), checked_path(tokenizer, "tokenizer")
+        draft_model = checked_path(draft_model, "draft_model")
         device = devices.resolve(device, on_fallback=notes.append)
         config = read_config(path)
         plans.check_supported(device_config(config))
         seq_len = _context(config, max_seq_len)
         tok = None
-        if tokenizer is not None or (Path(path) / "tokenizer.model").is_file():
+        if tokenizer is not None or (path / "tokenizer.model").is_file():
             tok = Tokenizer.from_model_dir(path, override=tokenizer)
             tok.check_fits(config.vocab_size)
         if draft_model is not None:
@@ -80,7 +82,9 @@ class Llama:
         if ckpt.conversion_note:
             notes.append(ckpt.conversion_note)
         backend = make_backend(device)
-        runner = PlanRunner(config, backend, seq_len, weight_bytes=device_weight_bytes(config))  # fits, or says so
+        # fits, or says so; the ids past a smaller tokenizer's pieces (a padded vocabulary) are never sampled
+        runner = PlanRunner(config, backend, seq_len, weight_bytes=device_weight_bytes(config),
+                            sample_vocab=tok.vocab_size if tok else None)
         load_checkpoint(backend, ckpt, progress)
         draft = None if draft_model is None else cls.from_pretrained(draft_model, device, seq_len, progress=progress)
         return cls(config, runner, tok, device, notes + (draft.notes if draft else []), draft)
@@ -109,7 +113,7 @@ class Llama:
         if self.tokenizer is None:
             raise PromptError("chat_ids() needs a tokenizer and this model has none: put a tokenizer.model in its "
                               "directory or load it with tokenizer=PATH")
-        if system is not None:
+        if isinstance(system, str):  # another type is refused by the tokenizer, naming `system`
             check_text(system, "the system prompt")
         for i, message in enumerate(messages if isinstance(messages, (list, tuple)) else ()):
             if isinstance(message, dict) and isinstance(message.get("content"), str):
@@ -214,6 +218,16 @@ def prompt_ids(prompt, vocab_size: int, tokenizer: Tokenizer | None) -> list[int
         if not 0 <= token < vocab_size:
             raise PromptError(f"token id {token} is outside the vocabulary [0, {vocab_size})")
     return [int(t) for t in prompt]
+
+
+def checked_path(value, name: str) -> Path | None:
+    """A path argument (str or os.PathLike) as a Path, None as None; OptionError naming `name` for anything else."""
+    if value is None:
+        return None
+    text = os.fspath(value) if isinstance(value, os.PathLike) else value
+    if not isinstance(text, str):
+        raise OptionError(name, f"must be a str or an os.PathLike, got {type(value).__name__}")
+    return Path(text)
 
 
 def check_draft(path: str | os.PathLike, config: LlamaConfig, tokenizer: Tokenizer | None) -> None:

@@ -17,6 +17,10 @@ state, seen and x end as n decode steps would leave them.
 
 A prefill chunk runs n prompt tokens at positions start..start+n-1 with GEMMs, then the same
 gemv_logits + sample on its last row (or a logits GEMM over every row, for `Llama.logits`).
+
+`sample_vocab` (default: the whole vocabulary) limits gemv_logits + sample to the ids 0 .. sample_vocab - 1,
+through the V both kernels take (their rows, and the row stride of a verify step's logits): a model whose
+vocabulary is padded past its tokenizer's pieces never samples an id that has no text.
 """
 
 from __future__ import annotations
@@ -247,12 +251,12 @@ def _layer(i: int, name: str) -> Ref:
     return Ref(f"layers.{i}.{name}")
 
 
-def decode_plan(cfg: LlamaConfig, max_seq: int) -> Plan:
+def decode_plan(cfg: LlamaConfig, max_seq: int, sample_vocab: int | None = None) -> Plan:
     check_supported(cfg)
-    return Plan("decode", _step_launches(cfg, max_seq, 1, Ref))
+    return Plan("decode", _step_launches(cfg, max_seq, 1, Ref, sample_vocab))
 
 
-def verify_plan(cfg: LlamaConfig, max_seq: int, k: int) -> Plan:
+def verify_plan(cfg: LlamaConfig, max_seq: int, k: int, sample_vocab: int | None = None) -> Plan:
     """A verify step of k drafts (1..MAX_DRAFT): the token rows verify_ids[:k + 1] at positions pos..pos + k
     (the host keeps pos + k < max_seq); the decode step's launches with k + 1 rows, sample accepting."""
     check_supported(cfg)
@@ -265,10 +269,10 @@ def verify_plan(cfg: LlamaConfig, max_seq: int, k: int) -> Plan:
 
     embed = Launch(prefill("embed_rows"), (rows, 1, 1), ROW_THREADS,
                    (act("ids"), Ref("embed"), act("x"), i32(cfg.hidden_size)))
-    return Plan(f"verify[{k}]", [embed] + _step_launches(cfg, max_seq, rows, act))
+    return Plan(f"verify[{k}]", [embed] + _step_launches(cfg, max_seq, rows, act, sample_vocab))
 
 
-def _step_launches(cfg: LlamaConfig, max_seq: int, rows: int, act) -> list[Launch]:
+def _step_launches(cfg: LlamaConfig, max_seq: int, rows: int, act, sample_vocab: int | None) -> list[Launch]:
     """Every layer, the logits and the sample kernel over `rows` token rows (1: a decode step); act(name) is
     the activation buffer `name` (x, q, attn_part, attn_count, attn_out, h, logits) as the kernels take it."""
     d, ff = cfg.hidden_size, cfg.intermediate_size
@@ -291,18 +295,21 @@ def _step_launches(cfg: LlamaConfig, max_seq: int, rows: int, act) -> list[Launc
             Launch(gemv("gemv_residual", rows), (cdiv(d, per_block), 1, 1), GEMV_THREADS,
                    (act("h"), _layer(i, "w_down"), act("x"), i32(d), i32(ff))),
         ]
-    return launches + _logits_and_sample(cfg, act("x"), act("logits"), rows)
+    return launches + _logits_and_sample(cfg, act("x"), act("logits"), rows, sample_vocab)
 
 
-def _logits_and_sample(cfg: LlamaConfig, x: Ref, logits: Ref = Ref("logits"), rows: int = 1) -> list[Launch]:
+def _logits_and_sample(cfg: LlamaConfig, x: Ref, logits: Ref = Ref("logits"), rows: int = 1,
+                       sample_vocab: int | None = None) -> list[Launch]:
     """logits = lm_head · rmsnorm(x) for `rows` token rows, then the sample kernel over them (1 row: the next
-    token; more: a verify step's acceptance). Either way it sets up the next decode step (state, seen, x)."""
-    d, V = cfg.hidden_size, cfg.vocab_size
+    token; more: a verify step's acceptance). Either way it sets up the next decode step (state, seen, x).
+    Only the first sample_vocab ids (default: all) get a logit and can be drawn."""
+    d, V = cfg.hidden_size, sample_vocab or cfg.vocab_size
+    lm_head = Ref("lm_head") if V == cfg.vocab_size else Ref("lm_head", rows=V)  # its first V rows: the twin's W
     verify = [Ref("verify_ids", rows=rows), Ref("verify_picks", rows=rows), Ref("verify_out", rows=rows + 1),
               Ref("verify_arrivals")]
     return [
         Launch(gemv("gemv_logits", rows), (cdiv(V, gemv_rows(rows)), 1, 1), GEMV_THREADS,
-               (x, Ref("final_norm"), Ref("lm_head"), logits, i32(V), i32(d), f32(cfg.rms_norm_eps))),
+               (x, Ref("final_norm"), lm_head, logits, i32(V), i32(d), f32(cfg.rms_norm_eps))),
         Launch(SAMPLE, (rows, 1, 1), SAMPLE_THREADS,
                (logits, Ref("seen"), Ref("state"), Ref("fparams"), Ref("embed"), Ref("x"), *verify, i32(V), i32(d))),
     ]
@@ -329,7 +336,8 @@ PREFILL_OUTPUTS = ("sample", "logits", "none")
 
 
 def prefill_plan(cfg: LlamaConfig, max_seq: int, start: int, n: int, output: str = "sample",
-                 kernels: PrefillKernels = PrefillKernels(), chunk: int | None = None) -> Plan:
+                 kernels: PrefillKernels = PrefillKernels(), chunk: int | None = None,
+                 sample_vocab: int | None = None) -> Plan:
     """Prompt tokens prefill_ids[:n] at positions start..start+n-1 (n <= chunk: the rows runtime_buffers
     made, default PREFILL_CHUNK), with the GEMM and attention kernels `kernels` names (prefill_kernels.py).
 
@@ -366,5 +374,5 @@ def prefill_plan(cfg: LlamaConfig, max_seq: int, start: int, n: int, output: str
         launches += [rows("rmsnorm_rows", Ref("x_rows"), Ref("final_norm"), Ref("xn_rows"), i32(d), eps),
                      _gemm(gemm, "xn_rows", Ref("lm_head"), "logits_rows", n, V, d, False)]
     elif output == "sample":
-        launches += _logits_and_sample(cfg, Ref("x_rows", n - 1))
+        launches += _logits_and_sample(cfg, Ref("x_rows", n - 1), sample_vocab=sample_vocab)
     return Plan(f"prefill[{start}:{start + n}]", launches)

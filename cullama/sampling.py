@@ -29,9 +29,14 @@ from .errors import GenerationError, OptionError
 MASK64 = (1 << 64) - 1
 INT32_MAX = (1 << 31) - 1
 GOLDEN64 = 0x9E3779B97F4A7C15  # 2**64 / golden ratio: splitmix64's increment
-# Below this, l / temperature can overflow float32 (inf - inf = NaN) for large logits, and the
-# distribution is greedy in all but name anyway.
-MIN_TEMPERATURE = 1e-6
+# The sampler runs in float32, so each option is kept where its float32 value is finite and means what it
+# says. Below MIN_TEMPERATURE, l / temperature can overflow (inf - inf = NaN) for large logits, and the
+# distribution is greedy in all but name anyway; above MAX_TEMPERATURE (OpenAI's API stops at 2) two logits
+# 50 apart give odds under e^0.5: uniform in all but name.
+MIN_TEMPERATURE, MAX_TEMPERATURE = 1e-6, 100.0
+# A factor of 1000 already takes a seen token out of the running (or, below 1, makes it the pick); beyond it
+# the float32 products overflow or vanish (1e-50 is 0 in float32) and the text is garbage.
+MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY = 1e-3, 1e3
 NO_TOKEN = -1  # sample()'s answer, and the kernel's state[TOKEN], when every logit is NaN or -inf
 
 
@@ -48,20 +53,21 @@ class SamplingParams:
         for name in ("temperature", "top_p", "repetition_penalty"):
             value = getattr(self, name)
             # NaN compares False with everything, so it would slip past the range checks below.
-            if not is_real(value) or not math.isfinite(value):
+            if not is_real(value) or not is_finite(value):
                 raise OptionError(name, f"must be a finite number, got {value!r}")
-        if self.temperature < 0:
-            raise OptionError("temperature", f"must be >= 0 (0 = greedy), got {self.temperature!r}")
-        if 0 < self.temperature < MIN_TEMPERATURE:
-            raise OptionError("temperature", f"must be 0 (greedy) or at least {MIN_TEMPERATURE}, "
-                              f"got {self.temperature!r}")
+        if not (self.temperature == 0 or MIN_TEMPERATURE <= self.temperature <= MAX_TEMPERATURE):
+            raise OptionError("temperature", f"must be 0 (greedy) or from {MIN_TEMPERATURE:g} to "
+                              f"{MAX_TEMPERATURE:g}, got {self.temperature!r}")
         # The device keeps top_k in an int32 (a top_k at or above the vocabulary is off, as 0 is).
         if not is_int(self.top_k) or not 0 <= self.top_k <= INT32_MAX:
             raise OptionError("top_k", f"must be an integer from 0 (off) to {INT32_MAX}, got {self.top_k!r}")
-        if not 0 < self.top_p <= 1:
-            raise OptionError("top_p", f"must be in (0, 1] (1 = off), got {self.top_p!r}")
-        if self.repetition_penalty <= 0:
-            raise OptionError("repetition_penalty", f"must be > 0 (1 = off), got {self.repetition_penalty!r}")
+        # A top_p below float32's smallest number is 0 on the device, and 0 is refused as such.
+        if not 0 < self.top_p <= 1 or np.float32(self.top_p) == 0:
+            underflow = " (0 in float32)" if 0 < self.top_p <= 1 else ""
+            raise OptionError("top_p", f"must be in (0, 1] (1 = off), got {self.top_p!r}{underflow}")
+        if not MIN_REPETITION_PENALTY <= self.repetition_penalty <= MAX_REPETITION_PENALTY:
+            raise OptionError("repetition_penalty", f"must be from {MIN_REPETITION_PENALTY:g} to "
+                              f"{MAX_REPETITION_PENALTY:g} (1 = off), got {self.repetition_penalty!r}")
         # The device takes the seed as a uint64.
         if self.seed is not None and (not is_int(self.seed) or not 0 <= self.seed <= MASK64):
             raise OptionError("seed", f"must be an integer in [0, 2**64), got {self.seed!r}")
@@ -73,6 +79,15 @@ class SamplingParams:
 
 def is_real(value) -> bool:
     return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+def is_finite(value: numbers.Real) -> bool:
+    """math.isfinite, where a number too large for a float (the integer 10**400) is finite, not an OverflowError:
+    the range checks then refuse it."""
+    try:
+        return math.isfinite(value)
+    except OverflowError:
+        return True
 
 
 def is_int(value) -> bool:

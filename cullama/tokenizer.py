@@ -26,7 +26,7 @@ from pathlib import Path
 
 import sentencepiece as spm
 
-from .errors import PromptError, TokenizerError
+from .errors import OptionError, PromptError, TokenizerError, option
 
 # Meta's LLaMA-2 chat markers (llama/generation.py); they are plain text, BOS/EOS are ids.
 B_INST, E_INST = "[INST]", "[/INST]"
@@ -77,11 +77,11 @@ class Tokenizer:
     def check_fits(self, model_vocab_size: int, model: str = "the model") -> None:
         """TokenizerError unless every piece has a row in the model's embedding and lm_head: a larger
         tokenizer would hand the model ids past its vocabulary. (A model with more rows than pieces is
-        fine: some checkpoints pad their vocabulary.)"""
+        fine: some checkpoints pad their vocabulary, and the ids past the pieces are never sampled.)"""
         if self.vocab_size > model_vocab_size:
             raise TokenizerError(f"{self.path} has {self.vocab_size} pieces but {model} has a vocabulary of "
                                  f"{model_vocab_size}: they do not belong together (name the model's own "
-                                 "tokenizer with --tokenizer)")
+                                 f"tokenizer with {option('tokenizer')})")
 
     def __repr__(self) -> str:
         return f"Tokenizer({str(self.path)!r}, vocab_size={self.vocab_size})"
@@ -258,6 +258,8 @@ def _chat_turns(messages: Sequence[dict], system: str | None) -> list[str]:
     """Validated contents: user, assistant, ..., user, with the system prompt merged in."""
     if not isinstance(messages, Sequence) or isinstance(messages, (str, bytes)):
         raise PromptError(f"chat messages must be a list of dicts, got {type(messages).__name__}")
+    if system is not None and not isinstance(system, str):
+        raise OptionError("system", f"must be a string (the system prompt) or None, got {type(system).__name__}")
     contents: list[str] = []
     for i, message in enumerate(messages):
         role = message.get("role") if isinstance(message, dict) else None

@@ -15,11 +15,12 @@ MAX_JSON_BYTES = 64 * 1024 * 1024  # a LLaMA config.json is ~1 kB, a 405B index 
 SHOWN_CHARS = 60  # the longest value a message quotes
 
 
-def shown(value) -> str:
-    """A value read from a file, fit for a one-line message: a printable short string as it is, anything
-    else in its JSON spelling (control and non-ASCII characters escaped), cut to SHOWN_CHARS."""
+def shown(value, quote: bool = False) -> str:
+    """A value read from a file, fit for a one-line message: a printable short string as it is (with `quote`,
+    quoted: a JSON value whose type matters, "494" and not 494), anything else in its JSON spelling (control
+    and non-ASCII characters escaped), cut to SHOWN_CHARS."""
     if isinstance(value, str) and value.isprintable() and len(value) <= SHOWN_CHARS:
-        return value
+        return json.dumps(value, ensure_ascii=False) if quote else value
     try:
         text = json.dumps(value, ensure_ascii=True)
     except (TypeError, ValueError, RecursionError):

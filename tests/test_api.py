@@ -114,6 +114,10 @@ def test_token_ids_may_be_numpy_integers(stories):
     ({"top_p": 1.5}, "top_p"), ({"top_p": float("nan")}, "top_p"), ({"repetition_penalty": 0}, "repetition_penalty"),
     ({"seed": -1}, "seed"), ({"seed": 1.5}, "seed"), ({"ignore_eos": "yes"}, "ignore_eos"),
     ({"reuse_cache": 1}, "reuse_cache"), ({"max_tokens": 3}, "max_tokens"),
+    # finite in float64 but not meaningful in the sampler's float32
+    ({"temperature": 1e39}, "temperature"), ({"repetition_penalty": 1e300}, "repetition_penalty"),
+    ({"repetition_penalty": 1e-50}, "repetition_penalty"), ({"top_p": 1e-50}, "top_p"),
+    ({"temperature": 0.8, "repetition_penalty": 1e-45}, "repetition_penalty"),
 ])
 def test_options_of_the_wrong_type_or_range_name_the_option(stories, options, option):
     with pytest.raises(OptionError) as caught:
@@ -138,6 +142,12 @@ def test_chat_ids_refuses_bad_text_and_types(stories):
         stories.chat_ids([{"role": "user", "content": "\udcff"}])
     with pytest.raises(PromptError, match="content of type int"):
         stories.chat_ids([{"role": "user", "content": 5}])
+    for system in (b"x", 5):
+        with pytest.raises(OptionError, match="^system must be a string") as caught:
+            stories.chat_ids([{"role": "user", "content": "x"}], system=system)
+        assert caught.value.option == "system"
+        with pytest.raises(OptionError, match="^system must be a string"):
+            stories.fit_chat([{"role": "user", "content": "x"}], system, 16)
 
 
 # -- what a Generation records -------------------------------------------------------------------------
@@ -186,6 +196,60 @@ def test_a_tokenizer_larger_than_the_vocabulary_is_refused_at_load(weights_never
     with pytest.raises(TokenizerError) as caught:
         cullama.Llama.from_pretrained(directory, device="cpu", tokenizer=llama2)
     assert "32000 pieces" in str(caught.value) and "vocabulary of 512" in str(caught.value)
+    # in the caller's terms: the Python argument, and the flag on the command line
+    assert str(caught.value).endswith("(name the model's own tokenizer with the tokenizer argument)")
+    assert caught.value.for_cli().endswith("(name the model's own tokenizer with --tokenizer)")
+
+
+def test_errors_name_options_in_the_readers_terms():
+    from cullama.errors import ConfigError, option
+
+    error = ConfigError(f"use a shorter context ({option('max_seq_len')})")
+    assert str(error) == "use a shorter context (the max_seq_len argument)"
+    assert error.for_cli() == "use a shorter context (--max-seq-len)"
+    assert OptionError("top_p", "must be in (0, 1]").for_cli() == "--top-p must be in (0, 1]"
+
+
+def test_an_unknown_device_is_named_as_the_argument(stories_dir, weights_never_load):
+    for load in (lambda: cullama.Llama.from_pretrained(stories_dir, device="gpu"),
+                 lambda: cullama.Llama.synthetic("tiny", device="gpu")):
+        with pytest.raises(OptionError) as caught:
+            load()
+        assert str(caught.value) == "device 'gpu' is not one of auto, cpu, cuda"
+        assert caught.value.for_cli() == "--device 'gpu' is not one of auto, cpu, cuda"  # the CLI's, as before
+
+
+def test_cuda_without_a_gpu_is_named_as_the_argument(stories_dir, weights_never_load, monkeypatch):
+    from cullama import device
+    from cullama.errors import DeviceError
+
+    monkeypatch.setattr(device, "cuda_status", lambda: (False, "no NVIDIA GPU found"))
+    with pytest.raises(DeviceError) as caught:
+        cullama.Llama.from_pretrained(stories_dir, device="cuda")
+    assert str(caught.value) == "the device argument cuda needs a usable GPU: no NVIDIA GPU found"
+    assert caught.value.for_cli() == "--device cuda needs a usable GPU: no NVIDIA GPU found"
+
+
+@pytest.mark.parametrize("arguments,option,kind", [
+    ({"path": 5}, "path", "int"), ({"path": b"/tmp"}, "path", "bytes"), ({"tokenizer": 5}, "tokenizer", "int"),
+    ({"tokenizer": b"tokenizer.model"}, "tokenizer", "bytes"), ({"draft_model": 5.0}, "draft_model", "float"),
+])
+def test_paths_of_the_wrong_type_name_the_argument(stories_dir, weights_never_load, arguments, option, kind):
+    arguments = {"path": stories_dir, **arguments}
+    with pytest.raises(OptionError) as caught:
+        cullama.Llama.from_pretrained(arguments.pop("path"), device="cpu", **arguments)
+    assert caught.value.option == option
+    assert str(caught.value) == f"{option} must be a str or an os.PathLike, got {kind}"
+
+
+def test_a_path_may_be_a_str_or_path_like(stories_dir):
+    class Where:  # any os.PathLike
+        def __fspath__(self):
+            return str(stories_dir)
+
+    for path in (str(stories_dir), Where()):
+        llm = cullama.Llama.from_pretrained(path, device="cpu", tokenizer=Where().__fspath__() + "/tokenizer.model")
+        assert llm.generate([1], max_new_tokens=3).token_ids
 
 
 @pytest.mark.parametrize("changes,needle", [
@@ -252,3 +316,60 @@ def test_fit_chat_drops_the_oldest_exchanges(stories_dir):
     assert len(llm.fit_chat(turn, "Be brief.", 100)[0]) == 52  # room for min(100, half the context)
     with pytest.raises(PromptError, match="leaves no room in the context of 128"):
         llm.fit_chat([{"role": "user", "content": "dog " * 200}], None, 16)
+
+
+# -- a vocabulary padded past the tokenizer's pieces -------------------------------------------------------
+@pytest.fixture(scope="module")
+def padded(stories_dir, tmp_path_factory):
+    """(the model with no tokenizer, the same with stories260K's 512 pieces): random weights, vocabulary 640."""
+    from cullama.checkpoint import write_random
+    from cullama.config import from_pretrained
+
+    config = dataclasses.replace(from_pretrained(stories_dir), vocab_size=640, name="padded")
+    directory = write_random(tmp_path_factory.mktemp("padded"), config, seed=3)
+    bare = cullama.Llama.from_pretrained(directory, device="cpu")
+    return bare, cullama.Llama.from_pretrained(directory, device="cpu", tokenizer=stories_dir / "tokenizer.model")
+
+
+def test_ids_past_the_tokenizer_are_never_sampled(padded):
+    bare, llm = padded
+    assert max(bare.generate([1], max_new_tokens=40, ignore_eos=True).token_ids) >= 512  # they would be, else
+    for options in ({}, {"temperature": 1.0, "seed": 1}, {"temperature": 2.0, "top_k": 600, "seed": 2},
+                    {"temperature": 1.0, "top_p": 0.999, "repetition_penalty": 1.3, "seed": 3}):
+        result = llm.generate("Once upon a time", max_new_tokens=40, ignore_eos=True, **options)
+        assert len(result.token_ids) == 40 and max(result.token_ids) < 512, options
+        assert result.text == llm.tokenizer.decode(result.token_ids)
+    # greedy is the argmax over the ids the tokenizer has
+    prompt = llm.encode("Once upon a time")
+    first = llm.generate(prompt, max_new_tokens=1).token_ids[0]
+    assert first == int(np.argmax(llm.logits(prompt)[-1][:512]))
+    assert llm.logits(prompt).shape == (len(prompt), 640)  # the logits are the model's, every row
+
+
+def test_drafts_past_the_tokenizer_change_nothing(padded):
+    """Drafts of ids the target never samples (600, 601) after a right one: the same text, the right draft
+    accepted."""
+    _, llm = padded
+
+    class Padding:  # drafts the next token of `text`, then ids past the tokenizer
+        name = "padding"
+
+        def __init__(self, text):
+            self.text, self.produced = text, 0
+
+        def reset(self, prompt_ids):
+            self.produced = 0
+
+        def extend(self, ids):
+            self.produced += len(ids)
+
+        def propose(self, k):
+            return (self.text[self.produced:self.produced + 1] + [600, 601])[:k]
+
+    prompt = llm.encode("Once upon a time")
+    plain = llm.generate(prompt, max_new_tokens=30, ignore_eos=True)
+    drafted = llm.generate(prompt, max_new_tokens=30, ignore_eos=True, speculative=Padding(plain.token_ids))
+    assert drafted.token_ids == plain.token_ids and drafted.speculative["accepted"] > 0
+    sampled = llm.generate(prompt, max_new_tokens=30, ignore_eos=True, temperature=1.0, seed=4,
+                           speculative=Padding(plain.token_ids))
+    assert len(sampled.token_ids) == 30 and max(sampled.token_ids) < 512

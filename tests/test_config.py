@@ -2,6 +2,7 @@
 
 import dataclasses
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -132,6 +133,16 @@ def test_missing_directory(tmp_path):
         from_pretrained(tmp_path / "nowhere")
 
 
+def test_config_json_that_is_not_a_file(tmp_path):
+    (tmp_path / "config.json").mkdir()
+    with pytest.raises(ConfigError, match=re.escape(f"{tmp_path / 'config.json'}: a directory (")):
+        from_pretrained(tmp_path)
+    (tmp_path / "config.json").rmdir()
+    (tmp_path / "config.json").symlink_to(tmp_path / "nowhere.json")
+    with pytest.raises(ConfigError, match="config.json: a broken symbolic link"):
+        from_pretrained(tmp_path)
+
+
 def test_model_path_that_is_a_file(tmp_path):
     (tmp_path / "model.safetensors").write_bytes(b"x")
     with pytest.raises(ConfigError, match="no such model directory"):
@@ -148,7 +159,24 @@ def test_model_path_that_is_a_file(tmp_path):
     ({"eos_token_id": True}, "eos_token_id"),
     ({"eos_token_id": 64}, "eos_token_id 64 is outside the vocabulary"),
     ({"eos_token_id": [2, -1]}, "eos_token_id -1 is outside"),
-    ({"bos_token_id": "1"}, "bos_token_id"),
+    ({"eos_token_id": "494"}, 'eos_token_id must be an integer or a list of integers, got "494"'),
+    ({"head_dim": "8"}, 'head_dim must be an integer, got "8"'),
+    ({"bos_token_id": "1"}, 'bos_token_id must be an integer, got "1"'),
+    ({"bos_token_id": 64}, "bos_token_id 64 is outside the vocabulary (vocab_size 64)"),
+    ({"pretraining_tp": "1"}, 'pretraining_tp must be an integer, got "1"'),
+    ({"pretraining_tp": 0}, "pretraining_tp must be from 1"),
+    ({"pretraining_tp": None}, "pretraining_tp must be an integer, got null"),
+    ({"attention_dropout": "x"}, 'attention_dropout must be a number, got "x"'),
+    ({"attention_dropout": 1.5}, "attention_dropout must be a finite number from 0 to 1, got 1.5"),
+    ({"initializer_range": "x"}, 'initializer_range must be a number, got "x"'),
+    ({"initializer_range": -0.02}, "initializer_range must be a finite number >= 0"),
+    ({"use_cache": "yes"}, 'use_cache must be true or false, got "yes"'),
+    ({"pad_token_id": "0"}, 'pad_token_id must be an integer or null, got "0"'),
+    ({"pad_token_id": 1.0}, "pad_token_id must be an integer or null, got 1.0"),
+    ({"architectures": "LlamaForCausalLM"}, 'architectures must be a list of strings, got "LlamaForCausalLM"'),
+    ({"architectures": [7]}, "architectures must be a list of strings"),
+    ({"architectures": ["MistralForCausalLM"]},
+     'architectures ["MistralForCausalLM"] is not supported (cullama runs LlamaForCausalLM)'),
     ({"tie_word_embeddings": "false"}, "tie_word_embeddings must be true or false"),
     ({"tie_word_embeddings": 0}, "tie_word_embeddings"),
     ({"attention_bias": "false"}, "attention_bias must be true or false"),
@@ -170,7 +198,7 @@ def test_model_path_that_is_a_file(tmp_path):
     ({"rope_parameters": "default"}, "rope_parameters must be a JSON object"),
     ({"hidden_act": ["silu"]}, "hidden_act must be a string"),
     ({"model_type": None}, "model_type must be a string"),
-    ({"dtype": "float64"}, "dtype float64 is not supported"),
+    ({"dtype": "float64"}, 'dtype "float64" is not supported'),
     ({"torch_dtype": 16}, "torch_dtype must be a string"),
     ({"quantization_config": {"quant_method": "gptq"}}, "quantization_config"),
     ({"partial_rotary_factor": 0.5}, "partial_rotary_factor"),
@@ -228,6 +256,19 @@ def test_json_types_that_are_honoured():
     assert (config.num_kv_heads, config.head_dim, config.bos_token_id, config.dtype) == (4, 8, 1, "float32")
     assert from_hf_dict(MINIMAL | {"eos_token_id": None}).eos_token_ids == ()
     assert from_hf_dict(MINIMAL | {"tie_word_embeddings": False}).tie_word_embeddings is False
+
+
+@pytest.mark.parametrize("change", [
+    {"pretraining_tp": 2},  # HF computes the same matmuls in slices
+    {"pad_token_id": None}, {"pad_token_id": 0}, {"pad_token_id": -1}, {"pad_token_id": 64},  # never used
+    {"attention_dropout": None}, {"attention_dropout": 0}, {"attention_dropout": 0.1},
+    {"initializer_range": None}, {"initializer_range": 0.02}, {"use_cache": None}, {"use_cache": False},
+    {"architectures": None}, {"architectures": []}, {"architectures": ["LlamaForCausalLM"]},
+    {"architectures": ["LLaMAForCausalLM"]},  # early conversions' spelling
+    {"bos_token_id": 63},
+], ids=str)
+def test_keys_that_do_not_change_the_math_are_accepted_when_well_typed(change):
+    assert from_hf_dict(MINIMAL | change).vocab_size == MINIMAL["vocab_size"]
 
 
 # -- RoPE scaling: the LLaMA variants are read (reference.rope_frequencies applies them) ---------------

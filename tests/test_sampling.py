@@ -5,6 +5,8 @@ standard deviations wide all the same, so a correct sampler passes for any seed.
 """
 
 import math
+import re
+import warnings
 
 import numpy as np
 import pytest
@@ -233,7 +235,12 @@ def test_unseeded_sampler_draws_a_seed_once():
     ({"top_p": 0.0}, "top_p"), ({"top_p": 1.5}, "top_p"), ({"top_p": math.nan}, "top_p"),
     ({"repetition_penalty": 0.0}, "repetition_penalty"),
     ({"repetition_penalty": -1.0}, "repetition_penalty"),
-    ({"repetition_penalty": math.nan}, "repetition_penalty"), ({"seed": -1}, "seed")])
+    ({"repetition_penalty": math.nan}, "repetition_penalty"), ({"seed": -1}, "seed"),
+    # beyond float32, or where its float32 arithmetic overflows or vanishes
+    ({"temperature": 1e39}, "temperature"), ({"temperature": 101.0}, "temperature"),
+    ({"temperature": 10**400}, "temperature"), ({"repetition_penalty": 1e300}, "repetition_penalty"),
+    ({"repetition_penalty": 1e-50}, "repetition_penalty"), ({"repetition_penalty": 1e-45}, "repetition_penalty"),
+    ({"repetition_penalty": 1e4}, "repetition_penalty"), ({"top_p": 1e-50}, "top_p")])
 def test_validation_names_the_option(options, name):
     with pytest.raises(PromptError, match=name) as info:
         SamplingParams(**options).validate()
@@ -246,3 +253,25 @@ def test_defaults_are_valid_and_greedy():
     SamplingParams().validate()
     SamplingParams(temperature=0.7, top_k=40, top_p=0.9, repetition_penalty=1.1, seed=0).validate()
     assert SamplingParams().greedy and not SamplingParams(temperature=0.7).greedy
+
+
+def test_out_of_range_messages_say_the_bounds():
+    for options, message in [({"temperature": 1e39}, "temperature must be 0 (greedy) or from 1e-06 to 100"),
+                             ({"repetition_penalty": 1e-50}, "repetition_penalty must be from 0.001 to 1000"),
+                             ({"top_p": 1e-50}, "top_p must be in (0, 1] (1 = off), got 1e-50 (0 in float32)")]:
+        with pytest.raises(PromptError, match=re.escape(message)):
+            SamplingParams(**options).validate()
+
+
+def test_the_extreme_options_allowed_stay_finite_in_float32():
+    """At the bounds, with large logits and every token seen: no overflow, no NumPy warning, a token drawn."""
+    logits = np.array([3e4, -3e4, 10.0, -10.0], dtype=np.float32)
+    seen = np.ones(4, dtype=bool)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for temperature in (sampling.MIN_TEMPERATURE, sampling.MAX_TEMPERATURE):
+            for penalty in (sampling.MIN_REPETITION_PENALTY, sampling.MAX_REPETITION_PENALTY):
+                params = SamplingParams(temperature=temperature, repetition_penalty=penalty, seed=5)
+                params.validate()
+                assert 0 <= sample(logits, params, seen, 0) < 4
+        assert sample(logits, SamplingParams(temperature=1.0, top_p=1e-40, seed=5), seen, 0) == 0  # denormal > 0

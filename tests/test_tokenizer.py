@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import sentencepiece as spm
 
-from cullama.errors import PromptError, TokenizerError
+from cullama.errors import OptionError, PromptError, TokenizerError
 from cullama.tokenizer import Tokenizer
 
 SHARED = Path(__file__).resolve().parents[1].parent / "shared"
@@ -210,6 +210,13 @@ def test_chat_rejects_bad_messages(tiny, messages, match):
         tiny.chat_ids(messages)
 
 
+@pytest.mark.parametrize("system", [b"Be brief.", 5, ["Be brief."]])
+def test_chat_rejects_a_system_prompt_that_is_not_text(tiny, system):
+    with pytest.raises(OptionError, match="^system must be a string") as info:
+        tiny.chat_ids([msg("user")], system=system)
+    assert info.value.option == "system" and info.value.for_cli().startswith("--system must be a string")
+
+
 def test_chat_rejects_two_system_prompts(tiny):
     with pytest.raises(PromptError, match="system prompt given twice"):
         tiny.chat_ids([msg("system"), msg("user")], system="c")
@@ -260,6 +267,8 @@ def test_check_fits_the_model_vocabulary(tiny):
     with pytest.raises(TokenizerError) as info:
         tiny.check_fits(256, model="stories260K")
     assert str(info.value).startswith(f"{tiny.path} has 320 pieces but stories260K has a vocabulary of 256")
+    assert str(info.value).endswith("with the tokenizer argument)")  # as a Python caller names it
+    assert info.value.for_cli().endswith("with --tokenizer)")  # as the CLI prints it
 
 
 def test_from_model_dir(tiny, tmp_path):

@@ -137,7 +137,7 @@ def run(load: Callable[[], object], settings: Settings, host: str, port: int, ma
     def load_failed(exc: BaseException) -> None:
         nonlocal status
         if isinstance(exc, CullamaError):
-            print(f"error: {exc}", file=sys.stderr)
+            print(f"error: {exc.for_cli()}", file=sys.stderr)
             status = 2
         else:
             print("error: the model failed to load:", file=sys.stderr)
