@@ -7,7 +7,7 @@ import sys
 
 import click
 
-from .main import friendly_errors, main, out
+from .main import main, out
 
 
 class BenchProgress:
@@ -55,7 +55,6 @@ class BenchProgress:
 @click.option("--acceptance-model", type=click.Path(),
               help="--speculative: a real checkpoint (e.g. stories260K) on which ngram's tokens per step is measured "
                    "for the derived per-token figures.")
-@friendly_errors
 def bench(model_dir, synthetic, device, lengths, samples, warmup, prompt_len, max_seq_len, json_path, overlap,
           **speculative):
     """Per-token decode latency (p50/p90/p99/max), tokens/s, GB/s and TTFT at each length."""
@@ -74,7 +73,7 @@ def bench(model_dir, synthetic, device, lengths, samples, warmup, prompt_len, ma
         raise PromptError("give either --model or --synthetic, not both")
     speculative_options(speculative)
     lengths = protocol.parse_lengths(lengths)
-    if json_path:
+    if json_path is not None:
         protocol.check_writable(json_path)  # before the run, not after it
     fallback = []
     dev = resolve(device, on_fallback=fallback.append)
@@ -110,18 +109,31 @@ def bench(model_dir, synthetic, device, lengths, samples, warmup, prompt_len, ma
     if speculative["speculative"]:
         return speculative_bench(llm, label, dev, lengths, samples, warmup, prompt_len, json_path,
                                  {"command": command, "overlap": overlapped}, **speculative_defaults(speculative))
-    result = protocol.run(llm.runner, llm.config, lengths, samples, warmup, prompt_len, bandwidth=bandwidth,
-                          device=dev, progress=BenchProgress(),
-                          extra_options={"command": command, "overlap": overlapped})
+    try:
+        result = protocol.run(llm.runner, llm.config, lengths, samples, warmup, prompt_len, bandwidth=bandwidth,
+                              device=dev, progress=BenchProgress(),
+                              extra_options={"command": command, "overlap": overlapped})
+    except protocol.Interrupted as stop:  # Ctrl-C: the lengths that finished are kept, then exit 130
+        report(stop.result, label, dev, overlapped, json_path)
+        raise
+    report(result, label, dev, overlapped, json_path)
+
+
+def report(result, label: str, dev: str, overlapped: bool, json_path: str | None) -> None:
+    """The table to stdout and the record to --json, of a whole run or of the lengths an interrupted one
+    finished."""
+    from .. import bench as protocol
+
     gpu = ""
     if dev == "cuda":
         from ..device import environment
         gpu = f" ({environment().get('gpu')})"
-    title = f"cullama bench: {label}, {dev}{gpu}{', overlap on' if overlapped else ''}"
+    interrupted = ", interrupted" if result.interrupted else ""
+    title = f"cullama bench: {label}, {dev}{gpu}{', overlap on' if overlapped else ''}{interrupted}"
     out(protocol.format_table(result, title=title))
     if json_path:
         protocol.write_json(result, json_path, model=label)
-        BenchProgress.note(f"wrote {json_path}")
+        BenchProgress.note(f"wrote {json_path}{' (interrupted)' if result.interrupted else ''}")
 
 
 def speculative_options(options: dict) -> None:
@@ -173,11 +185,21 @@ def speculative_bench(llm, label, dev, lengths, samples, warmup, prompt_len, jso
         real = Llama.from_pretrained(acceptance_model, device=dev)
         lookup = {"model": str(acceptance_model), **protocol.lookup_tokens_per_step(
             real.runner, real.config.bos_token_id, k=draft_tokens)}
-    result = protocol.run(llm.runner, llm.config, speculative, lengths, samples, warmup, prompt_len,
-                          draft_tokens=draft_tokens, adaptive=adaptive_draft, draft_runner=draft_runner,
-                          verify_context=verify_context, verify_reps=verify_reps, device=dev, lookup=lookup,
-                          progress=BenchProgress(), extra_options=extra)
-    out(protocol.format_report(result, title=f"cullama bench --speculative {speculative}: {label}, {dev}"))
+    title = f"cullama bench --speculative {speculative}: {label}, {dev}"
+    try:
+        result = protocol.run(llm.runner, llm.config, speculative, lengths, samples, warmup, prompt_len,
+                              draft_tokens=draft_tokens, adaptive=adaptive_draft, draft_runner=draft_runner,
+                              verify_context=verify_context, verify_reps=verify_reps, device=dev, lookup=lookup,
+                              progress=BenchProgress(), extra_options=extra)
+    except KeyboardInterrupt as stop:  # bench.Interrupted: the lengths that finished are kept, then exit 130
+        result = getattr(stop, "result", None)
+        if result is not None:
+            out(protocol.format_report(result, title=f"{title}, interrupted"))
+            if json_path:
+                protocol.write_json(result, json_path, model=label)
+                BenchProgress.note(f"wrote {json_path} (interrupted)")
+        raise
+    out(protocol.format_report(result, title=title))
     if json_path:
         protocol.write_json(result, json_path, model=label)
         BenchProgress.note(f"wrote {json_path}")

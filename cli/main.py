@@ -19,9 +19,8 @@ from typing import Iterator
 import click
 
 from .. import __version__
-from ..errors import CullamaError, OptionError, PromptError, ResourceError
-
-INTERRUPTED = 130  # 128 + SIGINT, as a shell reports a command Ctrl-C stopped
+from ..errors import CullamaError, PromptError, ResourceError
+from . import INTERRUPTED
 
 
 def note(text: str) -> None:
@@ -29,18 +28,15 @@ def note(text: str) -> None:
 
 
 def friendly_errors(command):
-    """A CullamaError becomes one line and its exit code, Ctrl-C exit code 130: never a traceback. An
-    OptionError names the option as its flag (--top-p, not top_p)."""
+    """A CullamaError becomes one line and its exit code, Ctrl-C exit code 130: never a traceback. The
+    options it names are said as their flags (--top-p, not top_p)."""
 
     @functools.wraps(command)
     def wrapper(*args, **kwargs):
         try:
             return command(*args, **kwargs)
-        except OptionError as exc:
-            click.echo(f"error: --{exc.option.replace('_', '-')} {exc.problem}", err=True)
-            sys.exit(exc.exit_code)
         except CullamaError as exc:
-            click.echo(f"error: {exc}", err=True)
+            click.echo(f"error: {exc.for_cli()}", err=True)
             sys.exit(exc.exit_code)
         except KeyboardInterrupt:
             click.echo("interrupted", err=True)
@@ -143,8 +139,50 @@ class LoadProgress:
         self.done = 0  # a draft model's weights come next, from 0
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
-@click.version_option(__version__, prog_name="cullama")
+def show_help(ctx, param, value) -> None:
+    """click's --help, written through out(): a full disk or a closed pipe is one line, exit 1."""
+    if value and not ctx.resilient_parsing:
+        out(ctx.get_help())
+        ctx.exit()
+
+
+def show_version(ctx, param, value) -> None:
+    """click's --version, written through out()."""
+    if value and not ctx.resilient_parsing:
+        out(f"cullama, version {__version__}")
+        ctx.exit()
+
+
+class HelpThroughOut:
+    """A click command whose --help prints with show_help."""
+
+    def get_help_option(self, ctx):
+        option = super().get_help_option(ctx)
+        if option is not None:
+            option.callback = show_help
+        return option
+
+
+class Command(HelpThroughOut, click.Command):
+    """Every `cullama` command (the group's command_class)."""
+
+
+class Group(HelpThroughOut, click.Group):
+    """The `cullama` group. Its parsing (--help and --version included) and every command it runs go through
+    friendly_errors, so no command can miss it."""
+
+    command_class = Command
+
+    def make_context(self, *args, **kwargs):
+        return friendly_errors(super().make_context)(*args, **kwargs)
+
+    def invoke(self, ctx):
+        return friendly_errors(super().invoke)(ctx)
+
+
+@click.group(cls=Group, context_settings={"help_option_names": ["-h", "--help"]})
+@click.option("--version", is_flag=True, expose_value=False, is_eager=True, callback=show_version,
+              help="Show the version and exit.")
 def main():
     """cullama: LLaMA-2 inference with hand-written CUDA kernels, lowest latency at batch size 1."""
 
@@ -284,7 +322,6 @@ def stream_out(stream, llm, as_json: bool) -> None:
 @click.option("--prompt-ids", help="Token ids instead of text, e.g. '1,450,7483'.")
 @click.option("--chat", is_flag=True, help="Wrap the prompt in the LLaMA-2 chat template.")
 @click.option("--system", help="System prompt for --chat.")
-@friendly_errors
 def generate(model_dir, prompt, prompt_ids, chat, system, device, max_seq_len, tokenizer, as_json, **kwargs):
     """Generate text from PROMPT (or standard input; an empty prompt starts from BOS alone)."""
     from ..generate import check_prompt_fits
@@ -324,7 +361,6 @@ def generate(model_dir, prompt, prompt_ids, chat, system, device, max_seq_len, t
 @main.command()
 @shared_options
 @click.option("--system", help="System prompt for the whole conversation.")
-@friendly_errors
 def chat(model_dir, system, device, max_seq_len, tokenizer, as_json, **kwargs):
     """A multi-turn LLaMA-2 chat: each line of standard input is a user turn; replies stream back.
 
@@ -361,7 +397,7 @@ def chat(model_dir, system, device, max_seq_len, tokenizer, as_json, **kwargs):
         try:
             ids, dropped = llm.fit_chat(turn, system, options.max_new_tokens)
         except PromptError as exc:
-            click.echo(f"error: {exc}; the message was not sent", err=True)
+            click.echo(f"error: {exc.for_cli()}; the message was not sent", err=True)
             continue
         if dropped:
             note(f"the conversation outgrew the context of {llm.runner.max_seq_len} tokens: dropped its oldest "
@@ -386,7 +422,6 @@ def chat(model_dir, system, device, max_seq_len, tokenizer, as_json, **kwargs):
 @click.option("--api-key", envvar="CULLAMA_API_KEY", help="Require `Authorization: Bearer KEY` on /v1/* "
               "[env: CULLAMA_API_KEY].")
 @speculative_flags
-@friendly_errors
 def serve(model_dir, host, port, device, max_seq_len, tokenizer, served_model_name, max_queue, api_key, **flags):
     """An OpenAI-compatible HTTP server: /v1/completions, /v1/chat/completions, /v1/models, /health, /metrics.
 
@@ -413,30 +448,31 @@ def info():
     for key, value in env.items():
         if key == "gpu" and value is None:
             value = f"none ({env.get('gpu_status', 'no GPU')})"
-        if key != "gpu_status":
-            click.echo(f"{key:>18}: {value}")
+        if key == "nvrtc" and env.get("nvrtc_library"):  # one line: the version and which library is loaded
+            value = f"{value} ({env['nvrtc_library']})"
+        if key not in ("gpu_status", "nvrtc_library"):
+            out(f"{key:>18}: {value}")
     if warning := two_cupys_warning():
         click.echo(f"warning: {warning}", err=True)
 
 
 @main.command()
 @click.option("--arch", default="sm_90", show_default=True, help="GPU architecture to compile for (no GPU needed).")
-@friendly_errors
 def kernels(arch):
     """Compile every kernel with NVRTC; print registers, shared memory and spills (exit 1 on a spill). Kernels
     that have no version for the arch (wgmma: sm_90 only) are skipped with a note."""
     from ..kernel_report import compile_all, skipped
 
     reports = compile_all(arch)
-    click.echo(f"{'kernel':<22} {'file':<14} {'defines':<22} {'regs':>5} {'smem B':>7} {'stack B':>8} {'spill st/ld':>12}")
+    out(f"{'kernel':<22} {'file':<14} {'defines':<22} {'regs':>5} {'smem B':>7} {'stack B':>8} {'spill st/ld':>12}")
     for r in reports:
         res = r.resources
-        click.echo(f"{r.name:<22} {r.source:<14} {r.define_text:<22} {res.registers:>5} {res.smem_bytes:>7} "
-                   f"{res.stack_bytes:>8} {res.spill_stores:>5}/{res.spill_loads:<6}")
+        out(f"{r.name:<22} {r.source:<14} {r.define_text:<22} {res.registers:>5} {res.smem_bytes:>7} "
+            f"{res.stack_bytes:>8} {res.spill_stores:>5}/{res.spill_loads:<6}")
     spilled = [r for r in reports if r.resources.spills]
     for note in skipped(arch):
-        click.echo(f"skipped {note}")
-    click.echo(f"{len(reports)} kernels compiled for {arch}; {len(spilled)} with spills or local memory")
+        out(f"skipped {note}")
+    out(f"{len(reports)} kernels compiled for {arch}; {len(spilled)} with spills or local memory")
     if spilled:
         sys.exit(1)
 

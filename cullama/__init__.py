@@ -1,9 +1,26 @@
 """cullama: FP16 LLaMA-2 inference on one NVIDIA GPU, hand-written CUDA kernels, lowest latency at batch 1."""
 
-from .config import LlamaConfig, PRESETS, preset
-from .errors import CullamaError
-from .generate import Generation
-from .llama import Llama
+import importlib
+import importlib.util
 
 __version__ = "0.1.0"
 __all__ = ["Llama", "LlamaConfig", "Generation", "CullamaError", "PRESETS", "preset", "__version__"]
+
+# The public names are imported on first use (PEP 562), not with the package: `cullama` on the command line
+# imports nothing heavy before its Ctrl-C handling is in place, so an early Ctrl-C exits 130 in one line.
+_HOMES = {"Llama": "llama", "LlamaConfig": "config", "PRESETS": "config", "preset": "config",
+          "Generation": "generate", "CullamaError": "errors"}
+
+
+def __getattr__(name: str):
+    if name not in _HOMES:  # a submodule, as `import cullama; cullama.config.LlamaConfig` had it when imported eagerly
+        if name.startswith("_") or importlib.util.find_spec(f"{__name__}.{name}") is None:
+            raise AttributeError(f"module 'cullama' has no attribute {name!r}")
+        return importlib.import_module(f".{name}", __name__)
+    value = getattr(importlib.import_module(f".{_HOMES[name]}", __name__), name)
+    globals()[name] = value  # imported once
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(__all__))

@@ -77,6 +77,7 @@ class BenchResult:
     options: dict  # what was asked for: lengths, samples, warmup, prompt_len, ttft_trials, ...
     lengths: list[LengthResult]
     bandwidth: dict | None  # measure_bandwidth()'s record on a GPU; None on the CPU
+    interrupted: bool = False  # Ctrl-C stopped the run: `lengths` are those that finished
 
     @property
     def read_bandwidth(self) -> float | None:
@@ -84,6 +85,15 @@ class BenchResult:
 
     def summaries(self) -> list[dict]:
         return [r.summary(self.read_bandwidth) for r in self.lengths]
+
+
+class Interrupted(KeyboardInterrupt):
+    """Ctrl-C during run(): `result` holds the lengths that finished, so that their samples can still be
+    printed and recorded."""
+
+    def __init__(self, result: BenchResult):
+        super().__init__()
+        self.result = result
 
 
 # -- options --------------------------------------------------------------------------------------
@@ -171,18 +181,24 @@ def run(runner, config: LlamaConfig, lengths: Sequence[int] = DEFAULT_LENGTHS, s
         warmup: int = DEFAULT_WARMUP, prompt_len: int = DEFAULT_PROMPT_LEN, ttft_trials: int = DEFAULT_TTFT_TRIALS,
         bandwidth: dict | None = None, device: str = "cpu", progress: Progress | None = None,
         clock: Clock = time.perf_counter_ns, extra_options: dict | None = None) -> BenchResult:
-    """The whole protocol on any runner with start/next (see the module docstring)."""
+    """The whole protocol on any runner with start/next (see the module docstring). Ctrl-C raises Interrupted
+    with the lengths that finished."""
     check_options(lengths, samples, warmup, prompt_len, runner.max_seq_len, ttft_trials)
     prompt = prompt_ids(prompt_len, config.vocab_size)
-    results = []
-    for length in lengths:
-        gc.collect()  # start every length with nothing for the collector to find
-        latencies, trials = decode_latencies(runner, prompt, length, samples, warmup, clock, progress)
-        times = ttft(runner, prompt_ids(length, config.vocab_size, seed=length), ttft_trials, warmup, clock, progress)
-        # step i (1..L) attends over prompt_len + i positions; the mean context is prompt_len + (L + 1) / 2
-        results.append(LengthResult(length, latencies, times, trials, step_bytes(config, prompt_len + (length + 1) / 2)))
     options = {"lengths": list(lengths), "samples": samples, "warmup": warmup, "prompt_len": prompt_len,
                "ttft_trials": ttft_trials, "max_seq_len": runner.max_seq_len, **(extra_options or {})}
+    results = []
+    try:
+        for length in lengths:
+            gc.collect()  # start every length with nothing for the collector to find
+            latencies, trials = decode_latencies(runner, prompt, length, samples, warmup, clock, progress)
+            times = ttft(runner, prompt_ids(length, config.vocab_size, seed=length), ttft_trials, warmup, clock,
+                         progress)
+            # step i (1..L) attends over prompt_len + i positions; the mean context is prompt_len + (L + 1) / 2
+            results.append(LengthResult(length, latencies, times, trials,
+                                        step_bytes(config, prompt_len + (length + 1) / 2)))
+    except KeyboardInterrupt:
+        raise Interrupted(BenchResult(config, device, options, results, bandwidth, interrupted=True)) from None
     return BenchResult(config, device, options, results, bandwidth)
 
 
@@ -256,15 +272,19 @@ def to_json(result: BenchResult, model: str | None = None) -> dict:
         **record_header(SCHEMA, result.device, model or result.config.name, result.config, result.options),
         "decode_weight_bytes": result.config.decode_weight_bytes(),
         "bandwidth": result.bandwidth,
+        "interrupted": result.interrupted,  # then "results" holds the lengths that finished, not all of options'
         "results": [{**s, "bytes_per_step": r.bytes_per_step, "decode_ns": r.decode_ns, "ttft_ns": r.ttft_ns}
                     for s, r in zip(summaries, result.lengths)],
     }
 
 
 def check_writable(path: str | os.PathLike) -> None:
-    """OptionError (--json) now, before a run, when the record could not be written at `path`: a directory
-    that does not exist or cannot be written, or a directory in its place. Creates and removes a scratch file
-    beside it, the way write_json will write. A device or pipe (/dev/stdout) is written as it is, later."""
+    """OptionError (--json) now, before a run, when the record could not be written at `path`: no name, a
+    directory that does not exist or cannot be written, or a directory in its place. Creates and removes a
+    scratch file beside it, the way write_json will write. A device or pipe (/dev/stdout) is written as it is,
+    later."""
+    if not os.fspath(path):  # Path("") would be the current directory
+        raise OptionError("json", "needs a file name, not an empty one")
     target = Path(path)
     if target.is_dir():
         raise OptionError("json", f"{target} is a directory")

@@ -27,7 +27,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from .bench import GREEDY, Clock, Progress, _num, prompt_ids, record_header, write_record
+from .bench import GREEDY, Clock, Interrupted, Progress, _num, prompt_ids, record_header, write_record
 from .config import LlamaConfig
 from .drafters import Drafter, DraftModel, PromptLookup, Replay
 from .errors import PromptError
@@ -85,8 +85,9 @@ class SpecBenchResult:
     method: str
     options: dict
     lengths: list[LengthResult]
-    verify: VerifyResult
+    verify: VerifyResult | None  # None when Ctrl-C stopped the run before the verify timings
     lookup: dict | None = None  # lookup_tokens_per_step() on a real model, for the derived figures
+    interrupted: bool = False  # Ctrl-C stopped the run: `lengths` are those that finished
 
     def tokens_per_step(self) -> float:
         """Over every timed trial of every length."""
@@ -94,7 +95,10 @@ class SpecBenchResult:
         return (sum(r.stats.accepted for r in self.lengths) + steps) / steps if steps else 0.0
 
     def derived(self) -> list[dict]:
-        """Implied ms per token = the k = 4 verify p50 / tokens per step: derived, not measured."""
+        """Implied ms per token = the k = 4 verify p50 / tokens per step: derived, not measured (none without
+        the verify timings)."""
+        if self.verify is None:
+            return []
         step_ms = self.verify.p50_ms(4)
         sources = [(tps, label) for tps, label in SPEC_BENCH_TOKENS_PER_STEP]
         sources.append((self.tokens_per_step(), f"{self.method}, k={self.options['draft_tokens']}, measured in this run"))
@@ -204,24 +208,28 @@ def run(runner, config: LlamaConfig, method: str, lengths: Sequence[int], sample
     if method == "draft" and draft_runner is None:
         raise PromptError("--speculative draft needs --draft-model DIR")
     prompt = prompt_ids(prompt_len, config.vocab_size)
-    results = []
-    for length in lengths:
-        if method == "replay":
-            script = greedy_continuation(runner, prompt, length + 1)
-            make: Callable[[], Drafter] = lambda script=script: Replay(script)
-        elif method == "draft":
-            make = lambda: DraftModel(draft_runner)
-        else:
-            make = PromptLookup
-        results.append(decode_latencies(runner, make, prompt, length, draft_tokens, samples, warmup, adaptive, clock,
-                                        progress))
-    ks = sorted({*VERIFY_KS, draft_tokens})
-    verify = verify_times(runner, config.vocab_size, context, ks, verify_reps, warmup, clock, progress)
     options = {"method": method, "lengths": list(lengths), "samples": samples, "warmup": warmup,
                "prompt_len": prompt_len, "draft_tokens": draft_tokens, "adaptive": adaptive,
                "verify_context": context, "verify_reps": verify_reps, "max_seq_len": runner.max_seq_len,
                "verify": "batched" if hasattr(runner, "verify") else "sequential stand-in (next() calls)",
                **(extra_options or {})}
+    results = []
+    try:
+        for length in lengths:
+            if method == "replay":
+                script = greedy_continuation(runner, prompt, length + 1)
+                make: Callable[[], Drafter] = lambda script=script: Replay(script)
+            elif method == "draft":
+                make = lambda: DraftModel(draft_runner)
+            else:
+                make = PromptLookup
+            results.append(decode_latencies(runner, make, prompt, length, draft_tokens, samples, warmup, adaptive,
+                                            clock, progress))
+        ks = sorted({*VERIFY_KS, draft_tokens})
+        verify = verify_times(runner, config.vocab_size, context, ks, verify_reps, warmup, clock, progress)
+    except KeyboardInterrupt:  # the lengths that finished are kept (the verify timings only once all of them ran)
+        raise Interrupted(SpecBenchResult(config, device, method, options, results, None, lookup,
+                                          interrupted=True)) from None
     return SpecBenchResult(config, device, method, options, results, verify, lookup)
 
 
@@ -230,9 +238,11 @@ def to_json(result: SpecBenchResult, model: str | None = None) -> dict:
     """Every sample, the summaries, the verify times and the derived figures, with the environment."""
     return {
         **record_header(SCHEMA, result.device, model or result.config.name, result.config, result.options),
+        "interrupted": result.interrupted,  # then "results" holds the lengths that finished, and "verify" is null
         "results": [{**r.summary(), "decode_ns": r.decode_ns} for r in result.lengths],
-        "verify": {"context": result.verify.context, "rows": result.verify.rows(),
-                   "times_ns": {str(k): ns for k, ns in result.verify.times_ns.items()}},
+        "verify": None if result.verify is None else {
+            "context": result.verify.context, "rows": result.verify.rows(),
+            "times_ns": {str(k): ns for k, ns in result.verify.times_ns.items()}},
         "lookup": result.lookup,
         "derived": result.derived(),
     }
@@ -253,6 +263,8 @@ def format_report(result: SpecBenchResult, title: str | None = None) -> str:
         lines.append(f"{s['length']:>5} {s['p50_ms']:>8.3f} {s['p90_ms']:>8.3f} {s['p99_ms']:>8.3f} {s['max_ms']:>8.3f} "
                      f"{s['mean_ms']:>8.3f} {_num(s['tokens_per_s'], 8, 1)} {s['steps']:>6} {s['tokens_per_step']:>8.2f} "
                      f"{str(s['accepted']) + '/' + str(s['drafted']):>13}")
+    if result.verify is None:
+        return "\n".join(lines + ["interrupted before the verify step's timings"])
     lines += [f"verify step at {result.verify.context} tokens of context (one verify() call, every draft accepted; "
               f"k=0 is a plain next()):",
               f"{'k':>5} {'p50 ms':>8} {'mean ms':>8} {'x plain':>8} {'accepted':>9}"]

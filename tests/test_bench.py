@@ -98,6 +98,7 @@ def test_json_record(tmp_path):
     assert {"date", "cullama", "commit", "environment", "config", "options", "bandwidth",
             "decode_weight_bytes"} <= set(record)
     assert record["options"]["command"] == {"device": "cpu"} and record["options"]["samples"] == 6
+    assert record["interrupted"] is False
     assert "python" in record["environment"] and record["bandwidth"] is None
     (r,) = record["results"]
     assert r["decode_ns"] == [10**6] * 6 and len(r["ttft_ns"]) == bench.DEFAULT_TTFT_TRIALS
@@ -195,12 +196,14 @@ def unwritable_directory(tmp_path):
 
 
 @pytest.mark.parametrize("where,needle", [("missing", "does not exist"), ("locked", "cannot write in"),
-                                          ("file-parent", "does not exist"), ("directory", "is a directory")])
+                                          ("file-parent", "does not exist"), ("directory", "is a directory"),
+                                          ("empty", "needs a file name")])
 def test_json_paths_that_cannot_be_written_are_refused_before_the_run(tmp_path, monkeypatch, where, needle):
     monkeypatch.setattr(bench, "run", lambda *a, **k: pytest.fail("the benchmark ran before --json was checked"))
     (tmp_path / "plain").write_text("")
     path = {"missing": lambda: tmp_path / "no" / "b.json", "locked": lambda: unwritable_directory(tmp_path) / "b.json",
-            "file-parent": lambda: tmp_path / "plain" / "b.json", "directory": lambda: tmp_path}[where]()
+            "file-parent": lambda: tmp_path / "plain" / "b.json", "directory": lambda: tmp_path,
+            "empty": lambda: ""}[where]()
     result = CliRunner().invoke(main, [*SMALL_RUN, "--json", str(path)])
     assert result.exit_code == 2, result.output
     if where == "directory":  # click's own check (click.Path(dir_okay=False)); check_writable has it too
@@ -248,6 +251,32 @@ def test_bench_ctrl_c_exits_130(monkeypatch):
     monkeypatch.setattr(bench, "run", interrupted)
     result = CliRunner().invoke(main, SMALL_RUN)
     assert result.exit_code == 130 and result.stderr.splitlines()[-1] == "interrupted"
+
+
+def interrupt_at_length(monkeypatch, length):
+    """KeyboardInterrupt when the protocol starts measuring `length`, as a Ctrl-C would raise it there."""
+    real = bench.decode_latencies
+
+    def decode_latencies(runner, prompt, n, *args, **kwargs):
+        if n == length:
+            raise KeyboardInterrupt
+        return real(runner, prompt, n, *args, **kwargs)
+
+    monkeypatch.setattr(bench, "decode_latencies", decode_latencies)
+
+
+def test_bench_ctrl_c_keeps_the_lengths_that_finished(tmp_path, monkeypatch):
+    interrupt_at_length(monkeypatch, 5)
+    out = tmp_path / "b.json"
+    result = CliRunner().invoke(main, ["bench", "--device", "cpu", "--lengths", "3,5,7", "--samples", "3",
+                                       "--warmup", "0", "--json", str(out)])
+    assert result.exit_code == 130, result.output
+    assert result.stderr.splitlines()[-2:] == [f"wrote {out} (interrupted)", "interrupted"]
+    record = json.loads(out.read_text())
+    assert record["interrupted"] is True and record["options"]["lengths"] == [3, 5, 7]
+    assert [r["length"] for r in record["results"]] == [3] and len(record["results"][0]["decode_ns"]) == 3
+    lines = result.stdout.splitlines()
+    assert lines[0].endswith(", interrupted") and [l.split()[0] for l in lines[3:]] == ["3"]  # the table so far
 
 
 def test_auto_says_when_the_protocol_runs_on_the_cpu(monkeypatch):

@@ -235,6 +235,17 @@ def test_ctrl_c_at_the_chat_prompt_exits_130(stories_dir, monkeypatch):
     assert json.loads(result.stdout)["finish_reason"] == "length"  # the finished turn was printed
 
 
+def test_ctrl_c_in_info_exits_130(monkeypatch):
+    from cullama import device
+
+    def interrupted():
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(device, "environment", interrupted)
+    result = run("info")
+    assert result.exit_code == 130 and result.stderr == "interrupted\n"  # not click's "Aborted!", exit 1
+
+
 def test_the_seed_used_is_in_the_json(stories_dir):
     args = ("generate", "--model", stories_dir, "--device", "cpu", "--max-new-tokens", 20, "--temperature", 1.0,
             "--json", "")

@@ -1,6 +1,8 @@
-"""`cullama` as a real process, for what click's CliRunner cannot show: a real Ctrl-C (SIGINT) and a standard
-output on a full device or a closed pipe. Each ends in one line on stderr and its exit code, never a traceback."""
+"""`cullama` as a real process, for what click's CliRunner cannot show: a real Ctrl-C (SIGINT), one during the
+imports, and a standard output on a full device or a closed pipe. Each ends in one line on stderr and its exit
+code, never a traceback."""
 
+import configparser
 import os
 import signal
 import subprocess
@@ -8,7 +10,9 @@ import sys
 
 import pytest
 
-CULLAMA = [sys.executable, "-c", "from cullama.cli.main import main; main()"]
+from conftest import REPO
+
+CULLAMA = [sys.executable, "-c", "from cullama.cli import run; run()"]
 
 
 def errors(stderr: str) -> list[str]:
@@ -40,6 +44,41 @@ def test_stdout_on_a_full_device_is_one_line_and_exit_1(stories_dir):
                               timeout=120)
     assert done.returncode == 1, done.stderr
     assert errors(done.stderr) == ["error: cannot write to standard output: No space left on device"]
+
+
+@pytest.mark.parametrize("args", [["info"], ["kernels", "--arch", "sm_90"], ["--help"], ["generate", "--help"],
+                                  ["bench", "-h"], ["--version"]])
+def test_every_command_and_clicks_own_output_on_a_full_device(args):
+    if not os.path.exists("/dev/full"):
+        pytest.skip("no /dev/full on this system")
+    with open("/dev/full", "w") as full:
+        done = subprocess.run([*CULLAMA, *args], stdout=full, stderr=subprocess.PIPE, text=True, timeout=300)
+    assert done.returncode == 1, done.stderr
+    assert errors(done.stderr) == ["error: cannot write to standard output: No space left on device"]
+
+
+def test_ctrl_c_while_the_commands_import_exits_130():
+    """As pip's console script does it, with setup.cfg's entry point: a KeyboardInterrupt raised while
+    cullama.cli.main imports (the first ~0.2 s of any command)."""
+    parser = configparser.ConfigParser()
+    parser.read(REPO / "setup.cfg")
+    (script,) = parser["options.entry_points"]["console_scripts"].split("\n")[1:]
+    module, function = script.split("=")[1].strip().split(":")
+    code = f"""
+import sys
+
+class Interrupt:
+    def find_spec(self, name, path, target=None):
+        if name == "cullama.cli.main":
+            raise KeyboardInterrupt
+
+sys.meta_path.insert(0, Interrupt())
+from {module} import {function}
+sys.exit({function}())
+"""
+    done = subprocess.run([sys.executable, "-c", code, "info"], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 130, done.stderr
+    assert done.stderr == "interrupted\n" and done.stdout == ""
 
 
 def test_a_closed_pipe_is_one_line_and_exit_1(stories_dir):

@@ -154,6 +154,27 @@ def test_cli_end_to_end(stories_dir, tmp_path):
     assert record["verify"]["context"] == 20 and len(record["results"][0]["decode_ns"]) == 12
 
 
+def test_cli_ctrl_c_keeps_the_lengths_that_finished(stories_dir, tmp_path, monkeypatch):
+    real = sb.decode_latencies
+
+    def decode_latencies(runner, make, prompt, length, *args):
+        if length == 9:  # as a Ctrl-C would raise it when L=9 starts
+            raise KeyboardInterrupt
+        return real(runner, make, prompt, length, *args)
+
+    monkeypatch.setattr(sb, "decode_latencies", decode_latencies)
+    out = tmp_path / "b.json"
+    result = run("--model", stories_dir, "--speculative", "ngram", "--lengths", "6,9", "--samples", 6, "--warmup", 0,
+                 "--verify-context", 16, "--verify-reps", 1, "--json", out)
+    assert result.exit_code == 130, result.output
+    assert result.stderr.splitlines()[-2:] == [f"wrote {out} (interrupted)", "interrupted"]
+    record = json.loads(out.read_text())
+    assert record["interrupted"] is True and record["verify"] is None and record["derived"] == []
+    assert [r["length"] for r in record["results"]] == [6] and len(record["results"][0]["decode_ns"]) == 6
+    assert result.stdout.splitlines()[0].endswith(", interrupted")
+    assert "interrupted before the verify step's timings" in result.stdout
+
+
 def test_cli_draft_model(stories_dir):
     result = run("--model", stories_dir, "--speculative", "draft", "--draft-model", stories_dir, "--lengths", 9,
                  "--samples", 9, "--warmup", 0, "--verify-context", 16, "--verify-reps", 1)
