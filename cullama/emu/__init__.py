@@ -1,7 +1,8 @@
 """A CPU executor for cullama's CUDA kernels as written: each kernels_cu source is compiled by the host C++
 compiler under an emulation header (cuda_emu.h), its inline PTX mapped by template to C++ (asm.py, ptx.h), and
 run block by block with every CUDA thread a fiber (runtime.cpp) in a chosen warp schedule, with shared memory
-poisoned and cp.async / wgmma hazards made visible. The tests run every kernel against its NumPy twin this way,
+poisoned, cp.async / wgmma hazards made visible and every misaligned typed access failing the launch, as it
+faults on a GPU (-fsanitize=alignment, build.py). The tests run every kernel against its NumPy twin this way,
 and CULLAMA_FAKE_GPU=emu runs the GPU tests end to end on it.
 
     from cullama.emu import launch

@@ -3,6 +3,11 @@ __CUDA_ARCH__, as NVRTC would), asm.rewrite() turns its inline PTX into ptx.h ca
 after cuda_emu.h, into a shared library with one launch entry per kernel. The runtime (runtime.cpp) is one
 more library, built once and loaded first with RTLD_GLOBAL: the kernel libraries call into it.
 
+Kernel code is compiled with -fsanitize=alignment: every typed load and store checks its address against its
+type's alignment (a float4 16 bytes, a uint2 8), since a misaligned access faults on the GPU but not on x86. The
+checks call __ubsan_handle_type_mismatch_v1, which runtime.cpp defines (it fails the launch); the library is
+linked without the sanitizer, so libubsan is neither needed nor loaded.
+
 Libraries are cached by content hash (the rewritten source, the emulator's headers, the compiler and its flags)
 in cullama's cache directory ($CULLAMA_CACHE or ~/.cache/cullama)/emu, each written to a private temp file and
 renamed into place, under a lock file, as registry.py does for cubins. `source_dir` builds from another copy of
@@ -33,7 +38,8 @@ EMU_DIR = Path(__file__).resolve().parent
 FORMAT = "cullama-emu-1"  # bump when the library layout or the ABI changes
 CXXFLAGS = ("-std=c++17", "-fPIC", "-shared", "-g0", "-fvisibility=hidden")
 # No fused multiply-add (the twins round every float32 operation), raw-pointer casts as CUDA allows them.
-KERNEL_FLAGS = ("-O1", "-ffp-contract=off", "-fno-strict-aliasing", "-fno-exceptions", "-w")
+# -fsanitize=alignment (recoverable, as GCC's default; the handler never returns) at compile time only.
+KERNEL_FLAGS = ("-O1", "-ffp-contract=off", "-fno-strict-aliasing", "-fno-exceptions", "-w", "-fsanitize=alignment")
 RUNTIME_FLAGS = ("-O2", "-U_FORTIFY_SOURCE")  # _longjmp / siglongjmp between fiber stacks
 if os.environ.get("CULLAMA_EMU_PORTABLE") == "1":  # makecontext + _setjmp / _longjmp fibers, as off x86-64
     RUNTIME_FLAGS += ("-DEMU_PORTABLE_CONTEXT",)
@@ -84,11 +90,15 @@ def _cached_library(key: str, source: str, flags: tuple[str, ...], what: str) ->
         with tempfile.TemporaryDirectory(dir=directory) as tmp:
             src, out = Path(tmp) / "source.cpp", Path(tmp) / "library.so"
             src.write_text(source)
-            done = subprocess.run([compiler(), *CXXFLAGS, *flags, f"-I{EMU_DIR}", str(src), "-o", str(out)],
-                                  capture_output=True, text=True)
-            if done.returncode != 0:
-                first = next((l for l in done.stderr.splitlines() if ": error" in l), done.stderr.strip()[:300])
-                raise KernelError(f"{what}: the host compiler failed: {first.strip()}")
+            obj = Path(tmp) / "library.o"
+            # Compiled, then linked without `flags`: a -fsanitize flag at link time would pull in libubsan.
+            for step in ([*CXXFLAGS, *flags, f"-I{EMU_DIR}", "-c", str(src), "-o", str(obj)],
+                         [*CXXFLAGS, str(obj), "-o", str(out)]):
+                done = subprocess.run([compiler(), *step], capture_output=True, text=True)
+                if done.returncode != 0:
+                    first = next((l for l in done.stderr.splitlines() if ": error" in l or "undefined" in l),
+                                 done.stderr.strip()[:300])
+                    raise KernelError(f"{what}: the host compiler failed: {first.strip()}")
             os.replace(out, target)
     return target
 

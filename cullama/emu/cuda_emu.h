@@ -28,6 +28,7 @@ extern "C" unsigned char __start_cuda_shared[] __attribute__((visibility("hidden
 extern "C" unsigned char __stop_cuda_shared[] __attribute__((visibility("hidden")));
 
 // -- vector types and builtins --------------------------------------------------------------------------
+// CUDA's alignments: every typed access is checked against them (-fsanitize=alignment, build.py).
 struct __attribute__((aligned(16))) uint4 { unsigned int x, y, z, w; };
 struct __attribute__((aligned(16))) float4 { float x, y, z, w; };
 struct __attribute__((aligned(8))) uint2 { unsigned int x, y; };

@@ -11,8 +11,9 @@
 // from its issue until the wait_group that retires it (the copy happens then); wgmma operands are
 // snapshotted at issue and must be unchanged at the wait_group that retires them, its accumulator registers
 // read NaN in between, and its shared operands must have been fenced to the async proxy after their cp.async
-// landed. Errors (and stray memory accesses, as SIGSEGV / SIGBUS) end the launch with a one-line message
-// naming the kernel, block, thread and source line.
+// landed. Errors (and stray memory accesses, as SIGSEGV / SIGBUS, and misaligned typed ones, through the
+// -fsanitize=alignment handler below) end the launch with a one-line message naming the kernel, block, thread
+// and source line.
 //
 // Built once per process by cullama/emu/build.py into a shared library loaded with RTLD_GLOBAL; each kernel
 // library calls into it (emu_abi.h).
@@ -822,6 +823,48 @@ EMU_API void emu_fail(const char* file, int line, const char* fmt, ...) {
     va_list ap;
     va_start(ap, fmt);
     fail_v(file, line, fmt, ap);
+}
+
+// -fsanitize=alignment's check in kernel code (build.py): a typed load or store at an address its type's
+// alignment does not divide, which faults on the GPU ("misaligned address") but not on x86, fails the launch
+// like any stray access. GCC's (and clang's) layout of the check's static data. Only the alignment check is
+// compiled in; a null pointer (-fsanitize=null) or size report would come through the same handler.
+struct UbsanLocation {
+    const char* file;
+    unsigned line, column;
+};
+struct UbsanType {
+    unsigned short kind, info;
+    char name[1];  // quoted by GCC: 'const struct float4'
+};
+struct UbsanTypeMismatch {
+    UbsanLocation where;
+    const UbsanType* type;
+    unsigned char log_alignment, check_kind;
+};
+
+[[noreturn]] static void type_mismatch(const UbsanTypeMismatch* d, unsigned long long p) {
+    static const char* const kinds[] = {"load of", "store to", "reference binding to", "member access within",
+                                        "member call on", "constructor call on", "downcast of", "downcast of",
+                                        "upcast of", "cast to virtual base of", "_Nonnull binding to",
+                                        "dynamic operation on"};
+    const char* kind = d->check_kind < sizeof kinds / sizeof *kinds ? kinds[d->check_kind] : "access to";
+    const unsigned long long align = 1ull << d->log_alignment;
+    if (!in_launch) {  // kernel code runs only inside a launch; nothing to report through
+        fprintf(stderr, "cullama.emu: %s:%u: %s %#llx outside a launch\n", d->where.file, d->where.line, kind, p);
+        abort();
+    }
+    if (p == 0) fail(d->where.file, (int)d->where.line, "%s null pointer of type %s", kind, d->type->name);
+    if (p % align)
+        fail(d->where.file, (int)d->where.line, "%s misaligned address %#llx for type %s, which requires %llu-byte "
+             "alignment", kind, p, d->type->name, align);
+    fail(d->where.file, (int)d->where.line, "%s address %#llx with insufficient space for an object of type %s", kind,
+         p, d->type->name);
+}
+
+EMU_API void __ubsan_handle_type_mismatch_v1(const UbsanTypeMismatch* d, unsigned long long p) { type_mismatch(d, p); }
+EMU_API void __ubsan_handle_type_mismatch_v1_abort(const UbsanTypeMismatch* d, unsigned long long p) {
+    type_mismatch(d, p);
 }
 
 EMU_API void emu_syncthreads(const char* file, int line) { block_at(AT_BARRIER, file, line); }
