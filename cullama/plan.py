@@ -32,6 +32,7 @@ import numpy as np
 from .config import LlamaConfig
 from .errors import KernelError
 from .ops import attention_mma as attention_mma_ops
+from .ops import gemv as gemv_ops
 from .prefill_kernels import GemmKernel, PrefillKernels, cdiv, tile_counters, workspace_floats
 from .reference import rope_tables
 from .registry import KernelSpec
@@ -184,7 +185,8 @@ def runtime_buffers(cfg: LlamaConfig, max_seq: int, chunk: int | None = None) ->
         Buffer("verify_attn_count", (VERIFY_ROWS, cfg.num_kv_heads), "uint32", "activation"),  # [rows, kv heads]
         Buffer("verify_attn_out", (VERIFY_ROWS, cfg.q_dim), "float32", "activation"),  # [rows, heads * hd]
         Buffer("verify_h", (VERIFY_ROWS, ff), "float32", "activation"),  # [rows, ff]
-        Buffer("verify_logits", (VERIFY_ROWS, V), "float32", "activation"),  # [rows, vocab]
+        # [rows, vocab] at a row stride of vocab rounded up to 4 (16-byte aligned rows for the sample kernel)
+        Buffer("verify_logits", (VERIFY_ROWS, gemv_ops.logits_stride(V)), "float32", "activation"),
         # prefill chunk of up to `chunk` rows
         Buffer("prefill_ids", (chunk,), "int32", "activation"),  # [n] the chunk's token ids
         Buffer("x_rows", (chunk, d), "float32", "activation"),  # [n, d] residual stream

@@ -36,6 +36,11 @@ __device__ __forceinline__ void unpack8(uint4 v, float (&f)[8]) {
     f[4] = lo_f(v.z); f[5] = hi_f(v.z); f[6] = lo_f(v.w); f[7] = hi_f(v.w);
 }
 
+// The row stride of a verify step's logits [rows, V]: V rounded up to 4 floats, so that every row starts
+// 16-byte aligned (sample reads float4s; at a stride of V, rows r >= 1 would be misaligned when V % 4 != 0,
+// and a misaligned float4 load faults). cullama/ops/gemv.py logits_stride is the same rule.
+__device__ __forceinline__ size_t logits_stride(int V) { return (size_t)((V + 3) & ~3); }
+
 // Weights are read exactly once per decode step: stream them past L1 so that they do not evict
 // the activation vector that every block re-reads.
 __device__ __forceinline__ uint4 load_stream(const void* p) {

@@ -11,7 +11,8 @@
 // with UNROLL x ROWS streaming loads in flight per thread. RMSNorm is free here: the block reads
 // all of x for the dot product anyway, so it sums x^2 on the way and scales the result.
 // Shapes: W [M, K] FP16 row-major, K % 8 == 0, any M; x, in: [TOKENS, K] float32 (row t at t * K), outputs
-// [TOKENS, M] likewise; token row t is at position state[STATE_POS] + t; 16-byte aligned rows.
+// [TOKENS, M] likewise, except logits: row t at t * logits_stride(V) (V rounded up to 4, common.cuh); token
+// row t is at position state[STATE_POS] + t; 16-byte aligned rows.
 // Rows that need each other share a block: RoPE pairs (j, j + hd/2) of one head, and the gate
 // and up rows (r, ff + r) of one SwiGLU unit.
 // Token rows: each weight vector a thread loads is multiplied with all TOKENS rows of x, so W is read once
@@ -267,6 +268,6 @@ gemv_logits(const float* __restrict__ x, const half_t* __restrict__ norm_w, cons
 #pragma unroll
     for (int r = 0; r < ROWS; ++r) {
         const int row = blockIdx.x * ROWS + r;
-        if (row < V) logits[(size_t)t * V + row] = dot[r] * scale;
+        if (row < V) logits[(size_t)t * logits_stride(V) + row] = dot[r] * scale;
     }
 }

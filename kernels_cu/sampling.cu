@@ -11,10 +11,8 @@
 // Launch: sample is ONE block of THREADS (1024) threads per token row, inside the decode CUDA graph after
 // gemv_logits, so every parameter is read from device memory: temperature, top_p, repetition penalty from
 // fparams, top_k, seed (two words) and step from state (layouts in common.cuh). Shapes: logits [rows, V]
-// float32, seen [V] uint8 (nonzero = seen), embed [V, d] FP16, x [d] float32, state [8] int32, fparams [4]
+// float32 (row r at r * logits_stride(V): V rounded up to 4, so every row is 16-byte aligned), seen [V] uint8 (nonzero = seen), embed [V, d] FP16, x [d] float32, state [8] int32, fparams [4]
 // f32, ids [rows] int32, picks [rows] int32, out [1 + rows] int32, arrivals [1] uint32 (zero between launches).
-// Any V: a row of logits that is not 16-byte aligned (row r >= 1 when V % 4 != 0) is read with scalar loads
-// instead of float4s (the same values: the same results); seen is read 4 bytes at a time (4-byte aligned).
 //
 // Speculative verify (grid = rows = k + 1 > 1): row r's logits follow ids[r] (ids[0] the last sampled token,
 // ids[1..k] the drafts). Block r picks row r's token exactly as a decode step would there, with the drafts
@@ -32,9 +30,8 @@
 // Non-finite logits, as in the spec: NaN counts as -inf (its key is -inf's); a -inf token is never drawn;
 // if the largest logit is +inf, the +inf tokens share the mass equally (p = 1 each, every other p = 0)
 // and greedy takes the lowest-id one.
-//   greedy   one coalesced pass (8 float4 loads in flight per thread; scalar loads on a misaligned row)
-//            and one block reduction: the max of (key << 32 | ~id) over uint64 is the argmax with the
-//            lowest id on ties.
+//   greedy   one coalesced pass (8 float4 loads in flight per thread) and one block reduction: the
+//            max of (key << 32 | ~id) over uint64 is the argmax with the lowest id on ties.
 //   sampled  thread t owns the contiguous ids [t C, t C + C), C = ceil(V / 1024) rounded up to 4; the
 //            first REG_ITEMS (24) of its values stay in registers, the next SMEM_ITEMS (8) in shared
 //            memory (all 32 in registers would pass the 64-register cap of 1024 threads and spill);
@@ -113,13 +110,11 @@ struct Transform {  // logit -> key: HF repetition penalty on seen ids, then / t
         return float_key(v);
     }
 
-    // Keys of ids i..i+3 (i % 4 == 0); ABSENT past V. The same values as key1. One float4 load where the row
-    // is 16-byte aligned, else four scalar ones: a verify step's rows r >= 1 start at r V floats, misaligned
-    // when V % 4 != 0, and a misaligned float4 load faults.
+    // Keys of ids i..i+3 (i % 4 == 0); ABSENT past V. The same values as key1.
     __device__ __forceinline__ void keys4(int i, uint32_t (&k)[4]) const {
         float l[4] = {0.f, 0.f, 0.f, 0.f};
         uint32_t s = 0;
-        if (i + 3 < V && (reinterpret_cast<size_t>(row_logits) & 15) == 0) {
+        if (i + 3 < V) {
             const float4 v = *reinterpret_cast<const float4*>(row_logits + i);
             l[0] = v.x; l[1] = v.y; l[2] = v.z; l[3] = v.w;
             if (penalise) s = *reinterpret_cast<const uint32_t*>(seen + i);
@@ -368,7 +363,7 @@ sample(float* logits, unsigned char* __restrict__ seen, int* __restrict__ state,
     // and values wait in shared memory, not in registers the passes below need).
     __shared__ int marked[MAX_DRAFTS];  // the id thread e penalised, or -1
     __shared__ float raw[MAX_DRAFTS];   // its logit before
-    float* const own = logits + (size_t)row * V;
+    float* const own = logits + (size_t)row * logits_stride(V);  // 16-byte aligned: keys4 reads float4s
     if (threadIdx.x < MAX_DRAFTS) {
         const int e = threadIdx.x, draft = e < row ? ids[1 + e] : -1;
         bool repeated = false;

@@ -1,7 +1,8 @@
 """Misaligned typed accesses fail on the executor as they fault on a GPU ("misaligned address"): kernel code is
 compiled with -fsanitize=alignment and runtime.cpp's handler fails the launch (cullama/emu/build.py). Seeded
 misaligned loads and stores in a tiny kernel, each of the vector types the kernels cast to; and the sample
-kernel over a verify step's rows at a V % 4 != 0, whose rows r >= 1 are not 16-byte aligned, against its twin."""
+kernel over a verify step's rows at a V % 4 != 0 (rows at a stride of V rounded up to 4, so every row is 16-byte
+aligned) against its twin, and as it was at a stride of V, caught on row 1."""
 
 from __future__ import annotations
 
@@ -112,7 +113,7 @@ def test_the_check_is_compiled_in_and_libubsan_is_not_linked():
     assert b"__ubsan_handle_type_mismatch_v1" in data and b"libubsan" not in data
 
 
-# -- sampling.cu over a verify step's rows, any V: row r starts at logits + r V ---------------------------------
+# -- sampling.cu over a verify step's rows, any V: row r starts at logits + r logits_stride(V) --------------------
 GREEDY = (0.0, 0, 1.0, 1.3)  # temperature, top_k, top_p, repetition penalty
 SAMPLED = (0.9, 50, 0.95, 1.2)
 
@@ -131,7 +132,7 @@ def check_sample_rows(V, rows, options, schedule, source_dir=None, D=24):
         pick = sampling.sample(logits[r], argmax, before, 0)
         ids.append(pick if r != 1 else (pick + 1) % V)
     state = verify.state_at(11, step=3, seed=99, top_k=top_k)
-    kernel_logits, kernel_seen, kernel_state = logits.copy(), seen.copy(), state.copy()
+    kernel_logits, kernel_seen, kernel_state = verify.at_row_stride(logits), seen.copy(), state.copy()
     x, picks, out = verify.nan(D), np.full(rows, -7, np.int32), np.full(rows + 1, -7, np.int32)
     arrivals = np.zeros(1, np.uint32)
     emu.launch(plans.SAMPLE, (rows,), plans.SAMPLE_THREADS,
@@ -139,7 +140,7 @@ def check_sample_rows(V, rows, options, schedule, source_dir=None, D=24):
                 arrivals, np.int32(V), np.int32(D)), schedule=schedule, seed=7, source_dir=source_dir)
     twin_seen, twin_state = seen.copy(), state.copy()
     twin_out, twin_picks, twin_x = verify.run_sample_twin(logits, twin_seen, twin_state, fp, embed, ids)
-    np.testing.assert_array_equal(kernel_logits, logits)  # the drafts' logits, penalised in place, put back
+    np.testing.assert_array_equal(kernel_logits[:, :V], logits)  # the drafts' logits, penalised in place, put back
     assert int(arrivals[0]) == 0
     if temperature == 0:
         np.testing.assert_array_equal(picks, twin_picks)
@@ -159,7 +160,7 @@ def check_sample_rows(V, rows, options, schedule, source_dir=None, D=24):
     np.testing.assert_array_equal(x, embed[picks[n - 1]].astype(np.float32))
 
 
-# V % 4 = 1, 1, 0 (every row aligned: the float4 path throughout); rows 2..5 put row starts at every offset
+# V % 4 = 1, 1, 0; rows 2..5: at a row stride of V, rows would start at every offset
 @pytest.mark.parametrize("V", [517, 1001, 516])
 @pytest.mark.parametrize("rows", [2, 3, 5])
 @pytest.mark.parametrize("options", [GREEDY, SAMPLED], ids=["greedy", "sampled"])
@@ -169,13 +170,14 @@ def test_verify_sample_rows_at_any_vocabulary_size(V, rows, options):
 
 @pytest.mark.parametrize("options", [GREEDY, SAMPLED], ids=["greedy", "sampled"])
 def test_misaligned_rows_read_with_float4_loads_fail(tmp_path, options):
-    """The check has teeth: sampling.cu as it was (float4 loads on every row) fails on row 1 at V = 517."""
+    """The check has teeth: sampling.cu as it was (rows at a stride of V, read with float4 loads) fails on row 1 at
+    V = 517."""
     source_dir = tmp_path / "kernels_cu"
     shutil.copytree(SOURCE_DIR, source_dir)
     path = source_dir / "sampling.cu"
-    text, original = path.read_text(), " && (reinterpret_cast<size_t>(row_logits) & 15) == 0"
-    assert text.count(original) == 1, "the alignment test is not in sampling.cu exactly once"
-    path.write_text(text.replace(original, ""))
+    text, original = path.read_text(), "(size_t)row * logits_stride(V)"
+    assert text.count(original) == 1, "the row stride is not in sampling.cu exactly once"
+    path.write_text(text.replace(original, "(size_t)row * V"))
     with pytest.raises(emu.EmuError, match=r"^sample block \(1, 0, 0\) .* at sampling\.cu:\d+: .*misaligned address "
                                             r"0x[0-9a-f]+ for type '[^']*\bfloat4', which requires 16-byte "
                                             r"alignment$"):

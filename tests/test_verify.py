@@ -48,6 +48,7 @@ def state_at(pos: int, step: int = 0, seed: int = 0, top_k: int = 0) -> np.ndarr
 def test_gemv_twin_rows_are_one_row_launches(rows):
     rng = np.random.default_rng(rows)
     d, ff, V, heads, kv_heads, hd, pos = 72, 56, 37, 3, 1, 8, 6
+    LD = gemv_twin.logits_stride(V)  # 40: logits rows at a stride of V rounded up to 4
     max_seq = pos + rows + 3
     x, g = rand(rng, rows, d, dtype=np.float32), rand(rng, d)
     wqkv, wo = rand(rng, (heads + 2 * kv_heads) * hd, d, scale=0.2), rand(rng, d, heads * hd, scale=0.2)
@@ -60,7 +61,7 @@ def test_gemv_twin_rows_are_one_row_launches(rows):
     gemv_twin.gemv_qkv_rope(x, g, wqkv, q, *caches, rope, state_at(pos), d, *shape)
     inp, x_res = rand(rng, rows, heads * hd, dtype=np.float32), x.copy()
     gemv_twin.gemv_residual(inp, wo, x_res, d, heads * hd)
-    h, logits = np.full((rows, ff), np.nan, np.float32), np.full((rows, V), np.nan, np.float32)
+    h, logits = np.full((rows, ff), np.nan, np.float32), np.full((rows, LD), np.nan, np.float32)
     gemv_twin.gemv_gate_up_silu(x, g, w_gu, h, ff, d, EPS)
     gemv_twin.gemv_logits(x, g, w_lm, logits, V, d, EPS)
     for t in range(rows):
@@ -76,7 +77,8 @@ def test_gemv_twin_rows_are_one_row_launches(rows):
         gemv_twin.gemv_gate_up_silu(x[t].copy(), g, w_gu, h1, ff, d, EPS)
         gemv_twin.gemv_logits(x[t].copy(), g, w_lm, l1, V, d, EPS)
         np.testing.assert_array_equal(h[t], h1)
-        np.testing.assert_array_equal(logits[t], l1)
+        np.testing.assert_array_equal(logits[t, :V], l1)
+    assert np.isnan(logits[:, V:]).all()  # the rows' padding is never written
     for cache in caches:  # the rows' positions, nothing else
         assert cache[:, pos:pos + rows].any(axis=(0, 2)).all()
         assert not cache[:, :pos].any() and not cache[:, pos + rows:].any()
@@ -123,12 +125,22 @@ def sample_case(V=517, rows=5, seed=0, spike=0.0):
     return logits, seen, rng.standard_normal((V, 40)).astype(np.float16)
 
 
+def at_row_stride(logits):
+    """logits [rows, V] as the kernels take them: a contiguous copy with rows at gemv_twin.logits_stride(V) (V
+    rounded up to 4, 16-byte aligned rows), the padding NaN."""
+    rows, V = logits.shape
+    out = np.full((rows, gemv_twin.logits_stride(V)), np.nan, np.float32)
+    out[:, :V] = logits
+    return out
+
+
 def run_sample_twin(logits, seen, state, fp, embed, ids):
-    """The sample twin over len(ids) rows; returns (out, picks, x). seen and state advance in place."""
+    """The sample twin over len(ids) rows of logits [rows, V]; returns (out, picks, x). seen and state advance in
+    place."""
     rows = len(ids)
     x, out = np.full(embed.shape[1], np.nan, np.float32), np.full(rows + 1, -7, np.int32)
     picks, arrivals = np.full(rows, -7, np.int32), np.zeros(1, np.uint32)
-    sample_twin.sample(logits[:rows], seen, state, fp, embed, x, np.asarray(ids, np.int32), picks, out, arrivals,
+    sample_twin.sample(at_row_stride(logits[:rows]), seen, state, fp, embed, x, np.asarray(ids, np.int32), picks, out, arrivals,
                        logits.shape[1], embed.shape[1], grid=(rows, 1, 1))
     return out, picks, x
 
@@ -541,7 +553,7 @@ def check_gemv_rows(launch, rows, d=136, ff=184, V=1001, heads=5, kv_heads=1, hd
                (inp[sl].copy(), wo, xo, np.int32(d), np.int32(heads * hd)))
         launch(spec("gemv_residual"), (-(-d // per_block),), plans.GEMV_THREADS,
                (hin[sl].copy(), w_down, xd, np.int32(d), np.int32(ff)))
-        h, logits = nan(n, ff), nan(n, V)
+        h, logits = nan(n, ff), nan(n, gemv_twin.logits_stride(V))
         launch(spec("gemv_gate_up_silu"), (-(-ff // (per_block // 2)),), plans.GEMV_THREADS,
                (x[sl].copy(), g, w_gu, h, np.int32(ff), np.int32(d), np.float32(EPS)))
         launch(spec("gemv_logits"), (-(-V // per_block),), plans.GEMV_THREADS,
@@ -558,9 +570,10 @@ def check_gemv_rows(launch, rows, d=136, ff=184, V=1001, heads=5, kv_heads=1, hd
     caches = [np.zeros((kv_heads, max_seq, hd), np.float16) for _ in range(2)]
     gemv_twin.gemv_qkv_rope(x, g, wqkv, twin_q, *caches, rope, state_at(pos), d, heads, kv_heads, hd, max_seq, EPS)
     np.testing.assert_allclose(many["q"], twin_q, rtol=2e-3, atol=2e-3)  # and right, not only consistent
-    twin_logits = np.empty((rows, V), np.float32)
+    twin_logits = np.empty((rows, gemv_twin.logits_stride(V)), np.float32)
     gemv_twin.gemv_logits(x, g, w_lm, twin_logits, V, d, EPS)
-    np.testing.assert_allclose(many["logits"], twin_logits, rtol=2e-3, atol=2e-3)
+    np.testing.assert_allclose(many["logits"][:, :V], twin_logits[:, :V], rtol=2e-3, atol=2e-3)
+    assert np.isnan(many["logits"][:, V:]).all()  # the rows' padding is never written
 
 
 def check_attention_rows(launch, hd, group, kv_heads, pos, rows, splits):
@@ -610,7 +623,7 @@ def check_greedy_sample_rows(launch, V, penalty, D=40):
         state, kernel_seen = state_at(11, step=3), seen.copy()
         x, picks, out = nan(D), np.full(5, -7, np.int32), np.full(6, -7, np.int32)
         arrivals = np.zeros(1, np.uint32)
-        kernel_logits = rows_logits.copy()
+        kernel_logits = at_row_stride(rows_logits)
         launch(plans.SAMPLE, (5,), plans.SAMPLE_THREADS, (kernel_logits, kernel_seen, state, fp, embed, x,
                                                            np.array(ids, np.int32), picks, out, arrivals,
                                                            np.int32(V), np.int32(D)))
@@ -623,7 +636,7 @@ def check_greedy_sample_rows(launch, V, penalty, D=40):
         np.testing.assert_array_equal(state, twin_state)
         np.testing.assert_array_equal(kernel_seen, twin_seen)
         np.testing.assert_array_equal(x, twin_x)
-        np.testing.assert_array_equal(kernel_logits, rows_logits)  # the drafts' logits, penalised in place, put back
+        np.testing.assert_array_equal(kernel_logits[:, :V], rows_logits)  # the drafts' logits, penalised, put back
         assert int(arrivals[0]) == 0
 
 
@@ -655,7 +668,7 @@ def check_sampled_sample_rows(launch, V, trials, D=8):
             ids.append(pick if r != trial % 5 else (pick + 3) % V)
         state, kernel_seen = state_at(11, step=7 * trial, seed=99, top_k=50), seen.copy()
         picks, out = np.full(5, -7, np.int32), np.full(6, -7, np.int32)
-        launch(plans.SAMPLE, (5,), plans.SAMPLE_THREADS, (logits.copy(), kernel_seen, state, fp, embed, nan(D),
+        launch(plans.SAMPLE, (5,), plans.SAMPLE_THREADS, (at_row_stride(logits), kernel_seen, state, fp, embed, nan(D),
                                                            np.array(ids, np.int32), picks, out, np.zeros(1, np.uint32),
                                                            np.int32(V), np.int32(D)))
         params = sample_twin.params_from(state_at(11, step=7 * trial, seed=99, top_k=50), fp)

@@ -20,6 +20,23 @@ VERIFY_VARIANTS = [(("ROWS", 4), ("UNROLL", 2), ("TOKENS", t)) for t in range(2,
 VARIANTS = DECODE_VARIANTS + VERIFY_VARIANTS
 
 
+def logits_stride(V: int) -> int:
+    """The row stride of a verify step's logits [rows, V]: V rounded up to 4, so every row is 16-byte aligned
+    for the sample kernel's float4 loads (kernels_cu/common.cuh logits_stride, the same rule)."""
+    return -(-V // 4) * 4
+
+
+def logit_rows(logits: np.ndarray, V: int, rows: int) -> np.ndarray:
+    """[rows, >= V] views of a logits argument at the kernels' row stride logits_stride(V), whatever the
+    array's own shape (a buffer's width is logits_stride(vocab) >= logits_stride(V)); written through."""
+    flat = logits.reshape(-1)
+    if not np.shares_memory(flat, logits):
+        raise ValueError("logits must be a contiguous array (its rows are written in place)")
+    if rows == 1:
+        return flat[None, :V]
+    return flat[: rows * logits_stride(V)].reshape(rows, logits_stride(V))
+
+
 def token_rows(a: np.ndarray) -> np.ndarray:
     """[T, width] rows of a twin argument: a decode step's 1-D array is one row (a view, written through)."""
     return a[None] if a.ndim == 1 else a
@@ -74,7 +91,8 @@ def gemv_gate_up_silu(x, norm_w, W, h, ff, d, eps):
 
 
 def gemv_logits(x, norm_w, W, logits, V, d, eps):
-    """logits[t, :V] = W [V, d] · rmsnorm(x[t]) per token row t."""
+    """logits[t, :V] = W [V, d] · rmsnorm(x[t]) per token row t, rows at logits_stride(V)."""
     w32 = W.astype(np.float32)
-    for xt, lt in zip(token_rows(x), token_rows(logits)):
+    xs = token_rows(x)
+    for xt, lt in zip(xs, logit_rows(logits, V, len(xs))):
         lt[:V] = _norm_dot(w32, xt[:d], norm_w, eps)

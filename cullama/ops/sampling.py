@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from .. import sampling
+from .gemv import logit_rows
 
 SOURCE = "sampling.cu"
 VARIANTS = [()]
@@ -24,7 +25,7 @@ def params_from(state: np.ndarray, fparams: np.ndarray) -> sampling.SamplingPara
 
 
 def sample(logits, seen, state, fparams, embed, x, ids, picks, out, arrivals, V, d, *, grid):
-    """logits [rows, V] f32 (a decode step's: [V]), seen [V] uint8, state [8] int32, fparams [4] f32,
+    """logits [rows, V] f32 at row stride ops.gemv.logits_stride(V) (a decode step's: [V]), seen [V] uint8, state [8] int32, fparams [4] f32,
     embed [V, d] f16, x [d] f32, ids [rows] int32, picks [rows] int32, out [1 + rows] int32, arrivals [1];
     rows = grid[0] (1 for a decode step).
 
@@ -37,7 +38,7 @@ def sample(logits, seen, state, fparams, embed, x, ids, picks, out, arrivals, V,
     """
     rows, step = int(grid[0]), int(state[STATE_STEP])
     params, seen_mask = params_from(state, fparams), seen[:V] != 0
-    for r, row in enumerate(logits.reshape(rows, -1)):
+    for r, row in enumerate(logit_rows(logits, V, rows)):
         before = seen_mask.copy()
         before[ids[1:r + 1]] = True  # the drafts before row r: accepted by the time its pick matters
         picks[r] = sampling.sample(row[:V], params, before, step + r, int(ids[r + 1]) if r + 1 < rows else None)
