@@ -29,9 +29,9 @@ def logits_stride(V: int) -> int:
 def logit_rows(logits: np.ndarray, V: int, rows: int) -> np.ndarray:
     """[rows, >= V] views of a logits argument at the kernels' row stride logits_stride(V), whatever the
     array's own shape (a buffer's width is logits_stride(vocab) >= logits_stride(V)); written through."""
-    flat = logits.reshape(-1)
-    if not np.shares_memory(flat, logits):
+    if not logits.flags.c_contiguous:  # reshape would copy, and the rows written would be lost
         raise ValueError("logits must be a contiguous array (its rows are written in place)")
+    flat = logits.reshape(-1)
     if rows == 1:
         return flat[None, :V]
     return flat[: rows * logits_stride(V)].reshape(rows, logits_stride(V))
