@@ -229,24 +229,25 @@ class _Keys:
 
     def number(self, key: str, default=REQUIRED) -> float:
         """A finite number > 0 (integer or float)."""
-        value = self.get(key, default)
-        if type(value) not in (int, float):
-            raise self.error(key, f"must be a number, got {shown(value)}")
-        number = float(value) if abs(value) < 1e300 else math.inf  # a JSON integer may be beyond any float
+        value, number = self._real(key, default)
         if not (math.isfinite(number) and number > 0):
             raise self.error(key, f"must be a finite number > 0, got {shown(value)}")
         return number
 
     def bounded(self, key: str, default: float, low: float, high: float = math.inf) -> float:
         """A finite number from low to high (integer or float)."""
-        value = self.get(key, default)
-        if type(value) not in (int, float):
-            raise self.error(key, f"must be a number, got {shown(value)}")
-        number = float(value) if abs(value) < 1e300 else math.inf
+        value, number = self._real(key, default)
         if not (math.isfinite(number) and low <= number <= high):
             span = f"from {low:g} to {high:g}" if math.isfinite(high) else f">= {low:g}"
             raise self.error(key, f"must be a finite number {span}, got {shown(value)}")
         return number
+
+    def _real(self, key: str, default) -> tuple[object, float]:
+        """(the value as written, as a float): a JSON integer or float, else an error naming `key`."""
+        value = self.get(key, default)
+        if type(value) not in (int, float):
+            raise self.error(key, f"must be a number, got {shown(value)}")
+        return value, float(value) if abs(value) < 1e300 else math.inf  # a JSON integer may be beyond any float
 
     def flag(self, key: str, default: bool) -> bool:
         value = self.get(key, default)
