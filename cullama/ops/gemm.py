@@ -16,7 +16,11 @@ def gemm(A, W, C, workspace, tile_count, M, N, K, accumulate):
     tile_count all zero and workspace holds nothing anyone reads afterwards, so the twin (which does
     not split K: the split changes only the float32 summation order) leaves both untouched.
     """
-    w32 = W[:N, :K].astype(np.float32)  # [N, K]
+    product(W[:N, :K].astype(np.float32), A, C, M, N, K, accumulate)
+
+
+def product(w32, A, C, M, N, K, accumulate):
+    """gemm's function on float32 weights w32 [N, K], whatever they are stored as (ops/gemm_quant.py)."""
     a32 = A[:M, :K].astype(np.float32)  # [M, K]
     # One matrix-vector product per row: BLAS's matrix-matrix kernels sum a row in an order that depends on how
     # many rows share the call (OpenBLAS's small-M paths), so a prompt's numbers would change with the prefill

@@ -69,25 +69,18 @@ def _rope_store(y: np.ndarray, q_out, k_cache, v_cache, rope, pos: int, n_heads:
 def gemv_qkv_rope(x, norm_w, W, q_out, k_cache, v_cache, rope, state, d, n_heads, n_kv_heads, hd, max_seq, eps):
     """Per token row t of x [T, d] (or [d]): q_out[t] [heads*hd] f32; k_cache/v_cache [kv_heads, max_seq, hd]
     f16 written at position state[0] + t."""
-    w32 = W.astype(np.float32)
-    for t, (xt, qt) in enumerate(zip(token_rows(x), token_rows(q_out))):
-        y = _norm_dot(w32, xt[:d], norm_w, eps).reshape(n_heads + 2 * n_kv_heads, hd)  # [all heads, hd]
-        _rope_store(y, qt, k_cache, v_cache, rope, int(state[0]) + t, n_heads, n_kv_heads, hd)
+    qkv_rope(W.astype(np.float32), x, norm_w, q_out, k_cache, v_cache, rope, state, d, n_heads, n_kv_heads, hd,
+             eps)
 
 
 def gemv_residual(inp, W, x, M, K):
     """x[t, :M] += W [M, K] · in[t, :K] per token row t (1-D: one row)."""
-    w32 = W.astype(np.float32)
-    for it, xt in zip(token_rows(inp), token_rows(x)):
-        xt[:M] += w32 @ it[:K].astype(np.float32)
+    residual(W.astype(np.float32), inp, x, M, K)
 
 
 def gemv_gate_up_silu(x, norm_w, W, h, ff, d, eps):
     """h[t, :ff] = silu(gate) * up, where gate|up = W [2 ff, d] · rmsnorm(x[t]), per token row t."""
-    w32 = W.astype(np.float32)
-    for xt, ht in zip(token_rows(x), token_rows(h)):
-        y = _norm_dot(w32, xt[:d], norm_w, eps)
-        ht[:ff] = _silu(y[:ff]) * y[ff:]
+    gate_up_silu(W.astype(np.float32), x, norm_w, h, ff, d, eps)
 
 
 def gemv_logits(x, norm_w, W, logits, V, d, eps):
@@ -96,3 +89,22 @@ def gemv_logits(x, norm_w, W, logits, V, d, eps):
     xs = token_rows(x)
     for xt, lt in zip(xs, logit_rows(logits, V, len(xs))):
         lt[:V] = _norm_dot(w32, xt[:d], norm_w, eps)
+
+
+# The functions of the kernels on float32 weights w32 [M, K], whatever they are stored as (ops/gemv_quant.py
+# dequantizes its weights and calls these).
+def qkv_rope(w32, x, norm_w, q_out, k_cache, v_cache, rope, state, d, n_heads, n_kv_heads, hd, eps):
+    for t, (xt, qt) in enumerate(zip(token_rows(x), token_rows(q_out))):
+        y = _norm_dot(w32, xt[:d], norm_w, eps).reshape(n_heads + 2 * n_kv_heads, hd)  # [all heads, hd]
+        _rope_store(y, qt, k_cache, v_cache, rope, int(state[0]) + t, n_heads, n_kv_heads, hd)
+
+
+def residual(w32, inp, x, M, K):
+    for it, xt in zip(token_rows(inp), token_rows(x)):
+        xt[:M] += w32 @ it[:K].astype(np.float32)
+
+
+def gate_up_silu(w32, x, norm_w, h, ff, d, eps):
+    for xt, ht in zip(token_rows(x), token_rows(h)):
+        y = _norm_dot(w32, xt[:d], norm_w, eps)
+        ht[:ff] = _silu(y[:ff]) * y[ff:]

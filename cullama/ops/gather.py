@@ -1,0 +1,29 @@
+"""Twin of kernels_cu/gather.cu: activation columns in a weight's input order (GPTQ act-order).
+
+A GPTQ checkpoint with desc_act orders each linear's input channels by its g_idx; the loader sorts the columns
+once so that groups are contiguous, keeping perm [K] int32 (column k of the stored weight is input channel
+perm[k]). Before such a linear the plan gathers its input: out[t, k] = in[t, perm[k]] for each token row t.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+SOURCE = "gather.cu"
+
+
+def gather_f32(inp, perm, out, K, grid):
+    """out [T, K] float32 = in[:, perm] for the grid's T rows (a decode step's single row may be 1-D): a decode
+    or verify step's inputs. Grid: (T, 1, 1), one block per row; rows at a stride of K."""
+    _gather(inp, perm, out, K, grid[0])
+
+
+def gather_f16(inp, perm, out, K, grid):
+    """out [n, K] float16 = in[:, perm] for the grid's n rows: a prefill chunk's GEMM input. Grid: (n, 1, 1)."""
+    _gather(inp, perm, out, K, grid[0])
+
+
+def _gather(inp, perm, out, K, rows):
+    index = perm[:K].astype(np.intp)
+    src, dst = inp.reshape(-1, K)[:rows], out.reshape(-1, K)[:rows]  # views: out is written in place
+    dst[...] = src[:, index]
