@@ -188,6 +188,7 @@ def test_reaching_outside_the_sandbox_is_one_line(source):
 
 @pytest.mark.parametrize("source", [
     "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}",
+    "{% set s = 'x' * 100000 %}{% for a in s %}{% for b in s %}{% endfor %}{% endfor %}",  # no call in the loop
     "{% set s = 'x' * 8000000 %}{% for i in range(100000) %}{% if 'zz' in s %}{% endif %}{% endfor %}",
     "{{ lipsum(5000000) }}",
     "{% macro f(n) %}{% for i in range(100) %}{{ f(n + 1) if n < 10 else '' }}{% endfor %}{% endmacro %}{{ f(0) }}",
