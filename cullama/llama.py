@@ -43,9 +43,6 @@ class Llama:
     def __init__(self, config: LlamaConfig, runner: Runner, tokenizer: TokenizerBase | None, device: str,
                  notes: Sequence[str] = (), draft: "Llama | None" = None):
         self.config, self.runner, self.tokenizer, self.device = config, runner, tokenizer, device
-        # generation stops at the model's EOS ids (config.json, generation_config.json) and at the tokenizer's
-        # (tokenizer_config.json's eos_token: a chat template's end of turn), as vLLM stops
-        self.eos_ids = tuple(dict.fromkeys((*config.eos_token_ids, *(tokenizer.eos_ids if tokenizer else ()))))
         self.notes = list(notes)  # things the user should hear once (e.g. a dtype conversion)
         self.guard = RunnerGuard()  # one generation at a time on self.runner
         # speculative="draft"'s model: its runner is driven only from this model's generations, under self.guard
@@ -104,6 +101,12 @@ class Llama:
         runner = PlanRunner(config, backend, _context(config, max_seq_len), weight_bytes=device_weight_bytes(config))
         random_weights(backend, config, seed)
         return cls(config, runner, None, device)
+
+    @property
+    def eos_ids(self) -> tuple[int, ...]:
+        """Generation stops at any of these: the model's EOS ids (config.json's, then generation_config.json's)
+        and the tokenizer's (tokenizer_config.json's eos_token: a chat template's end of turn), as vLLM stops."""
+        return tuple(dict.fromkeys((*self.config.eos_token_ids, *(self.tokenizer.eos_ids if self.tokenizer else ()))))
 
     # -- prompts ----------------------------------------------------------------------------
     def encode(self, prompt: str | Sequence[int] | np.ndarray) -> list[int]:
