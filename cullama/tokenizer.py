@@ -6,7 +6,7 @@ names either file, or a directory holding one. The tokenizer's directory may hol
 (its special tokens, add_bos_token, a chat template) and the chat template files (chat_template.py). A chat
 goes through the template when there is one, else through LLaMA-2's format as Meta's code builds it.
 
-Decoding follows sentencepiece itself (`decode` is `SentencePieceProcessor.decode`), so the text
+The SentencePiece tokenizer's decoding follows sentencepiece itself (`decode` is `SentencePieceProcessor.decode`), so the text
 is exactly what HF / Meta code would print. Streaming has to agree with it to the character:
 for any ids, `"".join(push(i) for i in ids) + flush() == decode(ids)`. Two things make that
 non-trivial, and both come from how sentencepiece builds the text out of one surface per piece:
@@ -26,6 +26,7 @@ once any text was produced (nothing is "first" any more), else the few pieces th
 from __future__ import annotations
 
 import codecs
+import functools
 import os
 import re
 from collections.abc import Iterable, Mapping, Sequence
@@ -52,7 +53,8 @@ def find_tokenizer(model_dir: str | os.PathLike[str]) -> Path | None:
     return next((p for p in (Path(model_dir) / name for name in TOKENIZER_FILES) if p.is_file()), None)
 
 
-def load_tokenizer(model_dir: str | os.PathLike[str], override: str | os.PathLike[str] | None = None):
+def load_tokenizer(model_dir: str | os.PathLike[str],
+                   override: str | os.PathLike[str] | None = None) -> TokenizerBase:
     """The tokenizer named by `override` (--tokenizer: a tokenizer.json, a tokenizer.model, or a directory
     holding one), else the checkpoint's own, with the tokenizer_config.json and chat template beside it."""
     path = Path(override) if override is not None else None
@@ -188,12 +190,6 @@ class Tokenizer(TokenizerBase):
         own = {"bos_token": self.bos_id, "eos_token": self.eos_id, "unk_token": self._sp.unk_id()}
         self.special_tokens = {**{k: self._sp.id_to_piece(i) for k, i in own.items() if 0 <= i < self.vocab_size},
                                **special_tokens(config or {}, config_file)}
-        # the pieces a rendered template may spell: control pieces and <unk>, never matched in text otherwise
-        specials = {self._sp.id_to_piece(i): i for i in range(self.vocab_size)
-                    if self._sp.is_control(i) or self._sp.is_unknown(i)}
-        self._specials = {piece: i for piece, i in specials.items() if piece}
-        self._specials_re = re.compile("(" + "|".join(map(re.escape, sorted(self._specials, key=len, reverse=True)))
-                                       + ")") if self._specials else None
 
     @property
     def eos_ids(self) -> tuple[int, ...]:
@@ -215,11 +211,11 @@ class Tokenizer(TokenizerBase):
 
     def encode_rendered(self, text: str) -> list[int]:
         """A rendered chat template: the control pieces it spells as their ids, the text between encoded."""
-        parts = self._specials_re.split(text) if self._specials_re else [text]
+        specials, split = self._rendered_specials
         ids: list[int] = []
-        for part in parts:
-            if part in self._specials:
-                ids.append(self._specials[part])
+        for part in split(text):
+            if part in specials:
+                ids.append(specials[part])
             elif part:
                 ids += self._sp.encode(part)
         return ids
@@ -235,6 +231,18 @@ class Tokenizer(TokenizerBase):
         return StreamDecoder(self)
 
     # -- internals -----------------------------------------------------------------------------
+
+    @functools.cached_property
+    def _rendered_specials(self):
+        """({piece: id} of the pieces a rendered template may spell: control pieces and <unk>, never matched in
+        text otherwise; a function that splits a text around them)."""
+        specials = {self._sp.id_to_piece(i): i for i in range(self.vocab_size)
+                    if self._sp.is_control(i) or self._sp.is_unknown(i)}
+        specials = {piece: i for piece, i in specials.items() if piece}
+        if not specials:
+            return specials, lambda text: [text]
+        pattern = re.compile("(" + "|".join(map(re.escape, sorted(specials, key=len, reverse=True))) + ")")
+        return specials, pattern.split
 
     def _special(self, name: str, token_id: int) -> int:
         if token_id < 0:

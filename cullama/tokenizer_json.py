@@ -52,7 +52,8 @@ class JsonTokenizer(TokenizerBase):
         self.eos_id = self._token_id("eos_token", config_file)
         self._set_post_processor(config or {}, config_file)
         self._special_ids = {i for i, t in self._tok.get_added_tokens_decoder().items() if t.special}
-        decoders = _decoder_types(json.loads(self._tok.to_str()).get("decoder"))
+        # the decoder's own JSON (its pickled state), not the whole tokenizer's: LLaMA-3's is 9 MB
+        decoders = _decoder_types(json.loads(self._tok.decoder.__getstate__()) if self._tok.decoder else None)
         # ByteFallback reads a run of byte pieces as one: its text is final only once the run has ended
         self._byte_ids = frozenset(i for p, i in vocab.items() if BYTE_PIECE.fullmatch(p)) \
             if "ByteFallback" in decoders else frozenset()
