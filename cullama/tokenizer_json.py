@@ -30,7 +30,7 @@ from tokenizers import processors
 from .chat_template import ChatTemplate
 from .errors import TokenizerError
 from .tokenizer import TokenizerBase, special_tokens
-from .untrusted import MAX_JSON_BYTES
+from .untrusted import MAX_JSON_BYTES, shown
 
 BYTE_PIECE = re.compile(r"<0x[0-9A-Fa-f]{2}>")
 
@@ -60,6 +60,7 @@ class JsonTokenizer(TokenizerBase):
         # ... which a special token does not end: decode skips it before the run is read
         self._run_ids = self._byte_ids | self._special_ids if self._byte_ids else frozenset()
         self._filler = self._find_filler()
+        self._filler_text = "" if self._filler is None else self._tok.decode([self._filler])
 
     @property
     def eos_ids(self) -> tuple[int, ...]:
@@ -101,7 +102,7 @@ class JsonTokenizer(TokenizerBase):
             return None
         token_id = self._tok.token_to_id(token)
         if token_id is None:
-            raise TokenizerError(f"{config_file}: {key} {token!r} is not a token of {self.path}")
+            raise TokenizerError(f"{config_file}: {key} {shown(token, quote=True)} is not a token of {self.path}")
         return token_id
 
     def _set_post_processor(self, config: Mapping, config_file) -> None:
@@ -181,12 +182,13 @@ class JsonStreamDecoder:
         """Every pending id's text is final: they become history."""
         self._emitted_any = self._emitted_any or bool(text)
         if self._emitted_any and self._tok._filler is not None:
-            self._context = [self._tok._filler]  # once there is text, one ordinary token says the same
+            # once there is text, one ordinary token says the same
+            self._context, self._context_text = [self._tok._filler], self._tok._filler_text
         else:
             # Nothing shown yet, so only ids that decoded to '' are behind us (a stripped leading space);
             # special tokens, skipped by decode, are left out.
             self._context += [i for i in self._pending if i not in self._tok._special_ids]
-        self._context_text = self._tok._tok.decode(self._context, skip_special_tokens=True)
+            self._context_text = self._tok._tok.decode(self._context, skip_special_tokens=True)
         self._pending, self._shown = [], 0
 
     def _rebase(self, text: str) -> None:
@@ -195,8 +197,7 @@ class JsonStreamDecoder:
         if len(self._pending) <= 4 or self._tok._filler is None:
             return
         decode = self._tok._tok.decode
-        filler = [self._tok._filler]
-        filler_text = decode(filler, skip_special_tokens=True)
+        filler, filler_text = [self._tok._filler], self._tok._filler_text
         for cut in range(len(self._pending) - 1, len(self._pending) - 5, -1):
             head, tail = self._pending[:cut], self._pending[cut:]
             if decode(self._context + head, skip_special_tokens=True) == self._context_text + text[:-1] and \

@@ -152,11 +152,9 @@ def random_ids(tok: JsonTokenizer, rng: np.random.Generator, n: int) -> list[int
     return [int(rng.choice(pools[k])) for k in kinds]
 
 
-def all_tokenizers(request) -> JsonTokenizer:
+@pytest.fixture(params=[*FAMILIES, "byte_fallback"])
+def tokenizer(request) -> JsonTokenizer:
     return request.getfixturevalue("byte_fallback") if request.param == "byte_fallback" else golden(request.param)[0]
-
-
-tokenizer = pytest.fixture(params=[*FAMILIES, "byte_fallback"])(all_tokenizers)
 
 
 @pytest.mark.parametrize("seed", range(3))
@@ -247,7 +245,7 @@ def test_oversized_tokenizer_json_is_refused(tmp_path):
 
 
 @pytest.mark.parametrize("config, why", [
-    ({"eos_token": "<|nope|>"}, "eos_token '<|nope|>' is not a token of"),
+    ({"eos_token": "<|nope|>"}, 'eos_token "<|nope|>" is not a token of'),
     ({"bos_token": 5}, "bos_token must be a string, got 5"),
     ({"add_bos_token": "yes"}, "add_bos_token must be true or false"),
     ({"chat_template": [{"name": "tool_use", "template": "x"}]}, "none named \"default\""),
