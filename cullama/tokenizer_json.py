@@ -6,7 +6,7 @@ and BOS is what the post-processor adds, unless tokenizer_config.json sets `add_
 which then decide (transformers 5 rebuilds the post-processor from them the same way).
 
 Decoding is the library's `decode(ids, skip_special_tokens=True)`: special tokens (BOS, EOS, the chat
-markers) print nothing. (transformers' `clean_up_tokenization_spaces`, a post-edit that removes the spaces
+markers) print nothing, unless asked for (`skip_special_tokens=False`). (transformers' `clean_up_tokenization_spaces`, a post-edit that removes the spaces
 before punctuation, is not applied: the text is what the model wrote.) Streaming agrees with it to the
 character: for any ids, `"".join(push(i) for i in ids) + flush() == decode(ids)`. A piece's text is final
 unless it ends in U+FFFD, which may be a character whose bytes are still arriving (byte-level BPE splits
@@ -19,6 +19,7 @@ strips it once); a run of bytes that never makes a character keeps only its unfi
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 from collections.abc import Iterable, Mapping
@@ -57,8 +58,6 @@ class JsonTokenizer(TokenizerBase):
         # ByteFallback reads a run of byte pieces as one: its text is final only once the run has ended
         self._byte_ids = frozenset(i for p, i in vocab.items() if BYTE_PIECE.fullmatch(p)) \
             if "ByteFallback" in decoders else frozenset()
-        # ... which a special token does not end: decode skips it before the run is read
-        self._run_ids = self._byte_ids | self._special_ids if self._byte_ids else frozenset()
         self._filler = self._find_filler()
         self._filler_text = "" if self._filler is None else self._tok.decode([self._filler])
 
@@ -84,15 +83,15 @@ class JsonTokenizer(TokenizerBase):
         """A rendered chat template: its special tokens are in the text, nothing is added."""
         return self._tok.encode(text, add_special_tokens=False).ids
 
-    def decode(self, ids: Iterable[int]) -> str:
-        return self._tok.decode(self._checked(ids), skip_special_tokens=True)
+    def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
+        return self._tok.decode(self._checked(ids), skip_special_tokens=skip_special_tokens)
 
     def piece(self, token_id: int) -> str | None:
         """The vocabulary entry itself (e.g. 'Ġhello', '<|eot_id|>'); None for an id no token has."""
         return self._tok.id_to_token(self._checked([token_id])[0])
 
-    def stream_decoder(self) -> JsonStreamDecoder:
-        return JsonStreamDecoder(self)
+    def stream_decoder(self, skip_special_tokens: bool = True) -> JsonStreamDecoder:
+        return JsonStreamDecoder(self, skip_special_tokens)
 
     # -- internals -----------------------------------------------------------------------------
 
@@ -141,8 +140,13 @@ class JsonTokenizer(TokenizerBase):
 class JsonStreamDecoder:
     """Turns ids into text one id at a time, emitting text as soon as it can no longer change (module docstring)."""
 
-    def __init__(self, tokenizer: JsonTokenizer) -> None:
-        self._tok = tokenizer
+    def __init__(self, tokenizer: JsonTokenizer, skip_special_tokens: bool = True) -> None:
+        self._tok, self._skip = tokenizer, skip_special_tokens
+        self._decode = functools.partial(tokenizer._tok.decode, skip_special_tokens=skip_special_tokens)
+        # the ids decode leaves out: they neither end a byte run nor stand for anything in the history
+        self._skipped = tokenizer._special_ids if skip_special_tokens else frozenset()
+        # ids that may change the text of a byte run before them (ByteFallback): its bytes, and skipped ids
+        self._held = tokenizer._byte_ids | self._skipped if tokenizer._byte_ids else frozenset()
         self._reset()
 
     def _reset(self) -> None:
@@ -156,7 +160,7 @@ class JsonStreamDecoder:
         """Add one id; return the text that became final with it ('' if none did)."""
         (token_id,) = self._tok._checked([token_id])
         self._pending.append(token_id)
-        if token_id in self._tok._run_ids:
+        if token_id in self._held:
             return ""  # a byte run's text can still change as a whole
         text = self._text()
         if text.endswith("\ufffd"):
@@ -176,7 +180,7 @@ class JsonStreamDecoder:
 
     def _text(self) -> str:
         """The pending ids' text, in the context of everything before them."""
-        return self._tok._tok.decode(self._context + self._pending, skip_special_tokens=True)[len(self._context_text):]
+        return self._decode(self._context + self._pending)[len(self._context_text):]
 
     def _settle(self, text: str) -> None:
         """Every pending id's text is final: they become history."""
@@ -187,8 +191,8 @@ class JsonStreamDecoder:
         else:
             # Nothing shown yet, so only ids that decoded to '' are behind us (a stripped leading space);
             # special tokens, skipped by decode, are left out.
-            self._context += [i for i in self._pending if i not in self._tok._special_ids]
-            self._context_text = self._tok._tok.decode(self._context, skip_special_tokens=True)
+            self._context += [i for i in self._pending if i not in self._skipped]
+            self._context_text = self._decode(self._context)
         self._pending, self._shown = [], 0
 
     def _rebase(self, text: str) -> None:
@@ -196,12 +200,11 @@ class JsonStreamDecoder:
         ids of the last, unfinished character, once the ids before them are seen to decode to the final text."""
         if len(self._pending) <= 4 or self._tok._filler is None:
             return
-        decode = self._tok._tok.decode
         filler, filler_text = [self._tok._filler], self._tok._filler_text
         for cut in range(len(self._pending) - 1, len(self._pending) - 5, -1):
             head, tail = self._pending[:cut], self._pending[cut:]
-            if decode(self._context + head, skip_special_tokens=True) == self._context_text + text[:-1] and \
-                    decode(filler + tail, skip_special_tokens=True) == filler_text + "\ufffd":
+            if self._decode(self._context + head) == self._context_text + text[:-1] and \
+                    self._decode(filler + tail) == filler_text + "\ufffd":
                 self._context, self._context_text = filler, filler_text
                 self._pending, self._shown = tail, 0
                 self._emitted_any = True

@@ -29,9 +29,9 @@ def golden(name: str) -> tuple[JsonTokenizer, dict]:
     return load_tokenizer(directory), json.loads((directory.parent / f"{name}.golden.json").read_text())
 
 
-def stream(tok, ids) -> list[str]:
+def stream(tok, ids, **options) -> list[str]:
     """Every push() result, then flush()."""
-    decoder = tok.stream_decoder()
+    decoder = tok.stream_decoder(**options)
     return [decoder.push(i) for i in ids] + [decoder.flush()]
 
 
@@ -157,12 +157,21 @@ def tokenizer(request) -> JsonTokenizer:
     return request.getfixturevalue("byte_fallback") if request.param == "byte_fallback" else golden(request.param)[0]
 
 
+@pytest.mark.parametrize("skip", [True, False])
 @pytest.mark.parametrize("seed", range(3))
-def test_stream_equals_decode_for_random_ids(tokenizer, seed):
+def test_stream_equals_decode_for_random_ids(tokenizer, seed, skip):
     rng = np.random.default_rng(seed)
     for _ in range(200):
         ids = random_ids(tokenizer, rng, int(rng.integers(0, 24)))
-        assert "".join(stream(tokenizer, ids)) == tokenizer.decode(ids), ids
+        streamed = "".join(stream(tokenizer, ids, skip_special_tokens=skip))
+        assert streamed == tokenizer.decode(ids, skip_special_tokens=skip), ids
+
+
+def test_special_tokens_shown_when_asked():
+    tok, ref = golden("tiny-llama3")
+    ids = ref["chats"][0]["ids"]
+    assert tok.decode(ids, skip_special_tokens=False) == ref["chats"][0]["text"]
+    assert "".join(stream(tok, ids, skip_special_tokens=False)) == ref["chats"][0]["text"]
 
 
 def test_stream_holds_a_split_character_and_nothing_else():
