@@ -6,8 +6,8 @@ names either file, or a directory holding one. The tokenizer's directory may hol
 (its special tokens, add_bos_token, a chat template) and the chat template files (chat_template.py). A chat
 goes through the template when there is one, else through LLaMA-2's format as Meta's code builds it.
 
-The SentencePiece tokenizer's decoding follows sentencepiece itself (`decode` is `SentencePieceProcessor.decode`), so the text
-is exactly what HF / Meta code would print. Streaming has to agree with it to the character:
+The SentencePiece tokenizer decodes as sentencepiece itself does (`decode` is `SentencePieceProcessor.decode`),
+so the text is exactly what HF / Meta code would print. Streaming has to agree with it to the character:
 for any ids, `"".join(push(i) for i in ids) + flush() == decode(ids)`. Two things make that
 non-trivial, and both come from how sentencepiece builds the text out of one surface per piece:
 

@@ -6,9 +6,9 @@ and BOS is what the post-processor adds, unless tokenizer_config.json sets `add_
 which then decide (transformers 5 rebuilds the post-processor from them the same way).
 
 Decoding is the library's `decode(ids, skip_special_tokens=True)`: special tokens (BOS, EOS, the chat
-markers) print nothing, unless asked for (`skip_special_tokens=False`). (transformers' `clean_up_tokenization_spaces`, a post-edit that removes the spaces
-before punctuation, is not applied: the text is what the model wrote.) Streaming agrees with it to the
-character: for any ids, `"".join(push(i) for i in ids) + flush() == decode(ids)`. A piece's text is final
+markers) print nothing, unless asked for (`skip_special_tokens=False`). (transformers'
+`clean_up_tokenization_spaces`, a post-edit that removes the spaces before punctuation, is not applied: the
+text is what the model wrote.) Streaming agrees with it to the character: for any ids, `"".join(push(i) for i in ids) + flush() == decode(ids)`. A piece's text is final
 unless it ends in U+FFFD, which may be a character whose bytes are still arriving (byte-level BPE splits
 characters across tokens): that one is held back, the rest shown. A ByteFallback decoder (LLaMA-2-style
 tokenizer.json) reads a run of byte pieces (`<0xE2>`) as one string, valid UTF-8 or U+FFFD for each byte,

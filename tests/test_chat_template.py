@@ -107,8 +107,8 @@ def test_bad_template_files_are_one_line(tmp_path, file, content, why):
     LLAMA2_TEMPLATE,
     # trim_blocks, lstrip_blocks, loop controls, loop variables, namespaces, macros, captured blocks
     "{% for m in messages %}\n  {% if loop.index0 > 2 %}{% break %}{% endif %}\n"
-    "  {% if m.role == 'assistant' %}{% continue %}{% endif %}\n  [{{ loop.index }}/{{ loop.length }}] {{ m.content }}\n"
-    "{% endfor %}\n{% if add_generation_prompt %}>{% endif %}",
+    "  {% if m.role == 'assistant' %}{% continue %}{% endif %}\n"
+    "  [{{ loop.index }}/{{ loop.length }}] {{ m.content }}\n{% endfor %}\n{% if add_generation_prompt %}>{% endif %}",
     "{% set ns = namespace(n=0) %}{% for m in messages %}{% set ns.n = ns.n + m.content|length %}{% endfor %}"
     "{{ ns.n }}{% macro turn(m) %}<{{ m.role|upper }}>{{ m.content|trim }}{% endmacro %}"
     "{% for m in messages %}{{ turn(m) }}{% endfor %}{% set block %}{{ bos_token }}x{% endset %}{{ block * 2 }}",
