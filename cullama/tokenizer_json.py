@@ -31,7 +31,7 @@ from tokenizers import processors
 from .chat_template import ChatTemplate
 from .errors import TokenizerError
 from .tokenizer import TokenizerBase, special_tokens
-from .untrusted import MAX_JSON_BYTES, shown
+from .untrusted import read_bounded, shown
 
 BYTE_PIECE = re.compile(r"<0x[0-9A-Fa-f]{2}>")
 
@@ -212,13 +212,7 @@ class JsonStreamDecoder:
 
 
 def _read(path: Path) -> tokenizers.Tokenizer:
-    try:
-        with open(path, "rb") as fh:
-            raw = fh.read(MAX_JSON_BYTES + 1)
-    except OSError as exc:
-        raise TokenizerError(f"cannot read tokenizer {path}: {exc.strerror or exc}") from None
-    if len(raw) > MAX_JSON_BYTES:
-        raise TokenizerError(f"{path} is larger than {MAX_JSON_BYTES >> 20} MiB, too large for a tokenizer.json")
+    raw = read_bounded(path, TokenizerError, "a tokenizer.json")
     try:
         text = raw.decode("utf-8-sig")
     except UnicodeDecodeError as exc:
