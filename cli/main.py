@@ -209,7 +209,8 @@ def shared_options(command):
         click.option("--ignore-eos", is_flag=True, help="Keep generating past the end-of-sequence token."),
         click.option("--device", default="auto", show_default=True, type=click.Choice(["auto", "cpu", "cuda"])),
         click.option("--max-seq-len", type=int, help="Context to allocate (default: the model's)."),
-        click.option("--tokenizer", type=click.Path(), help="tokenizer.model to use instead of the checkpoint's."),
+        click.option("--tokenizer", type=click.Path(), help="tokenizer.json or tokenizer.model (or a directory "
+                     "holding one) to use instead of the checkpoint's."),
         click.option("--json", "as_json", is_flag=True, help="Print JSON: ids, text, finish reason, seed, timings."),
     ]
     return apply(options, speculative_flags(command))  # the speculative flags listed last
@@ -320,7 +321,8 @@ def stream_out(stream, llm, as_json: bool) -> None:
 @shared_options
 @click.argument("prompt", required=False)
 @click.option("--prompt-ids", help="Token ids instead of text, e.g. '1,450,7483'.")
-@click.option("--chat", is_flag=True, help="Wrap the prompt in the LLaMA-2 chat template.")
+@click.option("--chat", is_flag=True, help="Wrap the prompt in the model's chat template (LLaMA-2's format "
+              "when it has none).")
 @click.option("--system", help="System prompt for --chat.")
 def generate(model_dir, prompt, prompt_ids, chat, system, device, max_seq_len, tokenizer, as_json, **kwargs):
     """Generate text from PROMPT (or standard input; an empty prompt starts from BOS alone)."""
@@ -346,8 +348,8 @@ def generate(model_dir, prompt, prompt_ids, chat, system, device, max_seq_len, t
         if ids is not None:
             request[:] = checked_ids(ids, config.vocab_size, None)
         elif tok is None:
-            raise PromptError(f"{model_dir} has no tokenizer.model: give the prompt as --prompt-ids, or name "
-                              "a tokenizer with --tokenizer PATH")
+            raise PromptError(f"{model_dir} has no tokenizer (tokenizer.json or tokenizer.model): give the "
+                              "prompt as --prompt-ids, or name a tokenizer with --tokenizer PATH")
         elif chat:
             request[:] = tok.chat_ids([{"role": "user", "content": prompt}], system=system)
         else:
@@ -362,9 +364,10 @@ def generate(model_dir, prompt, prompt_ids, chat, system, device, max_seq_len, t
 @shared_options
 @click.option("--system", help="System prompt for the whole conversation.")
 def chat(model_dir, system, device, max_seq_len, tokenizer, as_json, **kwargs):
-    """A multi-turn LLaMA-2 chat: each line of standard input is a user turn; replies stream back.
+    """A multi-turn chat: each line of standard input is a user turn; replies stream back.
 
-    The whole conversation goes through the chat template at every turn (only its new tokens are computed).
+    The whole conversation goes through the model's chat template (LLaMA-2's format when it has none) at every
+    turn (only its new tokens are computed).
     When it outgrows the context, the oldest exchanges are dropped (the system prompt stays), with a note; a
     message too long for the context is refused and the chat goes on. An empty line is skipped, end of input
     ends the conversation."""
@@ -374,8 +377,8 @@ def chat(model_dir, system, device, max_seq_len, tokenizer, as_json, **kwargs):
 
     def check(config, tok, context):
         if tok is None:
-            raise PromptError(f"cullama chat needs a tokenizer: {model_dir} has no tokenizer.model (name one with "
-                              "--tokenizer PATH)")
+            raise PromptError(f"cullama chat needs a tokenizer: {model_dir} has no tokenizer.json or "
+                              "tokenizer.model (name one with --tokenizer PATH)")
         n = len(tok.chat_ids([{"role": "user", "content": ""}], system=system))
         if n >= context:
             raise PromptError(f"--system takes {n} tokens in the chat template, which leaves no room in the "
@@ -415,7 +418,8 @@ def chat(model_dir, system, device, max_seq_len, tokenizer, as_json, **kwargs):
 @click.option("--port", default=8000, show_default=True, type=click.IntRange(0, 65535), help="0 = any free port.")
 @click.option("--device", default="auto", show_default=True, type=click.Choice(["auto", "cpu", "cuda"]))
 @click.option("--max-seq-len", type=int, help="Context to allocate (default: the model's).")
-@click.option("--tokenizer", type=click.Path(), help="tokenizer.model to use instead of the checkpoint's.")
+@click.option("--tokenizer", type=click.Path(), help="tokenizer.json or tokenizer.model (or a directory holding "
+              "one) to use instead of the checkpoint's.")
 @click.option("--served-model-name", help="The model's name in the API [default: the directory's name].")
 @click.option("--max-queue", default=64, show_default=True, type=click.IntRange(min=0),
               help="Requests that may wait behind the running one; past it, 429.")

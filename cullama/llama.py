@@ -24,11 +24,11 @@ from .engine import PlanRunner
 from .sampling import INT32_MAX, is_int
 from .speculative import SpeculativeOptions, SpeculativeStream
 from .weights import device_config, load_checkpoint, random_weights
-from .tokenizer import Tokenizer
+from .tokenizer import TokenizerBase, find_tokenizer, load_tokenizer
 
 Progress = Callable[[int, int], None]  # (bytes done, bytes total) while weights load
 # The caller's own check, run before the weights load: (config, tokenizer or None, context in tokens)
-Check = Callable[[LlamaConfig, "Tokenizer | None", int], None]
+Check = Callable[[LlamaConfig, "TokenizerBase | None", int], None]
 
 
 class Llama:
@@ -40,7 +40,7 @@ class Llama:
     ends that stream: its next read raises SupersededError, and its `result` keeps what it streamed, with
     finish_reason "cancelled". A stream that is closed or dropped mid-way leaves the model ready."""
 
-    def __init__(self, config: LlamaConfig, runner: Runner, tokenizer: Tokenizer | None, device: str,
+    def __init__(self, config: LlamaConfig, runner: Runner, tokenizer: TokenizerBase | None, device: str,
                  notes: Sequence[str] = (), draft: "Llama | None" = None):
         self.config, self.runner, self.tokenizer, self.device = config, runner, tokenizer, device
         self.notes = list(notes)  # things the user should hear once (e.g. a dtype conversion)
@@ -71,8 +71,8 @@ class Llama:
         plans.check_supported(device_config(config))
         seq_len = _context(config, max_seq_len)
         tok = None
-        if tokenizer is not None or (path / "tokenizer.model").is_file():
-            tok = Tokenizer.from_model_dir(path, override=tokenizer)
+        if tokenizer is not None or find_tokenizer(path) is not None:
+            tok = load_tokenizer(path, override=tokenizer)
             tok.check_fits(config.vocab_size)
         if draft_model is not None:
             check_draft(draft_model, config, tok)
@@ -102,17 +102,24 @@ class Llama:
         random_weights(backend, config, seed)
         return cls(config, runner, None, device)
 
+    @property
+    def eos_ids(self) -> tuple[int, ...]:
+        """Generation stops at any of these: the model's EOS ids (config.json's, then generation_config.json's)
+        and the tokenizer's (tokenizer_config.json's eos_token: a chat template's end of turn), as vLLM stops."""
+        return tuple(dict.fromkeys((*self.config.eos_token_ids, *(self.tokenizer.eos_ids if self.tokenizer else ()))))
+
     # -- prompts ----------------------------------------------------------------------------
     def encode(self, prompt: str | Sequence[int] | np.ndarray) -> list[int]:
-        """Text -> ids with BOS (an empty text is BOS alone); ids (a list, tuple or 1-D integer array) are
-        checked against the vocabulary and taken as they are."""
+        """Text -> ids with BOS where the tokenizer adds one (an empty text is BOS alone); ids (a list, tuple
+        or 1-D integer array) are checked against the vocabulary and taken as they are."""
         return prompt_ids(prompt, self.config.vocab_size, self.tokenizer)
 
     def chat_ids(self, messages: list[dict], system: str | None = None) -> list[int]:
-        """Prompt ids for a LLaMA-2 chat (see Tokenizer.chat_ids)."""
+        """Prompt ids for a chat, ready for the reply: the checkpoint's chat template, else LLaMA-2's format
+        (see TokenizerBase.chat_ids)."""
         if self.tokenizer is None:
-            raise PromptError("chat_ids() needs a tokenizer and this model has none: put a tokenizer.model in its "
-                              "directory or load it with tokenizer=PATH")
+            raise PromptError("chat_ids() needs a tokenizer and this model has none: put its tokenizer.json or "
+                              "tokenizer.model in its directory or load it with tokenizer=PATH")
         if isinstance(system, str):  # another type is refused by the tokenizer, naming `system`
             check_text(system, "the system prompt")
         for i, message in enumerate(messages if isinstance(messages, (list, tuple)) else ()):
@@ -169,7 +176,7 @@ class Llama:
             reuse_cache=reuse_cache)
         spec = SpeculativeOptions.checked(speculative, draft_tokens, adaptive_draft)
         detok = self.tokenizer.stream_decoder() if self.tokenizer else None
-        args = (self.runner, detok, self.encode(prompt), options, self.config.eos_token_ids, self.guard)
+        args = (self.runner, detok, self.encode(prompt), options, self.eos_ids, self.guard)
         if spec is None:
             return GenerationStream(*args)
         return SpeculativeStream(*args, drafter=spec.drafter(self.draft.runner if self.draft else None, reuse_cache),
@@ -197,13 +204,14 @@ class Llama:
             return np.asarray(self.runner.logits(ids), dtype=np.float32)
 
 
-def prompt_ids(prompt, vocab_size: int, tokenizer: Tokenizer | None) -> list[int]:
-    """A prompt as ids: text through the tokenizer (with BOS), or token ids checked one by one (ints or NumPy
-    integers, each in [0, vocab_size)). PromptError for anything else: bytes, floats, bools, nested lists."""
+def prompt_ids(prompt, vocab_size: int, tokenizer: TokenizerBase | None) -> list[int]:
+    """A prompt as ids: text through the tokenizer (with BOS where it adds one), or token ids checked one by one
+    (ints or NumPy integers, each in [0, vocab_size)). PromptError for anything else: bytes, floats, bools,
+    nested lists."""
     if isinstance(prompt, str):
         if tokenizer is None:
-            raise PromptError("this model has no tokenizer.model: give token ids, or name a tokenizer "
-                              "(tokenizer=PATH, --tokenizer PATH)")
+            raise PromptError("this model has no tokenizer (tokenizer.json or tokenizer.model): give token ids, "
+                              "or name a tokenizer (tokenizer=PATH, --tokenizer PATH)")
         check_text(prompt, "the prompt")
         return tokenizer.encode(prompt, bos=True)
     if isinstance(prompt, np.ndarray):
@@ -230,12 +238,12 @@ def checked_path(value, name: str) -> Path | None:
     return Path(text)
 
 
-def check_draft(path: str | os.PathLike, config: LlamaConfig, tokenizer: Tokenizer | None) -> None:
+def check_draft(path: str | os.PathLike, config: LlamaConfig, tokenizer: TokenizerBase | None) -> None:
     """ConfigError, before any weight loads, for a draft model that does not share the target's vocabulary."""
     from .drafters import check_draft_vocabulary
 
     draft_config = read_config(path)
-    draft_tok = Tokenizer.from_model_dir(path) if (Path(path) / "tokenizer.model").is_file() else None
+    draft_tok = load_tokenizer(path) if find_tokenizer(path) is not None else None
     check_draft_vocabulary(path, draft_config.vocab_size, config.vocab_size, draft_tok, tokenizer)
 
 

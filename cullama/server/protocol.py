@@ -168,7 +168,7 @@ class Message(BaseModel):
         None, description='a string or a list of {"type": "text", "text": ...} parts')
 
     def as_dict(self) -> dict:
-        """{"role", "content": str} for Tokenizer.chat_ids; `developer` is OpenAI's new name for `system`."""
+        """{"role", "content": str} for Llama.chat_ids; `developer` is OpenAI's new name for `system`."""
         content = self.content
         if isinstance(content, list):
             content = "".join(part.text for part in content)
@@ -176,7 +176,7 @@ class Message(BaseModel):
 
 
 class ChatRequest(GenerationRequest):
-    """POST /v1/chat/completions: `messages` go through the LLaMA-2 chat template."""
+    """POST /v1/chat/completions: `messages` go through the model's chat template (LLaMA-2's without one)."""
 
     messages: list[Message]
     max_completion_tokens: MaxTokens | None = None  # OpenAI's newer name for max_tokens; it wins
