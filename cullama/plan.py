@@ -21,6 +21,12 @@ gemv_logits + sample on its last row (or a logits GEMM over every row, for `Llam
 `sample_vocab` (default: the whole vocabulary) limits gemv_logits + sample to the ids 0 .. sample_vocab - 1,
 through the V both kernels take (their rows, and the row stride of a verify step's logits): a model whose
 vocabulary is padded past its tokenizer's pieces never samples an id that has no text.
+
+Log-probabilities (cullama/logprobs.py), only in the plans that ask for them: `logprobs=N` appends the logprobs
+kernel after sample (a decode step: the sampled token's row; a verify step: every row, for its pick; a prefill's
+"sample" chunk: the first token's) into logprob_step; `prompt_logprobs=N` on a prefill chunk also computes every
+row's logits (the "logits" output's GEMM) and reduces them against the next prompt ids into logprob_rows. N is
+how many alternatives per row (0..20). Both over the same sample_vocab ids. The plans without them are unchanged.
 """
 
 from __future__ import annotations
@@ -33,6 +39,7 @@ from .config import LlamaConfig
 from .errors import KernelError
 from .ops import attention_mma as attention_mma_ops
 from .ops import gemv as gemv_ops
+from .ops import sampling as sampling_ops
 from .prefill_kernels import GemmKernel, PrefillKernels, cdiv, tile_counters, workspace_floats
 from .reference import rope_tables
 from .registry import KernelSpec
@@ -187,6 +194,9 @@ def runtime_buffers(cfg: LlamaConfig, max_seq: int, chunk: int | None = None) ->
         Buffer("verify_h", (VERIFY_ROWS, ff), "float32", "activation"),  # [rows, ff]
         # [rows, vocab] at a row stride of vocab rounded up to 4 (16-byte aligned rows for the sample kernel)
         Buffer("verify_logits", (VERIFY_ROWS, gemv_ops.logits_stride(V)), "float32", "activation"),
+        # a step's log-probabilities (the logprobs kernel's rows): a decode step's or a prefill's token in row 0,
+        # a verify step's in rows 0..k
+        Buffer("logprob_step", (VERIFY_ROWS, sampling_ops.LP_WIDTH), "float32", "activation"),  # [rows, LP_WIDTH]
         # prefill chunk of up to `chunk` rows
         Buffer("prefill_ids", (chunk,), "int32", "activation"),  # [n] the chunk's token ids
         Buffer("x_rows", (chunk, d), "float32", "activation"),  # [n, d] residual stream
@@ -196,7 +206,9 @@ def runtime_buffers(cfg: LlamaConfig, max_seq: int, chunk: int | None = None) ->
         Buffer("attn_rows", (chunk, cfg.q_dim), "float16", "activation"),  # [n, heads * hd]
         Buffer("gu_rows", (chunk, 2 * ff), "float32", "activation"),  # [n, 2 ff] gate | up
         Buffer("h_rows", (chunk, ff), "float16", "activation"),  # [n, ff]
-        Buffer("logits_rows", (chunk, V), "float32", "activation"),  # [n, vocab] (Llama.logits only)
+        Buffer("logits_rows", (chunk, V), "float32", "activation"),  # [n, vocab] (Llama.logits, prompt logprobs)
+        Buffer("prefill_targets", (chunk,), "int32", "activation"),  # [n] each row's next prompt id (-1: none)
+        Buffer("logprob_rows", (chunk, sampling_ops.LP_WIDTH), "float32", "activation"),  # [n, LP_WIDTH]
         # split-K prefill GEMMs (prefill_kernels): partial tiles, and arrivals per tile (zero; reset by the
         # kernel), sized for every GEMM kernel so that the choice can change at run time
         Buffer("gemm_workspace", (workspace_floats(cfg, chunk),), "float32",
@@ -240,6 +252,7 @@ def attention_prefill_mma_spec(cfg: LlamaConfig) -> KernelSpec:
 
 
 SAMPLE = KernelSpec("sampling.cu", "sample")
+LOGPROBS = KernelSpec("sampling.cu", "logprobs")
 
 
 def prefill(name: str) -> KernelSpec:
@@ -253,14 +266,22 @@ def _layer(i: int, name: str) -> Ref:
     return Ref(f"layers.{i}.{name}")
 
 
-def decode_plan(cfg: LlamaConfig, max_seq: int, sample_vocab: int | None = None) -> Plan:
+def decode_plan(cfg: LlamaConfig, max_seq: int, sample_vocab: int | None = None, logprobs: int | None = None) -> Plan:
+    """A decode step; with `logprobs` (N alternatives), the sampled token's log-probabilities in logprob_step[0]."""
     check_supported(cfg)
-    return Plan("decode", _step_launches(cfg, max_seq, 1, Ref, sample_vocab))
+    launches = _step_launches(cfg, max_seq, 1, Ref, sample_vocab)
+    if logprobs is None:
+        return Plan("decode", launches)
+    V = sample_vocab or cfg.vocab_size
+    return Plan(f"decode+logprobs[{logprobs}]", launches + [
+        _logprobs(Ref("logits"), V, V, Ref("state"), sampling_ops.STATE_TOKEN, 1, logprobs)])
 
 
-def verify_plan(cfg: LlamaConfig, max_seq: int, k: int, sample_vocab: int | None = None) -> Plan:
+def verify_plan(cfg: LlamaConfig, max_seq: int, k: int, sample_vocab: int | None = None,
+                logprobs: int | None = None) -> Plan:
     """A verify step of k drafts (1..MAX_DRAFT): the token rows verify_ids[:k + 1] at positions pos..pos + k
-    (the host keeps pos + k < max_seq); the decode step's launches with k + 1 rows, sample accepting."""
+    (the host keeps pos + k < max_seq); the decode step's launches with k + 1 rows, sample accepting. With
+    `logprobs`, row r's pick's log-probabilities in logprob_step[r] (the accepted tokens: rows 0..n - 1)."""
     check_supported(cfg)
     if not 1 <= k <= MAX_DRAFT:
         raise KernelError(f"a verify step checks 1 to {MAX_DRAFT} drafts, not {k}")
@@ -271,7 +292,20 @@ def verify_plan(cfg: LlamaConfig, max_seq: int, k: int, sample_vocab: int | None
 
     embed = Launch(prefill("embed_rows"), (rows, 1, 1), ROW_THREADS,
                    (act("ids"), Ref("embed"), act("x"), i32(cfg.hidden_size)))
-    return Plan(f"verify[{k}]", [embed] + _step_launches(cfg, max_seq, rows, act, sample_vocab))
+    launches = [embed] + _step_launches(cfg, max_seq, rows, act, sample_vocab)
+    if logprobs is None:
+        return Plan(f"verify[{k}]", launches)
+    V = sample_vocab or cfg.vocab_size
+    return Plan(f"verify[{k}]+logprobs[{logprobs}]", launches + [
+        _logprobs(act("logits"), V, gemv_ops.logits_stride(V), act("picks"), 0, rows, logprobs)])
+
+
+def _logprobs(logits: Ref, V: int, stride: int, targets: Ref, target_at: int, rows: int, top: int,
+              out: Ref = Ref("logprob_step")) -> Launch:
+    """The logprobs kernel over `rows` rows of `logits` (stride floats apart, their first V ids), row r against
+    targets[target_at + r], with `top` alternatives, into out's rows."""
+    return Launch(LOGPROBS, (rows, 1, 1), SAMPLE_THREADS,
+                  (logits, targets, out, i32(V), i32(stride), i32(target_at), i32(top)))
 
 
 def _step_launches(cfg: LlamaConfig, max_seq: int, rows: int, act, sample_vocab: int | None) -> list[Launch]:
@@ -339,13 +373,16 @@ PREFILL_OUTPUTS = ("sample", "logits", "none")
 
 def prefill_plan(cfg: LlamaConfig, max_seq: int, start: int, n: int, output: str = "sample",
                  kernels: PrefillKernels = PrefillKernels(), chunk: int | None = None,
-                 sample_vocab: int | None = None) -> Plan:
+                 sample_vocab: int | None = None, logprobs: int | None = None,
+                 prompt_logprobs: int | None = None) -> Plan:
     """Prompt tokens prefill_ids[:n] at positions start..start+n-1 (n <= chunk: the rows runtime_buffers
     made, default PREFILL_CHUNK), with the GEMM and attention kernels `kernels` names (prefill_kernels.py).
 
     output "sample": the last row's logits go through the decode step's gemv_logits + sample (which
     sets pos = start + n, so the host sets state[POS] = start + n - 1 first); "logits":
     logits_rows[:n] gets every row's logits; "none": only the KV cache is filled (an early chunk).
+    logprobs (output "sample" only): the first token's log-probabilities in logprob_step[0]; prompt_logprobs:
+    logprob_rows[r] those of prefill_targets[r] (the host's next prompt ids) after row r, with every output.
     """
     check_supported(cfg)
     if output not in PREFILL_OUTPUTS:
@@ -372,9 +409,15 @@ def prefill_plan(cfg: LlamaConfig, max_seq: int, start: int, n: int, output: str
             rows("silu_mul_rows", Ref("gu_rows"), Ref("h_rows"), i32(ff)),
             _gemm(gemm, "h_rows", _layer(i, "w_down"), "x_rows", n, d, ff, True),
         ]
-    if output == "logits":
+    if output == "logits" or prompt_logprobs is not None:
         launches += [rows("rmsnorm_rows", Ref("x_rows"), Ref("final_norm"), Ref("xn_rows"), i32(d), eps),
                      _gemm(gemm, "xn_rows", Ref("lm_head"), "logits_rows", n, V, d, False)]
-    elif output == "sample":
+    if prompt_logprobs is not None:
+        launches.append(_logprobs(Ref("logits_rows"), sample_vocab or V, V, Ref("prefill_targets"), 0, n,
+                                  prompt_logprobs, Ref("logprob_rows")))
+    if output == "sample":
         launches += _logits_and_sample(cfg, Ref("x_rows", n - 1), sample_vocab=sample_vocab)
+        if logprobs is not None:
+            launches.append(_logprobs(Ref("logits"), sample_vocab or V, sample_vocab or V, Ref("state"),
+                                      sampling_ops.STATE_TOKEN, 1, logprobs))
     return Plan(f"prefill[{start}:{start + n}]", launches)
