@@ -84,7 +84,9 @@ class PlanRunner:
 
     def _prefill_plan(self, start: int, n: int, output: str, logprobs: int | None = None,
                       prompt_logprobs: int | None = None) -> plans.Plan:
-        key = (start, n, output, self.prefill_kernels, logprobs, prompt_logprobs)
+        key = (start, n, output, self.prefill_kernels)
+        if logprobs is not None or prompt_logprobs is not None:
+            key += (logprobs, prompt_logprobs)
         if key not in self._prefills:
             if len(self._prefills) > 64:
                 self._prefills.clear()
@@ -113,8 +115,9 @@ class PlanRunner:
                 following = ids[start + 1:start + n + 1]  # n ids, or n - 1 in the last chunk
                 targets[:len(following)] = following
                 self.backend.set("prefill_targets", targets)
-            self.backend.run(self._prefill_plan(start, n, out, logprobs if out == "sample" else None,
-                                                prompt_logprobs))
+            scoring = () if logprobs is None and prompt_logprobs is None else \
+                (logprobs if out == "sample" else None, prompt_logprobs)
+            self.backend.run(self._prefill_plan(start, n, out, *scoring))
             self.cached = list(ids[:start + n])  # this chunk's rows are written (queued in full, on the GPU)
             if out == "logits":
                 logits.append(self.backend.read("logits_rows")[:n])
