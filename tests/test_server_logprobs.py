@@ -18,7 +18,7 @@ openai = pytest.importorskip("openai", reason="the openai client is a test depen
 from cullama.server.logprobs import NO_PROBABILITY, TokenTexts  # noqa: E402  (needs the serve extra)
 
 MODEL = "stories260K"
-# BOS, the first 17 ids of the model's greedy story, then two that are not its picks ("\n" and "She")
+# BOS, the first 17 ids of the model's greedy story, then two that are not its picks ("\n" and "L")
 STORY = [1, 403, 407, 261, 378, 432, 383, 286, 261, 376, 298, 315, 421, 395, 317, 426, 338, 401, 13, 438]
 
 
