@@ -166,11 +166,12 @@ class PlanRunner:
         if self._logprobs is None:
             self.backend.launch_step(self.decode, slot)
         else:  # the token's log-probabilities are copied out beside it: the next step overwrites logprob_step
-            self.backend.launch_step(self._decode_plan(self._logprobs), slot, "logprob_step")
+            self.backend.launch_step(self.decode_plan(self._logprobs), slot, "logprob_step")
         return slot
 
-    def _decode_plan(self, logprobs: int | None) -> plans.Plan:
-        """The decode step, with the logprobs kernel for `logprobs` alternatives (one plan, so one graph, each)."""
+    def decode_plan(self, logprobs: int | None = None) -> plans.Plan:
+        """The decode step (`decode`), or with the logprobs kernel for `logprobs` alternatives: made once each, so
+        the CUDA backend captures each as its own graph (for benchmarks: backend.replay(plan) times one)."""
         if logprobs not in self._decode_plans:
             self._decode_plans[logprobs] = plans.decode_plan(self.cfg, self.max_seq_len, self.sample_vocab, logprobs)
         return self._decode_plans[logprobs]
