@@ -14,7 +14,6 @@ import functools
 import json
 import os
 import sys
-from pathlib import Path
 from typing import Iterator
 
 import click
@@ -441,6 +440,44 @@ def serve(model_dir, host, port, device, max_seq_len, tokenizer, served_model_na
 
 
 @main.command()
+def info():
+    """Python, NumPy, CuPy, NVRTC and the GPU (or why there is none)."""
+    from ..device import environment, two_cupys_warning
+
+    env = environment()
+    for key, value in env.items():
+        if key == "gpu" and value is None:
+            value = f"none ({env.get('gpu_status', 'no GPU')})"
+        if key == "nvrtc" and env.get("nvrtc_library"):  # one line: the version and which library is loaded
+            value = f"{value} ({env['nvrtc_library']})"
+        if key not in ("gpu_status", "nvrtc_library"):
+            out(f"{key:>18}: {value}")
+    if warning := two_cupys_warning():
+        click.echo(f"warning: {warning}", err=True)
+
+
+@main.command()
+@click.option("--arch", default="sm_90", show_default=True, help="GPU architecture to compile for (no GPU needed).")
+def kernels(arch):
+    """Compile every kernel with NVRTC; print registers, shared memory and spills (exit 1 on a spill). Kernels
+    that have no version for the arch (wgmma: sm_90 only) are skipped with a note."""
+    from ..kernel_report import compile_all, skipped
+
+    reports = compile_all(arch)
+    out(f"{'kernel':<22} {'file':<14} {'defines':<22} {'regs':>5} {'smem B':>7} {'stack B':>8} {'spill st/ld':>12}")
+    for r in reports:
+        res = r.resources
+        out(f"{r.name:<22} {r.source:<14} {r.define_text:<22} {res.registers:>5} {res.smem_bytes:>7} "
+            f"{res.stack_bytes:>8} {res.spill_stores:>5}/{res.spill_loads:<6}")
+    spilled = [r for r in reports if r.resources.spills]
+    for note in skipped(arch):
+        out(f"skipped {note}")
+    out(f"{len(reports)} kernels compiled for {arch}; {len(spilled)} with spills or local memory")
+    if spilled:
+        sys.exit(1)
+
+
+@main.command()
 @click.option("--model", "model_dir", required=True, type=click.Path(), help="HF LLaMA checkpoint directory.")
 @click.argument("file", type=click.Path(allow_dash=True))
 @click.option("--ids", "as_ids", is_flag=True, help="FILE holds token ids (separated by spaces, commas or newlines), "
@@ -489,6 +526,8 @@ def perplexity(model_dir, file, as_ids, stride, device, max_seq_len, tokenizer, 
 
 def _read_input(file: str) -> str:
     """FILE as text (standard input for '-'): bytes that are not UTF-8 become U+FFFD, with a note."""
+    from pathlib import Path
+
     if file == "-":
         return TextInput().read()
     try:
@@ -509,44 +548,6 @@ def _file_ids(text: str, file: str) -> list[int]:
         if not word.lstrip("-").isdigit():
             raise PromptError(f"{file}: {word[:20]!r} (item {i}) is not a token id")
     return [int(w) for w in words]
-
-
-@main.command()
-def info():
-    """Python, NumPy, CuPy, NVRTC and the GPU (or why there is none)."""
-    from ..device import environment, two_cupys_warning
-
-    env = environment()
-    for key, value in env.items():
-        if key == "gpu" and value is None:
-            value = f"none ({env.get('gpu_status', 'no GPU')})"
-        if key == "nvrtc" and env.get("nvrtc_library"):  # one line: the version and which library is loaded
-            value = f"{value} ({env['nvrtc_library']})"
-        if key not in ("gpu_status", "nvrtc_library"):
-            out(f"{key:>18}: {value}")
-    if warning := two_cupys_warning():
-        click.echo(f"warning: {warning}", err=True)
-
-
-@main.command()
-@click.option("--arch", default="sm_90", show_default=True, help="GPU architecture to compile for (no GPU needed).")
-def kernels(arch):
-    """Compile every kernel with NVRTC; print registers, shared memory and spills (exit 1 on a spill). Kernels
-    that have no version for the arch (wgmma: sm_90 only) are skipped with a note."""
-    from ..kernel_report import compile_all, skipped
-
-    reports = compile_all(arch)
-    out(f"{'kernel':<22} {'file':<14} {'defines':<22} {'regs':>5} {'smem B':>7} {'stack B':>8} {'spill st/ld':>12}")
-    for r in reports:
-        res = r.resources
-        out(f"{r.name:<22} {r.source:<14} {r.define_text:<22} {res.registers:>5} {res.smem_bytes:>7} "
-            f"{res.stack_bytes:>8} {res.spill_stores:>5}/{res.spill_loads:<6}")
-    spilled = [r for r in reports if r.resources.spills]
-    for note in skipped(arch):
-        out(f"skipped {note}")
-    out(f"{len(reports)} kernels compiled for {arch}; {len(spilled)} with spills or local memory")
-    if spilled:
-        sys.exit(1)
 
 
 from . import bench as _bench  # noqa: E402,F401  (registers `cullama bench`)

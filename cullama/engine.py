@@ -22,12 +22,11 @@ from typing import Sequence
 
 import numpy as np
 
-from . import memory, plan as plans
+from . import logprobs as scoring, memory, plan as plans
 from .config import LlamaConfig
 from .errors import PromptError
-from .logprobs import TokenLogprob, from_rows
 from .prefill_kernels import PrefillKernels, default_for
-from .sampling import NO_TOKEN, Sampler, SamplingParams
+from .sampling import Sampler, SamplingParams
 from .weights import device_config
 # kernels_cu/common.cuh: STATE_POS, STATE_TOKEN, STATE_STEP, STATE_TOP_K, STATE_SEED_LO, STATE_SEED_HI
 POS, TOKEN, STEP, TOP_K, SEED_LO, SEED_HI = range(6)
@@ -67,11 +66,13 @@ class PlanRunner:
         self.last: int | None = None  # the last sampled token: the next decode step's input
         self._queued: int | None = None  # the token slot of a decode step already queued for `last`
         self._slot = 0  # the token slot the next queued step uses (two alternate)
-        self._verify_plans: dict[tuple, plans.Plan] = {}  # (k, logprobs) -> the verify step of k drafts
-        self._decode_plans: dict[int | None, plans.Plan] = {None: self.decode}  # logprobs -> the decode step
+        self._verify_plans: dict[int, plans.Plan] = {}  # k -> the verify step of k drafts
+        # the plans with the logprobs kernel: the steps' (at most 21 alternatives' x 9 row counts), the prefills'
+        self._scored_steps: dict[tuple, plans.Plan] = {}
+        self._scored_prefills: dict[tuple, plans.Plan] = {}  # bounded as _prefills is
         self._logprobs: int | None = None  # this generation's alternatives per token; None: no log-probabilities
-        self._records: list[TokenLogprob] = []  # the log-probabilities of tokens returned, not taken yet
-        self.prompt_logprobs: list[TokenLogprob] = []  # the last scored prompt's (start or score): ids[1:]
+        self._records: list[scoring.TokenLogprob] = []  # the log-probabilities of tokens returned, not taken yet
+        self.prompt_logprobs: list[scoring.TokenLogprob] = []  # the last scored prompt's (start or score): ids[1:]
 
     @property
     def device(self) -> str:
@@ -82,17 +83,13 @@ class PlanRunner:
         kernels.check_arch(getattr(self.backend, "arch", None))
         self.prefill_kernels = kernels
 
-    def _prefill_plan(self, start: int, n: int, output: str, logprobs: int | None = None,
-                      prompt_logprobs: int | None = None) -> plans.Plan:
+    def _prefill_plan(self, start: int, n: int, output: str) -> plans.Plan:
         key = (start, n, output, self.prefill_kernels)
-        if logprobs is not None or prompt_logprobs is not None:
-            key += (logprobs, prompt_logprobs)
         if key not in self._prefills:
             if len(self._prefills) > 64:
                 self._prefills.clear()
             self._prefills[key] = plans.prefill_plan(self.cfg, self.max_seq_len, start, n, output,
-                                                     self.prefill_kernels, self.prefill_chunk, self.sample_vocab,
-                                                     logprobs, prompt_logprobs)
+                                                     self.prefill_kernels, self.prefill_chunk, self.sample_vocab)
         return self._prefills[key]
 
     def _prefill(self, ids: Sequence[int], output: str, state: np.ndarray | None = None, begin: int = 0,
@@ -111,20 +108,42 @@ class PlanRunner:
                 state[POS] = start + n - 1  # the sample kernel advances it to start + n
                 self.backend.set("state", state)
             if prompt_logprobs is not None:
-                targets = np.full(n, NO_TOKEN, np.int32)  # [n] row r predicts ids[start + r + 1]
+                targets = np.full(n, scoring.NO_TARGET, np.int32)  # [n] row r predicts ids[start + r + 1]
                 following = ids[start + 1:start + n + 1]  # n ids, or n - 1 in the last chunk
                 targets[:len(following)] = following
                 self.backend.set("prefill_targets", targets)
-            scoring = () if logprobs is None and prompt_logprobs is None else \
-                (logprobs if out == "sample" else None, prompt_logprobs)
-            self.backend.run(self._prefill_plan(start, n, out, *scoring))
+            sampled = logprobs if out == "sample" else None  # the first token's log-probabilities
+            if sampled is None and prompt_logprobs is None:
+                self.backend.run(self._prefill_plan(start, n, out))
+            else:
+                self.backend.run(self._scored_prefill_plan(start, n, out, sampled, prompt_logprobs))
             self.cached = list(ids[:start + n])  # this chunk's rows are written (queued in full, on the GPU)
             if out == "logits":
                 logits.append(self.backend.read("logits_rows")[:n])
             if prompt_logprobs is not None:
-                self.prompt_logprobs += from_rows(self.backend.read("logprob_rows")[:len(following)],
-                                                  prompt_logprobs)
+                self.prompt_logprobs += scoring.from_rows(self.backend.read("logprob_rows")[:len(following)],
+                                                          prompt_logprobs)
         return logits
+
+    def _scored_prefill_plan(self, start: int, n: int, output: str, logprobs: int | None,
+                             prompt_logprobs: int | None) -> plans.Plan:
+        """The prefill chunk of _prefill_plan with the logprobs kernel: the sampled token's (output "sample",
+        `logprobs`) and every row's (`prompt_logprobs`)."""
+        key = (start, n, output, self.prefill_kernels, logprobs, prompt_logprobs)
+        if key not in self._scored_prefills:
+            if len(self._scored_prefills) > 64:
+                self._scored_prefills.clear()
+            V = self.sample_vocab
+            base = self._prefill_plan(start, n, output)
+            if prompt_logprobs is None:  # output "sample": the first token's
+                plan = plans.with_logprobs(base, logprobs, [plans.token_logprobs(V, 1, logprobs)])
+            else:
+                plan = plans.scored_prefill_plan(self._prefill_plan(start, n, "none"),
+                                                 self._prefill_plan(start, n, "logits"),
+                                                 base if output == "sample" else None, V, self.cfg.vocab_size, n,
+                                                 prompt_logprobs, logprobs)
+            self._scored_prefills[key] = plan
+        return self._scored_prefills[key]
 
     def start(self, prompt_ids: Sequence[int], params: SamplingParams, reuse: bool = False,
               logprobs: int | None = None, prompt_logprobs: int | None = None) -> int:
@@ -157,7 +176,7 @@ class PlanRunner:
         self._prefill(prompt, "sample", state, begin, logprobs, prompt_logprobs)
         self.last = self.backend.read_token()
         if logprobs is not None:
-            self._records += from_rows(self.backend.read("logprob_step")[:1], logprobs)
+            self._records += scoring.from_rows(self.backend.read("logprob_step")[:1], logprobs)
         return self.last
 
     def _queue_step(self) -> int:
@@ -172,11 +191,14 @@ class PlanRunner:
     def decode_plan(self, logprobs: int | None = None) -> plans.Plan:
         """The decode step (`decode`), or with the logprobs kernel for `logprobs` alternatives: made once each, so
         the CUDA backend captures each as its own graph (for benchmarks: backend.replay(plan) times one)."""
-        if logprobs not in self._decode_plans:
-            self._decode_plans[logprobs] = plans.decode_plan(self.cfg, self.max_seq_len, self.sample_vocab, logprobs)
-        return self._decode_plans[logprobs]
+        if logprobs is None:
+            return self.decode
+        if (1, logprobs) not in self._scored_steps:
+            self._scored_steps[1, logprobs] = plans.with_logprobs(
+                self.decode, logprobs, [plans.token_logprobs(self.sample_vocab, 1, logprobs)])
+        return self._scored_steps[1, logprobs]
 
-    def take_logprobs(self) -> list[TokenLogprob]:
+    def take_logprobs(self) -> list[scoring.TokenLogprob]:
         """The log-probabilities of the tokens start(), next() and verify() returned since the last call, in
         order (one per token; none unless start() asked for them)."""
         records, self._records = self._records, []
@@ -200,7 +222,7 @@ class PlanRunner:
                 self._queued = self._queue_step()  # for the token `slot` will hold
             self.last = self.backend.token(slot)
             if self._logprobs is not None:
-                self._records += from_rows(self.backend.fetched(slot)[:1], self._logprobs)
+                self._records += scoring.from_rows(self.backend.fetched(slot)[:1], self._logprobs)
         except BaseException:
             # Cut short (a step half run on the CPU leaves the device state half advanced): start() again.
             self.last, self._queued = None, None
@@ -218,15 +240,20 @@ class PlanRunner:
         rows must fit in the KV cache); 0 also when the context is full (then verify, as next, raises)."""
         return max(0, min(plans.MAX_DRAFT, self.max_seq_len - len(self.cached) - 1))
 
-    def verify_plan(self, k: int, logprobs: int | None = None) -> plans.Plan:
+    def verify_plan(self, k: int) -> plans.Plan:
         """The verify step of k drafts (1..plan.MAX_DRAFT), made once: the CUDA backend captures it as its own
         graph (by its name, verify[k]). For benchmarks: backend.replay(plan) times one verify step; each
-        replay advances the position by the tokens it accepts (1..k + 1), like a decode step's by one.
-        `logprobs`: with the logprobs kernel over its rows (plan.verify_plan)."""
-        if (k, logprobs) not in self._verify_plans:
-            self._verify_plans[k, logprobs] = plans.verify_plan(self.cfg, self.max_seq_len, k, self.sample_vocab,
-                                                                logprobs)
-        return self._verify_plans[k, logprobs]
+        replay advances the position by the tokens it accepts (1..k + 1), like a decode step's by one."""
+        if k not in self._verify_plans:
+            self._verify_plans[k] = plans.verify_plan(self.cfg, self.max_seq_len, k, self.sample_vocab)
+        return self._verify_plans[k]
+
+    def _scored_verify_plan(self, k: int, logprobs: int) -> plans.Plan:
+        """verify_plan(k) with the logprobs kernel over its rows (row r: its pick, accepted token r)."""
+        if (k + 1, logprobs) not in self._scored_steps:  # keyed by rows: a decode step's is 1
+            self._scored_steps[k + 1, logprobs] = plans.with_logprobs(
+                self.verify_plan(k), logprobs, [plans.token_logprobs(self.sample_vocab, k + 1, logprobs)])
+        return self._scored_steps[k + 1, logprobs]
 
     def verify(self, drafts: Sequence[int]) -> list[int]:
         """Check k = len(drafts) drafted tokens in ONE pass over the rows [last, *drafts] at positions
@@ -269,8 +296,9 @@ class PlanRunner:
             if self._logprobs is None:
                 accepted = self.backend.verify(self.verify_plan(len(drafts)), rows)
             else:  # row r's pick is accepted[r] for every accepted row
-                accepted = self.backend.verify(self.verify_plan(len(drafts), self._logprobs), rows, "logprob_step")
-                self._records += from_rows(self.backend.fetched("verify")[:len(accepted)], self._logprobs)
+                accepted = self.backend.verify(self._scored_verify_plan(len(drafts), self._logprobs), rows,
+                                               "logprob_step")
+                self._records += scoring.from_rows(self.backend.fetched("verify")[:len(accepted)], self._logprobs)
         except BaseException:  # as in next(): a step cut short leaves the device state half advanced
             self.last, self._queued = None, None
             raise
@@ -284,7 +312,7 @@ class PlanRunner:
         self.last, self._queued, self.cached = None, None, []  # nothing is sampled: decoding needs a start()
         return np.concatenate(self._prefill(list(token_ids), "logits"))
 
-    def score(self, token_ids: Sequence[int], top: int = 0) -> list[TokenLogprob]:
+    def score(self, token_ids: Sequence[int], top: int = 0) -> list[scoring.TokenLogprob]:
         """The log-probability of each of token_ids[1:] given the ids before it, with `top` alternatives: one
         prefill whose every row is reduced on the device (no vocabulary row reaches the host). Like logits(),
         it leaves nothing to decode from (the KV cache holds the ids, for a later start's reuse)."""

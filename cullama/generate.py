@@ -251,13 +251,13 @@ class GenerationStream:
         self.result: Generation | None = None
         self.token_ids: list[int] = []  # sampled so far
         self.pieces: list[str] = []  # streamed so far
-        self.timings = Timings()
-        self._ticket: int | None = None  # this generation's RunnerGuard ticket, from its first runner call
-        self._close_reason = "cancelled"
         # logprobs: each token's TokenLogprob (EOS's too), paired in order from the runner's take_logprobs()
         self.token_logprobs: list[TokenLogprob] | None = None if options.logprobs is None else []
         self.prompt_logprobs: list[TokenLogprob | None] | None = None  # set once the prompt is scored
         self._unpaired: collections.deque[TokenLogprob] = collections.deque()
+        self.timings = Timings()
+        self._ticket: int | None = None  # this generation's RunnerGuard ticket, from its first runner call
+        self._close_reason = "cancelled"
         self._run = self._generate()  # the generator behind __next__
 
     def __iter__(self) -> Iterator[str]:

@@ -26,6 +26,7 @@ from .ops.sampling import LP_MAX, LP_MAX_TOP, LP_SUM, LP_TARGET, LP_TARGET_ID, L
 from .sampling import is_int
 
 MAX_TOP = LP_MAX_TOP  # the most alternatives per position (OpenAI's top_logprobs limit, 20)
+NO_TARGET = -1  # a row's target when it has none (a prompt's last row): outside the vocabulary, no log-probability
 
 
 @dataclasses.dataclass(frozen=True)

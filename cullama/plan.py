@@ -22,11 +22,10 @@ gemv_logits + sample on its last row (or a logits GEMM over every row, for `Llam
 through the V both kernels take (their rows, and the row stride of a verify step's logits): a model whose
 vocabulary is padded past its tokenizer's pieces never samples an id that has no text.
 
-Log-probabilities (cullama/logprobs.py), only in the plans that ask for them: `logprobs=N` appends the logprobs
-kernel after sample (a decode step: the sampled token's row; a verify step: every row, for its pick; a prefill's
-"sample" chunk: the first token's) into logprob_step; `prompt_logprobs=N` on a prefill chunk also computes every
-row's logits (the "logits" output's GEMM) and reduces them against the next prompt ids into logprob_rows. N is
-how many alternatives per row (0..20). Both over the same sample_vocab ids. The plans without them are unchanged.
+Log-probabilities (cullama/logprobs.py) are launches added to these plans by the end of this module, never in
+them: `token_logprobs` after a step's sample (a decode step's row, a verify step's rows, a prefill's last row) into
+logprob_step, `prompt_logprobs` over a chunk's "logits" output into logprob_rows, each with N alternatives (0..20)
+over the sample_vocab ids; `with_logprobs` and `scored_prefill_plan` compose the plans that carry them.
 """
 
 from __future__ import annotations
@@ -39,10 +38,10 @@ from .config import LlamaConfig
 from .errors import KernelError
 from .ops import attention_mma as attention_mma_ops
 from .ops import gemv as gemv_ops
-from .ops import sampling as sampling_ops
 from .prefill_kernels import GemmKernel, PrefillKernels, cdiv, tile_counters, workspace_floats
 from .reference import rope_tables
 from .registry import KernelSpec
+from .ops import sampling as sampling_ops  # the logprobs kernel's
 
 GEMV_ROWS, GEMV_UNROLL, GEMV_THREADS = 4, 4, 128
 # A verify step's GEMVs (TOKENS = k + 1 rows): fewer loads in flight per thread leave registers for the
@@ -252,7 +251,6 @@ def attention_prefill_mma_spec(cfg: LlamaConfig) -> KernelSpec:
 
 
 SAMPLE = KernelSpec("sampling.cu", "sample")
-LOGPROBS = KernelSpec("sampling.cu", "logprobs")
 
 
 def prefill(name: str) -> KernelSpec:
@@ -266,22 +264,14 @@ def _layer(i: int, name: str) -> Ref:
     return Ref(f"layers.{i}.{name}")
 
 
-def decode_plan(cfg: LlamaConfig, max_seq: int, sample_vocab: int | None = None, logprobs: int | None = None) -> Plan:
-    """A decode step; with `logprobs` (N alternatives), the sampled token's log-probabilities in logprob_step[0]."""
+def decode_plan(cfg: LlamaConfig, max_seq: int, sample_vocab: int | None = None) -> Plan:
     check_supported(cfg)
-    launches = _step_launches(cfg, max_seq, 1, Ref, sample_vocab)
-    if logprobs is None:
-        return Plan("decode", launches)
-    V = sample_vocab or cfg.vocab_size
-    return Plan(f"decode+logprobs[{logprobs}]", launches + [
-        _logprobs(Ref("logits"), V, V, Ref("state"), sampling_ops.STATE_TOKEN, 1, logprobs)])
+    return Plan("decode", _step_launches(cfg, max_seq, 1, Ref, sample_vocab))
 
 
-def verify_plan(cfg: LlamaConfig, max_seq: int, k: int, sample_vocab: int | None = None,
-                logprobs: int | None = None) -> Plan:
+def verify_plan(cfg: LlamaConfig, max_seq: int, k: int, sample_vocab: int | None = None) -> Plan:
     """A verify step of k drafts (1..MAX_DRAFT): the token rows verify_ids[:k + 1] at positions pos..pos + k
-    (the host keeps pos + k < max_seq); the decode step's launches with k + 1 rows, sample accepting. With
-    `logprobs`, row r's pick's log-probabilities in logprob_step[r] (the accepted tokens: rows 0..n - 1)."""
+    (the host keeps pos + k < max_seq); the decode step's launches with k + 1 rows, sample accepting."""
     check_supported(cfg)
     if not 1 <= k <= MAX_DRAFT:
         raise KernelError(f"a verify step checks 1 to {MAX_DRAFT} drafts, not {k}")
@@ -292,20 +282,7 @@ def verify_plan(cfg: LlamaConfig, max_seq: int, k: int, sample_vocab: int | None
 
     embed = Launch(prefill("embed_rows"), (rows, 1, 1), ROW_THREADS,
                    (act("ids"), Ref("embed"), act("x"), i32(cfg.hidden_size)))
-    launches = [embed] + _step_launches(cfg, max_seq, rows, act, sample_vocab)
-    if logprobs is None:
-        return Plan(f"verify[{k}]", launches)
-    V = sample_vocab or cfg.vocab_size
-    return Plan(f"verify[{k}]+logprobs[{logprobs}]", launches + [
-        _logprobs(act("logits"), V, gemv_ops.logits_stride(V), act("picks"), 0, rows, logprobs)])
-
-
-def _logprobs(logits: Ref, V: int, stride: int, targets: Ref, target_at: int, rows: int, top: int,
-              out: Ref = Ref("logprob_step")) -> Launch:
-    """The logprobs kernel over `rows` rows of `logits` (stride floats apart, their first V ids), row r against
-    targets[target_at + r], with `top` alternatives, into out's rows."""
-    return Launch(LOGPROBS, (rows, 1, 1), SAMPLE_THREADS,
-                  (logits, targets, out, i32(V), i32(stride), i32(target_at), i32(top)))
+    return Plan(f"verify[{k}]", [embed] + _step_launches(cfg, max_seq, rows, act, sample_vocab))
 
 
 def _step_launches(cfg: LlamaConfig, max_seq: int, rows: int, act, sample_vocab: int | None) -> list[Launch]:
@@ -373,16 +350,13 @@ PREFILL_OUTPUTS = ("sample", "logits", "none")
 
 def prefill_plan(cfg: LlamaConfig, max_seq: int, start: int, n: int, output: str = "sample",
                  kernels: PrefillKernels = PrefillKernels(), chunk: int | None = None,
-                 sample_vocab: int | None = None, logprobs: int | None = None,
-                 prompt_logprobs: int | None = None) -> Plan:
+                 sample_vocab: int | None = None) -> Plan:
     """Prompt tokens prefill_ids[:n] at positions start..start+n-1 (n <= chunk: the rows runtime_buffers
     made, default PREFILL_CHUNK), with the GEMM and attention kernels `kernels` names (prefill_kernels.py).
 
     output "sample": the last row's logits go through the decode step's gemv_logits + sample (which
     sets pos = start + n, so the host sets state[POS] = start + n - 1 first); "logits":
     logits_rows[:n] gets every row's logits; "none": only the KV cache is filled (an early chunk).
-    logprobs (output "sample" only): the first token's log-probabilities in logprob_step[0]; prompt_logprobs:
-    logprob_rows[r] those of prefill_targets[r] (the host's next prompt ids) after row r, with every output.
     """
     check_supported(cfg)
     if output not in PREFILL_OUTPUTS:
@@ -409,15 +383,54 @@ def prefill_plan(cfg: LlamaConfig, max_seq: int, start: int, n: int, output: str
             rows("silu_mul_rows", Ref("gu_rows"), Ref("h_rows"), i32(ff)),
             _gemm(gemm, "h_rows", _layer(i, "w_down"), "x_rows", n, d, ff, True),
         ]
-    if output == "logits" or prompt_logprobs is not None:
+    if output == "logits":
         launches += [rows("rmsnorm_rows", Ref("x_rows"), Ref("final_norm"), Ref("xn_rows"), i32(d), eps),
                      _gemm(gemm, "xn_rows", Ref("lm_head"), "logits_rows", n, V, d, False)]
-    if prompt_logprobs is not None:
-        launches.append(_logprobs(Ref("logits_rows"), sample_vocab or V, V, Ref("prefill_targets"), 0, n,
-                                  prompt_logprobs, Ref("logprob_rows")))
-    if output == "sample":
+    elif output == "sample":
         launches += _logits_and_sample(cfg, Ref("x_rows", n - 1), sample_vocab=sample_vocab)
-        if logprobs is not None:
-            launches.append(_logprobs(Ref("logits"), sample_vocab or V, sample_vocab or V, Ref("state"),
-                                      sampling_ops.STATE_TOKEN, 1, logprobs))
     return Plan(f"prefill[{start}:{start + n}]", launches)
+
+
+# -- log-probabilities (cullama/logprobs.py) ------------------------------------------------------------
+LOGPROBS = KernelSpec("sampling.cu", "logprobs")
+
+
+def token_logprobs(V: int, rows: int, top: int) -> Launch:
+    """The logprobs kernel after a step's sample, into logprob_step, with `top` alternatives over the first V ids
+    (sample_vocab): 1 row, a decode step's (or a prefill's last row's) logits against the token sample wrote into
+    state; k + 1 rows, a verify step's rows against their picks (row r's pick is accepted token r)."""
+    if rows == 1:
+        return _logprobs(Ref("logits"), V, V, Ref("state"), sampling_ops.STATE_TOKEN, 1, top, Ref("logprob_step"))
+    return _logprobs(Ref("verify_logits", rows=rows), V, gemv_ops.logits_stride(V), Ref("verify_picks", rows=rows),
+                     0, rows, top, Ref("logprob_step"))
+
+
+def prompt_logprobs(V: int, vocab: int, n: int, top: int) -> Launch:
+    """The logprobs kernel over a prefill chunk's logits_rows[:n] (the "logits" output's, a row stride of `vocab`):
+    row r against prefill_targets[r] (the next prompt id, -1 for none), the first V ids, into logprob_rows."""
+    return _logprobs(Ref("logits_rows"), V, vocab, Ref("prefill_targets"), 0, n, top, Ref("logprob_rows"))
+
+
+def _logprobs(logits: Ref, V: int, stride: int, targets: Ref, target_at: int, rows: int, top: int,
+              out: Ref) -> Launch:
+    return Launch(LOGPROBS, (rows, 1, 1), SAMPLE_THREADS,
+                  (logits, targets, out, i32(V), i32(stride), i32(target_at), i32(top)))
+
+
+def with_logprobs(plan: Plan, top: int, launches: list[Launch]) -> Plan:
+    """`plan`'s launches and then `launches`, named for its `top` (a CUDA graph is captured per name)."""
+    return Plan(f"{plan.name}+logprobs[{top}]", plan.launches + launches)
+
+
+def scored_prefill_plan(none: Plan, logits: Plan, sample: Plan | None, V: int, vocab: int, n: int, top: int,
+                        logprobs: int | None) -> Plan:
+    """A prefill chunk whose every row is scored, from the plans of the same chunk with each output: the "logits"
+    output's launches (every row's logits), the logprobs kernel over them, then for the prompt's last chunk
+    (`sample`) the "sample" output's own launches (those after the ones it shares with "none") and, with
+    `logprobs`, the sampled token's."""
+    launches = logits.launches + [prompt_logprobs(V, vocab, n, top)]
+    if sample is not None:
+        launches += sample.launches[len(none.launches):]
+        if logprobs is not None:
+            launches.append(token_logprobs(V, 1, logprobs))
+    return Plan(f"{(sample or logits).name}+prompt_logprobs[{top}]", launches)

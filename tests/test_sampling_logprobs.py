@@ -130,15 +130,12 @@ def test_finishing_the_special_rows():
 def test_every_logprobs_launch_matches_the_kernel_signature():
     for name in ("llama-2-7b", "tiny"):
         cfg = device_config(preset(name))
-        bufs = buffers(cfg, 512)
-        launches = plans.decode_plan(cfg, 512, logprobs=20).launches
-        launches += plans.verify_plan(cfg, 512, 3, cfg.vocab_size - 5, logprobs=0).launches
-        for output in plans.PREFILL_OUTPUTS:
-            launches += plans.prefill_plan(cfg, 512, 64, 37, output, logprobs=3, prompt_logprobs=5).launches
+        bufs, V = buffers(cfg, 512), cfg.vocab_size
+        found = [plans.token_logprobs(V, 1, 20), plans.token_logprobs(V - 5, 4, 0),
+                 plans.prompt_logprobs(V - 5, V, 37, 5)]
         params = SIGNATURES["sampling.cu", "logprobs"]
-        found = [l for l in launches if l.spec == SPEC]
-        assert len(found) == 2 + 3 + 1  # decode, verify, the three outputs' prompt rows, the sampled token
         for launch in found:
+            assert launch.spec == SPEC
             for (ctype, pname, is_pointer), arg in zip(params, launch.args, strict=True):
                 if is_pointer:
                     assert bufs[arg.name].dtype == POINTER_DTYPES[ctype], (pname, arg)
@@ -146,14 +143,22 @@ def test_every_logprobs_launch_matches_the_kernel_signature():
                     assert type(arg) is SCALAR_TYPES[ctype], pname
 
 
-def test_plans_without_logprobs_are_unchanged():
+def test_the_scored_plans_are_the_plain_ones_and_the_kernel():
     cfg = device_config(preset("tiny"))
-    assert plans.decode_plan(cfg, 64, logprobs=None).launches == plans.decode_plan(cfg, 64).launches
-    assert SPEC not in plans.decode_plan(cfg, 64).kernels()
-    assert SPEC not in plans.verify_plan(cfg, 64, 2).kernels()
-    assert SPEC not in plans.prefill_plan(cfg, 64, 0, 9, "sample").kernels()
-    with_them = plans.decode_plan(cfg, 64, logprobs=2)
-    assert with_them.launches[:-1] == plans.decode_plan(cfg, 64).launches and with_them.name != "decode"
+    decode, verify = plans.decode_plan(cfg, 64), plans.verify_plan(cfg, 64, 3)
+    scored = plans.with_logprobs(decode, 2, [plans.token_logprobs(cfg.vocab_size, 1, 2)])
+    assert scored.launches[:-1] == decode.launches and scored.name == "decode+logprobs[2]"
+    assert SPEC not in decode.kernels() | verify.kernels() | plans.prefill_plan(cfg, 64, 0, 9, "sample").kernels()
+    rows = plans.token_logprobs(cfg.vocab_size, 4, 0)
+    assert rows.grid == (4, 1, 1) and rows.args[0] == plans.Ref("verify_logits", rows=4)
+    none, logits, sample = (plans.prefill_plan(cfg, 64, 8, 9, out) for out in ("none", "logits", "sample"))
+    prefill = plans.scored_prefill_plan(none, logits, sample, cfg.vocab_size, cfg.vocab_size, 9, 3, 1)
+    tail = sample.launches[len(none.launches):]  # gemv_logits and sample on the last row
+    assert [l.spec.name for l in tail] == ["gemv_logits", "sample"]
+    assert prefill.launches == logits.launches + [plans.prompt_logprobs(cfg.vocab_size, cfg.vocab_size, 9, 3)] + \
+        tail + [plans.token_logprobs(cfg.vocab_size, 1, 1)]
+    early = plans.scored_prefill_plan(none, logits, None, cfg.vocab_size, cfg.vocab_size, 9, 3, None)
+    assert early.launches == logits.launches + [plans.prompt_logprobs(cfg.vocab_size, cfg.vocab_size, 9, 3)]
 
 
 # ---- the kernel on the CPU executor (emu) --------------------------------------------------------------

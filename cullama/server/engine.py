@@ -196,8 +196,8 @@ class Engine:
         stream = None
         try:
             stream = self.llm.stream(job.prompt_ids, **job.options)
-            scores = logprob_fields.cursor(stream, job.options)  # None unless the request asked for them
             self.metrics.prompt(len(job.prompt_ids))
+            scores = logprob_fields.cursor(stream, job.options)  # None unless the request asked for them
             for piece in stream:
                 if job.stop_reason is not None:
                     break

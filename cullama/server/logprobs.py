@@ -22,9 +22,10 @@ import math
 import re
 from typing import Sequence
 
-from ..logprobs import TokenLogprob
+from ..logprobs import MAX_TOP, TokenLogprob
 
 MAX_COMPLETION_LOGPROBS = 5  # OpenAI's legacy completions API: logprobs <= 5
+MAX_TOP_LOGPROBS = MAX_TOP  # chat's top_logprobs <= 20, as OpenAI's
 NO_PROBABILITY = -9999.0
 BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 

@@ -17,7 +17,6 @@ from . import logprobs as logprob_fields
 
 Number = Annotated[float, Field(strict=True, allow_inf_nan=False)]  # a JSON number; true/"1" are not
 MaxTokens = Annotated[StrictInt, Field(ge=1)]
-MAX_TOP_LOGPROBS = 20  # chat's top_logprobs, as OpenAI's (cullama.logprobs.MAX_TOP)
 
 # The error `type` OpenAI's API gives each status (clients key on the status; people read the type).
 ERROR_TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error",
@@ -170,7 +169,7 @@ class CompletionRequest(GenerationRequest):
         if self.logprobs is not None and not 0 <= self.logprobs <= logprob_fields.MAX_COMPLETION_LOGPROBS:
             raise ApiError(400, f"logprobs must be an integer from 0 to {logprob_fields.MAX_COMPLETION_LOGPROBS}, got "
                                 f"{self.logprobs} (top_logprobs on /v1/chat/completions goes to "
-                                f"{MAX_TOP_LOGPROBS})", param="logprobs")
+                                f"{logprob_fields.MAX_TOP_LOGPROBS})", param="logprobs")
         if self.max_tokens == 0 and not self.echo:
             raise ApiError(400, "max_tokens 0 asks for nothing without echo: true (which scores the prompt)",
                            param="max_tokens")
@@ -224,10 +223,11 @@ class ChatRequest(GenerationRequest):
 
     def check(self) -> None:
         super().check()
+        most = logprob_fields.MAX_TOP_LOGPROBS
         if self.top_logprobs is not None:
-            if not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
-                raise ApiError(400, f"top_logprobs must be an integer from 0 to {MAX_TOP_LOGPROBS}, got "
-                                    f"{self.top_logprobs}", param="top_logprobs")
+            if not 0 <= self.top_logprobs <= most:
+                raise ApiError(400, f"top_logprobs must be an integer from 0 to {most}, got {self.top_logprobs}",
+                               param="top_logprobs")
             if not self.logprobs:
                 raise ApiError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
 
