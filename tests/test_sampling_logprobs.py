@@ -16,10 +16,9 @@ from cullama.config import preset
 from cullama.logprobs import from_rows
 from cullama.ops import sampling as ops
 from cullama.registry import KernelSpec
-from cullama.weights import device_config
 
 from conftest import poisoned
-from test_contracts import SIGNATURES, buffers, POINTER_DTYPES, SCALAR_TYPES
+from test_contracts import POINTER_DTYPES, SCALAR_TYPES, SIGNATURES
 
 SPEC = KernelSpec("sampling.cu", "logprobs")
 THREADS = plans.SAMPLE_THREADS
@@ -129,8 +128,8 @@ def test_finishing_the_special_rows():
 
 def test_every_logprobs_launch_matches_the_kernel_signature():
     for name in ("llama-2-7b", "tiny"):
-        cfg = device_config(preset(name))
-        bufs, V = buffers(cfg, 512), cfg.vocab_size
+        cfg = preset(name)  # runtime buffers only: the logits, the targets and the outputs
+        bufs, V = {b.name: b for b in plans.runtime_buffers(cfg, 512)}, cfg.vocab_size
         found = [plans.token_logprobs(V, 1, 20), plans.token_logprobs(V - 5, 4, 0),
                  plans.prompt_logprobs(V - 5, V, 37, 5)]
         params = SIGNATURES["sampling.cu", "logprobs"]
@@ -144,7 +143,7 @@ def test_every_logprobs_launch_matches_the_kernel_signature():
 
 
 def test_the_scored_plans_are_the_plain_ones_and_the_kernel():
-    cfg = device_config(preset("tiny"))
+    cfg = preset("tiny")  # its intermediate size needs no padding
     decode, verify = plans.decode_plan(cfg, 64), plans.verify_plan(cfg, 64, 3)
     scored = plans.with_logprobs(decode, 2, [plans.token_logprobs(cfg.vocab_size, 1, 2)])
     assert scored.launches[:-1] == decode.launches and scored.name == "decode+logprobs[2]"
