@@ -189,3 +189,21 @@ def test_token_texts_and_bytes(oracle):
     assert texts(1) == ("<s>", list(b"<s>")) and texts(9999) == ("token_id:9999", None)
     assert TokenTexts(None)(5) == ("token_id:5", None)
     assert NO_PROBABILITY == -9999.0
+
+
+def test_token_texts_of_other_tokenizers():
+    class OwnBytes:  # a tokenizer that says its tokens' bytes (byte-level BPE, say)
+        vocab_size = 10
+
+        def token_bytes(self, token):
+            return b"\xe2\x82" if token == 1 else b" ab"
+
+    class NoPiece:
+        vocab_size = 10
+
+        def piece(self, token):
+            return None
+
+    assert TokenTexts(OwnBytes())(1) == ("bytes:\\xe2\\x82", [0xE2, 0x82])
+    assert TokenTexts(OwnBytes())(2) == (" ab", [32, 97, 98])
+    assert TokenTexts(NoPiece())(3) == ("token_id:3", None)

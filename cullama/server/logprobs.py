@@ -61,9 +61,10 @@ def cursor(stream, options: dict) -> Cursor | None:
 
 
 class TokenTexts:
-    """Each id's text as OpenAI shows it and its bytes: a piece's own surface ("▁" as a space; a byte-fallback
-    piece's byte, shown as "bytes:\\xNN" where it is not a character alone; a control piece's name), cached per
-    id (at most the vocabulary). Without a tokenizer: "token_id:N" and no bytes."""
+    """Each id's text as OpenAI shows it and its bytes: the tokenizer's `token_bytes(id)` where it has one, else a
+    SentencePiece piece's own surface ("▁" as a space; a byte-fallback piece's byte; a control piece's name); bytes
+    that are part of a character read "bytes:\\xNN". Cached per id (at most the vocabulary). Without a tokenizer,
+    or a piece: "token_id:N" and no bytes."""
 
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
@@ -81,8 +82,10 @@ class TokenTexts:
         own = getattr(self.tokenizer, "token_bytes", None)  # a tokenizer that knows its tokens' bytes
         if own is not None:
             data = own(token)
-        else:
+        else:  # a SentencePiece piece: "▁" is a space, "<0xAB>" the byte AB, a control piece its name
             piece = self.tokenizer.piece(token)
+            if piece is None:
+                return f"token_id:{token}", None
             byte = BYTE_PIECE.fullmatch(piece)
             data = bytes([int(byte.group(1), 16)]) if byte else piece.replace("\u2581", " ").encode()
         try:
