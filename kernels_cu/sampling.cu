@@ -440,8 +440,9 @@ extern "C" __global__ void uniform_probe(unsigned long long seed, int step, floa
 //   LP_TARGET_ID  the target (int32 bits)
 //   LP_TOP + j, LP_TOP_ID + j, j < top (<= LP_MAX_TOP): the j-th largest logit (NaN as -inf) and its id, the lowest
 //                 id first on ties: pass j finds the block's largest (key << 32 | ~id) below pass j - 1's
-// The host turns them into l - (m + log s) in float64. Passes over the row (from L1 / L2 after the first):
-// 2 + (top - 1); each ends in one block reduction, the sums in a fixed order (deterministic). Not measured yet.
+// The host turns them into l - (m + log s) in float64. Passes over the row (from L1 / L2 after the first): two,
+// and one more per alternative past the first, each ending in one block reduction; the sums run in a fixed order
+// (deterministic). Cost not measured yet (benchmarks/logprobs_step.py, PREDICTIONS.md).
 #define LP_MAX 0
 #define LP_SUM 1
 #define LP_TARGET 2

@@ -29,7 +29,8 @@ CASES = [(517, 520, 3, 20), (1000, 1000, 2, 5), (7, 8, 2, 20), (33001, 33004, 1,
 
 def make_logits(V, stride, rows, seed, kind="plain"):
     """[rows, stride] float32 (the columns past V NaN, never read): normal logits with -inf, NaN (a negative
-    NaN too), -0.0 and ties on a 0.5 grid, the largest at the first id (the last id in the last row); `kind` "inf": three +inf in row 0; "none": row 0 all NaN / -inf."""
+    NaN too), -0.0 and ties on a 0.5 grid, the largest at the first id (the last id in the last row); `kind`
+    "inf": three +inf in row 0; "none": row 0 all NaN / -inf."""
     rng = np.random.default_rng(seed)
     l = np.full((rows, stride), np.nan, np.float32)
     for r in range(rows):
