@@ -481,4 +481,77 @@ def kernels(arch):
         sys.exit(1)
 
 
+@main.command()
+@click.option("--model", "model_dir", required=True, type=click.Path(), help="HF LLaMA checkpoint directory.")
+@click.argument("file", type=click.Path(allow_dash=True))
+@click.option("--ids", "as_ids", is_flag=True, help="FILE holds token ids (separated by spaces, commas or newlines), "
+                                                    "not text.")
+@click.option("--stride", type=int, help="Ids between the starts of two windows [default: half the context].")
+@click.option("--device", default="auto", show_default=True, type=click.Choice(["auto", "cpu", "cuda"]))
+@click.option("--max-seq-len", type=int, help="The window: the context to allocate [default: the model's].")
+@click.option("--tokenizer", type=click.Path(), help="tokenizer.model to use instead of the checkpoint's.")
+@click.option("--json", "as_json", is_flag=True, help="Print the figures and the options as JSON.")
+def perplexity(model_dir, file, as_ids, stride, device, max_seq_len, tokenizer, as_json, **load_options):
+    """The perplexity of the text in FILE ('-': standard input) through the model's tokenizer (with BOS), or of
+    the token ids in it (--ids). A text longer than the context is scored in sliding windows of the context,
+    --stride ids apart, each id once with the context its window gives it (HuggingFace's perplexity guide).
+    Options that choose how the model is loaded go to `load` as they are (`load_options`)."""
+    from ..llama import prompt_ids as checked_ids
+    from ..logprobs import windows
+
+    data = _read_input(file)
+    ids: list[int] = []
+
+    def check(config, tok, context):
+        """The ids (or the text, through the tokenizer) and the stride, before the weights load."""
+        if as_ids:
+            ids[:] = checked_ids(_file_ids(data, file), config.vocab_size, None)
+        elif tok is None:
+            raise PromptError(f"{model_dir} has no tokenizer.model: give token ids with --ids, or name a tokenizer "
+                              "with --tokenizer PATH")
+        else:
+            ids[:] = checked_ids(data, config.vocab_size, tok)
+        if len(ids) < 2:
+            raise PromptError(f"{file} holds {len(ids)} token{'s' if len(ids) != 1 else ''}: a perplexity needs at "
+                              "least 2")
+        windows(len(ids), context, context // 2 if stride is None else stride)  # an OptionError naming --stride
+
+    llm = load(model_dir, device, max_seq_len, tokenizer, check, **load_options)
+    result = llm.perplexity(ids, stride=stride)
+    if as_json:
+        out(json.dumps({**result.to_dict(), "model": str(model_dir), "file": file, "ids": as_ids,
+                        "device": llm.device, **load_options}))
+    else:
+        settings = ", ".join(f"{k} {v}" for k, v in load_options.items() if v is not None)
+        out(f"perplexity {result.perplexity:.4f} (nll {result.nll:.4f} nats per token, {result.tokens} tokens, "
+            f"{result.windows} window{'s' if result.windows != 1 else ''} of {result.context} tokens, stride "
+            f"{result.stride}, {llm.device}{', ' + settings if settings else ''})")
+
+
+def _read_input(file: str) -> str:
+    """FILE as text (standard input for '-'): bytes that are not UTF-8 become U+FFFD, with a note."""
+    from pathlib import Path
+
+    if file == "-":
+        return TextInput().read()
+    try:
+        data = Path(file).read_bytes()
+    except OSError as exc:
+        raise PromptError(f"cannot read {file}: {exc.strerror or exc}") from None
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError:
+        note(f"{file} is not valid UTF-8: the bytes that are not became U+FFFD")
+        return data.decode("utf-8", errors="replace")
+
+
+def _file_ids(text: str, file: str) -> list[int]:
+    """The integers of an ids file: separated by spaces, commas or newlines (a JSON list reads too)."""
+    words = text.replace(",", " ").replace("[", " ").replace("]", " ").split()
+    for i, word in enumerate(words):
+        if not word.lstrip("-").isdigit():
+            raise PromptError(f"{file}: {word[:20]!r} (item {i}) is not a token id")
+    return [int(w) for w in words]
+
+
 from . import bench as _bench  # noqa: E402,F401  (registers `cullama bench`)

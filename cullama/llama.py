@@ -1,4 +1,4 @@
-"""The public API: `Llama.from_pretrained(path)`, then `generate`, `stream` and `logits`.
+"""The public API: `Llama.from_pretrained(path)`, then `generate`, `stream`, `logits`, `logprobs` and `perplexity`.
 
     llm = cullama.Llama.from_pretrained("path/to/llama-2-7b-hf")
     print(llm.generate("The capital of France is", max_new_tokens=20).text)
@@ -15,7 +15,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from . import checkpoint, device as devices, plan as plans
+from . import checkpoint, device as devices, logprobs as scoring, plan as plans
 from .config import LlamaConfig, from_pretrained as read_config, preset
 from .errors import OptionError, PromptError
 from .generate import Generation, GenerationOptions, GenerationStream, Runner, RunnerGuard
@@ -154,7 +154,8 @@ class Llama:
                top_k: int = 0, top_p: float = 1.0, repetition_penalty: float = 1.0, seed: int | None = None,
                stop: str | Sequence[str] | None = (), ignore_eos: bool = False,
                reuse_cache: bool = False, speculative=None, draft_tokens: int | None = None,
-               adaptive_draft: bool = False) -> GenerationStream:
+               adaptive_draft: bool = False, logprobs: int | None = None,
+               prompt_logprobs: int | None = None) -> GenerationStream:
         """Iterate over text pieces as they become final; the stream's `.result` is the Generation.
 
         Every option is checked here (OptionError, a PromptError, naming it), before anything runs.
@@ -167,13 +168,19 @@ class Llama:
         draft_tokens (1..8, default 4) drafted tokens at once, and adaptive_draft moves that number with the
         recent acceptance. Greedy output is the same as plain decoding's; `result.speculative` holds the
         statistics (method, k, steps, drafted, accepted, tokens per step).
+        logprobs: None (off), or N from 0 to 20: `result.logprobs` holds each generated token's log-probability
+        (TokenLogprob, EOS's too) and its N most likely alternatives, under the model's raw softmax (before the
+        repetition penalty, temperature, top-k and top-p; cullama/logprobs.py), computed on the device beside the
+        token (speculative decoding: from the verify rows). prompt_logprobs: the same for every prompt id
+        (`result.prompt_logprobs`, None for the first), from the prompt's one prefill (the whole prompt is then
+        prefilled, whatever reuse_cache says); with max_new_tokens=0 the prompt is only scored.
 
         The stream starts computing at its first read, and from then on it owns the model until it ends:
         another generation started before that ends it (see the class docstring)."""
         options = GenerationOptions.checked(
             max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
             repetition_penalty=repetition_penalty, seed=seed, stop=stop, ignore_eos=ignore_eos,
-            reuse_cache=reuse_cache)
+            reuse_cache=reuse_cache, logprobs=logprobs, prompt_logprobs=prompt_logprobs)
         spec = SpeculativeOptions.checked(speculative, draft_tokens, adaptive_draft)
         detok = self.tokenizer.stream_decoder() if self.tokenizer else None
         args = (self.runner, detok, self.encode(prompt), options, self.eos_ids, self.guard)
@@ -202,6 +209,42 @@ class Llama:
         with self.guard.lock:
             self.guard.claim()
             return np.asarray(self.runner.logits(ids), dtype=np.float32)
+
+    def logprobs(self, prompt: str | Sequence[int], top: int = 0) -> list[scoring.TokenLogprob | None]:
+        """The log-probability of every prompt token given the ones before it (token ids, or text, which gets
+        BOS), with the `top` (0 to 20) most likely ids at each position: [None (nothing predicts the first
+        token), TokenLogprob, ...], one per token. One prefill whose rows are reduced on the device, under the
+        model's raw softmax (cullama/logprobs.py). At most the context's tokens (perplexity() takes any length).
+        Ends an unfinished stream, like any generation, and leaves nothing to decode from."""
+        if scoring.checked_top(top, "top") is None:
+            raise OptionError("top", f"must be an integer from 0 to {scoring.MAX_TOP}, got None")
+        ids = self.encode(prompt)
+        if not ids:
+            raise PromptError("logprobs() needs at least one token id")
+        if len(ids) > self.runner.max_seq_len:
+            raise PromptError(f"{len(ids)} tokens do not fit in the context of {self.runner.max_seq_len} "
+                              "(perplexity() scores a longer text in sliding windows)")
+        with self.guard.lock:
+            self.guard.claim()
+            return [None, *self.runner.score(ids, int(top))]
+
+    def perplexity(self, prompt: str | Sequence[int], stride: int | None = None) -> scoring.Perplexity:
+        """The perplexity of a text (with BOS) or of token ids, of any length: windows of the whole context
+        (max_seq_len), `stride` ids apart (default half the context), each id scored once with the context its
+        window gives it, as HuggingFace's perplexity guide does (cullama.logprobs.windows). One prefill per window;
+        holds the model throughout."""
+        context = self.runner.max_seq_len
+        stride = context // 2 if stride is None else stride
+        if not is_int(stride) or not 1 <= stride <= context:
+            raise OptionError("stride", f"must be an integer from 1 to the context ({context}), got {stride!r}")
+        ids = self.encode(prompt)
+
+        def score(window: Sequence[int]) -> list[float]:
+            return [record.logprob for record in self.runner.score(window)]
+
+        with self.guard.lock:
+            self.guard.claim()
+            return scoring.perplexity(score, ids, context, int(stride))
 
 
 def prompt_ids(prompt, vocab_size: int, tokenizer: TokenizerBase | None) -> list[int]:
