@@ -58,6 +58,8 @@ class JsonTokenizer(TokenizerBase):
         # ByteFallback reads a run of byte pieces as one: its text is final only once the run has ended
         self._byte_ids = frozenset(i for p, i in vocab.items() if BYTE_PIECE.fullmatch(p)) \
             if "ByteFallback" in decoders else frozenset()
+        self._byte_level = "ByteLevel" in decoders  # pieces spell bytes through GPT-2's byte-to-character table
+        self._added_ids = frozenset(self._tok.get_added_tokens_decoder())
         self._filler = self._find_filler()
         self._filler_text = "" if self._filler is None else self._tok.decode([self._filler])
 
@@ -89,6 +91,21 @@ class JsonTokenizer(TokenizerBase):
     def piece(self, token_id: int) -> str | None:
         """The vocabulary entry itself (e.g. 'Ġhello', '<|eot_id|>'); None for an id no token has."""
         return self._tok.id_to_token(self._checked([token_id])[0])
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes one token stands for (OpenAI's `bytes` of a log-probability): a byte-level piece through
+        GPT-2's byte-to-character table ('Ġhello' -> b' hello'), a SentencePiece-style piece with '▁' as a space
+        and '<0xAB>' as that byte, an added token (a special one too) as its text. b'' for an id no token has."""
+        piece = self.piece(token_id)
+        if piece is None:
+            return b""
+        if token_id in self._added_ids:
+            return piece.encode()
+        if self._byte_level:
+            return bytes(_BYTE_OF_CHAR.get(c, 0x3F) for c in piece)  # '?' for a character the table lacks
+        if token_id in self._byte_ids:
+            return bytes([int(piece[3:5], 16)])
+        return piece.replace("\u2581", " ").encode()
 
     def stream_decoder(self, skip_special_tokens: bool = True) -> JsonStreamDecoder:
         return JsonStreamDecoder(self, skip_special_tokens)
@@ -222,6 +239,18 @@ def _read(path: Path) -> tokenizers.Tokenizer:
     except Exception as exc:  # the library raises a bare Exception with serde's message
         message = " ".join(str(exc).split())[:200]
         raise TokenizerError(f"{path} is not a tokenizer.json the tokenizers library can read ({message})") from None
+
+
+def _bytes_to_chars() -> dict[str, int]:
+    """GPT-2's byte-level alphabet, inverted: the printable Latin-1 bytes stand for themselves, the other bytes
+    for the characters from U+0100 on, in byte order."""
+    kept = [*range(ord("!"), ord("~") + 1), *range(ord("\u00a1"), ord("\u00ac") + 1),
+            *range(ord("\u00ae"), ord("\u00ff") + 1)]
+    moved = [b for b in range(256) if b not in kept]
+    return {**{chr(b): b for b in kept}, **{chr(256 + i): b for i, b in enumerate(moved)}}
+
+
+_BYTE_OF_CHAR = _bytes_to_chars()
 
 
 def _decoder_types(spec) -> set[str]:

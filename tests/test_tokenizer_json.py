@@ -325,3 +325,33 @@ def test_llama3_chat_through_the_server(llama3):
     body = ChatRequest.model_validate({"messages": ref["chats"][1]["messages"], "max_tokens": 4})
     ids, _ = prepare(llama3, body, chat=True, speculative={})
     assert ids == ref["chats"][1]["ids"]
+
+
+# -- each token's bytes (the server's log-probabilities) ---------------------------------------------------------
+
+
+def test_token_bytes_spell_the_text(tokenizer):
+    """Without specials, a text's tokens' bytes joined are the text's UTF-8 (byte-level BPE), or it after the
+    space the normalizer prepends (SentencePiece-style pieces): every family and byte-fallback runs ('日' is a piece,
+    '€' three byte pieces)."""
+    for text in ("the cat sat", "Hello, wörld! 日本 €5", "  two  spaces\nand a line"):
+        ids = tokenizer.encode(text, bos=False)
+        joined = b"".join(tokenizer.token_bytes(i) for i in ids)
+        assert joined in (text.encode(), b" " + text.encode()), (text, joined)
+
+
+def test_token_bytes_of_specials_and_unknown_ids():
+    tok, _ = golden("tiny-llama3")
+    assert tok.token_bytes(tok.eos_ids[0]) == tok.piece(tok.eos_ids[0]).encode()  # '<|...|>' as its text
+    space_hello = tok.encode(" hello", bos=False)
+    assert b"".join(tok.token_bytes(i) for i in space_hello) == b" hello"
+    assert any(tok.piece(i).startswith("\u0120") for i in space_hello)  # 'Ġ' is the byte 0x20
+
+
+def test_server_log_probability_texts_use_token_bytes():
+    from cullama.server.logprobs import TokenTexts
+    tok, _ = golden("tiny-llama3")
+    texts = TokenTexts(tok)
+    pieces = [texts(i) for i in tok.encode(" hello wörld", bos=False)]
+    assert "".join(text for text, _ in pieces) == " hello wörld"
+    assert b"".join(bytes(data) for _, data in pieces) == " hello wörld".encode()
