@@ -33,6 +33,7 @@ import numpy as np
 
 from .errors import OptionError, PromptError, SupersededError
 from .sampling import SamplingParams, is_int
+from .stop_strings import StopMatcher
 
 # Why a generation ended: "eos", "stop" (a stop string), "length" (max_new_tokens or the context), or early:
 # "interrupted" (KeyboardInterrupt), "cancelled" (the stream was closed or a newer generation ended it),
@@ -169,41 +170,6 @@ class GenerationOptions:
     def sampling(self) -> SamplingParams:
         return SamplingParams(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p,
                               repetition_penalty=self.repetition_penalty, seed=self.seed)
-
-
-class StopMatcher:
-    """Holds back streamed text that might still turn into a stop string; cuts at the first one."""
-
-    def __init__(self, stops: Sequence[str]):
-        self.stops = [s for s in stops if s]
-        self.pending = ""
-        self.stopped = False
-        self.matched: str | None = None  # the stop string that was found
-
-    def feed(self, text: str) -> str:
-        """Text that is safe to emit now; sets `stopped` (and `matched`) when a stop string appears."""
-        if not self.stops:
-            return text
-        self.pending += text
-        hits = [(i, s) for i, s in ((self.pending.find(s), s) for s in self.stops) if i >= 0]
-        if hits:
-            at, self.matched = min(hits, key=lambda hit: hit[0])  # the earliest; on a tie, the first listed
-            self.stopped = True
-            out, self.pending = self.pending[:at], ""
-            return out
-        keep = 0  # the longest tail of pending that is a proper prefix of some stop string
-        for s in self.stops:
-            for n in range(min(len(s) - 1, len(self.pending)), keep, -1):
-                if self.pending.endswith(s[:n]):
-                    keep = n
-                    break
-        out = self.pending[:len(self.pending) - keep]
-        self.pending = self.pending[len(self.pending) - keep:]
-        return out
-
-    def flush(self) -> str:
-        out, self.pending = self.pending, ""
-        return out
 
 
 def check_prompt_fits(n: int, max_seq_len: int, max_new_tokens: int) -> None:
