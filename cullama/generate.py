@@ -186,8 +186,8 @@ class GenerationStream:
     however it ends (finish_reason says how; an early end keeps what was streamed so far).
 
     Iterate it once, from one thread at a time. Closing it (`close()`, from the thread that reads it, or
-    dropping it) ends the generation and leaves the model free; a newer generation on the same model ends it
-    too (its next read raises SupersededError)."""
+    dropping it) ends the generation and leaves the model free; `cancel()`, from any thread, ends it before
+    its next token; a newer generation on the same model ends it too (its next read raises SupersededError)."""
 
     def __init__(self, runner: Runner, detokenizer, prompt_ids: list[int], options: GenerationOptions,
                  eos_ids: Sequence[int], guard: RunnerGuard | None = None):
@@ -203,6 +203,7 @@ class GenerationStream:
         self.timings = Timings()
         self._ticket: int | None = None  # this generation's RunnerGuard ticket, from its first runner call
         self._close_reason = "cancelled"
+        self._cancelled = False  # set by cancel(), from any thread; read before each token
         self._run = self._generate()  # the generator behind __next__
 
     def __iter__(self) -> Iterator[str]:
@@ -216,6 +217,13 @@ class GenerationStream:
         self._close_reason = finish_reason
         self._run.close()
         self._finish(finish_reason)
+
+    def cancel(self) -> None:
+        """From any thread: end the generation before its next token, whether or not the last one showed any
+        text (text held back, as a possible start of a stop string, is dropped); the reader's next read ends
+        the stream, and `result` says "cancelled". Under speculative decoding no further verify step runs.
+        Unlike close(), which belongs to the reading thread, this only asks."""
+        self._cancelled = True
 
     def _finish(self, reason: str) -> None:
         if self.result is None:
@@ -279,6 +287,9 @@ class GenerationStream:
         budget = min(self.options.max_new_tokens, self.runner.max_seq_len - len(self.prompt_ids))
         last = time.perf_counter()
         for i in range(budget):
+            if self._cancelled:
+                finish = "cancelled"
+                break
             token = self._step(i, budget)
             now = time.perf_counter()
             if i == 0:
@@ -295,7 +306,7 @@ class GenerationStream:
                 finish = "stop"
                 break
         self._drain()
-        if not self.stop.stopped and self.detok:
+        if not self.stop.stopped and self.detok and finish != "cancelled":
             tail = self.stop.feed(self.detok.flush())
             tail += "" if self.stop.stopped else self.stop.flush()
             if self.stop.stopped:

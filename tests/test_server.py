@@ -233,6 +233,22 @@ def test_a_client_leaving_a_non_streamed_request_cancels_it(server):
     server.wait_metric("cullama_generation_running", lambda v: v == 0)
 
 
+def test_a_client_leaving_while_its_text_is_held_back_cancels_it(server, stories_expected):
+    # The whole output begins the stop string, so nothing is streamed: the server learns of the leaving only
+    # from the socket, and the engine must stop at its next token all the same.
+    before = server.metrics()
+    body = json.dumps({"model": MODEL, "prompt": [1], "max_tokens": 400, "temperature": 0, "ignore_eos": True,
+                       "stream": True, "stop": [stories_expected["text"] + "!"]}).encode()
+    with socket.create_connection((server.host, server.port)) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+        server.wait_metric("cullama_generation_running", lambda v: v == 1)
+    after = server.wait_metric(CANCELLED, lambda v: v == before[CANCELLED] + 1)
+    assert after[COMPLETED] == before[COMPLETED]
+    assert after[GENERATED] - before[GENERATED] < 100  # of 400: it stopped soon after its client left
+    server.wait_metric("cullama_generation_running", lambda v: v == 0)
+
+
 BAD_REQUESTS = [  # (what, path, body, status, param)
     ("malformed JSON", "/v1/completions", b'{"prompt": [1', 400, None),
     ("an empty body", "/v1/completions", b"", 400, None),
