@@ -275,6 +275,7 @@ BAD_REQUESTS = [  # (what, path, body, status, param)
      {"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 512}, 400, "max_completion_tokens"),
     ("a stop of the wrong type", "/v1/completions", {"prompt": [1], "stop": 5}, 400, "stop"),
     ("a stop list holding a number", "/v1/completions", {"prompt": [1], "stop": ["a", 1]}, 400, "stop"),
+    ("17 stop strings", "/v1/completions", {"prompt": [1], "stop": [str(i) for i in range(17)]}, 400, "stop"),
     ("a prompt of the wrong type", "/v1/completions", {"prompt": 1}, 400, "prompt"),
     ("a message content of the wrong type", "/v1/chat/completions", {"messages": [{"role": "user", "content": 5}]},
      400, "messages.0.content"),
@@ -293,7 +294,9 @@ def test_a_bad_request_gets_its_4xx_as_an_openai_error(server, what, path, body,
     assert error["param"] == param and error["type"] == "invalid_request_error"
     if what == "a prompt over the context" or "tokens past" in what:
         assert error["code"] == "context_length_exceeded" and "512" in error["message"]
-    if param in ("stop", "messages.0.content") or what == "a prompt of the wrong type":  # unions of types
+    if what == "17 stop strings":
+        assert error["message"] == "stop: at most 16 stop strings are allowed, got 17"
+    elif param in ("stop", "messages.0.content") or what == "a prompt of the wrong type":  # unions of types
         assert error["message"].startswith(f"{param} must be ") and ".str" not in error["message"]
 
 

@@ -54,3 +54,30 @@ def test_a_plain_field_of_the_wrong_type_keeps_its_path_and_pydantics_words():
 def test_the_body_limit_grows_with_the_context_past_a_floor_of_2_mib():
     assert body_limit(512) == body_limit(4096) == 2 << 20
     assert body_limit(128 * 1024) == 64 * 128 * 1024  # 8 MiB
+
+
+@pytest.mark.parametrize("stop, message", [
+    (["a"] * 17, "stop: at most 16 stop strings are allowed, got 17"),
+    (["."] * 1_000_000, "stop: at most 16 stop strings are allowed, got 1000000"),
+    ("x" * 257, "stop: a stop string may have at most 256 characters; this one has 257"),
+    (["a", "x" * 300], "stop: a stop string may have at most 256 characters; stop string 1 has 300"),
+], ids=["17", "a million", "one too long", "the second too long"])
+def test_stop_strings_are_bounded_in_number_and_length(stop, message):
+    # The matcher's work per token is bounded by the longest stop string; how many there are bounds the
+    # automaton it builds for the request (cullama/stop_strings.py).
+    error = refusal(CompletionRequest, {"prompt": [1], "stop": stop})
+    assert (error.status, error.param, error.message) == (400, "stop", message)
+    body = CompletionRequest.model_validate_json(json.dumps({"prompt": [1], "stop": ["x" * 256] * 16}))
+    assert len(body.stops()) == 16
+
+
+def test_a_list_of_a_million_bad_messages_is_one_complaint_not_a_million():
+    # Building pydantic's complaints for every bad item took seconds, holding the GIL the engine thread needs.
+    raw = json.dumps({"messages": [{"role": "user", "content": 5}] * 100_000})
+    with pytest.raises(ValidationError) as refused:
+        ChatRequest.model_validate_json(raw)
+    assert refused.value.error_count() <= 2
+    raw = json.dumps({"messages": [{"role": "user", "content": [{"type": "image"}] * 100_000}]})
+    with pytest.raises(ValidationError) as refused:
+        ChatRequest.model_validate_json(raw)
+    assert refused.value.error_count() <= 3

@@ -12,9 +12,13 @@ from typing import Annotated, Any, Literal
 
 from pydantic import (BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, ValidationInfo,
                       field_validator)
+from pydantic_core import PydanticCustomError
 
 Number = Annotated[float, Field(strict=True, allow_inf_nan=False)]  # a JSON number; true/"1" are not
 MaxTokens = Annotated[StrictInt, Field(ge=1)]
+# Stop strings a request may give: OpenAI takes 4; code-completion clients send a dozen or so. The matcher's
+# work per token grows with the longest (cullama/stop_strings.py), and text that may begin one is held back.
+MAX_STOPS, MAX_STOP_CHARS = 16, 256
 
 # The error `type` OpenAI's API gives each status (clients key on the status; people read the type).
 ERROR_TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error",
@@ -81,6 +85,21 @@ class GenerationRequest(BaseModel):
     speculative: Literal["ngram", "draft", "off"] | None = None
     draft_tokens: StrictInt | None = None
     adaptive_draft: StrictBool | None = None
+
+    @field_validator("stop", mode="before")
+    @classmethod
+    def bounded_stops(cls, value):
+        # Before the items' types are checked: a list of a million is refused at once, not item by item.
+        stops = [value] if isinstance(value, str) else value if isinstance(value, list) else []
+        if len(stops) > MAX_STOPS:
+            raise PydanticCustomError("too_many_stops", "at most {most} stop strings are allowed, got {got}",
+                                      {"most": MAX_STOPS, "got": len(stops)})
+        for i, stop in enumerate(stops):
+            if isinstance(stop, str) and len(stop) > MAX_STOP_CHARS:
+                which = "this one" if isinstance(value, str) else f"stop string {i}"
+                raise PydanticCustomError("stop_too_long", "a stop string may have at most {most} characters; "
+                                          "{which} has {got}", {"most": MAX_STOP_CHARS, "which": which, "got": len(stop)})
+        return value
 
     @field_validator("max_tokens", "temperature", "top_p", "top_k", "repetition_penalty", "ignore_eos", "stream",
                      "n", mode="before")
@@ -164,7 +183,7 @@ class Message(BaseModel):
     model_config = ConfigDict(extra="allow")  # e.g. `name`: ignored
 
     role: StrictStr
-    content: StrictStr | list[TextPart] | None = Field(
+    content: StrictStr | Annotated[list[TextPart], Field(fail_fast=True)] | None = Field(
         None, description='a string or a list of {"type": "text", "text": ...} parts')
 
     def as_dict(self) -> dict:
@@ -178,7 +197,8 @@ class Message(BaseModel):
 class ChatRequest(GenerationRequest):
     """POST /v1/chat/completions: `messages` go through the LLaMA-2 chat template."""
 
-    messages: list[Message]
+    # fail_fast: the first bad message is the answer; a list of a million gets no million complaints
+    messages: Annotated[list[Message], Field(fail_fast=True)]
     max_completion_tokens: MaxTokens | None = None  # OpenAI's newer name for max_tokens; it wins
 
     def token_limit(self) -> tuple[str, int] | None:
