@@ -13,13 +13,16 @@ import dataclasses
 import functools
 import json
 import os
+import signal
 import sys
+import threading
 from typing import Iterator
 
 import click
 
 from .. import __version__
 from ..errors import CullamaError, PromptError, ResourceError
+from ..server import BODY_TIMEOUT_S, SHUTDOWN_GRACE_S
 from . import INTERRUPTED
 
 
@@ -420,14 +423,25 @@ def chat(model_dir, system, device, max_seq_len, tokenizer, as_json, **kwargs):
 @click.option("--max-queue", default=64, show_default=True, type=click.IntRange(min=0),
               help="Requests that may wait behind the running one; past it, 429.")
 @click.option("--api-key", envvar="CULLAMA_API_KEY", help="Require `Authorization: Bearer KEY` on /v1/* "
-              "[env: CULLAMA_API_KEY].")
+              "[env: CULLAMA_API_KEY, which keeps the key out of `ps`].")
+@click.option("--allowed-hosts", multiple=True, metavar="NAMES", help="Host names requests may give besides "
+              "loopback and the listening address (comma-separated, repeatable; * = any).")
+@click.option("--allowed-origins", multiple=True, metavar="ORIGINS", help="Web pages (scheme://host[:port]) that "
+              "may use the server, CORS preflights answered (comma-separated, repeatable; * = any).")
+@click.option("--body-timeout", default=BODY_TIMEOUT_S, show_default=True, type=click.FloatRange(0, min_open=True),
+              help="Seconds a request body may take to arrive; past it, 408.")
+@click.option("--shutdown-grace", default=SHUTDOWN_GRACE_S, show_default=True, type=click.FloatRange(0),
+              help="Seconds open connections get to finish after SIGINT/SIGTERM before they are closed.")
 @speculative_flags
-def serve(model_dir, host, port, device, max_seq_len, tokenizer, served_model_name, max_queue, api_key, **flags):
+def serve(model_dir, host, port, device, max_seq_len, tokenizer, served_model_name, max_queue, api_key,
+          allowed_hosts, allowed_origins, body_timeout, shutdown_grace, **flags):
     """An OpenAI-compatible HTTP server: /v1/completions, /v1/chat/completions, /v1/models, /health, /metrics.
 
     One generation at a time, the others wait in a FIFO queue. The speculative options are every request's
     default; a request may change them with its own `speculative` ("ngram", "draft", "off") and `draft_tokens`
     fields. Needs the serve extra: pip install 'cullama[serve]'."""
+    if threading.current_thread() is threading.main_thread():  # SIGTERM while starting up: a clean exit too
+        signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(0))
     spec = speculative_options(flags)
     try:
         from ..server.launch import serve as run_server
@@ -436,7 +450,14 @@ def serve(model_dir, host, port, device, max_seq_len, tokenizer, served_model_na
         sys.exit(2)
     sys.exit(run_server(model_dir, host=host, port=port, device=device, max_seq_len=max_seq_len,
                         served_model_name=served_model_name, max_queue=max_queue, api_key=api_key,
-                        tokenizer=tokenizer, speculative=spec, draft_model=flags["draft_model"]))
+                        tokenizer=tokenizer, speculative=spec, draft_model=flags["draft_model"],
+                        body_timeout=body_timeout, shutdown_grace=shutdown_grace,
+                        allowed_hosts=listed(allowed_hosts), allowed_origins=listed(allowed_origins)))
+
+
+def listed(values: tuple[str, ...]) -> tuple[str, ...]:
+    """A repeatable option's comma-separated values, one by one."""
+    return tuple(v.strip() for value in values for v in value.split(",") if v.strip())
 
 
 @main.command()

@@ -259,10 +259,10 @@ def test_a_model_that_fails_to_load_is_reported_and_nothing_queues():
 
 
 @contextlib.contextmanager
-def serving(engine: Engine, metrics: Metrics | None = None):
-    """The app on a real socket, with uvicorn on a thread of this process."""
+def serving(engine: Engine, metrics: Metrics | None = None, **settings):
+    """The app on a real socket, with uvicorn on a thread of this process; `settings`: Settings' fields."""
     sock = listen("127.0.0.1", 0)
-    app = create_app(engine, Settings(model_name="m", context=512), metrics or engine.metrics)
+    app = create_app(engine, Settings(model_name="m", context=512, **settings), metrics or engine.metrics)
     server = uvicorn.Server(uvicorn.Config(app, lifespan="off", log_level="warning"))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
@@ -324,6 +324,30 @@ def test_a_generation_that_raises_answers_500_whole_or_streamed_and_the_server_g
         assert '"type":"server_error"' in events[-2] and events[-1] == "data: [DONE]"
         fine = client.post("/v1/completions", json=body)
         assert fine.status_code == 200 and fine.json()["choices"][0]["text"] == llm.generate([1], **options(8)).text
+
+
+def test_a_web_page_allowed_by_allowed_origins_gets_its_preflight_and_can_read_the_answers(llm):
+    page = "http://localhost:3000"
+    with serving(started(llm), allowed_origins=(page, "https://ui.example")) as client:
+        preflight = client.options("/v1/chat/completions", headers={
+            "Origin": page, "Access-Control-Request-Method": "POST",
+            "Access-Control-Request-Headers": "authorization, content-type, x-stainless-os"})
+        assert preflight.status_code == 204
+        assert preflight.headers["access-control-allow-origin"] == page
+        assert preflight.headers["access-control-allow-headers"] == "authorization, content-type, x-stainless-os"
+        assert "POST" in preflight.headers["access-control-allow-methods"]
+        answer = client.post("/v1/completions", json={"prompt": [1], "max_tokens": 2, "temperature": 0},
+                             headers={"Origin": page})
+        assert answer.status_code == 200 and answer.headers["access-control-allow-origin"] == page
+        assert answer.headers["vary"] == "Origin"
+        streamed = client.post("/v1/completions", headers={"Origin": "https://ui.example"},
+                               json={"prompt": [1], "max_tokens": 2, "temperature": 0, "stream": True})
+        assert streamed.status_code == 200 and streamed.headers["access-control-allow-origin"] == "https://ui.example"
+        refused = client.options("/v1/completions", headers={"Origin": "http://localhost:3001",
+                                                             "Access-Control-Request-Method": "POST"})
+        assert refused.status_code == 403 and "access-control-allow-origin" not in refused.headers
+        plain = client.get("/health")  # no Origin: a program, no CORS headers
+        assert plain.status_code == 200 and "access-control-allow-origin" not in plain.headers
 
 
 @pytest.mark.parametrize("path, body, tokenize", [

@@ -1,8 +1,10 @@
 """The server's 4xx answers built in this process, without a server: pydantic's complaints as OpenAI errors
-naming the request's own field, and the body limit the context sets."""
+naming the request's own field, the body limit the context sets, and reading a body (its time limit, the
+budget of bytes unfinished bodies hold, a client leaving mid-upload)."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 import pytest
@@ -11,8 +13,8 @@ pytest.importorskip("fastapi", reason="the serve extra is not installed (pip ins
 
 from pydantic import ValidationError  # noqa: E402
 
-from cullama.server.app import body_limit, validation_error  # noqa: E402
-from cullama.server.protocol import ChatRequest, CompletionRequest  # noqa: E402
+from cullama.server.app import BodyBudget, ClientLeft, body_limit, read_body, validation_error  # noqa: E402
+from cullama.server.protocol import ApiError, ChatRequest, CompletionRequest  # noqa: E402
 
 
 def refusal(model, body: dict):
@@ -81,3 +83,69 @@ def test_a_list_of_a_million_bad_messages_is_one_complaint_not_a_million():
     with pytest.raises(ValidationError) as refused:
         ChatRequest.model_validate_json(raw)
     assert refused.value.error_count() <= 3
+
+
+# -- reading a body ----------------------------------------------------------------------------------------
+def upload(chunks: list, told: int | None = None):
+    """A Starlette Request whose body arrives as `chunks`: bytes, an asyncio.Event to wait for, or "leave" (the
+    client disconnects); its Content-Length says `told`."""
+    from starlette.requests import Request
+
+    headers = [] if told is None else [(b"content-length", str(told).encode())]
+    pending = list(chunks)
+
+    async def receive():
+        while isinstance(pending[0], asyncio.Event):  # one never set: a client that sends no more
+            await pending.pop(0).wait()
+        chunk = pending.pop(0)
+        if chunk == "leave":
+            return {"type": "http.disconnect"}
+        return {"type": "http.request", "body": chunk, "more_body": bool(pending)}
+
+    return Request({"type": "http", "method": "POST", "path": "/v1/completions", "headers": headers}, receive)
+
+
+def test_a_body_that_does_not_come_in_time_is_a_408_and_gives_its_bytes_back():
+    bodies = BodyBudget(1 << 20)
+
+    async def main():
+        with pytest.raises(ApiError) as refused:
+            await read_body(upload([b"x" * 1000, asyncio.Event()], told=5000), 512, bodies, timeout=0.2)
+        return refused.value
+
+    error = asyncio.run(main())
+    assert (error.status, error.code) == (408, "request_timeout") and error.headers["Connection"] == "close"
+    assert error.message == "the request body did not arrive within 0.2 s (1000 bytes came); send it whole"
+    assert bodies.held == 0
+
+
+def test_unfinished_bodies_together_hold_at_most_the_budget():
+    bodies, go_on = BodyBudget(1 << 20), asyncio.Event()
+
+    async def main():
+        stalled = asyncio.ensure_future(read_body(upload([b"x" * 700_000, go_on, b"y"], told=700_001), 512,
+                                                  bodies, timeout=30))
+        await asyncio.sleep(0.05)
+        assert bodies.held == 700_000
+        with pytest.raises(ApiError) as refused:  # 700,000 + 400,000 bytes: past the budget of 1 MiB
+            await read_body(upload([b"z" * 400_000], told=400_000), 512, bodies, timeout=30)
+        assert bodies.held == 700_000
+        go_on.set()
+        assert len(await stalled) == 700_001 and bodies.held == 0
+        assert await read_body(upload([b"z" * 400_000], told=400_000), 512, bodies, timeout=30) == b"z" * 400_000
+        return refused.value
+
+    error = asyncio.run(main())
+    assert (error.status, error.code, error.headers["Retry-After"]) == (503, "server_busy", "1")
+    assert bodies.held == 0
+
+
+def test_a_client_that_leaves_mid_upload_is_a_client_that_left():
+    bodies = BodyBudget(1 << 20)
+
+    async def main():
+        with pytest.raises(ClientLeft, match="11 of 1000 bytes"):
+            await read_body(upload([b'{"prompt": ', "leave"], told=1000), 512, bodies, timeout=30)
+
+    asyncio.run(main())
+    assert bodies.held == 0

@@ -98,7 +98,8 @@ class GenerationRequest(BaseModel):
             if isinstance(stop, str) and len(stop) > MAX_STOP_CHARS:
                 which = "this one" if isinstance(value, str) else f"stop string {i}"
                 raise PydanticCustomError("stop_too_long", "a stop string may have at most {most} characters; "
-                                          "{which} has {got}", {"most": MAX_STOP_CHARS, "which": which, "got": len(stop)})
+                                          "{which} has {got}",
+                                          {"most": MAX_STOP_CHARS, "which": which, "got": len(stop)})
         return value
 
     @field_validator("max_tokens", "temperature", "top_p", "top_k", "repetition_penalty", "ignore_eos", "stream",
