@@ -10,6 +10,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -232,3 +233,32 @@ def test_a_kv_cache_that_does_not_fit_exits_1_as_it_does_for_generate(stories_di
     assert "listening on" in done.stderr and "Traceback" not in done.stderr
     (error,) = [line for line in done.stderr.splitlines() if line.startswith("error: ")]
     assert error.startswith("error: needs ") and "KV cache" in error and "--max-seq-len" in error
+
+
+def test_sigterm_while_starting_up_exits_0(stories_dir, tmp_path):
+    # Reading the model's config.json is made to wait on a named pipe (a slow disk, say): the command has
+    # started and the server does not listen yet.
+    if not hasattr(os, "mkfifo"):
+        pytest.skip("no named pipes on this system")
+    fifo = tmp_path / "slow"
+    os.mkfifo(fifo)
+    slow = (f"import cullama.config as config; read = config.from_pretrained; "
+            f"config.from_pretrained = lambda path: (open({str(fifo)!r}).read(), read(path))[1]; ")
+    process = subprocess.Popen([sys.executable, "-c", slow + CLI, "serve", "--model", str(stories_dir), "--port", "0"],
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while True:  # a writer's open succeeds once the server has opened the pipe to read it
+            try:
+                writer = os.open(fifo, os.O_WRONLY | os.O_NONBLOCK)
+                break
+            except OSError:
+                assert process.poll() is None and time.monotonic() < deadline, process.communicate()
+                time.sleep(0.05)
+        process.send_signal(signal.SIGTERM)
+        _, stderr = process.communicate(timeout=30)
+        os.close(writer)
+    finally:
+        process.kill()
+    assert process.returncode == 0, stderr
+    assert "Traceback" not in stderr and "listening" not in stderr
