@@ -7,7 +7,7 @@ import sys
 
 import click
 
-from .main import main, out
+from .main import main, out, require_stdout
 
 
 class BenchProgress:
@@ -58,6 +58,7 @@ class BenchProgress:
 def bench(model_dir, synthetic, device, lengths, samples, warmup, prompt_len, max_seq_len, json_path, overlap,
           **speculative):
     """Per-token decode latency (p50/p90/p99/max), tokens/s, GB/s and TTFT at each length."""
+    require_stdout()
     from .. import bench as protocol
     from ..config import from_pretrained as read_config, preset
     from ..device import resolve

@@ -48,8 +48,17 @@ def friendly_errors(command):
     return wrapper
 
 
+def require_stdout() -> None:
+    """ResourceError (exit 1) where standard output is closed (`>&-`): Python then has no sys.stdout, and click
+    would print into nothing. The commands that print their result call it first, before any work."""
+    if sys.stdout is None:
+        raise ResourceError("cannot write to standard output: it is closed")
+
+
 def out(text: str, nl: bool = True) -> None:
-    """Text to standard output, flushed; a full disk or a closed pipe is a ResourceError (exit 1)."""
+    """Text to standard output, flushed; a full disk, a closed pipe or a closed stdout is a ResourceError
+    (exit 1)."""
+    require_stdout()
     try:
         click.echo(text, nl=nl)
     except OSError as exc:
@@ -327,6 +336,7 @@ def stream_out(stream, llm, as_json: bool) -> None:
 @click.option("--system", help="System prompt for --chat.")
 def generate(model_dir, prompt, prompt_ids, chat, system, device, max_seq_len, tokenizer, as_json, **kwargs):
     """Generate text from PROMPT (or standard input; an empty prompt starts from BOS alone)."""
+    require_stdout()
     from ..generate import check_prompt_fits
     from ..llama import prompt_ids as checked_ids
 
@@ -371,6 +381,7 @@ def chat(model_dir, system, device, max_seq_len, tokenizer, as_json, **kwargs):
     When it outgrows the context, the oldest exchanges are dropped (the system prompt stays), with a note; a
     message too long for the context is refused and the chat goes on. An empty line is skipped, end of input
     ends the conversation."""
+    require_stdout()
     options = generation_options(kwargs, reuse_cache=True)  # each turn's prompt starts with the last one's
     spec = speculative_options(kwargs)
     system = argument_text(system, "--system")
@@ -463,6 +474,7 @@ def listed(values: tuple[str, ...]) -> tuple[str, ...]:
 @main.command()
 def info():
     """Python, NumPy, CuPy, NVRTC and the GPU (or why there is none)."""
+    require_stdout()
     from ..device import environment, two_cupys_warning
 
     env = environment()
@@ -482,6 +494,7 @@ def info():
 def kernels(arch):
     """Compile every kernel with NVRTC; print registers, shared memory and spills (exit 1 on a spill). Kernels
     that have no version for the arch (wgmma: sm_90 only) are skipped with a note."""
+    require_stdout()
     from ..kernel_report import compile_all, skipped
 
     reports = compile_all(arch)
