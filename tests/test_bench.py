@@ -117,6 +117,22 @@ def test_bad_options_are_one_line(args, needle):
     assert needle in line and "Traceback" not in result.output
 
 
+@pytest.mark.parametrize("value", ["-3", "0", "1", "99999999999"])
+@pytest.mark.parametrize("model", ["synthetic", "stories260K"])
+def test_a_context_out_of_range_blames_the_option_before_anything_loads(value, model, stories_dir, monkeypatch):
+    from cullama import llama as llama_module
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the model was loaded before --max-seq-len was checked")
+
+    monkeypatch.setattr(llama_module, "load_checkpoint", refuse)
+    monkeypatch.setattr(llama_module.Llama, "synthetic", refuse)
+    where = ["--synthetic", "tiny"] if model == "synthetic" else ["--model", str(stories_dir)]
+    result = CliRunner().invoke(main, ["bench", "--device", "cpu", *where, "--max-seq-len", value, "--lengths", "2"])
+    assert result.exit_code == 2, result.output
+    assert result.stderr == f"error: --max-seq-len must be an integer from 2 to 2147483647, got {value}\n"
+
+
 # -- the bandwidth kernel ---------------------------------------------------------------------------
 def test_bandwidth_twin_sums_the_buffer_as_float32():
     data = np.random.default_rng(0).random(4 * 37, dtype=np.float32)
