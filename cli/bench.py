@@ -8,7 +8,7 @@ from pathlib import Path
 
 import click
 
-from .main import main, out, require_stdout
+from .main import NonEmptyPath, main, out, require_stdout
 
 
 class BenchProgress:
@@ -30,7 +30,7 @@ class BenchProgress:
 
 
 @main.command()
-@click.option("--model", "model_dir", type=click.Path(), help="HF LLaMA checkpoint directory.")
+@click.option("--model", "model_dir", type=NonEmptyPath(), help="HF LLaMA checkpoint directory.")
 @click.option("--synthetic", help="Random weights of a preset's shape, no download "
                                   "[default: llama-2-7b on a GPU, tiny on the CPU].")
 @click.option("--device", default="auto", show_default=True, type=click.Choice(["auto", "cpu", "cuda"]))
@@ -50,10 +50,10 @@ class BenchProgress:
                    "greedy continuation, every draft accepted).")
 @click.option("--draft-tokens", type=int, help="--speculative: tokens drafted per step, 1 to 8 [default: 4].")
 @click.option("--adaptive-draft", is_flag=True, help="--speculative: move --draft-tokens with the recent acceptance.")
-@click.option("--draft-model", type=click.Path(), help="--speculative draft: the draft model's checkpoint directory.")
+@click.option("--draft-model", type=NonEmptyPath(), help="--speculative draft: the draft model's checkpoint directory.")
 @click.option("--verify-context", type=int, help="--speculative: context of the verify step timings [default: 500].")
 @click.option("--verify-reps", type=int, help="--speculative: timed verify calls per k [default: 20].")
-@click.option("--acceptance-model", type=click.Path(),
+@click.option("--acceptance-model", type=NonEmptyPath(),
               help="--speculative: a real checkpoint (e.g. stories260K) on which ngram's tokens per step is measured "
                    "for the derived per-token figures.")
 def bench(model_dir, synthetic, device, lengths, samples, warmup, prompt_len, max_seq_len, json_path, overlap,

@@ -199,6 +199,17 @@ def main():
     """cullama: LLaMA-2 inference with hand-written CUDA kernels, lowest latency at batch size 1."""
 
 
+class NonEmptyPath(click.Path):
+    """click.Path, but an empty value is refused in one line naming the flag: `--model ""` would otherwise name
+    the current directory, and load whatever checkpoint is there."""
+
+    def convert(self, value, param, ctx):
+        if isinstance(value, str) and not value:
+            flag = param.opts[0] if param is not None else "a path"
+            raise PromptError(f"{flag} is empty: name a path (\".\" for the current directory)")
+        return super().convert(value, param, ctx)
+
+
 def parse_ids(text: str) -> list[int]:
     try:
         return [int(t) for t in text.replace(",", " ").split()]
@@ -209,7 +220,7 @@ def parse_ids(text: str) -> list[int]:
 def shared_options(command):
     """The options `generate` and `chat` share: the model, the device and the sampling."""
     options = [
-        click.option("--model", "model_dir", required=True, type=click.Path(), help="HF LLaMA checkpoint directory."),
+        click.option("--model", "model_dir", required=True, type=NonEmptyPath(), help="HF LLaMA checkpoint directory."),
         click.option("--max-new-tokens", default=256, show_default=True, type=int),
         click.option("--temperature", default=0.0, show_default=True, type=float, help="0 = greedy."),
         click.option("--top-k", default=0, show_default=True, type=int, help="0 = off."),
@@ -221,7 +232,7 @@ def shared_options(command):
         click.option("--ignore-eos", is_flag=True, help="Keep generating past the end-of-sequence token."),
         click.option("--device", default="auto", show_default=True, type=click.Choice(["auto", "cpu", "cuda"])),
         click.option("--max-seq-len", type=int, help="Context to allocate (default: the model's)."),
-        click.option("--tokenizer", type=click.Path(), help="tokenizer.model to use instead of the checkpoint's."),
+        click.option("--tokenizer", type=NonEmptyPath(), help="tokenizer.model to use instead of the checkpoint's."),
         click.option("--json", "as_json", is_flag=True, help="Print JSON: ids, text, finish reason, seed, timings."),
     ]
     return apply(options, speculative_flags(command))  # the speculative flags listed last
@@ -233,7 +244,7 @@ def speculative_flags(command):
         click.option("--speculative", type=click.Choice(["ngram", "draft"]),
                      help="Speculative decoding: each step checks drafted tokens in one pass (ngram: prompt "
                           "lookup; draft: --draft-model). Greedy output is unchanged."),
-        click.option("--draft-model", type=click.Path(), help="A smaller LLaMA with the same tokenizer to draft "
+        click.option("--draft-model", type=NonEmptyPath(), help="A smaller LLaMA with the same tokenizer to draft "
                                                               "tokens (implies --speculative draft)."),
         click.option("--draft-tokens", type=int, help="Tokens drafted per step, 1 to 8 [default: 4]."),
         click.option("--adaptive-draft", is_flag=True, help="Move --draft-tokens with the recent acceptance."),
@@ -423,13 +434,13 @@ def chat(model_dir, system, device, max_seq_len, tokenizer, as_json, **kwargs):
 
 
 @main.command()
-@click.option("--model", "model_dir", required=True, type=click.Path(), help="HF LLaMA checkpoint directory.")
+@click.option("--model", "model_dir", required=True, type=NonEmptyPath(), help="HF LLaMA checkpoint directory.")
 @click.option("--host", default="127.0.0.1", show_default=True,
               help="Address to listen on (loopback: this machine only).")
 @click.option("--port", default=8000, show_default=True, type=click.IntRange(0, 65535), help="0 = any free port.")
 @click.option("--device", default="auto", show_default=True, type=click.Choice(["auto", "cpu", "cuda"]))
 @click.option("--max-seq-len", type=int, help="Context to allocate (default: the model's).")
-@click.option("--tokenizer", type=click.Path(), help="tokenizer.model to use instead of the checkpoint's.")
+@click.option("--tokenizer", type=NonEmptyPath(), help="tokenizer.model to use instead of the checkpoint's.")
 @click.option("--served-model-name", help="The model's name in the API [default: the directory's name].")
 @click.option("--max-queue", default=64, show_default=True, type=click.IntRange(min=0),
               help="Requests that may wait behind the running one; past it, 429.")

@@ -228,6 +228,8 @@ def checked_path(value, name: str) -> Path | None:
     text = os.fspath(value) if isinstance(value, os.PathLike) else value
     if not isinstance(text, str):
         raise OptionError(name, f"must be a str or an os.PathLike, got {type(value).__name__}")
+    if not text:  # Path("") is the current directory: whatever checkpoint is there would load
+        raise OptionError(name, 'is empty: name a path ("." for the current directory)')
     return Path(text)
 
 

@@ -210,6 +210,16 @@ def config_only(tmp_path, **changes):
     return tmp_path
 
 
+@pytest.mark.parametrize("keywords, option", [({}, "path"), ({"draft_model": ""}, "draft_model"),
+                                              ({"tokenizer": ""}, "tokenizer")])
+def test_an_empty_path_is_refused_not_taken_for_the_current_directory(stories_dir, weights_never_load, keywords,
+                                                                        option):
+    path = "" if option == "path" else stories_dir
+    with pytest.raises(OptionError, match=re.escape('is empty: name a path ("." for the current directory)')) as caught:
+        cullama.Llama.from_pretrained(path, device="cpu", **keywords)
+    assert caught.value.option == option
+
+
 def test_a_tokenizer_larger_than_the_vocabulary_is_refused_at_load(weights_never_load):
     from conftest import shared_path
 
