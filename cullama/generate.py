@@ -107,7 +107,8 @@ class Generation:
         return record if self.speculative is None else {**record, "speculative": self.speculative}
 
 
-def _flag(name: str, value) -> bool:
+def checked_flag(name: str, value) -> bool:
+    """A boolean option (bool or NumPy's bool_) as a bool; OptionError naming it for anything else (1, "yes")."""
     if not isinstance(value, (bool, np.bool_)):
         raise OptionError(name, f"must be True or False, got {value!r}")
     return bool(value)
@@ -158,7 +159,8 @@ class GenerationOptions:
                    top_k=int(params.top_k), top_p=float(params.top_p),
                    repetition_penalty=float(params.repetition_penalty),
                    seed=None if params.seed is None else int(params.seed), stop=_stop_strings(o["stop"]),
-                   ignore_eos=_flag("ignore_eos", o["ignore_eos"]), reuse_cache=_flag("reuse_cache", o["reuse_cache"]))
+                   ignore_eos=checked_flag("ignore_eos", o["ignore_eos"]),
+                   reuse_cache=checked_flag("reuse_cache", o["reuse_cache"]))
 
     def resolved(self) -> "GenerationOptions":
         """The same options with a seed: a random one when none was given, so that the run can be repeated."""
