@@ -66,6 +66,23 @@ def test_streamed_chunks_concatenate_to_the_whole_answer(client):
     assert len({c.id for c in chunks}) == 1
 
 
+@pytest.mark.parametrize("path, prompt", [("/v1/completions", {"prompt": [1]}),
+                                          ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]})],
+                         ids=["completions", "chat"])
+def test_with_include_usage_every_chunk_says_usage_null_until_the_last(server, path, prompt):
+    for include_usage in (True, False):
+        body = {**prompt, "max_tokens": 4, "temperature": 0, "stream": True,
+                "stream_options": {"include_usage": include_usage}}
+        status, _, raw = server.request("POST", path, body)
+        assert status == 200
+        chunks = [json.loads(e[len("data: "):]) for e in raw.decode().split("\n\n") if e and e != "data: [DONE]"]
+        if include_usage:  # as OpenAI's: the key in every chunk, null until the extra last one
+            assert all(c["usage"] is None and c["choices"] for c in chunks[:-1]) and len(chunks) >= 3
+            assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 4
+        else:
+            assert all("usage" not in c for c in chunks)
+
+
 def test_a_stop_string_split_across_tokens_never_leaks_into_the_stream(server, oracle, stories_expected):
     stop = "le gi"  # " little" " g" "irl": it begins in one token and ends two tokens later
     pieces = [oracle.tokenizer.piece(i).replace("\u2581", " ") for i in stories_expected["ids"][:12]]

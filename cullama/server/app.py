@@ -214,13 +214,13 @@ async def generate(request: Request, model: type[GenerationRequest], engine: Eng
         raise ApiError(503, str(exc)) from None
     # The client may leave while its job waits or runs (uvicorn does not cancel a handler when it does).
     watcher = asyncio.ensure_future(cancel_on_disconnect(request, engine, job))
-    answer, streaming = Answer(chat, settings.model_name), False
+    answer, streaming = Answer(chat, settings.model_name, body.include_usage()), False
     try:
         first = await job.next_event()
         if body.stream and isinstance(first, (Piece, Finished)):
             # The status is known once the generation has produced something: an error before that is
             # still a proper 4xx/5xx rather than an event inside a 200 stream.
-            events = stream_events(answer, job, first, body.include_usage())
+            events = stream_events(answer, job, first)
             streaming = True  # from here the stream's own `finally` ends the watcher and the job
             return StreamingResponse(closing(events, engine, job, watcher), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
@@ -308,7 +308,7 @@ async def whole_answer(answer: Answer, job: Job, event) -> JSONResponse:
     return error_response(job_error(event))
 
 
-async def stream_events(answer: Answer, job: Job, event, include_usage: bool):
+async def stream_events(answer: Answer, job: Job, event):
     """The SSE body: chunks as the text becomes final, the finish reason, the usage if asked, [DONE]."""
     first = True
     while True:
@@ -317,7 +317,7 @@ async def stream_events(answer: Answer, job: Job, event, include_usage: bool):
             first = False
         elif isinstance(event, Finished):
             yield sse(answer.chunk(None, event.finish_reason, first=first))
-            if include_usage:
+            if answer.include_usage:
                 yield sse(answer.usage_chunk(event.prompt_tokens, event.completion_tokens))
             yield SSE_DONE
             return
