@@ -281,6 +281,13 @@ BAD_REQUESTS = [  # (what, path, body, status, param)
     ("a message content of the wrong type", "/v1/chat/completions", {"messages": [{"role": "user", "content": 5}]},
      400, "messages.0.content"),
     ("an unknown route", "/v1/embeddings", {"input": "x"}, 404, None),
+    ("a lone surrogate", "/v1/completions", rb'{"prompt": "\ud800 hi"}', 400, "prompt"),
+    ("a developer message second", "/v1/chat/completions", {"messages": [
+        {"role": "user", "content": "hi"}, {"role": "developer", "content": "be brief"}]}, 400, "messages.1.role"),
+    ("an assistant turn that called tools", "/v1/chat/completions", {"messages": [
+        {"role": "user", "content": "2+2?"}, {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "add", "arguments": "{}"}}]},
+        {"role": "tool", "content": "4", "tool_call_id": "c1"}]}, 400, "messages.1.tool_calls"),
 ]
 
 

@@ -13,7 +13,8 @@ pytest.importorskip("fastapi", reason="the serve extra is not installed (pip ins
 
 from pydantic import ValidationError  # noqa: E402
 
-from cullama.server.app import BodyBudget, ClientLeft, body_limit, read_body, validation_error  # noqa: E402
+from cullama.server.app import (BodyBudget, ClientLeft, body_limit, parse, read_body,  # noqa: E402
+                                validation_error)
 from cullama.server.protocol import ApiError, ChatRequest, CompletionRequest  # noqa: E402
 
 
@@ -149,3 +150,45 @@ def test_a_client_that_leaves_mid_upload_is_a_client_that_left():
 
     asyncio.run(main())
     assert bodies.held == 0
+
+
+# -- what a message names ----------------------------------------------------------------------------------
+SURROGATES = [  # (model, raw body, param, what the message starts with)
+    (CompletionRequest, rb'{"prompt": "\ud800 hi"}', "prompt", "prompt holds a lone UTF-16 surrogate (\\ud800)"),
+    (ChatRequest, rb'{"messages": [{"role": "user", "content": "ok"}, {"role": "user", "content": "a\udc00"}]}',
+     "messages.1.content", "messages.1.content holds a lone UTF-16 surrogate (\\udc00)"),
+    (CompletionRequest, rb'{"prompt": "x", "stop": ["ok", "\ud800\u0041"]}', "stop.1",
+     "stop.1 holds a lone UTF-16 surrogate (\\ud800)"),
+    (CompletionRequest, rb'{"prompt": "x", "\udfffx": 1}', None, "the body has a key, '\\\\udfffx', that holds"),
+]
+
+
+@pytest.mark.parametrize("model, raw, param, start", SURROGATES, ids=[s[2] or "a key" for s in SURROGATES])
+def test_a_lone_surrogate_is_named_by_its_field(model, raw, param, start):
+    with pytest.raises(ApiError) as refused:
+        parse(raw, model)
+    assert refused.value.param == param and refused.value.message.startswith(start), refused.value.message
+    assert refused.value.message.endswith("which is not a character: in JSON, \\ud800-\\udbff must be followed by "
+                                          "\\udc00-\\udfff")
+    assert parse(rb'{"prompt": "a\ud83d\ude00b"}', CompletionRequest).prompt == "a\U0001F600b"  # a pair is fine
+    with pytest.raises(ApiError, match="^the body is not valid JSON: invalid escape"):  # not a surrogate
+        parse(rb'{"prompt": "\u12G4"}', CompletionRequest)
+
+
+@pytest.mark.parametrize("messages, param, words", [
+    ([{"role": "user", "content": "hi"}, {"role": "developer", "content": "be brief"}], "messages.1.role",
+     "a developer message (OpenAI's newer name for a system message) may only come first"),
+    ([{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "add", "arguments": "{}"}}]},
+      {"role": "tool", "content": "4", "tool_call_id": "c1"}], "messages.1.tool_calls",
+     "tool calls are not supported by cullama"),
+    ([{"role": "assistant", "content": None, "function_call": {"name": "f", "arguments": "{}"}}],
+     "messages.0.function_call", "tool calls are not supported by cullama"),
+], ids=["developer second", "tool_calls", "function_call"])
+def test_a_message_the_template_cannot_hold_is_named(messages, param, words):
+    body = ChatRequest.model_validate_json(json.dumps({"messages": messages}))
+    with pytest.raises(ApiError) as refused:
+        body.check()
+    assert refused.value.param == param and refused.value.message.startswith(f"{param}: {words}")
+    ChatRequest.model_validate_json(json.dumps({"messages": [  # first, a developer message is the system prompt
+        {"role": "developer", "content": "be brief"}, {"role": "user", "content": "hi", "tool_calls": []}]})).check()

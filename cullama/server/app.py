@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import hmac
+import json
 import sys
 import typing
 
@@ -194,7 +195,38 @@ def parse(raw: bytes, model: type[GenerationRequest]) -> GenerationRequest:
     try:
         return model.model_validate_json(raw)
     except ValidationError as exc:
-        raise validation_error(exc, model) from None
+        error = validation_error(exc, model)
+    if error.param is None and ("surrogate" in error.message or "hex escape" in error.message):
+        error = lone_surrogate(raw) or error
+    raise error
+
+
+def lone_surrogate(raw: bytes) -> ApiError | None:
+    """The 400 for a string of the body (a value or a key) that holds a lone UTF-16 surrogate (a \\uD800-\\uDFFF
+    escape not in a pair), naming its field: pydantic's parser says only "lone leading surrogate in hex escape"
+    or "unexpected end of hex escape" and where; Python's keeps the surrogate. None where Python's parser finds
+    none either (another bad escape)."""
+    try:
+        body = json.loads(raw)
+    except (ValueError, RecursionError):
+        return None
+    pending = [((), body)]
+    while pending:
+        path, node = pending.pop()
+        strings = [(path, node, None)] if isinstance(node, str) else \
+            [(path, key, key) for key in node if isinstance(key, str)] if isinstance(node, dict) else []
+        for where, text, key in strings:
+            unit = next((c for c in text if "\ud800" <= c <= "\udfff"), None)
+            if unit is not None:
+                named = dotted(where) or "the body"
+                what = named if key is None else \
+                    f"{named} has a key, {key.encode('utf-8', 'backslashreplace').decode()[:40]!r}, that"
+                return ApiError(400, f"{what} holds a lone UTF-16 surrogate (\\u{ord(unit):04x}), which is not a "
+                                     "character: in JSON, \\ud800-\\udbff must be followed by \\udc00-\\udfff",
+                                param=dotted(where) or None)
+        if isinstance(node, (dict, list)):
+            pending += [((*path, k), v) for k, v in (node.items() if isinstance(node, dict) else enumerate(node))]
+    return None
 
 
 # -- a generation --------------------------------------------------------------------------------

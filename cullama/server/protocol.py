@@ -206,3 +206,16 @@ class ChatRequest(GenerationRequest):
         if self.max_completion_tokens is not None:
             return "max_completion_tokens", self.max_completion_tokens
         return super().token_limit()
+
+    def check(self) -> None:
+        """Also what a message asks for that the chat template cannot hold, named by the message's field."""
+        super().check()
+        for i, message in enumerate(self.messages):
+            for name in ("tool_calls", "function_call"):  # an assistant turn that called tools (content: null)
+                if (message.model_extra or {}).get(name) not in (None, []):
+                    raise ApiError(400, f"messages.{i}.{name}: tool calls are not supported by cullama, so a "
+                                        "conversation holding them cannot be continued", param=f"messages.{i}.{name}")
+            if message.role == "developer" and i > 0:
+                raise ApiError(400, f"messages.{i}.role: a developer message (OpenAI's newer name for a system "
+                                    "message) may only come first: the chat template takes one system prompt, "
+                                    "before the conversation", param=f"messages.{i}.role")
