@@ -6,19 +6,18 @@
 
 Every stop string goes into one Aho-Corasick automaton (a trie of the strings with, at each node, a link
 to the longest proper suffix of its text that is also a node), built once per generation in time linear in
-their total length. Feeding text walks it one character at a time, so a token costs O(its characters + the
-longest stop string) however many stop strings there are: the state's depth is at once the length of the
-text to hold back (the longest tail that some stop string starts with) and never more than the longest
-stop string, and the first node that completes a stop string ends the text. A stop string ends the text
-at the first point where one has been written in full; where several end at that same character, the
-longest one counts (it starts earliest).
+their total length (a few microseconds a character in Python: the 16 strings of 256 characters a server
+request may give take milliseconds). Feeding text walks it one character at a time, so a token costs O(its
+characters + the longest stop string) however many stop strings there are: the state's depth is at once
+the length of the text to hold back (the longest tail that some stop string starts with) and never more
+than the longest stop string, and the first node that completes a stop string ends the text. A stop
+string ends the text at the first point where one has been written in full; where several end at that
+same character, the longest one counts (it starts earliest).
 """
 
 from __future__ import annotations
 
 from typing import Sequence
-
-_CHARS = 0x110000  # goto's key of (state, character): state * _CHARS + code point, one int, no tuple
 
 
 class StopMatcher:
@@ -33,52 +32,51 @@ class StopMatcher:
         self._build()
 
     def _build(self) -> None:
-        # Node 0 is the root (the empty string). goto[state * _CHARS + ord(c)] = the child spelling c next.
-        self._goto: dict[int, int] = {}
-        self._depth = [0]  # [nodes]: characters from the root
-        self._ends = [-1]  # [nodes]: the stop string (index) the node spells in full, -1 if none
-        by_depth: list[list[tuple[int, int, int]]] = []  # edges (parent, code point, child) by the child's depth
+        # Node 0 is the root (the empty string). The trie's edges by character: rows[code point][node] = the
+        # child that spells that character next (one dict per character: small int keys, looked up once).
+        rows: dict[int, dict[int, int]] = {}
+        depth, ends, parent_of, code_of = [0], [-1], [0], [0]  # [nodes] each; ends: the stop string spelt, or -1
         for index, stop in enumerate(self.stops):
             node = 0
-            for depth, char in enumerate(stop):
-                key = node * _CHARS + ord(char)
-                child = self._goto.get(key)
+            for char in stop:
+                code = ord(char)
+                row = rows.setdefault(code, {})
+                child = row.get(node)
                 if child is None:
-                    child = self._goto[key] = len(self._depth)
-                    self._depth.append(depth + 1)
-                    self._ends.append(-1)
-                    if len(by_depth) == depth:
-                        by_depth.append([])
-                    by_depth[depth].append((node, ord(char), child))
+                    child = row[node] = len(depth)
+                    depth.append(depth[node] + 1)
+                    ends.append(-1)
+                    parent_of.append(node)
+                    code_of.append(code)
                 node = child
-            self._ends[node] = index
-        # Breadth first, so that a node's suffix link and its shorter nodes are known before it is reached.
-        self._fail = [0] * len(self._depth)  # [nodes]: the longest proper suffix of the node that is a node
-        self._match = [-1] * len(self._depth)  # [nodes]: the longest stop string the node's text ends with
-        for edges in by_depth:
-            for parent, code, child in edges:
-                fail = 0
-                if parent:
-                    fail = self._fail[parent]
-                    while fail and fail * _CHARS + code not in self._goto:
-                        fail = self._fail[fail]
-                    fail = self._goto.get(fail * _CHARS + code, 0)
-                self._fail[child] = fail
-                self._match[child] = self._ends[child] if self._ends[child] >= 0 else self._match[fail]
+            ends[node] = index
+        # Shallower nodes first, so that a node's suffix link (always shallower) is known before it is needed.
+        fail, match = [0] * len(depth), [-1] * len(depth)  # [nodes]: the suffix link; the longest stop ending here
+        for node in sorted(range(1, len(depth)), key=depth.__getitem__):
+            parent, link = parent_of[node], 0
+            if parent:
+                row, link = rows[code_of[node]], fail[parent]
+                while link and link not in row:
+                    link = fail[link]
+                link = row.get(link, 0)
+            fail[node] = link
+            match[node] = ends[node] if ends[node] >= 0 else match[link]
+        self._rows, self._depth, self._fail, self._match = rows, depth, fail, match
 
     def feed(self, text: str) -> str:
         """Text that is safe to emit now; sets `stopped` (and `matched`) when a stop string appears."""
         if not self.stops:
             return text
-        goto, fail, match = self._goto, self._fail, self._match
+        rows, fail, match = self._rows, self._fail, self._match
         state = self._state
         for i, char in enumerate(text):
-            code = ord(char)
-            child = goto.get(state * _CHARS + code)
-            while child is None and state:
+            row = rows.get(ord(char))
+            if row is None:  # in no stop string
+                state = 0
+                continue
+            while state and state not in row:
                 state = fail[state]
-                child = goto.get(state * _CHARS + code)
-            state = child or 0
+            state = row.get(state, 0)
             if match[state] >= 0:
                 self.matched = self.stops[match[state]]
                 self.stopped = True
