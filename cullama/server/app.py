@@ -210,22 +210,27 @@ def lone_surrogate(raw: bytes) -> ApiError | None:
         body = json.loads(raw)
     except (ValueError, RecursionError):
         return None
-    pending = [((), body)]
+
+    def refusal(path: tuple, text: str, key: str | None = None) -> ApiError | None:
+        unit = next((c for c in text if "\ud800" <= c <= "\udfff"), None)
+        if unit is None:
+            return None
+        what = dotted(path) or "the body"
+        if key is not None:
+            what += f" has a key, {key.encode('utf-8', 'backslashreplace').decode()[:40]!r}, that"
+        return ApiError(400, f"{what} holds a lone UTF-16 surrogate (\\u{ord(unit):04x}), which is not a character: "
+                             "in JSON, \\ud800-\\udbff must be followed by \\udc00-\\udfff", param=dotted(path) or None)
+
+    pending = [((), body)]  # (the path to a node, the node)
     while pending:
         path, node = pending.pop()
-        strings = [(path, node, None)] if isinstance(node, str) else \
-            [(path, key, key) for key in node if isinstance(key, str)] if isinstance(node, dict) else []
-        for where, text, key in strings:
-            unit = next((c for c in text if "\ud800" <= c <= "\udfff"), None)
-            if unit is not None:
-                named = dotted(where) or "the body"
-                what = named if key is None else \
-                    f"{named} has a key, {key.encode('utf-8', 'backslashreplace').decode()[:40]!r}, that"
-                return ApiError(400, f"{what} holds a lone UTF-16 surrogate (\\u{ord(unit):04x}), which is not a "
-                                     "character: in JSON, \\ud800-\\udbff must be followed by \\udc00-\\udfff",
-                                param=dotted(where) or None)
-        if isinstance(node, (dict, list)):
-            pending += [((*path, k), v) for k, v in (node.items() if isinstance(node, dict) else enumerate(node))]
+        if isinstance(node, str) and (error := refusal(path, node)):
+            return error
+        children = node.items() if isinstance(node, dict) else enumerate(node) if isinstance(node, list) else ()
+        for key, value in children:
+            if isinstance(key, str) and (error := refusal(path, key, key)):
+                return error
+            pending.append(((*path, key), value))
     return None
 
 
