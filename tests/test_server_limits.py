@@ -125,6 +125,7 @@ def test_a_signal_stops_accepting_ends_the_running_and_waiting_requests_and_exit
         thread.start()
         proc.wait_metric("cullama_queue_depth", lambda v: v == 1)
         stalled = half_upload(proc)
+        assert proc.request("GET", "/health")[0] == 200  # accepted after the upload's connection, so that one is in
         proc.process.send_signal(sig)
         rest = running.rest().decode()  # the stream ends at its next token, saying why
         assert '"message":"the server is shutting down"' in rest and rest.endswith("data: [DONE]\n\n")
