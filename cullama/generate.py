@@ -35,6 +35,7 @@ import numpy as np
 from .errors import OptionError, PromptError, SupersededError
 from .logprobs import TokenLogprob, checked_top
 from .sampling import SamplingParams, is_int
+from .stop_strings import StopMatcher
 
 # Why a generation ended: "eos", "stop" (a stop string), "length" (max_new_tokens or the context), or early:
 # "interrupted" (KeyboardInterrupt), "cancelled" (the stream was closed or a newer generation ended it),
@@ -112,7 +113,8 @@ class Generation:
         return record if self.speculative is None else {**record, "speculative": self.speculative}
 
 
-def _flag(name: str, value) -> bool:
+def checked_flag(name: str, value) -> bool:
+    """A boolean option (bool or NumPy's bool_) as a bool; OptionError naming it for anything else (1, "yes")."""
     if not isinstance(value, (bool, np.bool_)):
         raise OptionError(name, f"must be True or False, got {value!r}")
     return bool(value)
@@ -165,7 +167,8 @@ class GenerationOptions:
                    top_k=int(params.top_k), top_p=float(params.top_p),
                    repetition_penalty=float(params.repetition_penalty),
                    seed=None if params.seed is None else int(params.seed), stop=_stop_strings(o["stop"]),
-                   ignore_eos=_flag("ignore_eos", o["ignore_eos"]), reuse_cache=_flag("reuse_cache", o["reuse_cache"]),
+                   ignore_eos=checked_flag("ignore_eos", o["ignore_eos"]),
+                   reuse_cache=checked_flag("reuse_cache", o["reuse_cache"]),
                    logprobs=checked_top(o["logprobs"], "logprobs"),
                    prompt_logprobs=checked_top(o["prompt_logprobs"], "prompt_logprobs"))
 
@@ -179,41 +182,6 @@ class GenerationOptions:
     def sampling(self) -> SamplingParams:
         return SamplingParams(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p,
                               repetition_penalty=self.repetition_penalty, seed=self.seed)
-
-
-class StopMatcher:
-    """Holds back streamed text that might still turn into a stop string; cuts at the first one."""
-
-    def __init__(self, stops: Sequence[str]):
-        self.stops = [s for s in stops if s]
-        self.pending = ""
-        self.stopped = False
-        self.matched: str | None = None  # the stop string that was found
-
-    def feed(self, text: str) -> str:
-        """Text that is safe to emit now; sets `stopped` (and `matched`) when a stop string appears."""
-        if not self.stops:
-            return text
-        self.pending += text
-        hits = [(i, s) for i, s in ((self.pending.find(s), s) for s in self.stops) if i >= 0]
-        if hits:
-            at, self.matched = min(hits, key=lambda hit: hit[0])  # the earliest; on a tie, the first listed
-            self.stopped = True
-            out, self.pending = self.pending[:at], ""
-            return out
-        keep = 0  # the longest tail of pending that is a proper prefix of some stop string
-        for s in self.stops:
-            for n in range(min(len(s) - 1, len(self.pending)), keep, -1):
-                if self.pending.endswith(s[:n]):
-                    keep = n
-                    break
-        out = self.pending[:len(self.pending) - keep]
-        self.pending = self.pending[len(self.pending) - keep:]
-        return out
-
-    def flush(self) -> str:
-        out, self.pending = self.pending, ""
-        return out
 
 
 def check_prompt_fits(n: int, max_seq_len: int, max_new_tokens: int) -> None:
@@ -230,8 +198,8 @@ class GenerationStream:
     however it ends (finish_reason says how; an early end keeps what was streamed so far).
 
     Iterate it once, from one thread at a time. Closing it (`close()`, from the thread that reads it, or
-    dropping it) ends the generation and leaves the model free; a newer generation on the same model ends it
-    too (its next read raises SupersededError)."""
+    dropping it) ends the generation and leaves the model free; `cancel()`, from any thread, ends it before
+    its next token; a newer generation on the same model ends it too (its next read raises SupersededError)."""
 
     def __init__(self, runner: Runner, detokenizer, prompt_ids: list[int], options: GenerationOptions,
                  eos_ids: Sequence[int], guard: RunnerGuard | None = None):
@@ -258,6 +226,7 @@ class GenerationStream:
         self.timings = Timings()
         self._ticket: int | None = None  # this generation's RunnerGuard ticket, from its first runner call
         self._close_reason = "cancelled"
+        self._cancelled = False  # set by cancel(), from any thread; read before each token
         self._run = self._generate()  # the generator behind __next__
 
     def __iter__(self) -> Iterator[str]:
@@ -271,6 +240,13 @@ class GenerationStream:
         self._close_reason = finish_reason
         self._run.close()
         self._finish(finish_reason)
+
+    def cancel(self) -> None:
+        """From any thread: end the generation before its next token, whether or not the last one showed any
+        text (text held back, as a possible start of a stop string, is dropped); the reader's next read ends
+        the stream, and `result` says "cancelled". Under speculative decoding no further verify step runs.
+        Unlike close(), which belongs to the reading thread, this only asks."""
+        self._cancelled = True
 
     def _finish(self, reason: str) -> None:
         if self.result is None:
@@ -359,6 +335,9 @@ class GenerationStream:
             self._score_prompt()
         last = time.perf_counter()
         for i in range(budget):
+            if self._cancelled:
+                finish = "cancelled"
+                break
             token = self._step(i, budget)
             now = time.perf_counter()
             if i == 0:
@@ -375,7 +354,7 @@ class GenerationStream:
                 finish = "stop"
                 break
         self._drain()
-        if not self.stop.stopped and self.detok:
+        if not self.stop.stopped and self.detok and finish != "cancelled":
             tail = self.stop.feed(self.detok.flush())
             tail += "" if self.stop.stopped else self.stop.flush()
             if self.stop.stopped:

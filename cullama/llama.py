@@ -69,7 +69,7 @@ class Llama:
         device = devices.resolve(device, on_fallback=notes.append)
         config = read_config(path)
         plans.check_supported(device_config(config))
-        seq_len = _context(config, max_seq_len)
+        seq_len = checked_context(config, max_seq_len)
         tok = None
         if tokenizer is not None or find_tokenizer(path) is not None:
             tok = load_tokenizer(path, override=tokenizer)
@@ -98,7 +98,8 @@ class Llama:
         device = devices.resolve(device)
         plans.check_supported(device_config(config))
         backend = make_backend(device)
-        runner = PlanRunner(config, backend, _context(config, max_seq_len), weight_bytes=device_weight_bytes(config))
+        runner = PlanRunner(config, backend, checked_context(config, max_seq_len),
+                            weight_bytes=device_weight_bytes(config))
         random_weights(backend, config, seed)
         return cls(config, runner, None, device)
 
@@ -278,6 +279,8 @@ def checked_path(value, name: str) -> Path | None:
     text = os.fspath(value) if isinstance(value, os.PathLike) else value
     if not isinstance(text, str):
         raise OptionError(name, f"must be a str or an os.PathLike, got {type(value).__name__}")
+    if not text:  # Path("") is the current directory: whatever checkpoint is there would load
+        raise OptionError(name, 'is empty: name a path ("." for the current directory)')
     return Path(text)
 
 
@@ -304,7 +307,8 @@ def device_weight_bytes(config: LlamaConfig) -> int:
     return sum(b.nbytes for b in plans.weight_buffers(device_config(config)))
 
 
-def _context(config: LlamaConfig, max_seq_len: int | None) -> int:
+def checked_context(config: LlamaConfig, max_seq_len: int | None) -> int:
+    """The context in tokens: `max_seq_len` (OptionError unless an integer from 2 to INT32_MAX), else the model's."""
     if max_seq_len is None:
         return config.max_seq_len
     if not is_int(max_seq_len) or not 2 <= max_seq_len <= INT32_MAX:

@@ -12,11 +12,15 @@ from typing import Annotated, Any, Literal
 
 from pydantic import (BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, ValidationInfo,
                       field_validator)
+from pydantic_core import PydanticCustomError
 
 from . import logprobs as logprob_fields
 
 Number = Annotated[float, Field(strict=True, allow_inf_nan=False)]  # a JSON number; true/"1" are not
 MaxTokens = Annotated[StrictInt, Field(ge=1)]
+# Stop strings a request may give: OpenAI takes 4; code-completion clients send a dozen or so. The matcher's
+# work per token grows with the longest (cullama/stop_strings.py), and text that may begin one is held back.
+MAX_STOPS, MAX_STOP_CHARS = 16, 256
 
 # The error `type` OpenAI's API gives each status (clients key on the status; people read the type).
 ERROR_TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error",
@@ -84,6 +88,22 @@ class GenerationRequest(BaseModel):
     speculative: Literal["ngram", "draft", "off"] | None = None
     draft_tokens: StrictInt | None = None
     adaptive_draft: StrictBool | None = None
+
+    @field_validator("stop", mode="before")
+    @classmethod
+    def bounded_stops(cls, value):
+        # Before the items' types are checked: a list of a million is refused at once, not item by item.
+        stops = [value] if isinstance(value, str) else value if isinstance(value, list) else []
+        if len(stops) > MAX_STOPS:
+            raise PydanticCustomError("too_many_stops", "at most {most} stop strings are allowed, got {got}",
+                                      {"most": MAX_STOPS, "got": len(stops)})
+        for i, stop in enumerate(stops):
+            if isinstance(stop, str) and len(stop) > MAX_STOP_CHARS:
+                which = "this one" if isinstance(value, str) else f"stop string {i}"
+                raise PydanticCustomError("stop_too_long", "a stop string may have at most {most} characters; "
+                                          "{which} has {got}",
+                                          {"most": MAX_STOP_CHARS, "which": which, "got": len(stop)})
+        return value
 
     @field_validator("max_tokens", "temperature", "top_p", "top_k", "repetition_penalty", "ignore_eos", "stream",
                      "n", mode="before")
@@ -193,7 +213,7 @@ class Message(BaseModel):
     model_config = ConfigDict(extra="allow")  # e.g. `name`: ignored
 
     role: StrictStr
-    content: StrictStr | list[TextPart] | None = Field(
+    content: StrictStr | Annotated[list[TextPart], Field(fail_fast=True)] | None = Field(
         None, description='a string or a list of {"type": "text", "text": ...} parts')
 
     def as_dict(self) -> dict:
@@ -207,7 +227,8 @@ class Message(BaseModel):
 class ChatRequest(GenerationRequest):
     """POST /v1/chat/completions: `messages` go through the model's chat template (LLaMA-2's without one)."""
 
-    messages: list[Message]
+    # fail_fast: the first bad message is the answer; a list of a million gets no million complaints
+    messages: Annotated[list[Message], Field(fail_fast=True)]
     max_completion_tokens: MaxTokens | None = None  # OpenAI's newer name for max_tokens; it wins
     logprobs: StrictBool = False  # each generated token's log-probability
     top_logprobs: StrictInt | None = None  # and this many alternatives (0..20; needs logprobs)
@@ -235,3 +256,16 @@ class ChatRequest(GenerationRequest):
         if self.max_completion_tokens is not None:
             return "max_completion_tokens", self.max_completion_tokens
         return super().token_limit()
+
+    def check(self) -> None:
+        """Also what a message asks for that the chat template cannot hold, named by the message's field."""
+        super().check()
+        for i, message in enumerate(self.messages):
+            for name in ("tool_calls", "function_call"):  # an assistant turn that called tools (content: null)
+                if (message.model_extra or {}).get(name) not in (None, []):
+                    raise ApiError(400, f"messages.{i}.{name}: tool calls are not supported by cullama, so a "
+                                        "conversation holding them cannot be continued", param=f"messages.{i}.{name}")
+            if message.role == "developer" and i > 0:
+                raise ApiError(400, f"messages.{i}.role: a developer message (OpenAI's newer name for a system "
+                                    "message) may only come first: the chat template takes one system prompt, "
+                                    "before the conversation", param=f"messages.{i}.role")

@@ -30,8 +30,10 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict:
 class Answer:
     """The bodies of one request's answer, whole or streamed."""
 
-    def __init__(self, chat: bool, model: str):
+    def __init__(self, chat: bool, model: str, include_usage: bool = False):
         self.chat, self.model = chat, model
+        # stream_options.include_usage: every chunk carries "usage": null, the extra last one the usage (OpenAI's)
+        self.include_usage = include_usage
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
 
@@ -61,9 +63,11 @@ class Answer:
             if first:
                 delta = {"role": "assistant", **delta}
             choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
-            return {**self._head("chat.completion.chunk"), "choices": [choice]}
-        choice = {"index": 0, "text": text or "", "logprobs": logprobs, "finish_reason": finish}
-        return {**self._head("text_completion"), "choices": [choice]}
+            chunk = {**self._head("chat.completion.chunk"), "choices": [choice]}
+        else:
+            choice = {"index": 0, "text": text or "", "logprobs": logprobs, "finish_reason": finish}
+            chunk = {**self._head("text_completion"), "choices": [choice]}
+        return {**chunk, "usage": None} if self.include_usage else chunk
 
     def usage_chunk(self, prompt_tokens: int, completion_tokens: int) -> dict:
         """The extra last chunk of `stream_options.include_usage`: no choices, the usage."""
