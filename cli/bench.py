@@ -61,7 +61,7 @@ def bench(model_dir, synthetic, device, lengths, samples, warmup, prompt_len, ma
     from .. import bench as protocol
     from ..config import from_pretrained as read_config, preset
     from ..device import resolve
-    from ..weights import device_config
+    from ..weights import config_layout
     from ..errors import PromptError
     from ..llama import Llama
     from ..plan import check_supported
@@ -83,7 +83,7 @@ def bench(model_dir, synthetic, device, lengths, samples, warmup, prompt_len, ma
         tiny = " (the tiny preset: --device cpu --synthetic tiny)" if synthetic == "tiny" else ""
         BenchProgress.note(f"note: {fallback[0]}{tiny}")
     config = read_config(model_dir) if model_dir is not None else preset(synthetic)
-    check_supported(device_config(config))
+    check_supported(config_layout(config).device)
     protocol.check_options(lengths, samples, warmup, prompt_len, max_seq_len or config.max_seq_len)
 
     if speculative["speculative"]:

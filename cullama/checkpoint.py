@@ -40,6 +40,7 @@ from typing import Callable, Iterator
 
 import numpy as np
 
+from . import quant_checkpoint
 from .config import LlamaConfig, from_pretrained
 from .errors import CheckpointError
 from .untrusted import parse_json, read_json, shown
@@ -62,6 +63,7 @@ ITEM_BYTES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "U16": 2,
               "C64": 8}
 # The dtypes cullama reads, and how their bytes are viewed (BF16 has no numpy dtype: its raw bits).
 SOURCE_VIEW = {"F16": np.float16, "BF16": np.uint16, "F32": np.float32}
+STORED_VIEW = {"F16": np.float16, "I32": np.int32}  # a quantized linear's tensors, read as they are
 SOURCE_NAME = {"F16": "float16", "BF16": "bfloat16", "F32": "float32"}
 WRITE_DTYPES = {"float16": "F16", "bfloat16": "BF16", "float32": "F32"}
 
@@ -111,6 +113,14 @@ def expected_shapes(config: LlamaConfig) -> dict[str, tuple[int, ...]]:
     if not config.tie_word_embeddings:
         shapes[LM_HEAD] = (vocab, d)
     return shapes
+
+
+def quantized_linear(config: LlamaConfig, name: str) -> bool:
+    """Whether the HF tensor `name` (a .weight of expected_shapes) is stored quantized instead: a linear of a
+    layer, in an AWQ or GPTQ checkpoint, not kept FP16 by modules_to_not_convert."""
+    q = config.quantization
+    return (q is not None and LAYER_NAME.match(name) is not None and name.endswith("_proj.weight")
+            and q.converts(name.removesuffix(".weight")))
 
 
 def _error(*where_and_what) -> CheckpointError:
@@ -257,6 +267,10 @@ def _validate(config: LlamaConfig, infos: dict[str, TensorInfo], where: Path) ->
         if layer and int(layer.group(1)) >= config.num_layers:
             raise _error(info.file, shown(name), f"layer beyond num_hidden_layers={config.num_layers} of the config")
     for name, shape in expected.items():
+        if quantized_linear(config, name):
+            found = lambda n: (infos[n].dtype, infos[n].shape) if n in infos else None  # noqa: E731
+            quant_checkpoint.check(config.quantization, name.removesuffix(".weight"), *shape, found, where)
+            continue
         info = infos.get(name)
         if info is None:
             raise _error(where, f"missing tensor {name}")
@@ -344,7 +358,7 @@ class Checkpoint:
         self.files = list(maps)
         self._infos = infos
         self._maps = maps
-        used = {infos[name].dtype for name in expected_shapes(config)}
+        used = {infos[name].dtype for name in expected_shapes(config) if not quantized_linear(config, name)}
         self.converted_from = {SOURCE_NAME[d] for d in used if d != "F16"}  # e.g. {"bfloat16"}
 
     @property
@@ -370,6 +384,12 @@ class Checkpoint:
         finite (CheckpointError naming the tensor and the element) just before it is handed out."""
         info = self._info(name)
         return iter(_RowReader(info, self._source(info)))
+
+    def stored(self, name: str) -> np.ndarray:
+        """A quantized linear's tensor (qweight, qzeros, scales, g_idx) as stored: a read-only int32 or FP16
+        memmap view, unchecked (quant_checkpoint checks what it reads)."""
+        info = self._info(name)
+        return self._maps[info.file][info.start:info.end].view(STORED_VIEW[info.dtype]).reshape(info.shape)
 
     def tensor(self, name: str) -> np.ndarray:
         """A whole tensor as FP16, checked: a read-only memmap view when stored as FP16 (the check is the
