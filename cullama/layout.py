@@ -345,27 +345,30 @@ def from_checkpoint(config: LlamaConfig, permuted: set[tuple[int, str]] = frozen
 
 # -- the inverse: device tensors -> the model's weights ----------------------------------------------------------
 def model_weight(layout: Layout, layer: int, field: str, arrays: dict[str, np.ndarray],
-                 row_perm: np.ndarray | None = None) -> np.ndarray:
+                 down_perm: np.ndarray | None = None) -> np.ndarray:
     """A linear's weights as the model defines them ([M, K] of fused_shapes(layout.config), inputs in the model's
     order) from its device buffers `arrays` (name -> array): FP16 as stored, quantized dequantized exactly
-    (float32). row_perm: w_gate_up's gate and up rows, stored in down_proj's input order (act-order)."""
+    (float32). down_perm: down_proj's input order under act-order, which w_down's columns and w_gate_up's gate
+    and up rows are stored in."""
     linear, names = layout.linear(layer, field), layout.weight_names(layer, field)
     if linear.format is None:
         w = arrays[names[0]]
     else:
         w = quant.dequantize(arrays[names[0]], arrays[names[1]], linear.format.bits)  # [M_dev, K_dev] float32
     perm_name = layout.perm_name(layer, field)
-    if perm_name is not None:  # column k holds input perm[k]
-        unsorted = np.empty_like(w)
-        unsorted[:, arrays[perm_name]] = w
+    columns = arrays[perm_name] if perm_name else down_perm if field == "w_down" else None
+    if columns is not None:  # column k holds input columns[k]
+        unsorted = np.zeros_like(w)
+        unsorted[:, columns] = w[:, :len(columns)]
         w = unsorted
     M, K = fused_shapes(layout.config)[field]
     ff, ff_dev = layout.config.intermediate_size, layout.device.intermediate_size
     if field == "w_gate_up":
         gate, up = w[:ff], w[ff_dev:ff_dev + ff]
-        if row_perm is not None:  # stored row r is the model's row row_perm[r]
-            gate, up = gate[np.argsort(row_perm)], up[np.argsort(row_perm)]
-        return np.concatenate([gate, up]) if ff != ff_dev or row_perm is not None else w
+        if down_perm is not None:  # stored row r is the model's row down_perm[r]
+            back = np.argsort(down_perm)
+            gate, up = gate[back], up[back]
+        return np.concatenate([gate, up]) if ff != ff_dev or down_perm is not None else w
     return w[:M, :K] if w.shape != (M, K) else w
 
 

@@ -116,31 +116,32 @@ def _part_fp16(ckpt: Checkpoint, module: str) -> np.ndarray:
     return w.astype(np.float16)
 
 
-def row_order(ckpt: Checkpoint, layout: Layout, layer: int, field: str) -> np.ndarray | None:
-    """The order of a linear's rows where it is not the model's: w_gate_up's gate and up rows under a permuted
-    down_proj are in down_proj's input order (act-order); else None."""
-    if field != "w_gate_up" or not layout.linear(layer, "w_down").permuted:
+def down_order(ckpt: Checkpoint, layout: Layout, layer: int) -> np.ndarray | None:
+    """down_proj's input order under act-order (its columns, and gate_proj's and up_proj's rows, are stored in
+    it), else None."""
+    if not layout.linear(layer, "w_down").permuted:
         return None
     return quant_checkpoint.perm_of(ckpt.stored(f"{module_name(layer, 'mlp.down_proj')}.g_idx"))
 
 
 def linear_tensors(ckpt: Checkpoint, layout: Layout, layer: int, field: str) -> dict[str, np.ndarray]:
     """One linear's device buffers (name -> host array: layout.weight_names, perm_name, norm_name), in the
-    device layout: padded, rows in row_order."""
-    linear, row_perm = layout.linear(layer, field), row_order(ckpt, layout, layer, field)
+    device layout: padded; w_gate_up's gate and up rows in down_order."""
+    linear = layout.linear(layer, field)
+    row_perm = down_order(ckpt, layout, layer) if field == "w_gate_up" else None
     M, K = layout.shape(field)
     pieces = linear_parts(layout, layer, field)
     q = ckpt.config.quantization
     if linear.format is not None and q is not None:  # the checkpoint's own codes, repacked
-        codes = np.zeros((M, K), np.uint8)  # [M, K] padded rows: code 0, scale 0, zero 0
+        # K is never padded here (quant_checkpoint.check_sizes: the inputs are a multiple of 32); padded rows of
+        # gate and up get code 0, scale 0, zero 0: weights of exactly 0
+        codes = np.zeros((M, K), np.uint8)  # [M, K]
         scale = np.zeros((M, K // linear.format.group), np.float16)  # [M, groups]
         zero = np.zeros((M, K // linear.format.group), np.float32)  # [M, groups]
         for module, start, rows in pieces:
             c, s, z, perm = quant_checkpoint.read(q, module, ckpt.stored)
             order = slice(None) if row_perm is None else row_perm
-            codes[start:start + rows, :c.shape[1]] = c[order]
-            codes[start:start + rows, c.shape[1]:] = np.minimum(z[order][:, -1:], (1 << q.bits) - 1)  # padded K
-            scale[start:start + rows], zero[start:start + rows] = s[order], z[order]
+            codes[start:start + rows], scale[start:start + rows], zero[start:start + rows] = c[order], s[order], z[order]
         out = dict(zip(layout.weight_names(layer, field), (quant.pack(codes, q.bits), quant.params(scale, zero))))
     else:
         w = np.zeros((M, K), np.float16)  # [M, K] padded: zero rows and columns
@@ -170,7 +171,8 @@ def layers_norm(layer: int, field: str) -> str:
 def _streams(ckpt: Checkpoint, layout: Layout, layer: int, field: str) -> bool:
     """Whether a linear's FP16 rows go straight from the file to the device (no quantizing, no reordering,
     no dequantized part)."""
-    return (layout.linear(layer, field).format is None and row_order(ckpt, layout, layer, field) is None
+    return (layout.linear(layer, field).format is None
+            and not (field == "w_gate_up" and layout.linear(layer, "w_down").permuted)
             and not any(quantized_linear(layout.config, f"{module}.weight")
                         for module, _, _ in linear_parts(layout, layer, field)))
 
@@ -194,7 +196,7 @@ def host_weights(ckpt: Checkpoint, layout: Layout | None = None, progress: Progr
             if (field, layer) not in arrays:
                 arrays[field, layer] = layouts.model_weight(layout, layer, field,
                                                             linear_tensors(ckpt, layout, layer, field),
-                                                            row_order(ckpt, layout, layer, field))
+                                                            down_order(ckpt, layout, layer))
         elif shapes[name] == fused[field]:  # a part that is the whole field: no copy needed
             if name not in whole:
                 whole[name] = ckpt.tensor(name)
