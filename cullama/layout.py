@@ -48,7 +48,7 @@ from typing import Iterator
 
 import numpy as np
 
-from . import quant
+from . import quant, quant_checkpoint
 from .checkpoint import EMBED, FINAL_NORM, LM_HEAD, expected_shapes, layer_name
 from .config import LlamaConfig
 from .errors import ConfigError
@@ -322,25 +322,31 @@ def on_load(config: LlamaConfig, quantize: str) -> Layout:
 def from_checkpoint(config: LlamaConfig, permuted: set[tuple[int, str]] = frozenset()) -> Layout:
     """The layout of an AWQ or GPTQ checkpoint: each fused linear in the checkpoint's format where all its parts
     are quantized, else FP16 (a note names the parts dequantized). `permuted`: the (layer, field)s whose g_idx
-    reorders their inputs (act-order)."""
+    reorders their inputs (act-order). A CheckpointError names a linear whose sizes the format or the quantized
+    kernels cannot take (quant_checkpoint.check_sizes)."""
     q = config.quantization
     dev = device_config(config, quantized=True)
-    layers, notes = [], []
+    layers, partial = [], {}  # (field, the parts quantized) -> the layers where the field is only partly so
     for i in range(config.num_layers):
         row = []
         for field in LINEARS:
             converted = [q.converts(module_name(i, part)) for part in PARTS[field]]
+            for part, stored in zip(PARTS[field], converted):  # the kernels take the format (one line if not)
+                if stored:
+                    quant_checkpoint.check_sizes(q, module_name(i, part), *expected_shapes(config)[layer_name(i, part)])
             if all(converted):
                 M, K = fused_shapes(dev)[field]
                 row.append(Linear(quant.QuantFormat(q.bits, K if q.group == -1 else q.group), (i, field) in permuted))
             else:
                 row.append(FP16_LINEAR)
                 if any(converted):
-                    parts_ = [p for p, c in zip(PARTS[field], converted) if c]
-                    notes.append(f"layer {i}: {', '.join(parts_)} dequantized to float16 (rounded), as "
-                                 f"modules_to_not_convert keeps the rest of {field} float16")
+                    quantized = tuple(p for p, c in zip(PARTS[field], converted) if c)
+                    partial.setdefault((field, quantized), []).append(i)
         layers.append(tuple(row))
-    return Layout(config, tuple(layers), source=q.method, notes=tuple(notes))
+    notes = tuple(f"{', '.join(quantized)} of layer{'s' if len(where) > 1 else ''} {', '.join(map(str, where))} "
+                  f"dequantized to float16 (rounded): modules_to_not_convert keeps the rest of {field} float16"
+                  for (field, quantized), where in partial.items())
+    return Layout(config, tuple(layers), source=q.method, notes=notes)
 
 
 # -- the inverse: device tensors -> the model's weights ----------------------------------------------------------
