@@ -7,7 +7,7 @@ import sys
 
 import click
 
-from .main import main, out
+from .main import QUANTIZE, main, out
 
 
 class BenchProgress:
@@ -40,6 +40,7 @@ class BenchProgress:
 @click.option("--prompt-len", default=8, show_default=True, type=int, help="Prompt tokens before each decode trial.")
 @click.option("--max-seq-len", type=int, help="Context to allocate (default: the model's).")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), help="Write every sample and the environment here.")
+@QUANTIZE
 @click.option("--overlap/--no-overlap", default=None,
               help="Link the decode graph's kernels by programmatic dependent launch (sm_90+) "
                    "[default: CULLAMA_OVERLAP=1 turns it on; off otherwise].")
@@ -55,7 +56,7 @@ class BenchProgress:
 @click.option("--acceptance-model", type=click.Path(),
               help="--speculative: a real checkpoint (e.g. stories260K) on which ngram's tokens per step is measured "
                    "for the derived per-token figures.")
-def bench(model_dir, synthetic, device, lengths, samples, warmup, prompt_len, max_seq_len, json_path, overlap,
+def bench(model_dir, synthetic, device, lengths, samples, warmup, prompt_len, max_seq_len, json_path, quantize, overlap,
           **speculative):
     """Per-token decode latency (p50/p90/p99/max), tokens/s, GB/s and TTFT at each length."""
     from .. import bench as protocol
@@ -68,7 +69,7 @@ def bench(model_dir, synthetic, device, lengths, samples, warmup, prompt_len, ma
 
     command = {"model": model_dir, "synthetic": synthetic, "device": device, "lengths": lengths,
                "samples": samples, "warmup": warmup, "prompt_len": prompt_len, "max_seq_len": max_seq_len,
-               "json": json_path, "overlap": overlap, **speculative}
+               "json": json_path, "quantize": quantize, "overlap": overlap, **speculative}
     if model_dir is not None and synthetic is not None:
         raise PromptError("give either --model or --synthetic, not both")
     speculative_options(speculative)
@@ -83,7 +84,7 @@ def bench(model_dir, synthetic, device, lengths, samples, warmup, prompt_len, ma
         tiny = " (the tiny preset: --device cpu --synthetic tiny)" if synthetic == "tiny" else ""
         BenchProgress.note(f"note: {fallback[0]}{tiny}")
     config = read_config(model_dir) if model_dir is not None else preset(synthetic)
-    check_supported(config_layout(config).device)
+    check_supported(config_layout(config, quantize).device)
     protocol.check_options(lengths, samples, warmup, prompt_len, max_seq_len or config.max_seq_len)
 
     if speculative["speculative"]:
@@ -94,9 +95,9 @@ def bench(model_dir, synthetic, device, lengths, samples, warmup, prompt_len, ma
         bandwidth = protocol.measure_bandwidth()
     BenchProgress.note(f"loading {model_dir or 'synthetic ' + synthetic} on {dev} ...")
     if model_dir is not None:
-        llm = Llama.from_pretrained(model_dir, device=dev, max_seq_len=max_seq_len)
+        llm = Llama.from_pretrained(model_dir, device=dev, max_seq_len=max_seq_len, quantize=quantize)
     else:
-        llm = Llama.synthetic(synthetic, device=dev, max_seq_len=max_seq_len)
+        llm = Llama.synthetic(synthetic, device=dev, max_seq_len=max_seq_len, quantize=quantize)
 
     overlapped = False
     if dev == "cuda":
@@ -105,13 +106,13 @@ def bench(model_dir, synthetic, device, lengths, samples, warmup, prompt_len, ma
         overlapped = llm.runner.backend.overlap
     elif overlap:
         BenchProgress.note("--overlap: the CPU has no kernel overlap; ignored")
-    label = model_dir or f"{synthetic} (synthetic)"
+    label = f"{model_dir or f'{synthetic} (synthetic)'}, {llm.layout.describe()}"
     if speculative["speculative"]:
         return speculative_bench(llm, label, dev, lengths, samples, warmup, prompt_len, json_path,
                                  {"command": command, "overlap": overlapped}, **speculative_defaults(speculative))
     try:
         result = protocol.run(llm.runner, llm.config, lengths, samples, warmup, prompt_len, bandwidth=bandwidth,
-                              device=dev, progress=BenchProgress(),
+                              device=dev, progress=BenchProgress(), layout=llm.layout,
                               extra_options={"command": command, "overlap": overlapped})
     except protocol.Interrupted as stop:  # Ctrl-C: the lengths that finished are kept, then exit 130
         report(stop.result, label, dev, overlapped, json_path)

@@ -38,6 +38,7 @@ from .registry import KernelSpec
 
 Progress = Callable[[int, int], None]  # (FP16 bytes done, total)
 FILL = KernelSpec("fill.cu", "fill_uniform")
+FILL_WORDS, FILL_QPARAMS = KernelSpec("fill.cu", "fill_words"), KernelSpec("fill.cu", "fill_qparams")
 QUANTIZE_ROWS = 1024  # rows quantized at a time on load: bounds the float32 temporaries (16 MiB at K = 4096)
 
 
@@ -276,20 +277,31 @@ def load_checkpoint(backend, ckpt: Checkpoint, layout: Layout | None = None, pro
 def random_weights(backend, model: LlamaConfig | Layout, seed: int = 0, std: float = 0.02) -> None:
     """Synthetic weights of any shape (a config: FP16; a layout: in its formats), made where they live (on the
     GPU for `bench --synthetic`) by kernels_cu/fill.cu or its twin: the same seed gives the same weights on both
-    devices."""
-    buffers = layouts.as_layout(model).buffers()
+    devices. FP16 weights are uniform with standard deviation `std` (norm weights 1 +- 0.17); quantized ones
+    random codes with zero 2**(bits - 1) and scales around std / the codes' standard deviation, so that they
+    spread about as much."""
+    layout = layouts.as_layout(model)
+    buffers = layout.buffers()
+    bits = {layout.weight_names(i, f)[1]: layout.linear(i, f).format.bits for i in range(layout.config.num_layers)
+            for f in LINEARS if layout.linear(i, f).format is not None}  # qparams buffer -> bits
     if backend.device == "cuda":
         backend.allocate(buffers)
     for index, b in enumerate(buffers):
-        mean, spread = (1.0, 0.1) if len(b.shape) == 1 else (0.0, std)  # norm weights near 1
-        buffer_seed = (seed * 1_000_003 + index) % 2**64  # a stream of its own per buffer
+        buffer_seed = np.uint64((seed * 1_000_003 + index) % 2**64)  # a stream of its own per buffer
+        if b.dtype == "uint32":  # codes
+            spec, args = FILL_WORDS, (np.uint64(math.prod(b.shape)), buffer_seed)
+        elif b.name in bits:  # (scale, zero) pairs
+            scale = std / ((1 << bits[b.name]) / math.sqrt(12))  # codes uniform in [0, 2**bits)
+            spec, args = FILL_QPARAMS, (np.uint64(math.prod(b.shape[:-1])), buffer_seed, np.float32(scale),
+                                        np.float32(scale / 10), np.float32(1 << (bits[b.name] - 1)))
+        else:
+            mean, spread = (1.0, 0.1) if len(b.shape) == 1 else (0.0, std)  # norm weights near 1
+            spec, args = FILL, (np.uint64(math.prod(b.shape)), buffer_seed, np.float32(mean), np.float32(spread))
         if backend.device == "cpu":
-            array = np.empty(b.shape, np.float16)
-            fill_twin.fill_uniform(array, array.size, buffer_seed, mean, spread)
+            array = np.empty(b.shape, b.dtype)
+            getattr(fill_twin, spec.name)(array, *(a.item() for a in args))
             backend.bind(b.name, array)
         else:
-            array = backend.arrays[b.name]
-            blocks = min(plans.cdiv(array.size, fill_twin.THREADS), 4096)
-            backend.run(plans.Plan("fill", [plans.Launch(FILL, (blocks, 1, 1), fill_twin.THREADS, (
-                plans.Ref(b.name), np.uint64(array.size), np.uint64(buffer_seed), np.float32(mean),
-                np.float32(spread)))]))
+            blocks = min(plans.cdiv(int(args[0]), fill_twin.THREADS), 4096)
+            backend.run(plans.Plan("fill", [plans.Launch(spec, (blocks, 1, 1), fill_twin.THREADS,
+                                                         (plans.Ref(b.name), *args))]))

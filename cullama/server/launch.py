@@ -81,17 +81,19 @@ def _exit_zero(signum, frame):
 def serve(model_dir: str, host: str = "127.0.0.1", port: int = 8000, device: str = "auto",
           max_seq_len: int | None = None, served_model_name: str | None = None, max_queue: int = 64,
           api_key: str | None = None, tokenizer: str | None = None, speculative: dict | None = None,
-          draft_model: str | None = None) -> int:
+          draft_model: str | None = None, quantize: str | None = None) -> int:
     """Serve a checkpoint directory until SIGINT or SIGTERM; the exit status (0, or 2 / 1 when the model
     failed to load).
 
     speculative: Llama.stream's speculative keywords (speculative, draft_tokens, adaptive_draft), every
     request's default ({} or None: plain decoding); draft_model: the draft model's directory, loaded with
-    the target before /health answers 200."""
+    the target before /health answers 200; quantize: Llama.from_pretrained's (int8, int4 on load)."""
     from ..llama import Llama, check_draft
     from ..tokenizer import Tokenizer
+    from ..weights import config_layout
 
     config = read_config(model_dir)  # a wrong directory is an error now, not after the socket is up
+    config_layout(config, quantize)  # so is a quantize the checkpoint cannot take
     if tokenizer is None and not (Path(model_dir) / "tokenizer.model").is_file():
         raise ServeError(f"{Path(model_dir) / 'tokenizer.model'} not found: the server turns text into tokens "
                          "and back, so it needs one (or name one with --tokenizer)")
@@ -101,7 +103,7 @@ def serve(model_dir: str, host: str = "127.0.0.1", port: int = 8000, device: str
     settings = Settings(model_name=name, context=max_seq_len or config.max_seq_len, api_key=api_key or None,
                         speculative=dict(speculative or {}))
     return run(lambda: Llama.from_pretrained(model_dir, device=device, max_seq_len=max_seq_len,
-                                             tokenizer=tokenizer, draft_model=draft_model),
+                                             tokenizer=tokenizer, draft_model=draft_model, quantize=quantize),
                settings, host, port, max_queue)
 
 
