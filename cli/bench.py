@@ -106,7 +106,7 @@ def bench(model_dir, synthetic, device, lengths, samples, warmup, prompt_len, ma
         overlapped = llm.runner.backend.overlap
     elif overlap:
         BenchProgress.note("--overlap: the CPU has no kernel overlap; ignored")
-    label = f"{model_dir or f'{synthetic} (synthetic)'}, {llm.layout.describe()}"
+    label = model_dir or f"{synthetic} (synthetic)"
     if speculative["speculative"]:
         return speculative_bench(llm, label, dev, lengths, samples, warmup, prompt_len, json_path,
                                  {"command": command, "overlap": overlapped}, **speculative_defaults(speculative))
@@ -130,7 +130,8 @@ def report(result, label: str, dev: str, overlapped: bool, json_path: str | None
         from ..device import environment
         gpu = f" ({environment().get('gpu')})"
     interrupted = ", interrupted" if result.interrupted else ""
-    title = f"cullama bench: {label}, {dev}{gpu}{', overlap on' if overlapped else ''}{interrupted}"
+    weights = f" in {result.weights.describe()}" if result.weights.quantized else ""
+    title = f"cullama bench: {label}{weights}, {dev}{gpu}{', overlap on' if overlapped else ''}{interrupted}"
     out(protocol.format_table(result, title=title))
     if json_path:
         protocol.write_json(result, json_path, model=label)
@@ -186,7 +187,8 @@ def speculative_bench(llm, label, dev, lengths, samples, warmup, prompt_len, jso
         real = Llama.from_pretrained(acceptance_model, device=dev)
         lookup = {"model": str(acceptance_model), **protocol.lookup_tokens_per_step(
             real.runner, real.config.bos_token_id, k=draft_tokens)}
-    title = f"cullama bench --speculative {speculative}: {label}, {dev}"
+    weights = f" in {llm.layout.describe()}" if llm.layout.quantized else ""
+    title = f"cullama bench --speculative {speculative}: {label}{weights}, {dev}"
     try:
         result = protocol.run(llm.runner, llm.config, speculative, lengths, samples, warmup, prompt_len,
                               draft_tokens=draft_tokens, adaptive=adaptive_draft, draft_runner=draft_runner,

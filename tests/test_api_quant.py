@@ -4,12 +4,18 @@ against FP16 on the same checkpoint (logit deviation, top-1 agreement, stories26
 
 from __future__ import annotations
 
-import numpy as np
+import re
+import sys
+
 import pytest
 
 import cullama
-from conftest import load_golden
+from conftest import REPO, load_golden, shared_path
 from test_plan import fp16_close
+
+sys.path.insert(0, str(REPO / "benchmarks"))  # the script's measures are the tests' (one definition of each)
+import quant_accuracy  # noqa: E402
+from quant_accuracy import perplexity  # noqa: E402
 
 NEAR_TIE = 0.05  # a top-1 margin below this may flip in FP16 arithmetic (shared/golden/README.md)
 
@@ -30,16 +36,8 @@ def test_quantized_goldens_match_huggingface(name):
 
 def deviation(base, quantized, ids) -> tuple[float, float]:
     """(max |logit difference| / max |FP16 logit|, share of positions with the same top-1) on the same ids."""
-    a, b = base.logits(ids), quantized.logits(ids)
-    return float(np.abs(a - b).max() / np.abs(a).max()), float(np.mean(a.argmax(-1) == b.argmax(-1)))
-
-
-def perplexity(llm, ids) -> float:
-    """exp of the mean negative log-likelihood of ids[1:], each given the ones before it (float64 log-softmax)."""
-    logits = llm.logits(ids).astype(np.float64)[:-1]
-    top = logits.max(-1, keepdims=True)
-    log_z = np.log(np.exp(logits - top).sum(-1)) + top[:, 0]
-    return float(np.exp(np.mean(log_z - logits[np.arange(len(ids) - 1), ids[1:]])))
+    worst, _, agree = quant_accuracy.deviation(base, quantized, ids)
+    return worst, agree
 
 
 # (name, quantize) -> (largest relative logit deviation, least top-1 agreement) as measured (README), with room
@@ -71,3 +69,13 @@ def test_on_load_quantization_against_fp16_on_stories260k(stories_dir, stories_e
         assert fp16 / 1.002 <= ppl <= fp16 * ppl_ratio, (quantize, ppl)
         measured = deviation(base, llm, ids)
         assert measured[0] <= worst and measured[1] >= agree, (quantize, measured)
+
+
+def test_the_accuracy_script_prints_the_readme_tables(capsys, monkeypatch):
+    shared = shared_path("golden").parent
+    monkeypatch.setattr(quant_accuracy, "on_load_rows", lambda shared: ["| (skipped here) |"])  # the tests above
+    quant_accuracy.main(["--shared", str(shared), "--sample-tokens", "40"])
+    out = capsys.readouterr().out
+    assert re.search(r"\| tiny-awq-g64 \| awq int4 g64 \| 0\.00[01]\d \| 72 of 72 \|", out)
+    assert re.search(r"\| tiny-gptq-asym-g128 \| gptq int4 g128 \| 0\.00[01]\d \| 72 of 72 \|", out)
+    assert "| float16 | 1.580 |" in out and "| int4 g96 / int4 per channel (quantized on load) | 1.728 |" in out
