@@ -193,11 +193,12 @@ class Layout:
         return self.linears[layer][LINEARS.index(field)]
 
     def format_name(self, layer: int, field: str) -> str:
-        """"float16", "int8 per channel" (one group per row), "int4 g128", ..."""
+        """"float16", "int4 g128", "int8 per channel" (one group per row: int8's always, int4's past 128 inputs)."""
         fmt = self.linear(layer, field).format
         if fmt is None:
             return "float16"
-        return f"int{fmt.bits} {'per channel' if fmt.group == self.shape(field)[1] else f'g{fmt.group}'}"
+        per_channel = fmt.group == self.shape(field)[1] and (fmt.bits == 8 or fmt.group > INT4_GROUPS[0])
+        return f"int{fmt.bits} {'per channel' if per_channel else f'g{fmt.group}'}"
 
     def format_counts(self) -> dict[str, int]:
         """Fused linears per format_name."""

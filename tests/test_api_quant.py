@@ -78,4 +78,4 @@ def test_the_accuracy_script_prints_the_readme_tables(capsys, monkeypatch):
     out = capsys.readouterr().out
     assert re.search(r"\| tiny-awq-g64 \| awq int4 g64 \| 0\.00[01]\d \| 72 of 72 \|", out)
     assert re.search(r"\| tiny-gptq-asym-g128 \| gptq int4 g128 \| 0\.00[01]\d \| 72 of 72 \|", out)
-    assert "| float16 | 1.580 |" in out and "| int4 g96 / int4 per channel (quantized on load) | 1.728 |" in out
+    assert "| float16 | 1.580 |" in out and "| int4 g64 / int4 g96 (quantized on load) | 1.728 |" in out
