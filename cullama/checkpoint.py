@@ -22,6 +22,10 @@ tensor and the element. weights.py places the chunks in the fused device layout.
 Conversion is reported, not printed: `Checkpoint.converted_from` holds the source dtypes that
 were not FP16 and `Checkpoint.conversion_note` a one-line message the caller (CLI) may print.
 
+An AWQ or GPTQ checkpoint (config.quantization) stores its quantized linears as packed int32 and FP16 tensors
+in place of `.weight`: their names, dtypes and shapes are checked here too (quant_checkpoint.check), and
+`Checkpoint.stored` reads them as they are; quant_checkpoint unpacks them and checks their data.
+
 PyTorch pickles (`.bin`, `.pth`, `.pt`) are refused, never unpickled.
 """
 
@@ -503,6 +507,6 @@ def write_random(path: str | os.PathLike, config: LlamaConfig, seed: int = 0, dt
     if shards > 1:
         index = {"metadata": {"total_size": total}, "weight_map": weight_map}
         (directory / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
-    hf_config = dataclasses.replace(config, dtype=dtype).to_hf_dict()
+    hf_config = dataclasses.replace(config, dtype=dtype, quantization=None).to_hf_dict()  # plain weights
     (directory / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
     return directory

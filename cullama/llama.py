@@ -68,9 +68,9 @@ class Llama:
         What can be checked without the weights is checked before they load, in this order: the paths' types,
         quantize, the device, config.json (with quantize) and the shapes cullama's kernels support, max_seq_len, the
         tokenizer (its pieces must be ids of the model's vocabulary; the ids of a padded vocabulary past them are
-        never sampled), the draft model's vocabulary, `check(config, tokenizer, context)` (the caller's own, e.g. its prompt), the
-        checkpoint's files and tensors (a quantized one's scales and g_idx read and checked), and the memory the KV
-        cache and the weights need.
+        never sampled), the draft model's vocabulary, `check(config, tokenizer, context)` (the caller's own, e.g.
+        its prompt), the checkpoint's files and tensors (a quantized one's scales and g_idx read and checked), and
+        the memory the KV cache and the weights need.
 
         draft_model: a smaller LLaMA checkpoint with the same tokenizer, loaded after this one on the same
         device with the same context, for speculative="draft" (as it is stored: quantize applies to this model
@@ -100,7 +100,7 @@ class Llama:
         # fits, or says so; the ids past a smaller tokenizer's pieces (a padded vocabulary) are never sampled
         runner = PlanRunner(layout, backend, seq_len, weight_bytes=layout.weight_bytes(),
                             sample_vocab=tok.vocab_size if tok else None)
-        load_checkpoint(backend, ckpt, layout, progress)
+        load_checkpoint(backend, ckpt, progress, layout)
         draft = None if draft_model is None else cls.from_pretrained(draft_model, device, seq_len, progress=progress)
         return cls(config, runner, tok, device, notes + (draft.notes if draft else []), draft)
 

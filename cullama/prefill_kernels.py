@@ -95,6 +95,8 @@ def quant_gemm(bits: int) -> GemmKernel:
     so the workspace sized for MMA_GEMM serves it too."""
     return dataclasses.replace(MMA_GEMM, name=f"mma_int{bits}",
                                spec=KernelSpec("gemm_quant.cu", "gemm_quant", (("BITS", bits),)))
+
+
 ATTENTIONS = ("scalar", "mma")
 
 

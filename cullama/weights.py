@@ -107,14 +107,14 @@ def _part_fp16(ckpt: Checkpoint, module: str) -> np.ndarray:
     rounded to FP16 (a fused field that is only partly quantized is FP16)."""
     if not quantized_linear(ckpt.config, f"{module}.weight"):
         return ckpt.tensor(f"{module}.weight")
-    codes, scale, zero, perm = quant_checkpoint.read(ckpt.config.quantization, module, ckpt.stored)
-    g = codes.shape[1] // scale.shape[1]
-    w = (codes.astype(np.float32) - np.repeat(zero, g, axis=1)) * np.repeat(scale.astype(np.float32), g, axis=1)
-    if perm is not None:
-        unsorted = np.empty_like(w)
-        unsorted[:, perm] = w
-        w = unsorted
-    return w.astype(np.float16)
+    q = ckpt.config.quantization
+    codes, scale, zero, perm = quant_checkpoint.read(q, module, ckpt.stored)
+    w = quant.dequantize(quant.pack(codes, q.bits), quant.params(scale, zero), q.bits, np.float16)  # [N, K]
+    if perm is None:
+        return w
+    unsorted = np.empty_like(w)
+    unsorted[:, perm] = w  # column k holds input perm[k]
+    return unsorted
 
 
 def down_order(ckpt: Checkpoint, layout: Layout, layer: int) -> np.ndarray | None:
@@ -139,10 +139,11 @@ def linear_tensors(ckpt: Checkpoint, layout: Layout, layer: int, field: str) -> 
         codes = np.zeros((M, K), np.uint8)  # [M, K]
         scale = np.zeros((M, K // linear.format.group), np.float16)  # [M, groups]
         zero = np.zeros((M, K // linear.format.group), np.float32)  # [M, groups]
-        for module, start, rows in pieces:
+        for module, start, rows in pieces:  # the parts share one input order, perm (checkpoint_layout)
             c, s, z, perm = quant_checkpoint.read(q, module, ckpt.stored)
             order = slice(None) if row_perm is None else row_perm
-            codes[start:start + rows], scale[start:start + rows], zero[start:start + rows] = c[order], s[order], z[order]
+            codes[start:start + rows], scale[start:start + rows] = c[order], s[order]
+            zero[start:start + rows] = z[order]
         out = dict(zip(layout.weight_names(layer, field), (quant.pack(codes, q.bits), quant.params(scale, zero))))
     else:
         w = np.zeros((M, K), np.float16)  # [M, K] padded: zero rows and columns
@@ -158,15 +159,9 @@ def linear_tensors(ckpt: Checkpoint, layout: Layout, layer: int, field: str) -> 
     if layout.perm_name(layer, field):
         out[layout.perm_name(layer, field)] = perm
         if field in NORM_OF:
-            out[layout.norm_name(layer, field)] = np.ascontiguousarray(
-                ckpt.tensor(layers_norm(layer, field))[perm])
+            norm = f"{module_name(layer, PARTS[NORM_OF[field]][0])}.weight"  # the norm fused into its kernels
+            out[layout.norm_name(layer, field)] = np.ascontiguousarray(ckpt.tensor(norm)[perm])
     return out
-
-
-def layers_norm(layer: int, field: str) -> str:
-    """The HF tensor of the norm fused into a linear's kernels."""
-    part = dict(LAYER_PLAN)[NORM_OF[field]][0]
-    return f"{module_name(layer, part)}.weight"
 
 
 def _streams(ckpt: Checkpoint, layout: Layout, layer: int, field: str) -> bool:
@@ -182,7 +177,7 @@ def _streams(ckpt: Checkpoint, layout: Layout, layer: int, field: str) -> bool:
 # On the host
 
 
-def host_weights(ckpt: Checkpoint, layout: Layout | None = None, progress: Progress | None = None) -> Weights:
+def host_weights(ckpt: Checkpoint, progress: Progress | None = None, layout: Layout | None = None) -> Weights:
     """The model's weights in its own order and shapes (layout.Weights), q|k|v and gate|up fused: FP16, and
     float32 where the layout quantizes a linear (its exact dequantized values: what the kernels compute with).
     progress(done_bytes, total_bytes) is called after each tensor, counting FP16 bytes."""
@@ -220,7 +215,7 @@ def load_weights(path: str | os.PathLike, config: LlamaConfig | None = None, pro
                  quantize: str | None = None) -> Weights:
     """open_checkpoint + host_weights, for callers that do not need the note."""
     ckpt = open_checkpoint(path, config)
-    return host_weights(ckpt, checkpoint_layout(ckpt, quantize), progress)
+    return host_weights(ckpt, progress, checkpoint_layout(ckpt, quantize))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -241,7 +236,7 @@ def _padded(field: str, row: int, rows: np.ndarray, ff: int, ff_dev: int) -> tup
     return row, rows
 
 
-def load_checkpoint(backend, ckpt: Checkpoint, layout: Layout | None = None, progress: Progress | None = None) -> None:
+def load_checkpoint(backend, ckpt: Checkpoint, progress: Progress | None = None, layout: Layout | None = None) -> None:
     """Weights onto the backend, in `layout` (default: the checkpoint's own, FP16 or as stored quantized). FP16
     tensors are copied a chunk of rows at a time straight into their slice of the fused buffer (no host-side
     concatenation), each chunk checked finite just before its copy; the CPU binds FP16 views where it can.
@@ -249,7 +244,7 @@ def load_checkpoint(backend, ckpt: Checkpoint, layout: Layout | None = None, pro
     layout = layout or checkpoint_layout(ckpt)
     cfg, dev = ckpt.config, layout.device
     if backend.device == "cpu" and dev is cfg and layout.source == "float16":
-        weights = host_weights(ckpt, layout, progress)
+        weights = host_weights(ckpt, progress, layout)
         backend.bind("embed", weights.embed)
         backend.bind("final_norm", weights.final_norm)
         backend.bind("lm_head", weights.lm_head)

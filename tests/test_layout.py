@@ -62,7 +62,7 @@ def test_padded_units_are_exact_zeros_after_quantizing_on_load(stories_dir):
     for quantize in layouts.QUANTIZE:
         layout = checkpoint_layout(ckpt, quantize)
         backend = NumpyBackend()
-        load_checkpoint(backend, ckpt, layout)
+        load_checkpoint(backend, ckpt, layout=layout)
         ff, ff_dev = 172, 192
         for i in range(ckpt.config.num_layers):
             bits = layout.linear(i, "w_gate_up").format.bits
@@ -95,8 +95,8 @@ def test_the_reference_reads_the_weights_the_device_holds(stories_dir):
     ckpt = open_checkpoint(stories_dir)
     layout = checkpoint_layout(ckpt, "int4")
     backend = NumpyBackend()
-    load_checkpoint(backend, ckpt, layout)
-    weights = host_weights(ckpt, layout)
+    load_checkpoint(backend, ckpt, layout=layout)
+    weights = host_weights(ckpt, layout=layout)
     w_down = weights.layers[2].w_down
     assert w_down.dtype == np.float32 and w_down.shape == (64, 172)
     stored = quant.dequantize(backend.arrays["layers.2.w_down.qweight"], backend.arrays["layers.2.w_down.qparams"], 4)

@@ -51,7 +51,7 @@ def test_every_format_variant_loads_to_exactly_the_weights_the_format_says(tmp_p
     ckpt = open_checkpoint(tmp_path)
     layout = checkpoint_layout(ckpt)
     backend = NumpyBackend()
-    load_checkpoint(backend, ckpt, layout)
+    load_checkpoint(backend, ckpt, layout=layout)
     for i in range(CONFIG.num_layers):
         for field in layouts.LINEARS:
             qweight, qparams = (backend.arrays[n] for n in layout.weight_names(i, field))
@@ -64,7 +64,7 @@ def test_every_format_variant_loads_to_exactly_the_weights_the_format_says(tmp_p
                 norm = backend.arrays[f"layers.{i}.{layouts.NORM_OF[field]}"]
                 assert np.array_equal(backend.arrays[layout.norm_name(i, field)], norm[perm])
     # the reference's weights: the model's own order and shapes, exactly
-    weights = host_weights(ckpt, layout)
+    weights = host_weights(ckpt, layout=layout)
     for i, layer in enumerate(weights.layers):
         for field in layouts.LINEARS:
             expected = np.concatenate([truth[layouts.module_name(i, p)].weight() for p in layouts.PARTS[field]])
@@ -92,7 +92,7 @@ def test_a_stored_zero_of_all_ones_in_the_v1_format_is_two_to_the_bits(tmp_path)
     assert stored[0, 0].view(np.uint32) & 0xF == 15
     backend = NumpyBackend()
     ckpt = open_checkpoint(tmp_path)
-    load_checkpoint(backend, ckpt, checkpoint_layout(ckpt))
+    load_checkpoint(backend, ckpt, layout=checkpoint_layout(ckpt))
     assert backend.arrays["layers.0.wqkv.qparams"][0, 0, 1] == 16
 
 
@@ -116,7 +116,7 @@ def test_modules_to_not_convert_stay_fp16_and_a_partly_quantized_field_is_dequan
     assert layout.format_counts() == {"float16": 4, "int4 g64": 4}  # wqkv and wo FP16 in both layers
     assert layout.notes == ("self_attn.q_proj, self_attn.v_proj of layers 0, 1 dequantized to float16 (rounded): "
                             "modules_to_not_convert keeps the rest of wqkv float16",)
-    weights = host_weights(ckpt, layout)
+    weights = host_weights(ckpt, layout=layout)
     layer = weights.layers[0]
     assert np.array_equal(layer.wo, stored["model.layers.0.self_attn.o_proj.weight"])  # as stored
     q_rows = truth["model.layers.0.self_attn.q_proj"].weight().astype(np.float16)  # dequantized, rounded
