@@ -56,8 +56,8 @@ class BenchProgress:
 @click.option("--acceptance-model", type=click.Path(),
               help="--speculative: a real checkpoint (e.g. stories260K) on which ngram's tokens per step is measured "
                    "for the derived per-token figures.")
-def bench(model_dir, synthetic, device, lengths, samples, warmup, prompt_len, max_seq_len, json_path, quantize, overlap,
-          **speculative):
+def bench(model_dir, synthetic, device, lengths, samples, warmup, prompt_len, max_seq_len, json_path, quantize,
+          overlap, **speculative):
     """Per-token decode latency (p50/p90/p99/max), tokens/s, GB/s and TTFT at each length."""
     from .. import bench as protocol
     from ..config import from_pretrained as read_config, preset
