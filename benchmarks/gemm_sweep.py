@@ -5,7 +5,7 @@
 
 For each prefill matrix of LLaMA-2-7B (qkv 12288x4096, o_proj 4096x4096, gate_up 22016x4096,
 down 4096x11008; o_proj and down accumulate into the residual, as in the plan), or of --model's
-preset as the plan runs it (cullama.weights.device_config; the tests run `tiny` on a fake CuPy),
+preset as the plan runs it (cullama.layout.device_config; the tests run `tiny` on a fake CuPy),
 each GEMM kernel in --kernels (cullama.prefill_kernels: `mma` is gemm.cu, `wgmma` gemm_wgmma.cu as the
 plan launches it, `wgmma-n128` / `wgmma-n256` / `wgmma-m64` / `wgmma-noswizzle` its other compiled
 variants; default: mma, and wgmma on an sm_90 GPU) and each prompt length M in --rows, times the kernel
@@ -183,7 +183,7 @@ def main(argv=None) -> int:
     import cupy as cp
 
     from cullama.device import environment
-    from cullama.weights import device_config
+    from cullama.layout import device_config
     from cullama.registry import KernelLoader
 
     try:

@@ -5,7 +5,7 @@
 Each shape is timed with the kernel the decode step uses for it (qkv: gemv_qkv_rope, o_proj and
 down: gemv_residual, gate_up: gemv_gate_up_silu, lm_head: gemv_logits), in every (ROWS, UNROLL)
 variant of cullama.ops.gemv.DECODE_VARIANTS. --model sweeps another preset's shapes instead, as the decode
-step runs them (cullama.weights.device_config; the tests run `tiny` on a fake CuPy). Launches are
+step runs them (cullama.layout.device_config; the tests run `tiny` on a fake CuPy). Launches are
 captured in a CUDA graph (as in the decode step) that rotates over copies of the weight matrix
 totalling several times the L2, so no launch finds its weights in the cache; CUDA events time the
 replays. On sm_90 and newer the same launches are timed again linked by programmatic dependent launch
@@ -222,7 +222,7 @@ def main(argv=None) -> int:
     import cupy as cp
 
     from cullama.device import environment
-    from cullama.weights import device_config
+    from cullama.layout import device_config
 
     try:
         cfg, loader = device_config(preset(args.model)), KernelLoader()

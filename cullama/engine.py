@@ -25,9 +25,9 @@ import numpy as np
 from . import logprobs as scoring, memory, plan as plans
 from .config import LlamaConfig
 from .errors import PromptError
+from .layout import Layout, as_layout
 from .prefill_kernels import PrefillKernels, default_for
 from .sampling import Sampler, SamplingParams
-from .weights import device_config
 # kernels_cu/common.cuh: STATE_POS, STATE_TOKEN, STATE_STEP, STATE_TOP_K, STATE_SEED_LO, STATE_SEED_HI
 POS, TOKEN, STEP, TOP_K, SEED_LO, SEED_HI = range(6)
 
@@ -38,20 +38,22 @@ class PlanRunner:
     so work cut short (a KeyboardInterrupt, an error) never leaves it claiming rows it overwrote. A start()
     or decode step cut short also drops `last`: decoding then needs a start()."""
 
-    def __init__(self, cfg: LlamaConfig, backend, max_seq_len: int, prefill_chunk: int | None = None,
+    def __init__(self, model: LlamaConfig | Layout, backend, max_seq_len: int, prefill_chunk: int | None = None,
                  weight_bytes: int = 0, sample_vocab: int | None = None):
-        """`prefill_chunk`: prompt rows per prefill pass (default plan.PREFILL_CHUNK); it sizes the prefill
+        """`model`: the device layout of the weights (layout.Layout; a config stands for its FP16 layout).
+        `prefill_chunk`: prompt rows per prefill pass (default plan.PREFILL_CHUNK); it sizes the prefill
         buffers, and any prompt length works. `weight_bytes`: what the weights will still take on this device
         once the runner is made: the KV cache, the runtime buffers and they must fit in what it has free, or
         a ResourceError says so before anything is allocated (make the runner before loading the weights).
         `sample_vocab`: only the ids below it are ever sampled (default: the whole vocabulary; a tokenizer
         with fewer pieces than a padded vocabulary has no text for the others)."""
-        cfg = device_config(cfg)
+        self.layout = as_layout(model)
+        cfg = self.layout.device
         plans.check_supported(cfg)
         self.cfg, self.backend, self.max_seq_len = cfg, backend, max_seq_len
         self.sample_vocab = min(sample_vocab or cfg.vocab_size, cfg.vocab_size)
         self.prefill_chunk = prefill_chunk or plans.PREFILL_CHUNK
-        buffers = plans.runtime_buffers(cfg, max_seq_len, self.prefill_chunk)
+        buffers = plans.runtime_buffers(self.layout, max_seq_len, self.prefill_chunk)
         kv = sum(b.nbytes for b in buffers if b.kind == "cache")
         others = sum(b.nbytes for b in buffers) - kv
         memory.check_fits(backend.device, {"KV cache": kv, "other runtime buffers": others, "weights": weight_bytes},
@@ -59,7 +61,7 @@ class PlanRunner:
                           f"the KV cache takes {memory.gib(kv // max_seq_len * 1024)} per 1024 tokens)")
         backend.allocate(buffers)
         backend.set("rope", plans.rope_table(cfg, max_seq_len))
-        self.decode = plans.decode_plan(cfg, max_seq_len, self.sample_vocab)
+        self.decode = plans.decode_plan(self.layout, max_seq_len, self.sample_vocab)
         self._prefills: dict[tuple, plans.Plan] = {}
         self.prefill_kernels = default_for(getattr(backend, "arch", None))  # the prompt path's GEMM and attention
         self.cached: list[int] = []  # the ids whose K and V are in the cache, at positions 0..len - 1
@@ -88,7 +90,7 @@ class PlanRunner:
         if key not in self._prefills:
             if len(self._prefills) > 64:
                 self._prefills.clear()
-            self._prefills[key] = plans.prefill_plan(self.cfg, self.max_seq_len, start, n, output,
+            self._prefills[key] = plans.prefill_plan(self.layout, self.max_seq_len, start, n, output,
                                                      self.prefill_kernels, self.prefill_chunk, self.sample_vocab)
         return self._prefills[key]
 
@@ -245,7 +247,7 @@ class PlanRunner:
         graph (by its name, verify[k]). For benchmarks: backend.replay(plan) times one verify step; each
         replay advances the position by the tokens it accepts (1..k + 1), like a decode step's by one."""
         if k not in self._verify_plans:
-            self._verify_plans[k] = plans.verify_plan(self.cfg, self.max_seq_len, k, self.sample_vocab)
+            self._verify_plans[k] = plans.verify_plan(self.layout, self.max_seq_len, k, self.sample_vocab)
         return self._verify_plans[k]
 
     def _scored_verify_plan(self, k: int, logprobs: int) -> plans.Plan:

@@ -115,12 +115,13 @@ def params(scale: np.ndarray, zero: np.ndarray) -> np.ndarray:
 def dequantize(qweight: np.ndarray, qparams: np.ndarray, bits: int, dtype=np.float32) -> np.ndarray:
     """W [M, K] from the device tensors: float32 exact (the decode kernels' weights), or float16 (that value
     rounded to nearest even: the prefill GEMM's weights)."""
-    q = unpack(qweight, bits).astype(np.float32)  # [M, K]
-    groups = qparams.shape[1]
-    group = q.shape[1] // groups
-    scale = np.repeat(qparams[..., 0].astype(np.float32), group, axis=1)  # [M, K]
-    zero = np.repeat(qparams[..., 1].astype(np.float32), group, axis=1)  # [M, K]
-    return ((q - zero) * scale).astype(dtype)
+    q = unpack(qweight, bits)  # [M, K]
+    M, K = q.shape
+    pairs = qparams.astype(np.float32)  # [M, G, 2]
+    w = q.reshape(M, pairs.shape[1], -1).astype(np.float32)  # [M, G, group]: each group against its pair
+    w -= pairs[..., 1:]
+    w *= pairs[..., :1]
+    return w.reshape(M, K).astype(dtype, copy=False)
 
 
 # -- quantizing FP16 weights on load (round to nearest, no calibration) -----------------------------------------

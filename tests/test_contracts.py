@@ -10,7 +10,7 @@ import pytest
 
 from cullama import ops, plan as plans
 from cullama.config import preset
-from cullama.weights import device_config
+from cullama.layout import device_config
 from cullama.prefill_kernels import ATTENTIONS, GEMMS, PrefillKernels
 from cullama.kernels_cu import SOURCE_DIR
 
