@@ -135,6 +135,7 @@ def test_fp16_conversions_are_numpys():
 
 # -- the rewrite table --------------------------------------------------------------------------------------
 def test_every_template_in_kernels_cu_is_known_and_the_table_has_no_dead_entry():
+    """Every variant's source rewrites (so each collective is asm volatile, mma.cuh's mma.sync included)."""
     used = set()
     for stem in ops.STEMS:
         module = ops.module(stem)
@@ -150,6 +151,8 @@ def test_every_template_in_kernels_cu_is_known_and_the_table_has_no_dead_entry()
     ('asm("cvt.rn.f16.f32 %0, %1" : "=h"(h) : "f"(f));', "inline PTX the emulator does not know"),  # no ';'
     ('asm("cvt.rn.f16.f32 %0, %1;" : "=r"(h) : "f"(f));', "operand constraints '=r f'"),
     ('asm(TEMPLATE : "=h"(h) : "f"(f));', "not a string literal"),
+    ('asm("wgmma.fence.sync.aligned;" ::: "memory");', "collective (.sync.aligned) instruction: it must be asm "
+                                                        "volatile"),
 ])
 def test_an_unknown_template_fails_the_build_with_its_text(statement, message):
     with pytest.raises(KernelError, match=re.escape(message)):
