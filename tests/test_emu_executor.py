@@ -89,6 +89,17 @@ extern "C" __global__ void dynamic_overflow(int n) {
 
 extern "C" __global__ void __launch_bounds__(64) bounded(float* out) { out[threadIdx.x] = 1.f; }
 
+// The FP16 conversions as the kernels write them: common.cuh's f2h and h2f, and attention_mma.cu's packed cvt
+// (first source to the upper half).
+extern "C" __global__ void conversions(const float* f, half_t* h, uint32_t* packed, const half_t* halves,
+                                       float* back, int n) {
+    for (int i = 0; i < n; ++i) {
+        h[i] = f2h(f[i]);
+        asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(packed[i]) : "f"(f[i]), "f"(f[n - 1 - i]));
+        back[i] = h2f(halves[i]);
+    }
+}
+
 extern "C" __global__ void scalars(float* out, int i, unsigned long long u, float f) {
     out[0] = (float)i, out[1] = (float)u, out[2] = f;
 }
@@ -109,28 +120,102 @@ def probe(source_dir, name, grid, block, args, schedule="forward", shared_mem=0)
 
 
 # -- FP16 conversions: every half, and floats at and around every rounding boundary ---------------------------
-def test_fp16_conversions_are_numpys():
-    rt = build.runtime()
-    halves = np.arange(1 << 16, dtype=np.uint16)
-    floats = np.empty(halves.size, np.float32)
-    rt.emu_h2f_array(halves.ctypes.data_as(ctypes.c_void_p), floats.ctypes.data_as(ctypes.c_void_p),
-                     ctypes.c_longlong(halves.size))
-    expected = halves.view(np.float16).astype(np.float32)
-    assert np.array_equal(floats.view(np.uint32), expected.view(np.uint32))  # NaN payloads too
+HALVES = np.arange(1 << 16, dtype=np.uint16)
+
+
+def float_bits(size: int = 1 << 20) -> np.ndarray:
+    """uint32 float patterns: random ones, every half's value, the exact ties between neighbouring halves and the
+    floats just above them, the edges of overflow and underflow, and NaNs of every sign and payload class (only
+    bits that survive the cut to 10, only bits that do not, random)."""
     rng = np.random.default_rng(0)
-    finite = expected[np.isfinite(expected)].astype(np.float64)
-    mids = np.float32((finite[:-1] + finite[1:]) / 2)  # exact ties between neighbouring halves
-    bits = np.concatenate([rng.integers(0, 2**32, 1 << 20, dtype=np.uint64).astype(np.uint32),
-                           expected.view(np.uint32), mids.view(np.uint32),
-                           np.nextafter(mids, np.float32(np.inf)).view(np.uint32),
-                           np.array([0x477FF000, 0x477FEFFF, 0x33000000, 0x33000001, 0x7F800000, 0xFF800001],
-                                    np.uint32)])
-    values = bits.view(np.float32)
+    exact = HALVES.view(np.float16).astype(np.float32)
+    finite = exact[np.isfinite(exact)].astype(np.float64)
+    mids = np.float32((finite[:-1] + finite[1:]) / 2)
+    payload = np.concatenate([np.arange(1, 1024, dtype=np.uint32) << 13, np.arange(1, 1 << 13, dtype=np.uint32),
+                              rng.integers(1, 1 << 23, 4096, dtype=np.uint32)])
+    nans = np.concatenate([0x7F800000 | payload, 0xFF800000 | payload]).astype(np.uint32)
+    return np.concatenate([rng.integers(0, 2**32, size, dtype=np.uint64).astype(np.uint32), exact.view(np.uint32),
+                           mids.view(np.uint32), np.nextafter(mids, np.float32(np.inf)).view(np.uint32),
+                           np.array([0x477FF000, 0x477FEFFF, 0x33000000, 0x33000001, 0x7F800000, 0xFF800000],
+                                    np.uint32), nans])
+
+
+def test_fp16_conversions_are_numpys_for_numbers_and_nan_is_canonical():
+    rt = build.runtime()
+    floats = np.empty(HALVES.size, np.float32)
+    rt.emu_h2f_array(HALVES.ctypes.data_as(ctypes.c_void_p), floats.ctypes.data_as(ctypes.c_void_p),
+                     ctypes.c_longlong(HALVES.size))
+    expected = HALVES.view(np.float16).astype(np.float32)
+    nan = np.isnan(expected)
+    assert np.array_equal(floats.view(np.uint32)[~nan], expected.view(np.uint32)[~nan])
+    assert (floats.view(np.uint32)[nan] == 0x7FFFFFFF).all()  # NumPy keeps the payload; the GPU does not
+    values = float_bits().view(np.float32)
     out = np.empty(values.size, np.uint16)
     rt.emu_f2h_array(values.ctypes.data_as(ctypes.c_void_p), out.ctypes.data_as(ctypes.c_void_p),
                      ctypes.c_longlong(values.size))
+    nan = np.isnan(values)
     with np.errstate(over="ignore"):
-        assert np.array_equal(out, values.astype(np.float16).view(np.uint16))
+        assert np.array_equal(out[~nan], values[~nan].astype(np.float16).view(np.uint16))
+    assert (out[nan] == 0x7FFF).all()
+
+
+# The GPU's conversions in plain C++ on the host's floating point, apart from cullama/emu's bit code: round to
+# nearest even (nearbyint in the default rounding mode) at the half's quantum, 2^-24 below 2^-14, else 2^(e - 10);
+# a NaN, whatever its sign and payload, is the canonical NaN (cuda_fp16.hpp's host __float2half_rn and
+# __half2float, CUDA's own statement of what cvt.rn.f16.f32 and cvt.f32.f16 give).
+REFERENCE_CONVERSIONS = r"""
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+static uint16_t f2h(float f) {
+    if (std::isnan(f)) return 0x7fff;
+    const uint16_t sign = std::signbit(f) ? 0x8000 : 0;
+    const double a = std::fabs((double)f);
+    if (a < 0x1p-14) return sign | (uint16_t)std::nearbyint(a * 0x1p24);  // 1024 there is the least normal
+    int e;
+    std::frexp(a, &e);                                                    // a in [2^(e-1), 2^e)
+    const double q = std::nearbyint(std::ldexp(a, 11 - e));               // 1024 .. 2048 (a carry)
+    const double bits = (e + 14) * 1024.0 + (q - 1024);
+    return sign | (bits >= 0x7c00 ? 0x7c00 : (uint16_t)bits);             // past 65504 + half an ulp: inf
+}
+static float h2f(uint16_t h) {
+    const int e = h >> 10 & 31, m = h & 1023;
+    float v;
+    if (e == 31 && m) { const uint32_t nan = 0x7fffffff; std::memcpy(&v, &nan, 4); return v; }
+    v = e == 31 ? INFINITY : e ? std::ldexp(1024.f + m, e - 25) : std::ldexp((float)m, -24);
+    return h & 0x8000 ? -v : v;
+}
+extern "C" void reference(const float* f, uint16_t* h, uint32_t* packed, const uint16_t* halves, float* back,
+                          int n) {
+    for (int i = 0; i < n; ++i) {
+        h[i] = f2h(f[i]);
+        packed[i] = (uint32_t)f2h(f[i]) << 16 | f2h(f[n - 1 - i]);
+        back[i] = h2f(halves[i]);
+    }
+}
+"""
+
+
+def test_fp16_conversions_in_a_kernel_are_the_gpus_on_every_nan(probes, tmp_path):
+    """common.cuh's f2h and h2f and the packed cvt.rn.f16x2.f32 (attention_mma.cu's), run by the executor, equal
+    the reference above on every kind of number and NaN: a NaN comes out canonical (0x7FFF, 0x7FFFFFFF), as on
+    the GPU, not with NumPy's payload."""
+    source, library = tmp_path / "reference.cpp", tmp_path / "reference.so"
+    source.write_text(REFERENCE_CONVERSIONS)
+    subprocess.run([build.compiler(), "-std=c++17", "-O1", "-shared", "-fPIC", str(source), "-o", str(library)],
+                   check=True, capture_output=True, timeout=120)
+    reference = ctypes.CDLL(str(library)).reference
+    f = float_bits(1 << 16).view(np.float32)
+    n = f.size
+    halves = np.resize(HALVES, n)
+    outputs = [(np.empty(n, np.uint16), np.empty(n, np.uint32), np.empty(n, np.float32)) for _ in range(2)]
+    probe(probes, "conversions", 1, 1, (f, outputs[0][0], outputs[0][1], halves, outputs[0][2], np.int32(n)))
+    reference(*(a.ctypes.data_as(ctypes.c_void_p) for a in (f, outputs[1][0], outputs[1][1], halves,
+                                                             outputs[1][2])), ctypes.c_int(n))
+    (h, packed, back), (h_ref, packed_ref, back_ref) = outputs
+    assert np.array_equal(h, h_ref) and np.array_equal(packed, packed_ref)
+    assert np.array_equal(back.view(np.uint32), back_ref.view(np.uint32))
+    assert (h[np.isnan(f)] == 0x7FFF).all() and (back.view(np.uint32)[(halves & 0x7FFF) > 0x7C00] == 0x7FFFFFFF).all()
 
 
 # -- the rewrite table --------------------------------------------------------------------------------------
