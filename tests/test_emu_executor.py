@@ -306,6 +306,72 @@ def test_writes_past_the_dynamic_shared_memory_are_caught(probes):
         probe(probes, "dynamic_overflow", 1, 32, (np.int32(1000),), shared_mem=1000)
 
 
+# gemm_wgmma.cu's own pieces, one warpgroup: C = A W^T over one K tile, the threads double their accumulators,
+# then C += A W^T again (3 A W^T). The fence before the second pass orders the threads' writes before it.
+WGMMA_PROBE = r"""
+#include "gemm_wgmma.cu"
+
+// A [64, 64], W [GW_TILE_N, 64] FP16; C [64, GW_TILE_N] float32. GW_WARPGROUPS 1, GW_SMEM_BYTES of dynamic shared.
+extern "C" __global__ void __launch_bounds__(GW_THREADS, 1) wgmma_twice(const half_t* A, const half_t* W, float* C) {
+    extern __shared__ __align__(16) unsigned char gw_dynamic_smem[];
+    const uint32_t smem = (smem_addr(gw_dynamic_smem) + 1023u) & ~1023u, a = gw_a_base(smem, 0);
+    const uint32_t w = gw_w_base(smem, 0);
+    load_tile_a(smem, 0, 0, A, 64, 64, 0, 64, 0);
+    load_tile_w(smem, 0, 0, W, GW_TILE_N, 64, 0, 64, 0);
+    cp_async_commit();
+    cp_async_wait<0>();
+    fence_proxy_async();
+    __syncthreads();
+    float acc[GW_ACC];
+    for (int j = 0; j < GW_ACC; ++j) acc[j] = 0.f;
+    wgmma_fence();
+    for (int ks = 0; ks < 4; ++ks) wgmma_k16(acc, gw_a_desc(a, 0, ks), gw_w_desc(w, ks));
+    wgmma_commit();
+    wgmma_wait<0>();
+    for (int j = 0; j < GW_ACC; ++j) acc[j] *= 2.f;
+    wgmma_fence();  // the second pass
+    for (int ks = 0; ks < 4; ++ks) wgmma_k16(acc, gw_a_desc(a, 0, ks), gw_w_desc(w, ks));
+    wgmma_commit();
+    wgmma_wait<0>();
+    for (int j = 0; j < GW_ACC; ++j) C[gw_acc_row(threadIdx.x, j) * GW_TILE_N + gw_acc_col(threadIdx.x, j)] = acc[j];
+}
+"""
+WGMMA_DEFINES = (("GW_WARPGROUPS", 1), ("GW_TILE_N", 64))
+
+
+@pytest.mark.parametrize("bug,replacement,message", [
+    (None, None, None),
+    ("fence-removed", ("    wgmma_fence();  // the second pass\n", ""),
+     r"wgmma_twice block \(0, 0, 0\) thread \(\d+, 0, 0\) at gemm_wgmma.cu:\d+: wgmma.mma_async: thread \d+ wrote its "
+     r"accumulator \d+ after the last wgmma.fence"),
+    ("written-in-flight", ("    wgmma_commit();\n    wgmma_wait<0>();\n    for (int j = 0; j < GW_ACC; ++j) acc",
+                           "    wgmma_commit();\n    acc[5] = 1.f;\n    wgmma_wait<0>();\n"
+                           "    for (int j = 0; j < GW_ACC; ++j) acc"),
+     r"wgmma.wait_group: thread \d+ wrote its accumulator 5 while the wgmma.mma_async at gemm_wgmma.cu:\d+ on it "
+     r"was in flight"),
+], ids=["correct", "fence-removed", "written-in-flight"])
+def test_the_wgmma_fence_rule_holds_before_every_wgmma(tmp_path, bug, replacement, message):
+    """PTX ISA, wgmma.fence: between a thread's write of accumulator registers and a wgmma.mma_async that uses them
+    (not only before the first); and no write while a wgmma on them is in flight. Seeded bugs in a copy of the
+    probe are reported with the offending thread and register; the probe itself computes 3 A W^T."""
+    source_dir = tmp_path / "kernels_cu"
+    shutil.copytree(SOURCE_DIR, source_dir)
+    assert bug is None or WGMMA_PROBE.count(replacement[0]) == 1
+    text = WGMMA_PROBE if bug is None else WGMMA_PROBE.replace(*replacement)
+    (source_dir / "wgmma_probe.cu").write_text(text)
+    rng = np.random.default_rng(0)
+    A, W = rng.standard_normal((64, 64)).astype(np.float16), rng.standard_normal((64, 64)).astype(np.float16)
+    C = np.full((64, 64), np.nan, np.float32)
+    spec = KernelSpec("wgmma_probe.cu", "wgmma_twice", WGMMA_DEFINES, arch_specific=True)
+    smem = 5 * (64 + 64) * 128 + 1024  # GW_SMEM_BYTES
+    if bug is None:
+        emu.launch(spec, 1, 128, (A, W, C), smem, source_dir=source_dir)
+        np.testing.assert_allclose(C, 3 * (A.astype(np.float64) @ W.astype(np.float64).T), rtol=1e-5, atol=1e-4)
+    else:
+        with pytest.raises(emu.EmuError, match=message):
+            emu.launch(spec, 1, 128, (A, W, C), smem, source_dir=source_dir)
+
+
 # -- CuPy's launch rules --------------------------------------------------------------------------------------
 @pytest.mark.parametrize("args,message", [
     ((np.zeros(4, np.float32), np.int64(1), np.uint64(1), np.float32(1)), "argument 1 is a 4-byte signed scalar"),
