@@ -20,6 +20,7 @@ from cullama import cache, emu, ops
 from cullama.emu import asm, build
 from cullama.errors import KernelError
 from cullama.kernels_cu import SOURCE_DIR
+from cullama.plan import GEMV_THREADS
 from cullama.registry import KernelSpec
 
 pytestmark = pytest.mark.emu
@@ -99,6 +100,21 @@ extern "C" __global__ void conversions(const float* f, half_t* h, uint32_t* pack
         back[i] = h2f(halves[i]);
     }
 }
+
+// Read with ld.global.nc (load_stream) or __ldg, or through __restrict__ pointers; written in the same launch.
+extern "C" __global__ void nc_in_place(uint4* data) {
+    uint4 v = load_stream(data + threadIdx.x);
+    v.x += 1u;
+    data[threadIdx.x] = v;
+}
+
+extern "C" __global__ void ldg_twice(const float* in, float* out) { out[threadIdx.x] = 2.f * __ldg(in + threadIdx.x); }
+
+extern "C" __global__ void restrict_twice(const float* __restrict__ in, float* __restrict__ out) {
+    out[threadIdx.x] = 2.f * in[threadIdx.x];
+}
+
+extern "C" __global__ void plain_twice(const float* in, float* out) { out[threadIdx.x] = 2.f * in[threadIdx.x]; }
 
 extern "C" __global__ void scalars(float* out, int i, unsigned long long u, float f) {
     out[0] = (float)i, out[1] = (float)u, out[2] = f;
@@ -370,6 +386,46 @@ def test_the_wgmma_fence_rule_holds_before_every_wgmma(tmp_path, bug, replacemen
     else:
         with pytest.raises(emu.EmuError, match=message):
             emu.launch(spec, 1, 128, (A, W, C), smem, source_dir=source_dir)
+
+
+def test_read_only_loads_and_restrict_pointers_are_checked_against_the_writes(probes):
+    """What ld.global.nc / __ldg read must be read-only for the whole launch; a __restrict__ argument must not share
+    written bytes with another argument. Each seeded bug fails the launch naming the arguments, and leaves the
+    arrays as they were; the same kernels on separate arrays (or without restrict) run."""
+    data = np.arange(64, dtype=np.uint32)
+    with pytest.raises(emu.EmuError, match=r"nc_in_place: argument 0 is read by ld.global.nc / __ldg, which needs it "
+                                           r"read-only for the whole launch, and written by it \(16 bytes, the first "
+                                           r"at byte 0\)"):
+        probe(probes, "nc_in_place", 1, 16, (data,))
+    assert (data == np.arange(64)).all()
+    x = np.arange(33, dtype=np.float32)
+    with pytest.raises(emu.EmuError, match=r"ldg_twice: argument 0 is read by ld.global.nc / __ldg.*written by it"):
+        probe(probes, "ldg_twice", 1, 32, (x[:32], x[:32]))
+    with pytest.raises(emu.EmuError, match=r"restrict_twice: arguments 0 and 1 share bytes that the launch wrote, "
+                                           r"but argument 0 is __restrict__"):
+        probe(probes, "restrict_twice", 1, 32, (x[1:], x[:32]))  # out[i] = 2 in[i + 1]: overlapping views
+    assert (x == np.arange(33)).all()
+    probe(probes, "plain_twice", 1, 32, (x[1:], x[:32]))  # no restrict: allowed
+    assert (x[:32] == 2 * np.arange(1, 33)).all()
+    for name in ("ldg_twice", "restrict_twice"):
+        out = np.zeros(32, np.float32)
+        probe(probes, name, 1, 32, (x[:32].copy(), out))
+        assert (out == 2 * x[:32]).all()
+
+
+def test_a_real_kernel_with_aliased_restrict_arguments_fails_its_launch():
+    """gemv_residual(in, W, x): x += W in, every pointer __restrict__ (and W read with ld.global.nc). A plan that
+    passed x as `in` too would read what it writes; the launch says so."""
+    spec = KernelSpec("gemv.cu", "gemv_residual", (("ROWS", 4), ("UNROLL", 4)))
+    assert build.library(spec.source, spec.defines).kernels["gemv_residual"].restrict == (True, True, True, False,
+                                                                                          False)
+    rng = np.random.default_rng(0)
+    W, x = rng.standard_normal((64, 64)).astype(np.float16), rng.standard_normal(64).astype(np.float32)
+    with pytest.raises(emu.EmuError, match="gemv_residual: arguments 0 and 2 share bytes that the launch wrote, but "
+                                           "argument 0 is __restrict__"):
+        emu.launch(spec, 16, GEMV_THREADS, (x, W, x, np.int32(64), np.int32(64)))
+    with pytest.raises(emu.EmuError, match="gemv_residual: argument 1 is read by ld.global.nc"):
+        emu.launch(spec, 16, GEMV_THREADS, (x, W, W.view(np.float32).reshape(-1)[:64], np.int32(64), np.int32(64)))
 
 
 # -- CuPy's launch rules --------------------------------------------------------------------------------------

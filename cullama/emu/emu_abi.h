@@ -19,6 +19,12 @@ struct emu_launch {
     unsigned long long seed;     // of the shuffled schedule
     char* error;                 // out: a one-line message when emu_run returns nonzero
     int error_size;
+    // Global memory: the copies launch.py made of the array arguments (spans of bytes), and per byte of each an
+    // out flag, set to 1 where an ld.global.nc or __ldg read it (launch.py checks those against the writes).
+    int spans;
+    unsigned char* const* span_start;
+    const unsigned long long* span_bytes;
+    unsigned char* const* span_read_only;
 };
 
 enum { EMU_FORWARD = 0, EMU_REVERSE = 1, EMU_SHUFFLED = 2 };
@@ -46,6 +52,8 @@ EMU_API void emu_cp_async_wait(int pending, const char* file, int line);
 EMU_API void emu_ldmatrix_x4(unsigned* r, unsigned addr, int trans, const char* file, int line);
 EMU_API void emu_mma_m16n8k16(float* d, const unsigned* a, unsigned b0, unsigned b1, const char* file, int line);
 EMU_API void emu_fence_proxy_async(void);
+// An ld.global.nc / __ldg of `bytes` at p: data read-only for the whole launch (recorded, see emu_launch).
+EMU_API void emu_read_only_load(const void* p, unsigned long long bytes);
 // wgmma: op 0 fence, 1 commit_group, 2 wait_group (arg = pending groups allowed).
 EMU_API void emu_wgmma_sync(int op, int arg, const char* file, int line);
 EMU_API void emu_wgmma_mma(int n, float** acc, unsigned long long desc_a, unsigned long long desc_b, int scale_d,

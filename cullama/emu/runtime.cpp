@@ -21,7 +21,8 @@
 //
 // Errors (and stray memory accesses, as SIGSEGV / SIGBUS, and misaligned typed ones, through the
 // -fsanitize=alignment handler below) end the launch with a one-line message naming the kernel, block, thread
-// and source line.
+// and source line. ld.global.nc / __ldg loads mark the bytes they read (emu_launch's spans), which launch.py
+// checks against the launch's writes.
 //
 // Built once per process by cullama/emu/build.py into a shared library loaded with RTLD_GLOBAL; each kernel
 // library calls into it (emu_abi.h).
@@ -991,6 +992,19 @@ EMU_API void emu_mma_m16n8k16(float* d, const unsigned* a, unsigned b0, unsigned
         release_warp(w);
     }
     for (int i = 0; i < 4; ++i) d[i] = emu_bits_float(w.frag_out[f->lane][i]);
+}
+
+EMU_API void emu_read_only_load(const void* p, unsigned long long bytes) {
+    const emu_launch* L = R.launch;
+    const unsigned char* c = (const unsigned char*)p;
+    for (int i = 0; i < L->spans; ++i) {  // a few spans: one per array argument at most
+        const unsigned char* start = L->span_start[i];
+        if (c >= start && c < start + L->span_bytes[i]) {
+            const unsigned long long offset = (unsigned long long)(c - start), left = L->span_bytes[i] - offset;
+            memset(L->span_read_only[i] + offset, 1, bytes < left ? bytes : left);
+            return;
+        }
+    }  // outside every argument: a read of the guard bytes (or a stray one), checked elsewhere
 }
 
 EMU_API void emu_fence_proxy_async(void) {
