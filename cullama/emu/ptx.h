@@ -27,6 +27,7 @@ inline void check_aligned(EMU_SITE_PARAMS, const void* p, unsigned long long byt
 }
 inline void ld_global_nc_v4_u32(EMU_SITE_PARAMS, unsigned& a, unsigned& b, unsigned& c, unsigned& d, const void* p) {
     check_aligned(file, line, p, 16, "ld.global.nc.v4.u32");
+    emu_read_only_load(p, 16);
     const unsigned* w = (const unsigned*)p;
     a = w[0], b = w[1], c = w[2], d = w[3];
 }

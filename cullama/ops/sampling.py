@@ -34,16 +34,21 @@ def sample(logits, seen, state, fparams, embed, x, ids, picks, out, arrivals, V,
     before them, out = [n, ids[1..n-1], picks[n-1]], and as n decode steps would: state[TOKEN] = picks[n-1],
     state[STEP] += n, state[POS] += n, seen[those n tokens] = 1, x = embed[picks[n-1]] as float32, all in
     place; arrivals is left at 0. Where the last pick is NO_TOKEN (every logit of its row NaN or -inf), it is
-    not marked seen and x = 0.
+    not marked seen and x = 0. A draft outside [0, V) (which the host never writes) makes every pick NO_TOKEN:
+    n = 1, nothing indexed by it.
     """
     rows, step = int(grid[0]), int(state[STATE_STEP])
     params, seen_mask = params_from(state, fparams), seen[:V] != 0
+    drafts_are_ids = all(0 <= int(t) < V for t in ids[1:rows])
     for r, row in enumerate(logit_rows(logits, V, rows)):
+        if not drafts_are_ids:
+            picks[r] = sampling.NO_TOKEN
+            continue
         before = seen_mask.copy()
         before[ids[1:r + 1]] = True  # the drafts before row r: accepted by the time its pick matters
         picks[r] = sampling.sample(row[:V], params, before, step + r, int(ids[r + 1]) if r + 1 < rows else None)
     n = 1
-    while n < rows and picks[n - 1] == ids[n]:
+    while drafts_are_ids and n < rows and picks[n - 1] == ids[n]:
         n += 1
     accepted = [int(t) for t in ids[1:n]] + [int(picks[n - 1])]
     out[0], out[1:n + 1] = n, accepted
