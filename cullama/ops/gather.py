@@ -12,13 +12,13 @@ import numpy as np
 SOURCE = "gather.cu"
 
 
-def gather_f32(inp, perm, out, K, grid):
+def gather_f32(inp, perm, out, K, *, grid):
     """out [T, K] float32 = in[:, perm] for the grid's T rows (a decode step's single row may be 1-D): a decode
     or verify step's inputs. Grid: (T, 1, 1), one block per row; rows at a stride of K."""
     _gather(inp, perm, out, K, grid[0])
 
 
-def gather_f16(inp, perm, out, K, grid):
+def gather_f16(inp, perm, out, K, *, grid):
     """out [n, K] float16 = in[:, perm] for the grid's n rows: a prefill chunk's GEMM input. Grid: (n, 1, 1)."""
     _gather(inp, perm, out, K, grid[0])
 
