@@ -419,13 +419,15 @@ def _random_tensor(name: str, shape: tuple[int, ...], seed: int, std: float) -> 
 
 
 def _encode(values: np.ndarray, st_dtype: str) -> np.ndarray:
-    """fp32 values in the stored dtype; BF16 as its bits, rounded to nearest even."""
+    """fp32 values in the stored dtype; BF16 as its bits, rounded to nearest even, NaN as the quiet NaN (the
+    rounding's carry would turn a NaN's payload into inf or zero), as PyTorch's conversion does."""
     if st_dtype == "F16":
         return values.astype(np.float16)
     if st_dtype == "F32":
         return values
     bits = values.view(np.uint32)
-    return ((bits + np.uint32(0x7FFF) + ((bits >> 16) & np.uint32(1))) >> 16).astype(np.uint16)
+    rounded = ((bits + np.uint32(0x7FFF) + ((bits >> 16) & np.uint32(1))) >> 16).astype(np.uint16)
+    return np.where(np.isnan(values), np.uint16(0x7FC0), rounded)
 
 
 def _write_safetensors(file: Path, tensors: dict[str, tuple[int, ...]], st_dtype: str,

@@ -98,6 +98,14 @@ def test_the_writer_rounds_float32_to_bfloat16_half_to_even():
     assert checkpoint._encode(np.array([1 + 2**-8, 1 + 3 * 2**-8], np.float32), "BF16").tolist() == [0x3F80, 0x3F82]
 
 
+def test_the_writer_keeps_nan_nan_in_bfloat16():
+    nans = np.array([0x7FC00000, 0x7FFFFFFF, 0x7F800001, 0xFFFFFFFF, 0xFF800001, 0x7FBFFFFF], np.uint32)
+    bits = checkpoint._encode(nans.view(np.float32), "BF16")
+    assert np.isnan(bf16_value(bits)).all(), [hex(int(b)) for b in bits]
+    inf = checkpoint._encode(np.array([np.inf, -np.inf], np.float32), "BF16")
+    assert inf.tolist() == [0x7F80, 0xFF80]
+
+
 def test_the_writer_rounds_float32_to_float16_half_to_even():
     x, want = fp16_midpoints()
     with np.errstate(over="ignore"):  # 65520 rounds to inf
