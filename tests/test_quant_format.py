@@ -85,6 +85,12 @@ def test_params_hold_scale_and_zero_side_by_side():
     assert out[0, :, 0].tolist() == [0.5, float(np.float16(0.01))] and out[0, :, 1].tolist() == [0, 256]
 
 
+@pytest.mark.parametrize("zero", [257, -1, 0.5, 2049, 1e9])
+def test_params_refuse_a_zero_point_that_is_not_an_integer_from_0_to_256(zero):
+    with pytest.raises(ValueError, match="zero points must be integers from 0 to 256"):
+        params(np.ones((1, 1), np.float32), np.array([[zero]]))
+
+
 # ---- dequantize ------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("bits, group", [(4, 32), (8, 16), (4, 64)])
 def test_dequantize_is_exact_in_float32_and_half_to_even_in_float16(bits, group):
