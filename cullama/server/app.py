@@ -25,6 +25,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from ..errors import CullamaError, OptionError, PromptError
 from ..generate import GenerationOptions, check_prompt_fits
 from ..speculative import SpeculativeOptions
+from ..untrusted import shown
 from .engine import Busy, Engine, Failed, Finished, Job, Piece, Refused, Stopped, Unavailable
 from .metrics import Metrics
 from .protocol import ApiError, ChatRequest, CompletionRequest, GenerationRequest
@@ -92,7 +93,7 @@ def model_card(settings: Settings) -> dict:
 
 def check_model(name: str | None, settings: Settings) -> None:
     if name is not None and name != settings.model_name:
-        raise ApiError(404, f"the model `{name}` does not exist: this server serves `{settings.model_name}`",
+        raise ApiError(404, f"the model `{shown(name)}` does not exist: this server serves `{settings.model_name}`",
                        param="model", code="model_not_found")
 
 
