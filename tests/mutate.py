@@ -28,6 +28,7 @@ import dataclasses
 import io
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -239,19 +240,35 @@ def environment(root: Path) -> dict:
     return env
 
 
+LIVE: set = set()  # the test runs in progress: killed with their process groups when the runner is stopped
+
+
 def run_tests(root: Path, tests: list[str], timeout: float) -> tuple[str, float, str]:
     """("passed" | "failed" | "timeout" | "error", seconds, the output's tail) of the tests in `root`."""
     started = time.monotonic()
+    # A session of its own: a timeout or a stop ends whatever the tests started too (servers, compilers).
+    proc = subprocess.Popen(test_command(tests), cwd=root, env=environment(root), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    LIVE.add(proc)
     try:
-        done = subprocess.run(test_command(tests), cwd=root, env=environment(root), capture_output=True,
-                              text=True, timeout=timeout)
+        output, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
+        kill_group(proc)
+        proc.communicate()
         return "timeout", time.monotonic() - started, ""
-    seconds, tail = time.monotonic() - started, (done.stdout + done.stderr)[-2000:]
+    finally:
+        LIVE.discard(proc)
     # pytest: 0 all passed, 1 some failed, 2 interrupted (a collection error: the mutant broke an import);
     # 3, 4 and 5 (internal error, usage, nothing collected) are the runner's problem, not the mutant's.
-    outcome = {0: "passed", 1: "failed", 2: "failed"}.get(done.returncode, "error")
-    return outcome, seconds, tail
+    outcome = {0: "passed", 1: "failed", 2: "failed"}.get(proc.returncode, "error")
+    return outcome, time.monotonic() - started, output[-2000:]
+
+
+def kill_group(proc: subprocess.Popen) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
 
 
 def default_tests(module: Path) -> list[str]:
@@ -296,6 +313,11 @@ def main(argv=None) -> int:
         return 0
     tests = args.tests or default_tests(module)
 
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a stop cleans up as Ctrl-C does
+    return run_all(name, source, todo, tests, args)
+
+
+def run_all(name: str, source: str, todo: list[Mutant], tests: list[str], args) -> int:
     with tempfile.TemporaryDirectory(prefix="cullama-mutate-") as scratch:
         roots = [scratch_copy(Path(scratch) / str(j)) for j in range(max(1, args.jobs))]
         outcome, seconds, tail = run_tests(roots[0], tests, timeout=3600)
@@ -316,13 +338,22 @@ def main(argv=None) -> int:
                 (root / name).write_text(source)
                 free.append(root)
 
-        results = []
-        with concurrent.futures.ThreadPoolExecutor(max(1, args.jobs)) as pool:
+        results, interrupted = [], False
+        pool = concurrent.futures.ThreadPoolExecutor(max(1, args.jobs))
+        try:
             for i, (mutant, outcome) in enumerate(pool.map(run, todo), start=1):
                 results.append((mutant, outcome))
                 word = {"failed": "killed", "passed": "SURVIVED", "timeout": "timed out"}.get(outcome, outcome)
                 print(f"[{i}/{len(todo)}] {word:9} {name}:{mutant.line}: {mutant.what}", flush=True)
+        except (KeyboardInterrupt, SystemExit):  # Ctrl-C or SIGTERM: stop the runs, report what is done
+            interrupted = True
+            pool.shutdown(wait=False, cancel_futures=True)
+            for proc in list(LIVE):
+                kill_group(proc)
+        pool.shutdown()
 
+    if interrupted:
+        print(f"\ninterrupted after {len(results)} of {len(todo)} mutants")
     counts = {k: sum(1 for _, o in results if o == k) for k in ("failed", "passed", "timeout", "error")}
     survivors = [m for m, o in results if o == "passed"]
     print(f"\n{name}: {counts['failed']} killed, {counts['passed']} survived, {counts['timeout']} timed out"
@@ -333,7 +364,7 @@ def main(argv=None) -> int:
     if scored:
         print(f"score {(counts['failed'] + counts['timeout']) / scored:.1%} "
               f"({counts['failed'] + counts['timeout']} of {scored} killed)")
-    return 1 if survivors or counts["error"] else 0
+    return 130 if interrupted else 1 if survivors or counts["error"] else 0
 
 
 if __name__ == "__main__":
