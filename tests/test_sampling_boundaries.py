@@ -196,3 +196,21 @@ def test_temperature_at_its_bounds():
     assert_both(logits, (sampling.MIN_TEMPERATURE, 0, 1.0, 1.0), LOW, 1)
     assert_both(logits, (sampling.MAX_TEMPERATURE, 0, 1.0, 1.0), LOW, 0)
     assert_both(logits, (sampling.MAX_TEMPERATURE, 0, 1.0, 1.0), HIGH, 3)
+
+
+# ---- the options' own bounds, as validate() draws them ------------------------------------------------------------
+@pytest.mark.parametrize("name, inside, outside", [
+    ("top_k", [0, 1, 2**31 - 1], [-1, 2**31]),  # the device's int32
+    ("seed", [0, 2**32, 2**64 - 1], [-1, 2**64]),  # the device's uint64
+    ("temperature", [0.0, sampling.MIN_TEMPERATURE, sampling.MAX_TEMPERATURE],
+     [-1e-6, np.nextafter(sampling.MIN_TEMPERATURE, 0), np.nextafter(sampling.MAX_TEMPERATURE, 1e3)]),
+    ("repetition_penalty", [sampling.MIN_REPETITION_PENALTY, 1.0, sampling.MAX_REPETITION_PENALTY],
+     [np.nextafter(sampling.MIN_REPETITION_PENALTY, 0), np.nextafter(sampling.MAX_REPETITION_PENALTY, 1e4), 0.0]),
+    ("top_p", [1.0, 0.5, 1e-45], [0.0, np.nextafter(1.0, 2.0), 1e-46]),  # 1e-46 is 0 in float32
+])
+def test_each_option_is_valid_up_to_its_bound_and_refused_past_it(name, inside, outside):
+    for value in inside:
+        SamplingParams(**{name: value}).validate()
+    for value in outside:
+        with pytest.raises(sampling.OptionError, match=f"^{name} "):
+            SamplingParams(**{name: value}).validate()
