@@ -5,6 +5,7 @@ to even in float16, and quantize's round to nearest, half to even, for the codes
 
 from __future__ import annotations
 
+import dataclasses
 import struct
 
 import numpy as np
@@ -28,12 +29,24 @@ def codes(M: int, K: int, bits: int) -> np.ndarray:
 
 
 # ---- the format ---------------------------------------------------------------------------------------------
+def exactly(value, expected) -> bool:
+    """Equal and of the same types all the way down: shapes and byte counts are ints, never floats."""
+    if isinstance(expected, (tuple, list)):
+        return type(value) is type(expected) and len(value) == len(expected) and all(map(exactly, value, expected))
+    if isinstance(expected, dict):
+        return value.keys() == expected.keys() and all(exactly(value[k], expected[k]) for k in expected)
+    return type(value) is type(expected) and value == expected
+
+
 def test_formats_and_their_shape_contract():
-    int4, int8 = QuantFormat(4, 128), QuantFormat(8, 16)
-    assert (int4.per_word, int8.per_word) == (8, 4)
-    assert int4.shapes(3, 256) == {"qweight": (3, 32), "qparams": (3, 2, 2)}
-    assert int8.shapes(5, 48) == {"qweight": (5, 12), "qparams": (5, 3, 2)}
-    assert int4.nbytes(3, 256) == 3 * 256 // 2 + 3 * 2 * 4 and int8.nbytes(5, 48) == 5 * 48 + 5 * 3 * 4
+    int4, int8 = QuantFormat(4, quant.INT4_GROUP), QuantFormat(8, 16)  # on-load int4's group is a valid one
+    assert exactly((int4.per_word, int8.per_word), (8, 4))
+    assert exactly(int4.shapes(3, 256), {"qweight": (3, 32), "qparams": (3, 2, 2)})
+    assert exactly(int8.shapes(5, 48), {"qweight": (5, 12), "qparams": (5, 3, 2)})
+    assert exactly(int4.nbytes(3, 256), 3 * 256 // 2 + 3 * 2 * 4) and exactly(int8.nbytes(5, 48), 5 * 48 + 5 * 3 * 4)
+    with pytest.raises(dataclasses.FrozenInstanceError):  # a format is a value: hashable, never changed in place
+        int4.bits = 8
+    assert {int4: 1}[QuantFormat(4, quant.INT4_GROUP)] == 1
     QuantFormat(4, 32), QuantFormat(8, 16), QuantFormat(8, 4096)  # the least groups: one 16-byte vector
     for bits, group in [(2, 32), (16, 32), (3, 32), (4, 16), (4, 48), (8, 8), (8, 24), (4, 0), (8, 0), (4, -32)]:
         with pytest.raises(ValueError):
