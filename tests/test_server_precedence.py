@@ -116,7 +116,8 @@ def test_max_completion_tokens_wins_over_max_tokens(plain, calls, fields, limit)
 
 def test_the_field_that_does_not_fit_is_the_one_named(plain, llm):
     context = llm.runner.max_seq_len
-    error = refused(plain, "/v1/chat/completions", {"messages": CHAT, "max_tokens": 2, "max_completion_tokens": context})
+    error = refused(plain, "/v1/chat/completions",
+                    {"messages": CHAT, "max_tokens": 2, "max_completion_tokens": context})
     assert error["param"] == "max_completion_tokens" and error["code"] == "context_length_exceeded"
     # max_tokens too large, max_completion_tokens small: it wins, and the request fits
     error = plain.post("/v1/chat/completions", json={"messages": CHAT, "max_tokens": context,
