@@ -149,7 +149,22 @@ def test_an_all_zero_group_gets_scale_0_and_dequantizes_to_0():
     for fmt in (QuantFormat(4, 32), QuantFormat(8, 32)):
         qweight, qp = quantize(w, fmt)
         assert qp[1, 1, 0] == 0 and np.array_equal(dequantize(qweight, qp, fmt.bits)[1, 32:], np.zeros(32))
-        assert qp[1, 1, 1] == (128 if fmt.bits == 8 else 0)
+        zero = 128 if fmt.bits == 8 else 0
+        assert qp[1, 1, 1] == zero and np.all(unpack(qweight, fmt.bits)[1, 32:] == zero)  # codes at the zero point
+
+
+def test_an_int4_range_always_holds_0():
+    """A group of positive weights gets zero point 0 and one of negative weights 15: the range is [min(w, 0),
+    max(w, 0)], so 0 dequantizes exactly and each weight lies within half a step."""
+    w = np.zeros((3, 32), np.float32)
+    w[0] = np.linspace(0.5, 2.0, 32)
+    w[1] = -np.linspace(0.5, 2.0, 32)
+    w[2] = np.linspace(-0.01, 0.02, 32)  # small: a range well inside (-1, 1)
+    qweight, qp = quantize(w, QuantFormat(4, 32))
+    assert qp[:, 0, 1].tolist() == [0, 15, 5]
+    assert qp[:, 0, 0].tolist() == np.float16([2.0 / 15, 2.0 / 15, 0.03 / 15]).tolist()
+    err = np.abs(dequantize(qweight, qp, 4) - w)
+    assert np.all(err <= qp[:, :, 0].astype(np.float32) * np.float32(0.5 + 1e-6))
 
 
 @pytest.mark.parametrize("fmt", [QuantFormat(8, 64), QuantFormat(8, 128), QuantFormat(4, 32), QuantFormat(4, 128)],
