@@ -107,3 +107,17 @@ def test_a_model_name_in_a_request_is_echoed_escaped_and_short():
         with pytest.raises(ApiError) as info:
             check_model(name, settings)
         assert info.value.status == 404 and clean(info.value.message) and len(info.value.message) < 200
+
+
+def test_a_json_file_is_read_up_to_64_mib_and_refused_past_it(tmp_path):
+    """Sparse files of exactly 64 MiB (read, then refused as JSON: they are NULs) and one byte more (refused for
+    its size, before parsing)."""
+    from cullama.untrusted import MAX_JSON_BYTES, read_json
+
+    assert MAX_JSON_BYTES == 64 << 20  # the documented limit
+    for size, words in ((64 << 20, "not valid JSON"), ((64 << 20) + 1, "larger than 64 MiB")):
+        file = tmp_path / f"{size}.json"
+        with open(file, "wb") as fh:
+            fh.truncate(size)
+        with pytest.raises(ConfigError, match=words):
+            read_json(file, ConfigError)
