@@ -39,6 +39,11 @@ def test_shown_keeps_a_short_printable_string_and_cuts_a_long_one():
     assert shown("x" * SHOWN_CHARS) == "x" * SHOWN_CHARS
     assert len(shown("x" * (SHOWN_CHARS + 1))) == SHOWN_CHARS and shown("x" * 1000).endswith("...")
     assert shown("a\nb") == '"a\\nb"' and shown("\x1b[2J") == '"\\u001b[2J"'
+    assert shown("naïve 中文", quote=True) == '"naïve 中文"'  # quoted, not escaped: it is printable
+    # 60 characters at most, the JSON spelling's included: 60 whole, 61 cut to 57 and "..."
+    assert SHOWN_CHARS == 60 and shown("x" * 60) == "x" * 60 and shown("x" * 61) == '"' + "x" * 56 + "..."
+    assert shown("a\n" + "x" * 55) == '"a\\n' + "x" * 55 + '"'  # its JSON spelling: 60 characters
+    assert shown("a\n" + "x" * 56) == '"a\\n' + "x" * 53 + "..."
 
 
 @pytest.mark.parametrize("value", SHORT, ids=repr)
