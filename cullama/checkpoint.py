@@ -288,7 +288,8 @@ class _RowReader:
     def __init__(self, info: TensorInfo, source: np.ndarray):
         self.info, self.source = info, source  # source: [rows, ...] in the stored dtype (BF16 as bits)
         self.row_size = math.prod(info.shape[1:])  # elements per row (1 for a vector)
-        self.converted = None if info.dtype == "F16" else np.empty(CHUNK, np.float16)  # [CHUNK] converted
+        # [max(CHUNK, a row)] converted: a chunk is whole rows, one at least
+        self.converted = None if info.dtype == "F16" else np.empty(max(CHUNK, self.row_size), np.float16)
 
     def __iter__(self) -> Iterator[tuple[int, np.ndarray]]:
         step = max(1, CHUNK // max(1, self.row_size))

@@ -1,4 +1,5 @@
-"""The checkpoint's row reader at its edges: a chunk holding several non-finite values (the first one is named)."""
+"""The checkpoint's row reader at its edges: a row longer than a chunk (read one row at a time, converted rows
+included), and a chunk holding several non-finite values (the first one is named)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,15 @@ from cullama.checkpoint import write_random
 from cullama.errors import CheckpointError
 from cullama.weights import load_weights
 
-from test_checkpoint import DOWN1, Q0, SMALL, poison
+from test_checkpoint import DOWN1, Q0, SMALL, assert_fused, poison, read_all
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
+def test_rows_longer_than_a_chunk_are_read_one_at_a_time(tmp_path, monkeypatch, dtype):
+    monkeypatch.setattr(checkpoint, "CHUNK", 16)  # SMALL's rows hold 32 and 48 elements
+    directory = write_random(tmp_path / dtype, SMALL, dtype=dtype)
+    reference = read_all(write_random(tmp_path / "f32", SMALL, dtype="float32"))
+    assert_fused(load_weights(directory), reference, rtol=2.0 ** -8 if dtype == "bfloat16" else 0)
 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
