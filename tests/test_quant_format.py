@@ -192,3 +192,15 @@ def test_quantize_is_within_half_a_step_and_each_group_has_its_own_scale(fmt):
     inside = (q > 0) & (q < top)  # codes at the ends may be clipped
     assert np.all(err[inside] <= step[inside] * np.float32(0.5 + 1e-6))
     assert np.all(err <= step * np.float32(1.0 + 1e-6))  # the zero point's rounding moves the range by half a step
+
+
+def test_a_group_too_small_for_a_normal_fp16_scale_still_gets_codes_in_range():
+    """Weights around 1e-6: the scale is an FP16 subnormal, rounded by up to half its value, so -min / scale can
+    pass 15 and codes below the zero point clip at 0 (never wrap to 255). Dequantized weights keep their order."""
+    w = np.zeros((1, 32), np.float32)
+    w[0] = np.linspace(-1.335e-6, 0.0, 32)  # scale 8.9e-8 rounds down to 5.96e-8 (FP16's least): -min / scale 22
+    qweight, qp = quantize(w, QuantFormat(4, 32))
+    assert float(qp[0, 0, 0]) == 2.0**-24 and qp[0, 0, 1] == 15
+    q = unpack(qweight, 4)[0]
+    assert q[0] == 0 and np.all(np.diff(q.astype(int)) >= 0) and q[-1] == 15
+    assert np.all(np.diff(dequantize(qweight, qp, 4)[0]) >= 0)
