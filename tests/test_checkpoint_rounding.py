@@ -102,6 +102,7 @@ def test_the_writer_keeps_nan_nan_in_bfloat16():
     nans = np.array([0x7FC00000, 0x7FFFFFFF, 0x7F800001, 0xFFFFFFFF, 0xFF800001, 0x7FBFFFFF], np.uint32)
     bits = checkpoint._encode(nans.view(np.float32), "BF16")
     assert np.isnan(bf16_value(bits)).all(), [hex(int(b)) for b in bits]
+    assert bits.tolist() == [0x7FC0] * len(nans)  # the quiet NaN, as PyTorch writes every NaN
     inf = checkpoint._encode(np.array([np.inf, -np.inf], np.float32), "BF16")
     assert inf.tolist() == [0x7F80, 0xFF80]
 
