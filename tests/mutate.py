@@ -136,10 +136,14 @@ class _Finder(ast.NodeVisitor):
 
     visit_AsyncFunctionDef = visit_FunctionDef
 
+    def visit_If(self, node):
+        test = node.test
+        if isinstance(test, ast.Compare) and isinstance(test.left, ast.Name) and test.left.id == "__name__":
+            return  # `if __name__ == "__main__":` how the file is run as a script, not what it computes
+        self.generic_visit(node)
+
     # -- what is ------------------------------------------------------------------------------------
     def visit_Compare(self, node):
-        if isinstance(node.left, ast.Name) and node.left.id == "__name__":
-            return  # `if __name__ == "__main__"`: how the file is run, not what it computes
         for left, op, right in zip([node.left, *node.comparators], node.ops, node.comparators):
             self._swap(left, right, type(op), COMPARE_FLIPS[type(op)])
         self.generic_visit(node)
