@@ -12,7 +12,9 @@ close to 1 (close to 0) picks the last (first) kept id, which tells the kept set
 
 from __future__ import annotations
 
+import dataclasses
 import math
+import re
 
 import numpy as np
 import pytest
@@ -214,3 +216,42 @@ def test_each_option_is_valid_up_to_its_bound_and_refused_past_it(name, inside, 
     for value in outside:
         with pytest.raises(sampling.OptionError, match=f"^{name} "):
             SamplingParams(**{name: value}).validate()
+
+
+@pytest.mark.parametrize("name, value", [("temperature", "0.7"), ("top_p", None), ("repetition_penalty", True),
+                                         ("temperature", math.nan), ("top_p", math.inf), ("top_p", -math.inf)])
+def test_an_option_that_is_not_a_finite_number_says_so(name, value):
+    with pytest.raises(sampling.OptionError, match=f"^{name} must be a finite number, got {re.escape(repr(value))}$"):
+        SamplingParams(**{name: value}).validate()
+
+
+@pytest.mark.parametrize("top_p, note", [(1e-46, True), (0.0, False), (-0.5, False), (1.5, False)])
+def test_a_top_p_out_of_range_says_whether_float32_made_it_0(top_p, note):
+    with pytest.raises(sampling.OptionError, match="^top_p must be in") as info:
+        SamplingParams(top_p=top_p).validate()
+    assert str(info.value).endswith(" (0 in float32)") == note, str(info.value)
+
+
+def test_sampling_params_are_a_value():
+    params = SamplingParams(temperature=0.7, seed=3)
+    with pytest.raises(dataclasses.FrozenInstanceError):  # shared between a Sampler, a plan and a result
+        params.seed = 4
+    assert {params: 1}[SamplingParams(temperature=0.7, seed=3)] == 1
+
+
+def test_top_p_1_is_off_even_for_a_token_below_the_totals_rounding(monkeypatch):
+    """p = 3e-8 beside p = 1: the float32 total is 1, as if it were not there, yet with top_p = 1 nothing is cut:
+    a draw of exactly 0 picks it (first in id order), as it does with no top_p at all."""
+    monkeypatch.setattr(sampling, "uniform", lambda seed, step: 0.0)
+    logits = np.array([-17.3, 0.0], np.float32)
+    assert np.float32(1) + np.exp(np.float32(-17.3)) == np.float32(1)
+    for options in ((1.0, 0, 1.0, 1.0), (1.0, 2, 1.0, 1.0)):
+        assert twin_token(logits, options, 0) == 0
+
+
+@pytest.mark.emu
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_no_drawable_logit_is_the_same_no_token_on_both(temperature):
+    logits = np.array([-np.inf, np.nan, -np.inf], np.float32)
+    assert_both(logits, (temperature, 0, 1.0, 1.0), 0, sampling.NO_TOKEN)
+    assert sampling.NO_TOKEN == -1  # kernels_cu/sampling.cu's NO_TOKEN
