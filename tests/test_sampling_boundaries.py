@@ -255,3 +255,14 @@ def test_no_drawable_logit_is_the_same_no_token_on_both(temperature):
     logits = np.array([-np.inf, np.nan, -np.inf], np.float32)
     assert_both(logits, (temperature, 0, 1.0, 1.0), 0, sampling.NO_TOKEN)
     assert sampling.NO_TOKEN == -1  # kernels_cu/sampling.cu's NO_TOKEN
+
+
+@pytest.mark.parametrize("u, token", [(0.0, 1), (0.2499, 1), (0.25, 0), (0.7499, 0), (0.75, 2), (0.8749, 2),
+                                      (0.875, 3), (0.9999, 3)])
+def test_a_draft_takes_the_first_bucket_and_the_rest_follow_in_id_order(monkeypatch, u, token):
+    """p = 1, 1/2, 1/4, 1/4 (Z = 2), draft 1: u Z below p(draft) = 1/2 is the draft; past it, the other tokens'
+    buckets in id order (0, 2, 3), the draft's own mass taken out of them. The edges are exact (dyadic)."""
+    monkeypatch.setattr(sampling, "uniform", lambda seed, step: u)
+    logits = dyadic(0, 1, 2, 2)
+    params = SamplingParams(1.0, seed=SEED)
+    assert sampling.sample(logits, params, np.zeros(4, bool), 0, draft=1) == token
