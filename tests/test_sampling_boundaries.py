@@ -103,6 +103,12 @@ def test_top_p_keeps_exactly_the_tokens_whose_mass_reaches_the_budget_kernel(top
     assert kernel_token(TOP_P, (1.0, 0, top_p, 1.0), HIGH) == last
 
 
+def test_top_p_just_short_of_the_whole_mass_keeps_every_token():
+    """p = 1, 1/2, 1/4, 1/8 (Z = 1.875), top_p 0.99: the last token's strictly larger mass, 1.75, is under the
+    budget 1.856, so the smallest token (no tie to bring it back) is kept too."""
+    assert twin_token(dyadic(0, 1, 2, 3), (1.0, 0, 0.99, 1.0), HIGH) == 3
+
+
 @pytest.mark.emu
 def test_top_p_on_the_budget_in_another_id_order():
     """The nucleus is a set of values, not of positions: shuffled ids, the same cut (budget 1.5: p = 1 and 1/2)."""
@@ -266,3 +272,29 @@ def test_a_draft_takes_the_first_bucket_and_the_rest_follow_in_id_order(monkeypa
     logits = dyadic(0, 1, 2, 2)
     params = SamplingParams(1.0, seed=SEED)
     assert sampling.sample(logits, params, np.zeros(4, bool), 0, draft=1) == token
+
+
+def test_the_penalty_divides_positive_logits_and_multiplies_the_others_whatever_their_size():
+    logits = np.array([-0.5, 0.5, 0.0, -0.0, 1.0, -1.0, 2.5, -2.5], np.float32)
+    out = sampling.apply_repetition_penalty(logits, np.ones(8, bool), 2.0)
+    assert out.tolist() == [-1.0, 0.25, 0.0, -0.0, 0.5, -2.0, 1.25, -5.0]
+    assert np.signbit(out[3]) and not np.signbit(out[2])
+
+
+@pytest.mark.emu
+def test_a_small_seen_logit_is_penalised_by_its_sign_on_both():
+    """-0.5 seen, penalty 2: -1.0, below the unseen -0.75 (a rule by magnitude would give -0.25 and pick it);
+    0.5 seen: 0.25, below the unseen 0.3."""
+    seen = np.array([1, 0], np.uint8)
+    assert_both(np.array([-0.5, -0.75], np.float32), (0.0, 0, 1.0, 2.0), 0, 1, seen)
+    assert_both(np.array([0.5, 0.3], np.float32), (0.0, 0, 1.0, 2.0), 0, 1, seen)
+
+
+def test_an_integer_too_large_for_a_float_is_out_of_range_not_unreadable():
+    with pytest.raises(sampling.OptionError, match=r"^temperature must be 0 \(greedy\) or from"):
+        SamplingParams(temperature=10**400).validate()
+
+
+def test_an_unseeded_generation_draws_all_64_bits_of_its_seed():
+    seeds = [sampling.Sampler(SamplingParams(temperature=1.0), 4).params.seed for _ in range(16)]
+    assert max(seeds) >= 2**60 and len(set(seeds)) == 16  # all below 2**60: 1 chance in 2**64
