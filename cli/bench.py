@@ -4,10 +4,11 @@ the protocol is cullama.bench. Progress goes to stderr, the table to stdout, the
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 import click
 
-from .main import main, out
+from .main import NonEmptyPath, main, out, require_stdout
 
 
 class BenchProgress:
@@ -29,7 +30,7 @@ class BenchProgress:
 
 
 @main.command()
-@click.option("--model", "model_dir", type=click.Path(), help="HF LLaMA checkpoint directory.")
+@click.option("--model", "model_dir", type=NonEmptyPath(), help="HF LLaMA checkpoint directory.")
 @click.option("--synthetic", help="Random weights of a preset's shape, no download "
                                   "[default: llama-2-7b on a GPU, tiny on the CPU].")
 @click.option("--device", default="auto", show_default=True, type=click.Choice(["auto", "cpu", "cuda"]))
@@ -49,22 +50,24 @@ class BenchProgress:
                    "greedy continuation, every draft accepted).")
 @click.option("--draft-tokens", type=int, help="--speculative: tokens drafted per step, 1 to 8 [default: 4].")
 @click.option("--adaptive-draft", is_flag=True, help="--speculative: move --draft-tokens with the recent acceptance.")
-@click.option("--draft-model", type=click.Path(), help="--speculative draft: the draft model's checkpoint directory.")
+@click.option("--draft-model", type=NonEmptyPath(), help="--speculative draft: the draft model's checkpoint directory.")
 @click.option("--verify-context", type=int, help="--speculative: context of the verify step timings [default: 500].")
 @click.option("--verify-reps", type=int, help="--speculative: timed verify calls per k [default: 20].")
-@click.option("--acceptance-model", type=click.Path(),
+@click.option("--acceptance-model", type=NonEmptyPath(),
               help="--speculative: a real checkpoint (e.g. stories260K) on which ngram's tokens per step is measured "
                    "for the derived per-token figures.")
 def bench(model_dir, synthetic, device, lengths, samples, warmup, prompt_len, max_seq_len, json_path, overlap,
           **speculative):
     """Per-token decode latency (p50/p90/p99/max), tokens/s, GB/s and TTFT at each length."""
+    require_stdout()
     from .. import bench as protocol
     from ..config import from_pretrained as read_config, preset
     from ..device import resolve
     from ..weights import device_config
     from ..errors import PromptError
-    from ..llama import Llama
+    from ..llama import Llama, check_draft, checked_context
     from ..plan import check_supported
+    from ..tokenizer import Tokenizer
 
     command = {"model": model_dir, "synthetic": synthetic, "device": device, "lengths": lengths,
                "samples": samples, "warmup": warmup, "prompt_len": prompt_len, "max_seq_len": max_seq_len,
@@ -84,10 +87,14 @@ def bench(model_dir, synthetic, device, lengths, samples, warmup, prompt_len, ma
         BenchProgress.note(f"note: {fallback[0]}{tiny}")
     config = read_config(model_dir) if model_dir is not None else preset(synthetic)
     check_supported(device_config(config))
-    protocol.check_options(lengths, samples, warmup, prompt_len, max_seq_len or config.max_seq_len)
+    context = checked_context(config, max_seq_len)
+    protocol.check_options(lengths, samples, warmup, prompt_len, context)
 
     if speculative["speculative"]:
-        check_speculative(speculative, max_seq_len or config.max_seq_len)
+        check_speculative(speculative, context)
+    if speculative["draft_model"] is not None:  # a draft that cannot speak the target's tokens, before any weight
+        has_tokenizer = model_dir is not None and (Path(model_dir) / "tokenizer.model").is_file()
+        check_draft(speculative["draft_model"], config, Tokenizer.from_model_dir(model_dir) if has_tokenizer else None)
     bandwidth = None
     if dev == "cuda" and not speculative["speculative"]:  # before the weights arrive (a few GiB on any GPU)
         BenchProgress.note("measuring the read bandwidth of this GPU ...")
@@ -170,15 +177,11 @@ def speculative_bench(llm, label, dev, lengths, samples, warmup, prompt_len, jso
                       draft_tokens, adaptive_draft, draft_model, verify_context, verify_reps, acceptance_model):
     """`cullama bench --speculative`: cullama.speculative_bench's protocol, its report and record."""
     from .. import speculative_bench as protocol
-    from ..drafters import check_draft_vocabulary
     from ..llama import Llama
 
     draft_runner = None
-    if draft_model is not None:
-        draft = Llama.from_pretrained(draft_model, device=dev, max_seq_len=llm.runner.max_seq_len)
-        check_draft_vocabulary(draft_model, draft.config.vocab_size, llm.config.vocab_size, draft.tokenizer,
-                               llm.tokenizer)
-        draft_runner = draft.runner
+    if draft_model is not None:  # its vocabulary was checked against the target's before anything loaded
+        draft_runner = Llama.from_pretrained(draft_model, device=dev, max_seq_len=llm.runner.max_seq_len).runner
     lookup = None
     if acceptance_model is not None:
         BenchProgress.note(f"measuring ngram's tokens per step on {acceptance_model} ...")

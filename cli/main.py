@@ -13,13 +13,16 @@ import dataclasses
 import functools
 import json
 import os
+import signal
 import sys
+import threading
 from typing import Iterator
 
 import click
 
 from .. import __version__
 from ..errors import CullamaError, PromptError, ResourceError
+from ..server import BODY_TIMEOUT_S, SHUTDOWN_GRACE_S
 from . import INTERRUPTED
 
 
@@ -45,8 +48,17 @@ def friendly_errors(command):
     return wrapper
 
 
+def require_stdout() -> None:
+    """ResourceError (exit 1) where standard output is closed (`>&-`): Python then has no sys.stdout, and click
+    would print into nothing. The commands that print their result call it first, before any work."""
+    if sys.stdout is None:
+        raise ResourceError("cannot write to standard output: it is closed")
+
+
 def out(text: str, nl: bool = True) -> None:
-    """Text to standard output, flushed; a full disk or a closed pipe is a ResourceError (exit 1)."""
+    """Text to standard output, flushed; a full disk, a closed pipe or a closed stdout is a ResourceError
+    (exit 1)."""
+    require_stdout()
     try:
         click.echo(text, nl=nl)
     except OSError as exc:
@@ -187,6 +199,17 @@ def main():
     """cullama: LLaMA-2 inference with hand-written CUDA kernels, lowest latency at batch size 1."""
 
 
+class NonEmptyPath(click.Path):
+    """click.Path, but an empty value is refused in one line naming the flag: `--model ""` would otherwise name
+    the current directory, and load whatever checkpoint is there."""
+
+    def convert(self, value, param, ctx):
+        if isinstance(value, str) and not value:
+            flag = param.opts[0] if param is not None else "a path"
+            raise PromptError(f"{flag} is empty: name a path (\".\" for the current directory)")
+        return super().convert(value, param, ctx)
+
+
 def parse_ids(text: str) -> list[int]:
     try:
         return [int(t) for t in text.replace(",", " ").split()]
@@ -197,7 +220,7 @@ def parse_ids(text: str) -> list[int]:
 def shared_options(command):
     """The options `generate` and `chat` share: the model, the device and the sampling."""
     options = [
-        click.option("--model", "model_dir", required=True, type=click.Path(), help="HF LLaMA checkpoint directory."),
+        click.option("--model", "model_dir", required=True, type=NonEmptyPath(), help="HF LLaMA checkpoint directory."),
         click.option("--max-new-tokens", default=256, show_default=True, type=int),
         click.option("--temperature", default=0.0, show_default=True, type=float, help="0 = greedy."),
         click.option("--top-k", default=0, show_default=True, type=int, help="0 = off."),
@@ -209,7 +232,8 @@ def shared_options(command):
         click.option("--ignore-eos", is_flag=True, help="Keep generating past the end-of-sequence token."),
         click.option("--device", default="auto", show_default=True, type=click.Choice(["auto", "cpu", "cuda"])),
         click.option("--max-seq-len", type=int, help="Context to allocate (default: the model's)."),
-        click.option("--tokenizer", type=click.Path(), help="tokenizer.model to use instead of the checkpoint's."),
+        click.option("--tokenizer", type=NonEmptyPath(), help="tokenizer.json or tokenizer.model (or a directory "
+                     "holding one) to use instead of the checkpoint's."),
         click.option("--json", "as_json", is_flag=True, help="Print JSON: ids, text, finish reason, seed, timings."),
     ]
     return apply(options, speculative_flags(command))  # the speculative flags listed last
@@ -221,7 +245,7 @@ def speculative_flags(command):
         click.option("--speculative", type=click.Choice(["ngram", "draft"]),
                      help="Speculative decoding: each step checks drafted tokens in one pass (ngram: prompt "
                           "lookup; draft: --draft-model). Greedy output is unchanged."),
-        click.option("--draft-model", type=click.Path(), help="A smaller LLaMA with the same tokenizer to draft "
+        click.option("--draft-model", type=NonEmptyPath(), help="A smaller LLaMA with the same tokenizer to draft "
                                                               "tokens (implies --speculative draft)."),
         click.option("--draft-tokens", type=int, help="Tokens drafted per step, 1 to 8 [default: 4]."),
         click.option("--adaptive-draft", is_flag=True, help="Move --draft-tokens with the recent acceptance."),
@@ -320,10 +344,12 @@ def stream_out(stream, llm, as_json: bool) -> None:
 @shared_options
 @click.argument("prompt", required=False)
 @click.option("--prompt-ids", help="Token ids instead of text, e.g. '1,450,7483'.")
-@click.option("--chat", is_flag=True, help="Wrap the prompt in the LLaMA-2 chat template.")
+@click.option("--chat", is_flag=True, help="Wrap the prompt in the model's chat template (LLaMA-2's format "
+              "when it has none).")
 @click.option("--system", help="System prompt for --chat.")
 def generate(model_dir, prompt, prompt_ids, chat, system, device, max_seq_len, tokenizer, as_json, **kwargs):
     """Generate text from PROMPT (or standard input; an empty prompt starts from BOS alone)."""
+    require_stdout()
     from ..generate import check_prompt_fits
     from ..llama import prompt_ids as checked_ids
 
@@ -346,8 +372,8 @@ def generate(model_dir, prompt, prompt_ids, chat, system, device, max_seq_len, t
         if ids is not None:
             request[:] = checked_ids(ids, config.vocab_size, None)
         elif tok is None:
-            raise PromptError(f"{model_dir} has no tokenizer.model: give the prompt as --prompt-ids, or name "
-                              "a tokenizer with --tokenizer PATH")
+            raise PromptError(f"{model_dir} has no tokenizer (tokenizer.json or tokenizer.model): give the "
+                              "prompt as --prompt-ids, or name a tokenizer with --tokenizer PATH")
         elif chat:
             request[:] = tok.chat_ids([{"role": "user", "content": prompt}], system=system)
         else:
@@ -362,20 +388,22 @@ def generate(model_dir, prompt, prompt_ids, chat, system, device, max_seq_len, t
 @shared_options
 @click.option("--system", help="System prompt for the whole conversation.")
 def chat(model_dir, system, device, max_seq_len, tokenizer, as_json, **kwargs):
-    """A multi-turn LLaMA-2 chat: each line of standard input is a user turn; replies stream back.
+    """A multi-turn chat: each line of standard input is a user turn; replies stream back.
 
-    The whole conversation goes through the chat template at every turn (only its new tokens are computed).
+    The whole conversation goes through the model's chat template (LLaMA-2's format when it has none) at every
+    turn (only its new tokens are computed).
     When it outgrows the context, the oldest exchanges are dropped (the system prompt stays), with a note; a
     message too long for the context is refused and the chat goes on. An empty line is skipped, end of input
     ends the conversation."""
+    require_stdout()
     options = generation_options(kwargs, reuse_cache=True)  # each turn's prompt starts with the last one's
     spec = speculative_options(kwargs)
     system = argument_text(system, "--system")
 
     def check(config, tok, context):
         if tok is None:
-            raise PromptError(f"cullama chat needs a tokenizer: {model_dir} has no tokenizer.model (name one with "
-                              "--tokenizer PATH)")
+            raise PromptError(f"cullama chat needs a tokenizer: {model_dir} has no tokenizer.json or "
+                              "tokenizer.model (name one with --tokenizer PATH)")
         n = len(tok.chat_ids([{"role": "user", "content": ""}], system=system))
         if n >= context:
             raise PromptError(f"--system takes {n} tokens in the chat template, which leaves no room in the "
@@ -409,25 +437,37 @@ def chat(model_dir, system, device, max_seq_len, tokenizer, as_json, **kwargs):
 
 
 @main.command()
-@click.option("--model", "model_dir", required=True, type=click.Path(), help="HF LLaMA checkpoint directory.")
+@click.option("--model", "model_dir", required=True, type=NonEmptyPath(), help="HF LLaMA checkpoint directory.")
 @click.option("--host", default="127.0.0.1", show_default=True,
               help="Address to listen on (loopback: this machine only).")
 @click.option("--port", default=8000, show_default=True, type=click.IntRange(0, 65535), help="0 = any free port.")
 @click.option("--device", default="auto", show_default=True, type=click.Choice(["auto", "cpu", "cuda"]))
 @click.option("--max-seq-len", type=int, help="Context to allocate (default: the model's).")
-@click.option("--tokenizer", type=click.Path(), help="tokenizer.model to use instead of the checkpoint's.")
+@click.option("--tokenizer", type=NonEmptyPath(), help="tokenizer.json or tokenizer.model (or a directory holding "
+              "one) to use instead of the checkpoint's.")
 @click.option("--served-model-name", help="The model's name in the API [default: the directory's name].")
 @click.option("--max-queue", default=64, show_default=True, type=click.IntRange(min=0),
               help="Requests that may wait behind the running one; past it, 429.")
 @click.option("--api-key", envvar="CULLAMA_API_KEY", help="Require `Authorization: Bearer KEY` on /v1/* "
-              "[env: CULLAMA_API_KEY].")
+              "[env: CULLAMA_API_KEY, which keeps the key out of `ps`].")
+@click.option("--allowed-hosts", multiple=True, metavar="NAMES", help="Host names requests may give besides "
+              "loopback and the listening address (comma-separated, repeatable; * = any).")
+@click.option("--allowed-origins", multiple=True, metavar="ORIGINS", help="Web pages (scheme://host[:port]) that "
+              "may use the server, CORS preflights answered (comma-separated, repeatable; * = any).")
+@click.option("--body-timeout", default=BODY_TIMEOUT_S, show_default=True, type=click.FloatRange(0, min_open=True),
+              help="Seconds a request body may take to arrive; past it, 408.")
+@click.option("--shutdown-grace", default=SHUTDOWN_GRACE_S, show_default=True, type=click.FloatRange(0),
+              help="Seconds open connections get to finish after SIGINT/SIGTERM before they are closed.")
 @speculative_flags
-def serve(model_dir, host, port, device, max_seq_len, tokenizer, served_model_name, max_queue, api_key, **flags):
+def serve(model_dir, host, port, device, max_seq_len, tokenizer, served_model_name, max_queue, api_key,
+          allowed_hosts, allowed_origins, body_timeout, shutdown_grace, **flags):
     """An OpenAI-compatible HTTP server: /v1/completions, /v1/chat/completions, /v1/models, /health, /metrics.
 
     One generation at a time, the others wait in a FIFO queue. The speculative options are every request's
     default; a request may change them with its own `speculative` ("ngram", "draft", "off") and `draft_tokens`
     fields. Needs the serve extra: pip install 'cullama[serve]'."""
+    if threading.current_thread() is threading.main_thread():  # SIGTERM while starting up: a clean exit too
+        signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(0))
     spec = speculative_options(flags)
     try:
         from ..server.launch import serve as run_server
@@ -436,12 +476,20 @@ def serve(model_dir, host, port, device, max_seq_len, tokenizer, served_model_na
         sys.exit(2)
     sys.exit(run_server(model_dir, host=host, port=port, device=device, max_seq_len=max_seq_len,
                         served_model_name=served_model_name, max_queue=max_queue, api_key=api_key,
-                        tokenizer=tokenizer, speculative=spec, draft_model=flags["draft_model"]))
+                        tokenizer=tokenizer, speculative=spec, draft_model=flags["draft_model"],
+                        body_timeout=body_timeout, shutdown_grace=shutdown_grace,
+                        allowed_hosts=listed(allowed_hosts), allowed_origins=listed(allowed_origins)))
+
+
+def listed(values: tuple[str, ...]) -> tuple[str, ...]:
+    """A repeatable option's comma-separated values, one by one."""
+    return tuple(v.strip() for value in values for v in value.split(",") if v.strip())
 
 
 @main.command()
 def info():
     """Python, NumPy, CuPy, NVRTC and the GPU (or why there is none)."""
+    require_stdout()
     from ..device import environment, two_cupys_warning
 
     env = environment()
@@ -461,6 +509,7 @@ def info():
 def kernels(arch):
     """Compile every kernel with NVRTC; print registers, shared memory and spills (exit 1 on a spill). Kernels
     that have no version for the arch (wgmma: sm_90 only) are skipped with a note."""
+    require_stdout()
     from ..kernel_report import compile_all, skipped
 
     reports = compile_all(arch)
@@ -475,6 +524,79 @@ def kernels(arch):
     out(f"{len(reports)} kernels compiled for {arch}; {len(spilled)} with spills or local memory")
     if spilled:
         sys.exit(1)
+
+
+@main.command()
+@click.option("--model", "model_dir", required=True, type=click.Path(), help="HF LLaMA checkpoint directory.")
+@click.argument("file", type=click.Path(allow_dash=True))
+@click.option("--ids", "as_ids", is_flag=True, help="FILE holds token ids (separated by spaces, commas or newlines), "
+                                                    "not text.")
+@click.option("--stride", type=int, help="Ids between the starts of two windows [default: half the context].")
+@click.option("--device", default="auto", show_default=True, type=click.Choice(["auto", "cpu", "cuda"]))
+@click.option("--max-seq-len", type=int, help="The window: the context to allocate [default: the model's].")
+@click.option("--tokenizer", type=click.Path(), help="tokenizer.model to use instead of the checkpoint's.")
+@click.option("--json", "as_json", is_flag=True, help="Print the figures and the options as JSON.")
+def perplexity(model_dir, file, as_ids, stride, device, max_seq_len, tokenizer, as_json, **load_options):
+    """The perplexity of the text in FILE ('-': standard input) through the model's tokenizer (with BOS), or of
+    the token ids in it (--ids). A text longer than the context is scored in sliding windows of the context,
+    --stride ids apart, each id once with the context its window gives it (HuggingFace's perplexity guide).
+    Options that choose how the model is loaded go to `load` as they are (`load_options`)."""
+    from ..llama import prompt_ids as checked_ids
+    from ..logprobs import windows
+
+    data = _read_input(file)
+    ids: list[int] = []
+
+    def check(config, tok, context):
+        """The ids (or the text, through the tokenizer) and the stride, before the weights load."""
+        if as_ids:
+            ids[:] = checked_ids(_file_ids(data, file), config.vocab_size, None)
+        elif tok is None:
+            raise PromptError(f"{model_dir} has no tokenizer.model: give token ids with --ids, or name a tokenizer "
+                              "with --tokenizer PATH")
+        else:
+            ids[:] = checked_ids(data, config.vocab_size, tok)
+        if len(ids) < 2:
+            raise PromptError(f"{file} holds {len(ids)} token{'s' if len(ids) != 1 else ''}: a perplexity needs at "
+                              "least 2")
+        windows(len(ids), context, context // 2 if stride is None else stride)  # an OptionError naming --stride
+
+    llm = load(model_dir, device, max_seq_len, tokenizer, check, **load_options)
+    result = llm.perplexity(ids, stride=stride)
+    if as_json:
+        out(json.dumps({**result.to_dict(), "model": str(model_dir), "file": file, "ids": as_ids,
+                        "device": llm.device, **load_options}))
+    else:
+        settings = ", ".join(f"{k} {v}" for k, v in load_options.items() if v is not None)
+        out(f"perplexity {result.perplexity:.4f} (nll {result.nll:.4f} nats per token, {result.tokens} tokens, "
+            f"{result.windows} window{'s' if result.windows != 1 else ''} of {result.context} tokens, stride "
+            f"{result.stride}, {llm.device}{', ' + settings if settings else ''})")
+
+
+def _read_input(file: str) -> str:
+    """FILE as text (standard input for '-'): bytes that are not UTF-8 become U+FFFD, with a note."""
+    from pathlib import Path
+
+    if file == "-":
+        return TextInput().read()
+    try:
+        data = Path(file).read_bytes()
+    except OSError as exc:
+        raise PromptError(f"cannot read {file}: {exc.strerror or exc}") from None
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError:
+        note(f"{file} is not valid UTF-8: the bytes that are not became U+FFFD")
+        return data.decode("utf-8", errors="replace")
+
+
+def _file_ids(text: str, file: str) -> list[int]:
+    """The integers of an ids file: separated by spaces, commas or newlines (a JSON list reads too)."""
+    words = text.replace(",", " ").replace("[", " ").replace("]", " ").split()
+    for i, word in enumerate(words):
+        if not word.lstrip("-").isdigit():
+            raise PromptError(f"{file}: {word[:20]!r} (item {i}) is not a token id")
+    return [int(w) for w in words]
 
 
 from . import bench as _bench  # noqa: E402,F401  (registers `cullama bench`)

@@ -31,8 +31,9 @@ from typing import Callable, Sequence
 
 import numpy as np
 
+from . import cache
 from .config import LlamaConfig
-from .errors import OptionError, PromptError, ResourceError
+from .errors import DeviceError, OptionError, PromptError, ResourceError
 from .sampling import SamplingParams
 
 DEFAULT_LENGTHS = (10, *range(50, 501, 50))
@@ -305,8 +306,9 @@ def write_json(result: BenchResult, path: str | os.PathLike, model: str | None =
 
 def write_record(record: dict, path: str | os.PathLike) -> None:
     """A benchmark record to `path`, through a temporary file beside it renamed into place (a failed write
-    leaves no half-written file). When that fails (a full disk, say), the record goes to the system's temporary
-    directory instead and a ResourceError says where: a finished run's samples are never lost."""
+    leaves no half-written file). When that fails (a full disk, say), the record goes to cullama's cache,
+    `bench/` under ~/.cache/cullama (or $CULLAMA_CACHE), where cullama writes everything else, and a
+    ResourceError says where: a finished run's samples are never lost."""
     text = json.dumps(record, indent=1) + "\n"
     target = Path(path)
     try:
@@ -315,12 +317,13 @@ def write_record(record: dict, path: str | os.PathLike) -> None:
     except OSError as exc:
         failure = f"cannot write {target} ({exc.strerror or exc})"
     try:
-        fd, saved = tempfile.mkstemp(prefix="cullama-bench-", suffix=".json")
+        fd, saved = tempfile.mkstemp(dir=cache.directory("bench"), prefix="cullama-bench-", suffix=".json")
         with os.fdopen(fd, "w") as file:
             file.write(text)
-    except OSError as exc:
-        raise ResourceError(f"{failure}, nor a copy in {tempfile.gettempdir()} ({exc.strerror or exc}): "
-                            "the samples are lost") from None
+    except (OSError, DeviceError) as exc:
+        why = exc.strerror if isinstance(exc, OSError) and exc.strerror else exc
+        raise ResourceError(f"{failure}, nor a copy in {cache.root() / 'bench'} ({why}): the samples are "
+                            "lost") from None
     raise ResourceError(f"{failure}; the record with every sample is in {saved}")
 
 

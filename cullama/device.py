@@ -133,15 +133,29 @@ def import_cupy():
         raise DeviceError(f"CuPy failed to import ({type(exc).__name__}: {exc})") from None
 
 
+def cupy_or_why():
+    """(cupy, None), or (None, why it cannot be had). A cache directory that cannot be made (cache.CacheError)
+    is raised where the CUDA driver is installed: on a GPU machine the cache is the mistake to fix, never a
+    reason to run on the CPU or to report no GPU."""
+    try:
+        return import_cupy(), None
+    except cache.CacheError as exc:
+        if driver_major() is not None:
+            raise
+        return None, str(exc)
+    except DeviceError as exc:
+        return None, str(exc)
+
+
 def cuda_status() -> tuple[bool, str]:
     """(usable, why): a GPU is usable when CuPy imports, the driver reports at least one device, and the first
-    is one cullama's kernels run on (sm_80 or newer)."""
+    is one cullama's kernels run on (sm_80 or newer). A cache that cannot be made on a machine with a CUDA
+    driver raises its CacheError (cupy_or_why)."""
     from .registry import arch_number
 
-    try:
-        cupy = import_cupy()
-    except DeviceError as exc:
-        return False, str(exc)
+    cupy, why = cupy_or_why()
+    if cupy is None:
+        return False, why
     try:
         count = cupy.cuda.runtime.getDeviceCount()
     except Exception as exc:
@@ -158,7 +172,8 @@ def cuda_status() -> tuple[bool, str]:
 
 def resolve(device: str, on_fallback: Callable[[str], None] | None = None) -> str:
     """'auto' -> 'cuda' when a GPU is usable, else 'cpu', and then `on_fallback` hears it in a line for the
-    user: "running on the CPU: <why there is no GPU>". 'cuda' without a GPU is an error."""
+    user: "running on the CPU: <why there is no GPU>". 'cuda' without a GPU is an error, and so is a cache
+    directory that cannot be made on a machine with a CUDA driver (cuda_status)."""
     if not isinstance(device, str) or device not in DEVICES:
         raise OptionError("device", f"{device!r} is not one of {', '.join(DEVICES)}")
     if device == "cpu":
@@ -177,13 +192,12 @@ def environment() -> dict:
     """Facts about this machine worth recording next to any measurement."""
     env = {"python": sys.version.split()[0], "platform": platform.platform(), "numpy": np.__version__}
     env["cupy_packages"] = ", ".join(cupy_packages()) or None
-    try:
-        cupy = import_cupy()
-        env["cupy"] = cupy.__version__
-    except DeviceError as exc:
+    cupy, why = cupy_or_why()
+    if cupy is None:
         env["cupy"] = None
-        env["gpu"], env["gpu_status"] = None, str(exc)
+        env["gpu"], env["gpu_status"] = None, why
         return env
+    env["cupy"] = cupy.__version__
     try:
         from cupy.cuda import nvrtc
         env["nvrtc"] = "%d.%d" % nvrtc.getVersion()

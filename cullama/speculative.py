@@ -29,7 +29,7 @@ from typing import Callable, Sequence
 from . import plan as plans
 from .drafters import DraftModel, Drafter, PromptLookup
 from .errors import OptionError, PromptError
-from .generate import GenerationOptions, GenerationStream, Runner, RunnerGuard
+from .generate import GenerationOptions, GenerationStream, Runner, RunnerGuard, checked_flag
 from .sampling import SamplingParams, is_int
 
 MAX_DRAFT = plans.MAX_DRAFT  # the most drafted tokens one verify step checks (k + 1 <= 9 rows)
@@ -95,8 +95,9 @@ class SpeculativeOptions:
     def checked(cls, speculative, draft_tokens: int | None = None,
                 adaptive_draft: bool = False) -> "SpeculativeOptions | None":
         """None for plain decoding (speculative=None, which draft_tokens and adaptive_draft cannot go with)."""
+        adaptive = checked_flag("adaptive_draft", adaptive_draft)  # the types ignore_eos takes
         if speculative is None:
-            if draft_tokens is not None or adaptive_draft is not False:
+            if draft_tokens is not None or adaptive:
                 raise OptionError("draft_tokens" if draft_tokens is not None else "adaptive_draft",
                                   "needs speculative decoding: speculative='ngram' or 'draft'")
             return None
@@ -108,9 +109,7 @@ class SpeculativeOptions:
         k = DEFAULT_DRAFT_TOKENS if draft_tokens is None else draft_tokens
         if not is_int(k) or not 1 <= k <= MAX_DRAFT:
             raise OptionError("draft_tokens", f"must be an integer from 1 to {MAX_DRAFT}, got {draft_tokens!r}")
-        if not isinstance(adaptive_draft, bool):
-            raise OptionError("adaptive_draft", f"must be True or False, got {adaptive_draft!r}")
-        return cls(speculative, int(k), adaptive_draft)
+        return cls(speculative, int(k), adaptive)
 
     def length(self) -> DraftLength:
         return DraftLength(self.draft_tokens, self.adaptive)
@@ -165,10 +164,12 @@ class SpeculativeDecoder:
         self.produced = 0  # tokens the target produced in this generation, the burst's unread ones included
         self._burst: collections.deque[int] = collections.deque()  # produced, not yet handed out
 
-    def start(self, prompt_ids: Sequence[int], params: SamplingParams, reuse: bool = False) -> int:
+    def start(self, prompt_ids: Sequence[int], params: SamplingParams, reuse: bool = False, **scoring) -> int:
+        """The prefill and the first token; `scoring`: the runner's log-probability keywords, if any (its verify
+        steps then return each accepted token's, from the verify rows)."""
         self.drafter.reset(prompt_ids)
         self._burst.clear()
-        first = self.runner.start(prompt_ids, params, reuse)
+        first = self.runner.start(prompt_ids, params, reuse, **scoring)
         self.drafter.extend([first])
         self.produced = 1
         return first
@@ -203,7 +204,8 @@ class SpeculativeStream(GenerationStream):
 
     def _token(self, i: int, budget: int) -> int:
         if i == 0:
-            return self.decoder.start(self.prompt_ids, self.options.sampling, self.options.reuse_cache)
+            return self.decoder.start(self.prompt_ids, self.options.sampling, self.options.reuse_cache,
+                                      **self._scoring())
         return self.decoder.next(budget)
 
     def _statistics(self) -> dict:

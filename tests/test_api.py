@@ -3,6 +3,7 @@
 import dataclasses
 import json
 import re
+import threading
 
 import numpy as np
 import pytest
@@ -31,6 +32,27 @@ def test_stream_pieces_concatenate_to_the_text(stories):
     stream = stories.stream([1], max_new_tokens=60)
     pieces = list(stream)
     assert len(pieces) > 10 and "".join(pieces) == stream.result.text
+
+
+def test_cancel_from_another_thread_ends_a_stream_before_its_next_token(stories, stories_expected, monkeypatch):
+    # Its text is all held back (the whole output begins the stop string), so the stream never yields: the
+    # cancel still lands once the decode step under way is done.
+    real_next, steps = stories.runner.next, []
+    stream = stories.stream([1], max_new_tokens=200, stop=stories_expected["text"] + "!")
+
+    def next_token(*args, **kwargs):
+        steps.append(1)
+        if len(steps) == 5:
+            canceller = threading.Thread(target=stream.cancel)  # another thread, while the step runs
+            canceller.start()
+            canceller.join()
+        return real_next(*args, **kwargs)
+
+    monkeypatch.setattr(stories.runner, "next", next_token)
+    assert list(stream) == [] and stream.result.finish_reason == "cancelled"
+    assert len(steps) == 5 and len(stream.result.token_ids) == 6  # the prefill's token and 5 decode steps'
+    monkeypatch.undo()
+    assert stories.generate([1], max_new_tokens=8).text == stories.generate([1], max_new_tokens=8).text != ""
 
 
 def test_logits_match_huggingface():
@@ -186,6 +208,16 @@ def config_only(tmp_path, **changes):
     cfg = dataclasses.replace(preset("tiny"), **changes)
     (tmp_path / "config.json").write_text(json.dumps(cfg.to_hf_dict()))
     return tmp_path
+
+
+@pytest.mark.parametrize("keywords, option", [({}, "path"), ({"draft_model": ""}, "draft_model"),
+                                              ({"tokenizer": ""}, "tokenizer")])
+def test_an_empty_path_is_refused_not_taken_for_the_current_directory(stories_dir, weights_never_load, keywords,
+                                                                        option):
+    path = "" if option == "path" else stories_dir
+    with pytest.raises(OptionError, match=re.escape('is empty: name a path ("." for the current directory)')) as caught:
+        cullama.Llama.from_pretrained(path, device="cpu", **keywords)
+    assert caught.value.option == option
 
 
 def test_a_tokenizer_larger_than_the_vocabulary_is_refused_at_load(weights_never_load):

@@ -117,6 +117,22 @@ def test_bad_options_are_one_line(args, needle):
     assert needle in line and "Traceback" not in result.output
 
 
+@pytest.mark.parametrize("value", ["-3", "0", "1", "99999999999"])
+@pytest.mark.parametrize("model", ["synthetic", "stories260K"])
+def test_a_context_out_of_range_blames_the_option_before_anything_loads(value, model, stories_dir, monkeypatch):
+    from cullama import llama as llama_module
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the model was loaded before --max-seq-len was checked")
+
+    monkeypatch.setattr(llama_module, "load_checkpoint", refuse)
+    monkeypatch.setattr(llama_module.Llama, "synthetic", refuse)
+    where = ["--synthetic", "tiny"] if model == "synthetic" else ["--model", str(stories_dir)]
+    result = CliRunner().invoke(main, ["bench", "--device", "cpu", *where, "--max-seq-len", value, "--lengths", "2"])
+    assert result.exit_code == 2, result.output
+    assert result.stderr == f"error: --max-seq-len must be an integer from 2 to 2147483647, got {value}\n"
+
+
 # -- the bandwidth kernel ---------------------------------------------------------------------------
 def test_bandwidth_twin_sums_the_buffer_as_float32():
     data = np.random.default_rng(0).random(4 * 37, dtype=np.float32)
@@ -222,14 +238,31 @@ def test_a_full_disk_at_the_end_keeps_the_samples(tmp_path, monkeypatch):
         raise OSError(errno.ENOSPC, "No space left on device")
 
     monkeypatch.setattr(bench, "_write", full)
-    monkeypatch.setattr(bench.tempfile, "tempdir", str(tmp_path))  # where the copy goes
+    monkeypatch.setenv("CULLAMA_CACHE", str(tmp_path / "cache"))  # the copy goes under cullama's cache
+    monkeypatch.setattr(bench.tempfile, "tempdir", str(tmp_path / "system-temp"))  # never here
     result = CliRunner().invoke(main, [*SMALL_RUN, "--json", str(tmp_path / "b.json")])
     assert result.exit_code == 1, result.output
     (line,) = [l for l in result.stderr.splitlines() if l.startswith("error:")]
     assert "No space left on device" in line and "the record with every sample is in" in line
     saved = Path(line.rsplit(" ", 1)[1])
-    assert saved.parent == tmp_path and len(json.loads(saved.read_text())["results"][0]["decode_ns"]) == 3
-    assert not (tmp_path / "b.json").exists()
+    assert saved.parent == tmp_path / "cache" / "bench"
+    assert len(json.loads(saved.read_text())["results"][0]["decode_ns"]) == 3
+    assert not (tmp_path / "b.json").exists() and not (tmp_path / "system-temp").exists()
+
+
+def test_where_neither_the_file_nor_the_cache_can_be_written_it_says_the_samples_are_lost(tmp_path, monkeypatch):
+    import errno
+
+    def full(target, text):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(bench, "_write", full)
+    (tmp_path / "cache").write_text("a file, not a directory")
+    monkeypatch.setenv("CULLAMA_CACHE", str(tmp_path / "cache"))
+    result = CliRunner().invoke(main, [*SMALL_RUN, "--json", str(tmp_path / "b.json")])
+    assert result.exit_code == 1, result.output
+    (line,) = [l for l in result.stderr.splitlines() if l.startswith("error:")]
+    assert line.endswith("the samples are lost") and f"nor a copy in {tmp_path / 'cache' / 'bench'}" in line
 
 
 def test_write_json_replaces_the_file_whole(tmp_path):

@@ -107,6 +107,23 @@ def test_bad_options_are_refused_before_the_weights_load(tmp_path, args, fragmen
     one_line_error(run("generate", "--model", tmp_path, "--device", "cpu", *args), fragment)
 
 
+@pytest.mark.parametrize("args", [
+    ["generate", "--model", ""], ["generate", "--model", "STORIES", "--draft-model", ""],
+    ["generate", "--model", "STORIES", "--tokenizer", ""], ["chat", "--model", ""], ["serve", "--model", ""],
+    ["serve", "--model", "STORIES", "--draft-model", ""], ["bench", "--model", ""],
+    ["bench", "--synthetic", "tiny", "--speculative", "draft", "--draft-model", ""],
+    ["bench", "--synthetic", "tiny", "--speculative", "ngram", "--acceptance-model", ""],
+], ids=lambda args: " ".join(a or '""' for a in args))
+def test_an_empty_path_is_refused_not_taken_for_the_current_directory(tmp_path, stories_dir, monkeypatch, args):
+    for name in ("config.json", "model.safetensors", "tokenizer.model"):  # a checkpoint right here
+        (tmp_path / name).symlink_to(stories_dir / name)
+    monkeypatch.chdir(tmp_path)
+    args = [str(stories_dir) if a == "STORIES" else a for a in args]
+    flag = args[args.index("") - 1]
+    one_line_error(run(*args, "--device", "cpu", *(["x"] if args[0] == "generate" else [])),
+                   f'{flag} is empty: name a path ("." for the current directory)')
+
+
 @pytest.mark.parametrize("changes,fragment", [
     ({"head_dim": 96, "num_heads": 4, "num_kv_heads": 2, "hidden_size": 384},
      "head_dim 96 is not supported by cullama's kernels"),

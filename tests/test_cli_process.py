@@ -94,3 +94,18 @@ def test_a_closed_pipe_is_one_line_and_exit_1(stories_dir):
         process.kill()
     assert process.returncode == 1, stderr
     assert errors(stderr) == ["error: cannot write to standard output: Broken pipe"]
+
+
+@pytest.mark.parametrize("args", [
+    ["generate", "--max-new-tokens", "3", ""], ["generate", "--json", "--max-new-tokens", "3", ""],
+    ["chat"], ["kernels", "--arch", "sm_90"], ["info"],
+    ["bench", "--device", "cpu", "--synthetic", "tiny", "--lengths", "2", "--samples", "2", "--warmup", "0"],
+], ids=["generate", "generate --json", "chat", "kernels", "info", "bench"])
+def test_a_closed_stdout_is_one_line_and_exit_1_before_any_work(stories_dir, args):
+    """`cullama ... >&-`: Python starts with no sys.stdout, and click would print into nothing."""
+    if args[0] in ("generate", "chat"):
+        args = [args[0], "--model", str(stories_dir), "--device", "cpu", *args[1:]]
+    done = subprocess.run([*CULLAMA, *args], stdout=None, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL,
+                          text=True, timeout=300, preexec_fn=lambda: os.close(1))
+    assert done.returncode == 1, done.stderr
+    assert errors(done.stderr) == ["error: cannot write to standard output: it is closed"]

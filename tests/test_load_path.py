@@ -165,7 +165,34 @@ def test_an_unwritable_home_is_named_not_taken_for_a_missing_install(tmp_path):
     assert done.returncode == 2 and done.stderr.count("\n") == 1, done.stderr
     assert f"HOME={home}" in done.stderr and "set CULLAMA_CACHE" in done.stderr and "install" not in done.stderr
     info = cullama("info", env=clean_env(HOME=str(home)))
-    assert info.returncode == 0 and "set CULLAMA_CACHE" in info.stdout and "install" not in info.stdout
+    if device.driver_major() is None:  # no GPU here: info reports none, and why
+        assert info.returncode == 0 and "set CULLAMA_CACHE" in info.stdout and "install" not in info.stdout
+    else:  # a GPU machine: the cache is the error (test_a_bad_cache_on_a_gpu_machine_is_an_error)
+        assert info.returncode == 2 and f"HOME={home}" in info.stderr and "set CULLAMA_CACHE" in info.stderr
+
+
+@pytest.mark.parametrize("driver_version", [12080, None], ids=["CUDA driver", "no driver"])
+def test_a_bad_cache_on_a_gpu_machine_is_an_error_not_a_cpu_run(tmp_path, monkeypatch, driver_version):
+    # The driver is faked here: where libcuda answers, the machine has a GPU, and a cache that cannot be made
+    # must not read as "no GPU" (cullama info) nor send --device auto to the CPU with only a note.
+    from cullama.backends import driver
+
+    not_a_dir = tmp_path / "cache-file"
+    not_a_dir.write_text("")
+    monkeypatch.setenv("CULLAMA_CACHE", str(not_a_dir))
+    monkeypatch.delenv("CUPY_CACHE_DIR", raising=False)
+    monkeypatch.delitem(sys.modules, "cupy", raising=False)  # CuPy's first import makes its cache directory
+    monkeypatch.setattr(driver, "cuda_version", lambda default: driver_version or default)
+    said = f"CULLAMA_CACHE={not_a_dir}: {not_a_dir} is not a directory; set CULLAMA_CACHE to a writable directory"
+    if driver_version is None:  # no GPU to use anyway: the CPU, and the note says why
+        notes = []
+        assert device.resolve("auto", on_fallback=notes.append) == "cpu" and notes == [f"running on the CPU: {said}"]
+        return
+    for asked in ("auto", "cuda"):
+        with pytest.raises(DeviceError, match=re.escape(said)):
+            device.resolve(asked)
+    result = CliRunner().invoke(main, ["info"])
+    assert result.exit_code == 2 and result.stderr == f"error: {said}\n", result.output
 
 
 def test_nothing_is_written_outside_the_cache_directory(tmp_path):

@@ -66,6 +66,23 @@ def test_streamed_chunks_concatenate_to_the_whole_answer(client):
     assert len({c.id for c in chunks}) == 1
 
 
+@pytest.mark.parametrize("path, prompt", [("/v1/completions", {"prompt": [1]}),
+                                          ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]})],
+                         ids=["completions", "chat"])
+def test_with_include_usage_every_chunk_says_usage_null_until_the_last(server, path, prompt):
+    for include_usage in (True, False):
+        body = {**prompt, "max_tokens": 4, "temperature": 0, "stream": True,
+                "stream_options": {"include_usage": include_usage}}
+        status, _, raw = server.request("POST", path, body)
+        assert status == 200
+        chunks = [json.loads(e[len("data: "):]) for e in raw.decode().split("\n\n") if e and e != "data: [DONE]"]
+        if include_usage:  # as OpenAI's: the key in every chunk, null until the extra last one
+            assert all(c["usage"] is None and c["choices"] for c in chunks[:-1]) and len(chunks) >= 3
+            assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 4
+        else:
+            assert all("usage" not in c for c in chunks)
+
+
 def test_a_stop_string_split_across_tokens_never_leaks_into_the_stream(server, oracle, stories_expected):
     stop = "le gi"  # " little" " g" "irl": it begins in one token and ends two tokens later
     pieces = [oracle.tokenizer.piece(i).replace("\u2581", " ") for i in stories_expected["ids"][:12]]
@@ -224,7 +241,7 @@ def test_a_client_leaving_a_non_streamed_request_cancels_it(server):
     before = server.metrics()
     body = json.dumps({"model": MODEL, "prompt": [1], "max_tokens": 400, "temperature": 0}).encode()
     with socket.create_connection((server.host, server.port)) as sock:
-        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
                      b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
         server.wait_metric("cullama_generation_running", lambda v: v == 1)
     after = server.wait_metric(CANCELLED, lambda v: v == before[CANCELLED] + 1)
@@ -240,7 +257,7 @@ BAD_REQUESTS = [  # (what, path, body, status, param)
     ("a wrong type", "/v1/completions", {"prompt": [1], "max_tokens": "ten"}, 400, "max_tokens"),
     ("a negative max_tokens", "/v1/completions", {"prompt": [1], "max_tokens": -5}, 400, "max_tokens"),
     ("n=2", "/v1/completions", {"prompt": [1], "n": 2}, 400, "n"),
-    ("logprobs", "/v1/completions", {"prompt": [1], "logprobs": 2}, 400, "logprobs"),
+    ("logprobs past 5", "/v1/completions", {"prompt": [1], "logprobs": 6}, 400, "logprobs"),
     ("tools", "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
                                        "tools": [{"type": "function"}]}, 400, "tools"),
     ("a batch of prompts", "/v1/completions", {"prompt": ["a", "b"]}, 400, "prompt"),
@@ -259,10 +276,18 @@ BAD_REQUESTS = [  # (what, path, body, status, param)
      {"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 512}, 400, "max_completion_tokens"),
     ("a stop of the wrong type", "/v1/completions", {"prompt": [1], "stop": 5}, 400, "stop"),
     ("a stop list holding a number", "/v1/completions", {"prompt": [1], "stop": ["a", 1]}, 400, "stop"),
+    ("17 stop strings", "/v1/completions", {"prompt": [1], "stop": [str(i) for i in range(17)]}, 400, "stop"),
     ("a prompt of the wrong type", "/v1/completions", {"prompt": 1}, 400, "prompt"),
     ("a message content of the wrong type", "/v1/chat/completions", {"messages": [{"role": "user", "content": 5}]},
      400, "messages.0.content"),
     ("an unknown route", "/v1/embeddings", {"input": "x"}, 404, None),
+    ("a lone surrogate", "/v1/completions", rb'{"prompt": "\ud800 hi"}', 400, "prompt"),
+    ("a developer message second", "/v1/chat/completions", {"messages": [
+        {"role": "user", "content": "hi"}, {"role": "developer", "content": "be brief"}]}, 400, "messages.1.role"),
+    ("an assistant turn that called tools", "/v1/chat/completions", {"messages": [
+        {"role": "user", "content": "2+2?"}, {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "add", "arguments": "{}"}}]},
+        {"role": "tool", "content": "4", "tool_call_id": "c1"}]}, 400, "messages.1.tool_calls"),
 ]
 
 
@@ -277,7 +302,9 @@ def test_a_bad_request_gets_its_4xx_as_an_openai_error(server, what, path, body,
     assert error["param"] == param and error["type"] == "invalid_request_error"
     if what == "a prompt over the context" or "tokens past" in what:
         assert error["code"] == "context_length_exceeded" and "512" in error["message"]
-    if param in ("stop", "messages.0.content") or what == "a prompt of the wrong type":  # unions of types
+    if what == "17 stop strings":
+        assert error["message"] == "stop: at most 16 stop strings are allowed, got 17"
+    elif param in ("stop", "messages.0.content") or what == "a prompt of the wrong type":  # unions of types
         assert error["message"].startswith(f"{param} must be ") and ".str" not in error["message"]
 
 
@@ -361,6 +388,56 @@ def test_unknown_fields_and_a_user_are_ignored(server):
     assert status == 200 and json.loads(raw)["choices"][0]["text"] == "Once upon a time"
     chat = {"messages": [{"role": "user", "content": "hi", "name": "bob"}], "max_tokens": 2, "user": "u", "foo": 1}
     assert server.request("POST", "/v1/chat/completions", chat)[0] == 200
+
+
+def refused(server, status, code, method="POST", path="/v1/completions", body=b'{"prompt": [1], "max_tokens": 2}',
+            **headers):
+    got, answer_headers, raw = server.request(method, path, body, headers)
+    assert got == status, raw
+    assert answer_headers["content-type"] == "application/json" and json.loads(raw)["error"]["code"] == code
+    return json.loads(raw)["error"]["message"]
+
+
+def test_a_web_page_cannot_drive_the_loopback_server(server):
+    # A page can send text/plain (or a form) anywhere without asking the browser first: such bodies are refused.
+    before = server.metrics()
+    for content_type in ("text/plain", "application/x-www-form-urlencoded", "", "application/jsonp"):
+        message = refused(server, 415, "unsupported_media_type", **{"Content-Type": content_type})
+        assert "Content-Type: application/json" in message
+    # DNS rebinding: a page on a name the attacker points at 127.0.0.1 names it in every request.
+    message = refused(server, 400, "invalid_host", Host="rebind.evil.example:%d" % server.port)
+    assert "`rebind.evil.example`" in message and "--allowed-hosts rebind.evil.example" in message
+    assert refused(server, 400, "invalid_host", "GET", "/metrics", None, Host="evil.example")
+    # A page of another origin: refused, its preflight too (no CORS headers are given to anyone by default).
+    message = refused(server, 403, "origin_not_allowed", Origin="http://evil.example")
+    assert "--allowed-origins http://evil.example" in message
+    refused(server, 403, "origin_not_allowed", "OPTIONS", body=None, Origin="http://evil.example",
+            **{"Access-Control-Request-Method": "POST"})
+    refused(server, 403, "origin_not_allowed", "GET", "/health", None, Origin="null")
+    after = server.metrics()
+    assert after['cullama_requests_total{outcome="invalid"}'] - before['cullama_requests_total{outcome="invalid"}'] \
+        == 7 and after[COMPLETED] == before[COMPLETED]
+    # What a program or the server's own origin sends is served.
+    ok = {"prompt": [1], "max_tokens": 2, "temperature": 0}
+    for headers in ({"Host": f"localhost:{server.port}"}, {"Host": f"[::1]:{server.port}"},
+                    {"Content-Type": "Application/JSON; charset=utf-8"},
+                    {"Origin": f"http://127.0.0.1:{server.port}"}):
+        status, _, raw = server.request("POST", "/v1/completions", ok, headers)
+        assert status == 200 and json.loads(raw)["choices"][0]["text"] == "Once upon", headers
+
+
+def test_malformed_http_is_answered_with_an_openai_error(server):
+    for request in (b"GARBAGE\r\n\r\n", b"GET /health HTTP/1.1\r\n\r\n",  # HTTP/1.1 without a Host
+                    b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: abc\r\n\r\n",
+                    b"GET /he\x00alth HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n"):
+        with socket.create_connection((server.host, server.port), timeout=30) as sock:
+            sock.sendall(request)
+            answer = b""
+            while chunk := sock.recv(65536):  # the server closes the connection after it
+                answer += chunk
+        head, _, body = answer.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 400 ") and b"content-type: application/json" in head.lower(), answer
+        assert json.loads(body)["error"]["code"] == "malformed_http"
 
 
 def test_head_health_answers_as_get_does(server):

@@ -142,10 +142,10 @@ def drafting_llm(stories_dir):
 
 
 # Token 0 is the prefill's; with k = 4 each verify step makes a burst of 5: tokens 1-5 (pieces 2-6), 6-10, ...
-# The engine reads one more piece after a cancel (it checks after each read): the next of the burst, or, where
-# the burst was spent, the first of one more verify step; then the stream closes and the rest is dropped.
+# A cancel as piece `after` is posted ends the stream before its next token: the rest of the burst is dropped,
+# and no further verify step runs, whether the burst was spent or not.
 @pytest.mark.parametrize("after", [1, 2, 6, 7])
-def test_a_cancel_stops_within_one_verify_step_and_drops_the_rest_of_the_burst(drafting_llm, after):
+def test_a_cancel_stops_before_the_next_token_and_drops_the_rest_of_the_burst(drafting_llm, after):
     engine = started(drafting_llm)
 
     async def main():
@@ -156,9 +156,42 @@ def test_a_cancel_stops_within_one_verify_step_and_drops_the_rest_of_the_burst(d
 
     events = asyncio.run(main())
     assert events[-1] == Stopped("cancelled") and len(events) == after + 1
-    assert engine.metrics.generated_tokens == after + 1
-    steps = -(-after // 5)  # the steps that made tokens 0..after, and not one more
+    assert engine.metrics.generated_tokens == after
+    steps = -(-(after - 1) // 5)  # the steps that made tokens 0..after-1, and not one more
     assert engine.metrics.speculative["draft"] == {"steps": steps, "drafted": 4 * steps, "accepted": 4 * steps}
+    engine.stop()
+    engine.join(10)
+
+
+@pytest.mark.parametrize("speculative", [False, True], ids=["plain", "verify steps"])
+def test_a_cancel_lands_at_the_next_token_while_the_text_is_held_back(llm, drafting_llm, stories_expected,
+                                                                       monkeypatch, speculative):
+    # A stop string that the whole output begins: every token's text is held back, no piece is ever posted.
+    # The client leaves while the runner computes its 3rd step (a decode step, or a verify step of up to 5
+    # tokens); that step finishes, and no other runs.
+    model = drafting_llm if speculative else llm
+    name = "verify" if speculative else "next"
+    real, calls, jobs = getattr(model.runner, name), [], []
+    engine = started(model)
+
+    def step(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 3:
+            engine.cancel(jobs[0])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(model.runner, name, step)
+    extra = {"speculative": "draft", "draft_tokens": 4} if speculative else {}
+
+    async def main():
+        jobs.append(Job([1], {**options(400), "stop": [stories_expected["text"] + "!"], **extra},
+                        asyncio.get_running_loop()))
+        engine.submit(jobs[0])
+        return await events_of(jobs[0])
+
+    events = asyncio.run(main())
+    assert events == [Stopped("cancelled")]
+    assert len(calls) == 3  # of 399 decode steps, or 80 verify steps
     engine.stop()
     engine.join(10)
 
@@ -226,10 +259,10 @@ def test_a_model_that_fails_to_load_is_reported_and_nothing_queues():
 
 
 @contextlib.contextmanager
-def serving(engine: Engine, metrics: Metrics | None = None):
-    """The app on a real socket, with uvicorn on a thread of this process."""
+def serving(engine: Engine, metrics: Metrics | None = None, **settings):
+    """The app on a real socket, with uvicorn on a thread of this process; `settings`: Settings' fields."""
     sock = listen("127.0.0.1", 0)
-    app = create_app(engine, Settings(model_name="m", context=512), metrics or engine.metrics)
+    app = create_app(engine, Settings(model_name="m", context=512, **settings), metrics or engine.metrics)
     server = uvicorn.Server(uvicorn.Config(app, lifespan="off", log_level="warning"))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
@@ -291,6 +324,30 @@ def test_a_generation_that_raises_answers_500_whole_or_streamed_and_the_server_g
         assert '"type":"server_error"' in events[-2] and events[-1] == "data: [DONE]"
         fine = client.post("/v1/completions", json=body)
         assert fine.status_code == 200 and fine.json()["choices"][0]["text"] == llm.generate([1], **options(8)).text
+
+
+def test_a_web_page_allowed_by_allowed_origins_gets_its_preflight_and_can_read_the_answers(llm):
+    page = "http://localhost:3000"
+    with serving(started(llm), allowed_origins=(page, "https://ui.example")) as client:
+        preflight = client.options("/v1/chat/completions", headers={
+            "Origin": page, "Access-Control-Request-Method": "POST",
+            "Access-Control-Request-Headers": "authorization, content-type, x-stainless-os"})
+        assert preflight.status_code == 204
+        assert preflight.headers["access-control-allow-origin"] == page
+        assert preflight.headers["access-control-allow-headers"] == "authorization, content-type, x-stainless-os"
+        assert "POST" in preflight.headers["access-control-allow-methods"]
+        answer = client.post("/v1/completions", json={"prompt": [1], "max_tokens": 2, "temperature": 0},
+                             headers={"Origin": page})
+        assert answer.status_code == 200 and answer.headers["access-control-allow-origin"] == page
+        assert answer.headers["vary"] == "Origin"
+        streamed = client.post("/v1/completions", headers={"Origin": "https://ui.example"},
+                               json={"prompt": [1], "max_tokens": 2, "temperature": 0, "stream": True})
+        assert streamed.status_code == 200 and streamed.headers["access-control-allow-origin"] == "https://ui.example"
+        refused = client.options("/v1/completions", headers={"Origin": "http://localhost:3001",
+                                                             "Access-Control-Request-Method": "POST"})
+        assert refused.status_code == 403 and "access-control-allow-origin" not in refused.headers
+        plain = client.get("/health")  # no Origin: a program, no CORS headers
+        assert plain.status_code == 200 and "access-control-allow-origin" not in plain.headers
 
 
 @pytest.mark.parametrize("path, body, tokenize", [

@@ -10,6 +10,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -63,7 +64,8 @@ class LongStream:
         import http.client
 
         self.conn = http.client.HTTPConnection(server.host, server.port, timeout=60)
-        self.conn.request("POST", "/v1/completions", body=json.dumps(LONG), headers=AUTH)
+        self.conn.request("POST", "/v1/completions", body=json.dumps(LONG),
+                          headers={**AUTH, "Content-Type": "application/json"})
         self.response = self.conn.getresponse()
         assert self.response.status == 200
         self.first = self.response.readline()
@@ -101,10 +103,20 @@ def test_a_burst_past_max_queue_gets_429s_and_nothing_else_breaks(server):
     assert json.loads(server.request("POST", "/v1/completions", SHORT, AUTH)[2])["choices"][0]["text"]
 
 
+def half_upload(server) -> socket.socket:
+    """A connection whose request says its body has 1000 bytes and sends 11 of them."""
+    sock = socket.create_connection((server.host, server.port))
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                 b"Authorization: Bearer " + KEY.encode() + b"\r\nContent-Length: 1000\r\n\r\n{\"prompt\": ")
+    return sock
+
+
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "Ctrl-C"])
 def test_a_signal_stops_accepting_ends_the_running_and_waiting_requests_and_exits_0(stories_dir, tmp_path, sig):
-    # The key comes from CULLAMA_API_KEY here.
-    proc = ServerProcess(stories_dir, tmp_path / "server.log", env={**os.environ, "CULLAMA_API_KEY": KEY})
+    # The key comes from CULLAMA_API_KEY here. A client also holds an unfinished body: uvicorn would wait for it
+    # for ever, so after the grace its connection is closed.
+    proc = ServerProcess(stories_dir, tmp_path / "server.log", "--shutdown-grace", "1",
+                         env={**os.environ, "CULLAMA_API_KEY": KEY})
     try:
         proc.wait_ready()
         running = LongStream(proc)
@@ -112,18 +124,53 @@ def test_a_signal_stops_accepting_ends_the_running_and_waiting_requests_and_exit
         thread = threading.Thread(target=lambda: queued.append(proc.request("POST", "/v1/completions", SHORT, AUTH)))
         thread.start()
         proc.wait_metric("cullama_queue_depth", lambda v: v == 1)
+        stalled = half_upload(proc)
+        assert proc.request("GET", "/health")[0] == 200  # accepted after the upload's connection, so that one is in
         proc.process.send_signal(sig)
         rest = running.rest().decode()  # the stream ends at its next token, saying why
         assert '"message":"the server is shutting down"' in rest and rest.endswith("data: [DONE]\n\n")
         assert rest.count('"text"') < 100  # of 400: the tokens made while the signal reached the engine
         thread.join(30)
         assert queued[0][0] == 503 and json.loads(queued[0][2])["error"]["message"] == "the server is shutting down"
-        assert proc.process.wait(30) == 0
+        assert proc.process.wait(15) == 0
+        assert stalled.recv(100) == b""  # closed, not answered
+        stalled.close()
         assert "Traceback" not in proc.log()
+        assert proc.log().count("POST /v1/completions: the connection closed before the body came "
+                                "(11 of 1000 bytes)") == 1
         with pytest.raises(ConnectionRefusedError):
             proc.request("GET", "/health")
     finally:
         proc.kill()
+
+
+def test_a_client_leaving_mid_upload_is_cancelled_and_logged_in_one_line(server):
+    before = server.metrics()
+    half_upload(server).close()  # the client leaves with 11 of its 1000 bytes sent
+    after = server.wait_metric('cullama_requests_total{outcome="cancelled"}', lambda v: v == before[
+        'cullama_requests_total{outcome="cancelled"}'] + 1)
+    assert after['cullama_requests_total{outcome="failed"}'] == before['cullama_requests_total{outcome="failed"}']
+    log = server.log()
+    assert "Traceback" not in log and "Exception in ASGI application" not in log
+    assert log.count("POST /v1/completions: the connection closed before the body came (11 of 1000 bytes)") == 1
+
+
+def test_a_body_that_takes_longer_than_body_timeout_is_a_408(stories_dir, tmp_path):
+    proc = ServerProcess(stories_dir, tmp_path / "server.log", "--body-timeout", "0.5", "--api-key", KEY)
+    try:
+        proc.wait_ready()
+        sock = half_upload(proc)
+        answer = b""
+        while chunk := sock.recv(65536):  # answered, then closed
+            answer += chunk
+        sock.close()
+        head, _, body = answer.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 408 ") and b"connection: close" in head
+        assert json.loads(body)["error"] == {
+            "message": "the request body did not arrive within 0.5 s (11 bytes came); send it whole",
+            "type": "invalid_request_error", "param": None, "code": "request_timeout"}
+    finally:
+        assert proc.stop() == 0
 
 
 def test_a_model_directory_that_is_not_one_fails_before_listening(tmp_path):
@@ -159,3 +206,60 @@ def test_weights_that_fail_to_load_end_the_server_with_exit_2_and_no_key_off_loo
     assert "listening on http://0.0.0.0:" in done.stderr
     assert "warning: cullama serve listens on 0.0.0.0 without an API key" in done.stderr
     assert "\nerror: " in done.stderr and "Traceback" not in done.stderr
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--max-seq-len", "0"], "error: --max-seq-len must be an integer from 2 to 2147483647, got 0"),
+    (["--max-seq-len", "99999999999"], "error: --max-seq-len must be an integer from 2 to 2147483647, got 99999999999"),
+    (["--api-key", " sk-1 "], "error: --api-key has spaces around it, which no Authorization header keeps: give "
+                              "the key without them (also in CULLAMA_API_KEY)"),
+    (["--api-key", "sk-ключ"], "error: --api-key must be printable ASCII without spaces"),
+], ids=["context 0", "context 99999999999", "key with spaces", "key not ASCII"])
+def test_options_are_checked_before_the_server_listens(stories_dir, args, message):
+    done = run_serve("--model", str(stories_dir), "--port", "0", "--device", "cpu", *args)
+    assert done.returncode == 2 and done.stderr.startswith(message), done.stderr
+    assert "listening" not in done.stderr and "Traceback" not in done.stderr
+
+
+def test_a_key_with_spaces_in_the_environment_is_refused_too(stories_dir):
+    done = subprocess.run([sys.executable, "-c", CLI, "serve", "--model", str(stories_dir), "--port", "0"],
+                          capture_output=True, text=True, timeout=60, env={**os.environ, "CULLAMA_API_KEY": "sk-1\n"})
+    assert done.returncode == 2 and done.stderr.startswith("error: --api-key has spaces around it"), done.stderr
+
+
+def test_a_kv_cache_that_does_not_fit_exits_1_as_it_does_for_generate(stories_dir):
+    # Found while the weights load, after the port opened (tests/test_cli.py has generate's).
+    done = run_serve("--model", str(stories_dir), "--port", "0", "--device", "cpu", "--max-seq-len", "1000000000")
+    assert done.returncode == 1, done.stderr
+    assert "listening on" in done.stderr and "Traceback" not in done.stderr
+    (error,) = [line for line in done.stderr.splitlines() if line.startswith("error: ")]
+    assert error.startswith("error: needs ") and "KV cache" in error and "--max-seq-len" in error
+
+
+def test_sigterm_while_starting_up_exits_0(stories_dir, tmp_path):
+    # Reading the model's config.json is made to wait on a named pipe (a slow disk, say): the command has
+    # started and the server does not listen yet.
+    if not hasattr(os, "mkfifo"):
+        pytest.skip("no named pipes on this system")
+    fifo = tmp_path / "slow"
+    os.mkfifo(fifo)
+    slow = (f"import cullama.config as config; read = config.from_pretrained; "
+            f"config.from_pretrained = lambda path: (open({str(fifo)!r}).read(), read(path))[1]; ")
+    process = subprocess.Popen([sys.executable, "-c", slow + CLI, "serve", "--model", str(stories_dir), "--port", "0"],
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while True:  # a writer's open succeeds once the server has opened the pipe to read it
+            try:
+                writer = os.open(fifo, os.O_WRONLY | os.O_NONBLOCK)
+                break
+            except OSError:
+                assert process.poll() is None and time.monotonic() < deadline, process.communicate()
+                time.sleep(0.05)
+        process.send_signal(signal.SIGTERM)
+        _, stderr = process.communicate(timeout=30)
+        os.close(writer)
+    finally:
+        process.kill()
+    assert process.returncode == 0, stderr
+    assert "Traceback" not in stderr and "listening" not in stderr

@@ -220,7 +220,7 @@ def test_a_client_leaving_a_burst_stream_cancels_it(server):
     before = server.metrics()
     body = json.dumps({"model": MODEL, "prompt": [1], "max_tokens": 400, "temperature": 0, "stream": True}).encode()
     with socket.create_connection((server.host, server.port)) as sock:
-        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
                      b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
         received = b""
         while b"data: " not in received:  # its first chunk came: it runs

@@ -4,6 +4,7 @@ the context limit, the verify step's contract, statistics, timings and option er
 
 import dataclasses
 
+import numpy as np
 import pytest
 
 import cullama
@@ -269,6 +270,17 @@ def test_adaptive_generation_grows_k(stories, stories_expected):
 def test_bad_options_are_prompt_errors(stories, options, needle):
     with pytest.raises(PromptError, match=needle):
         stories.generate([1], max_new_tokens=4, **options)
+
+
+def test_adaptive_draft_takes_the_boolean_types_ignore_eos_takes(stories):
+    plain = stories.generate([1], max_new_tokens=6, ignore_eos=np.True_)
+    spec = stories.generate([1], max_new_tokens=6, ignore_eos=np.True_, speculative="ngram", adaptive_draft=np.True_)
+    assert spec.token_ids == plain.token_ids and spec.speculative["adaptive"] is True
+    assert stories.generate([1], max_new_tokens=2, adaptive_draft=np.False_).speculative is None
+    for value in (1, "yes", None):
+        for option in ("ignore_eos", "adaptive_draft"):
+            with pytest.raises(PromptError, match=f"{option} must be True or False"):
+                stories.generate([1], max_new_tokens=2, speculative="ngram", **{option: value})
 
 
 def test_draft_needs_a_draft_model(stories_dir):

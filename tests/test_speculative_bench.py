@@ -292,3 +292,21 @@ def test_report_verify_targets_prefer_the_decode_steps_graph_timings(spec_record
                                                   "replayed) at context 500", "PASS")
     assert target(text, "verify step, k = 8")[1] == "FAIL"
     assert "speculative.json" not in target(text, "verify step, k = 8")[0]
+
+
+def test_a_draft_with_another_vocabulary_is_refused_before_any_weight_loads(monkeypatch):
+    from cullama import llama as llama_module
+    from conftest import load_golden
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("weights were loaded before the draft model was checked")
+
+    monkeypatch.setattr(llama_module, "load_checkpoint", refuse)
+    monkeypatch.setattr(llama_module.Llama, "synthetic", refuse)
+    mha, _, _ = load_golden("tiny-mha")  # a vocabulary of 512
+    gqa, _, _ = load_golden("tiny-gqa-sharded")  # 1024, as the tiny preset's
+    for model, draft in ((["--model", mha], gqa), (["--synthetic", "tiny"], mha)):
+        result = run(*model, "--speculative", "draft", "--draft-model", draft, "--lengths", 4, "--samples", 4)
+        assert result.exit_code == 2, result.output
+        (line,) = result.stderr.splitlines()
+        assert line.startswith("error: ") and "draft model" in line and "512" in line and "1024" in line

@@ -7,3 +7,7 @@
     metrics.py    Prometheus text for /metrics
     launch.py     the process: listen, load in the background, serve, stop on SIGINT/SIGTERM
 """
+
+# Defaults of `cullama serve`'s options, here where the CLI reads them without importing the server's stack.
+BODY_TIMEOUT_S = 30.0  # --body-timeout: seconds from a request's headers to its last body byte (past it, a 408)
+SHUTDOWN_GRACE_S = 5.0  # --shutdown-grace: seconds open connections get after SIGINT/SIGTERM before they close

@@ -1,7 +1,9 @@
 """The HTTP routes: OpenAI's /v1/completions, /v1/chat/completions and /v1/models, plus /health and /metrics.
 
-A generation request's body is read up to a size the context sets (past it, a 413), then parsed as
-JSON (whatever its Content-Type says), checked (types by pydantic, the rest by `GenerationRequest.check`,
+A generation request's body must say it is JSON (`Content-Type: application/json`, else a 415: a web page
+cannot send that without a CORS preflight), and is read within a time limit (past it, a 408) up to a size
+the context sets (past it, a 413), while all the bodies still arriving together hold at most a budget of
+bytes (past it, a 503); then it is parsed, checked (types by pydantic, the rest by `GenerationRequest.check`,
 the prompt and the sampling options by the library) and tokenized on a worker thread, so that a long
 prompt never holds up the other streams, and a bad request never waits; then it becomes a Job for the
 engine thread, and the handler only awaits the job's events. Every answer other than 200 is an
@@ -13,23 +15,30 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import hmac
+import json
+import sys
 import typing
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 from pydantic.fields import FieldInfo
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from ..errors import CullamaError, OptionError, PromptError
 from ..generate import GenerationOptions, check_prompt_fits
 from ..speculative import SpeculativeOptions
 from ..untrusted import shown
+from . import BODY_TIMEOUT_S
 from .engine import Busy, Engine, Failed, Finished, Job, Piece, Refused, Stopped, Unavailable
+from .logprobs import Logprobs
 from .metrics import Metrics
 from .protocol import ApiError, ChatRequest, CompletionRequest, GenerationRequest
 from .responses import SSE_DONE, Answer, sse
+from .sites import CrossSite, Sites
 
 GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
 OPENAI_NAMES = {"max_new_tokens": "max_tokens"}  # Llama.stream's option names that the API spells otherwise
@@ -37,6 +46,9 @@ OPENAI_NAMES = {"max_new_tokens": "max_tokens"}  # Llama.stream's option names t
 # and parsing and tokenizing it would only cost time. 64 bytes a token is generous for text (\u-escaped
 # characters included); the floor leaves a small context room for long stop lists and the like.
 BODY_BYTES_PER_TOKEN, MIN_BODY_LIMIT = 64, 2 << 20
+# The bodies still arriving hold at most this many bodies' worth of bytes between them (past it, a 503): a
+# client that opens many uploads and never finishes them holds a bounded amount, and only until BODY_TIMEOUT_S.
+BODIES_IN_FLIGHT = 16
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,13 +59,21 @@ class Settings:
     # Llama.stream's speculative keywords (speculative, draft_tokens, adaptive_draft) for every request that
     # does not say otherwise; empty: plain decoding
     speculative: dict = dataclasses.field(default_factory=dict)
+    body_timeout: float = BODY_TIMEOUT_S  # seconds a request body may take to arrive (past it, a 408)
+    # The Host names and addresses requests may give besides the loopback ones (the listening address, the
+    # --allowed-hosts), and the web pages (Origin) that may use the server besides its own: sites.Sites.
+    hosts: tuple[str, ...] = ()
+    allowed_origins: tuple[str, ...] = ()
 
 
 def create_app(engine: Engine, settings: Settings, metrics: Metrics) -> FastAPI:
     app = FastAPI(title="cullama", docs_url=None, redoc_url=None, openapi_url=None)
     if settings.api_key:
         app.add_middleware(BearerKey, key=settings.api_key, metrics=metrics)
+    app.add_middleware(CrossSite, sites=Sites(settings.hosts, settings.allowed_origins),  # outermost: first
+                       refused=lambda path, status: count_refusal(metrics, path, status))
     install_error_handlers(app, metrics)
+    bodies = BodyBudget(BODIES_IN_FLIGHT * body_limit(settings.context))
 
     @app.api_route("/health", methods=["GET", "HEAD"])  # HEAD: for load balancers' probes
     async def health():
@@ -77,11 +97,11 @@ def create_app(engine: Engine, settings: Settings, metrics: Metrics) -> FastAPI:
 
     @app.post("/v1/completions")
     async def completions(request: Request):
-        return await generate(request, CompletionRequest, engine, settings)
+        return await generate(request, CompletionRequest, engine, settings, bodies)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
-        return await generate(request, ChatRequest, engine, settings)
+        return await generate(request, ChatRequest, engine, settings, bodies)
 
     return app
 
@@ -102,9 +122,45 @@ def body_limit(context: int) -> int:
     return max(MIN_BODY_LIMIT, BODY_BYTES_PER_TOKEN * context)
 
 
-async def read_body(request: Request, context: int) -> bytes:
+class BodyBudget:
+    """The bytes held by request bodies still arriving, all requests together (read on the event loop only)."""
+
+    def __init__(self, limit: int):
+        self.limit, self.held = limit, 0
+
+    def take(self, n: int) -> None:
+        if self.held + n > self.limit:
+            raise ApiError(503, f"the server is receiving too many request bodies at once ({self.held} bytes "
+                                "held by unfinished uploads); retry later", code="server_busy",
+                           headers={"Retry-After": "1"})
+        self.held += n
+
+    def give(self, n: int) -> None:
+        self.held -= n
+
+
+class ClientLeft(Exception):
+    """The client closed the connection before its request body was complete: nobody to answer."""
+
+    def __init__(self, received: int, told: str):
+        super().__init__(f"{received} of {told or 'an unknown number of'} bytes")
+
+
+def check_content_type(request: Request) -> None:
+    """A 415 unless the body says it is JSON: a web page can send text/plain or a form to any server without
+    asking (no CORS preflight), but not application/json."""
+    told = request.headers.get("content-type", "")
+    if told.split(";")[0].strip().lower() != "application/json":
+        said = f"Content-Type: {told[:60]!r}" if told else "no Content-Type"
+        raise ApiError(415, f"the request body must be JSON sent as `Content-Type: application/json` (got "
+                            f"{said})", code="unsupported_media_type")
+
+
+async def read_body(request: Request, context: int, bodies: BodyBudget, timeout: float) -> bytes:
     """The raw body, or a 413 once it passes body_limit: at once where Content-Length says so, else as soon
-    as the chunks read add up to more (a chunked upload), keeping nothing past the limit."""
+    as the chunks read add up to more (a chunked upload), keeping nothing past the limit; a 408 when it
+    takes more than `timeout` seconds; a 503 when the unfinished bodies together would hold more than the
+    budget; ClientLeft when the client closes the connection first."""
     limit = body_limit(context)
     too_large = ApiError(413, f"the request body is over {limit} bytes, the most this server reads for its "
                               f"context of {context} tokens: no prompt that fits is that long",
@@ -113,31 +169,86 @@ async def read_body(request: Request, context: int) -> bytes:
     if told.isdigit() and int(told) > limit:
         raise too_large
     chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise too_large
-        chunks.append(chunk)
+
+    async def receive() -> None:
+        nonlocal size
+        async for chunk in request.stream():
+            if size + len(chunk) > limit:
+                raise too_large
+            bodies.take(len(chunk))
+            size += len(chunk)
+            chunks.append(chunk)
+
+    try:
+        await asyncio.wait_for(receive(), timeout)
+    except asyncio.TimeoutError:  # answered, and the connection closed: uvicorn would wait for the rest
+        raise ApiError(408, f"the request body did not arrive within {timeout:g} s ({size} bytes came); "
+                            "send it whole", code="request_timeout", headers={"Connection": "close"}) from None
+    except ClientDisconnect:
+        raise ClientLeft(size, told) from None
+    finally:
+        bodies.give(size)
     return b"".join(chunks)
 
 
 def parse(raw: bytes, model: type[GenerationRequest]) -> GenerationRequest:
-    """The body as JSON whatever its Content-Type says (curl -d sends a form's), validated by `model`."""
+    """The body as JSON, validated by `model`."""
     if not raw.strip():
         raise ApiError(400, "the request has no body: send a JSON object")
     try:
         return model.model_validate_json(raw)
     except ValidationError as exc:
-        raise validation_error(exc, model) from None
+        error = validation_error(exc, model)
+    if error.param is None and ("surrogate" in error.message or "hex escape" in error.message):
+        error = lone_surrogate(raw) or error
+    raise error
+
+
+def lone_surrogate(raw: bytes) -> ApiError | None:
+    """The 400 for a string of the body (a value or a key) that holds a lone UTF-16 surrogate (a \\uD800-\\uDFFF
+    escape not in a pair), naming its field: pydantic's parser says only "lone leading surrogate in hex escape"
+    or "unexpected end of hex escape" and where; Python's keeps the surrogate. None where Python's parser finds
+    none either (another bad escape)."""
+    try:
+        body = json.loads(raw)
+    except (ValueError, RecursionError):
+        return None
+
+    def refusal(path: tuple, text: str, key: str | None = None) -> ApiError | None:
+        unit = next((c for c in text if "\ud800" <= c <= "\udfff"), None)
+        if unit is None:
+            return None
+        what = dotted(path) or "the body"
+        if key is not None:
+            what += f" has a key, {key.encode('utf-8', 'backslashreplace').decode()[:40]!r}, that"
+        return ApiError(400, f"{what} holds a lone UTF-16 surrogate (\\u{ord(unit):04x}), which is not a character: "
+                             "in JSON, \\ud800-\\udbff must be followed by \\udc00-\\udfff", param=dotted(path) or None)
+
+    pending = [((), body)]  # (the path to a node, the node)
+    while pending:
+        path, node = pending.pop()
+        if isinstance(node, str) and (error := refusal(path, node)):
+            return error
+        children = node.items() if isinstance(node, dict) else enumerate(node) if isinstance(node, list) else ()
+        for key, value in children:
+            if isinstance(key, str) and (error := refusal(path, key, key)):
+                return error
+            pending.append(((*path, key), value))
+    return None
 
 
 # -- a generation --------------------------------------------------------------------------------
-async def generate(request: Request, model: type[GenerationRequest], engine: Engine, settings: Settings):
-    raw = await read_body(request, settings.context)
+async def generate(request: Request, model: type[GenerationRequest], engine: Engine, settings: Settings,
+                   bodies: BodyBudget):
+    check_content_type(request)
+    raw = await read_body(request, settings.context, bodies, settings.body_timeout)
     # Parsing and tokenizing megabytes take a second: meanwhile the event loop goes on serving the others.
     body, ids, options = await asyncio.to_thread(admit, raw, model, engine, settings)
     chat = isinstance(body, ChatRequest)
     job = Job(ids, options, asyncio.get_running_loop())
+    echo = getattr(body, "echo", False)
+    scoring = functools.partial(Logprobs, chat, options["logprobs"], echo, ids, engine.llm.tokenizer)
+    scores = await asyncio.to_thread(scoring) if echo else scoring()  # an echo decodes the whole prompt
     try:
         engine.submit(job)
     except Busy as exc:
@@ -146,17 +257,17 @@ async def generate(request: Request, model: type[GenerationRequest], engine: Eng
         raise ApiError(503, str(exc)) from None
     # The client may leave while its job waits or runs (uvicorn does not cancel a handler when it does).
     watcher = asyncio.ensure_future(cancel_on_disconnect(request, engine, job))
-    answer, streaming = Answer(chat, settings.model_name), False
+    answer, streaming = Answer(chat, settings.model_name, body.include_usage()), False
     try:
         first = await job.next_event()
         if body.stream and isinstance(first, (Piece, Finished)):
             # The status is known once the generation has produced something: an error before that is
             # still a proper 4xx/5xx rather than an event inside a 200 stream.
-            events = stream_events(answer, job, first, body.include_usage())
+            events = stream_events(answer, job, first, scores)
             streaming = True  # from here the stream's own `finally` ends the watcher and the job
             return StreamingResponse(closing(events, engine, job, watcher), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        return await whole_answer(answer, job, first)
+        return await whole_answer(answer, job, first, scores)
     finally:
         if not streaming:
             watcher.cancel()
@@ -188,12 +299,15 @@ def prepare(llm, body: GenerationRequest, chat: bool, speculative: dict) -> tupl
     options = {"max_new_tokens": body.max_new_tokens(context),
                "temperature": body.temperature, "top_k": body.top_k, "top_p": body.top_p,
                "repetition_penalty": body.repetition_penalty, "seed": body.seed, "stop": body.stops(),
-               "ignore_eos": body.ignore_eos}
+               "ignore_eos": body.ignore_eos, **body.logprob_options()}
     try:
         GenerationOptions.checked(**options)
     except OptionError as exc:
         raise ApiError(400, str(exc), param=OPENAI_NAMES.get(exc.option, exc.option)) from None
     check_fits(len(ids), context, options["max_new_tokens"], body.token_limit(), param)
+    if options["prompt_logprobs"] is not None and len(ids) > context:  # echo scores the prompt in one prefill
+        raise ApiError(400, f"this model's maximum context length is {context} tokens; the prompt has {len(ids)}, "
+                            "too many to score (echo with logprobs)", param=param, code="context_length_exceeded")
     return ids, {**options, **speculation(llm, body, speculative)}
 
 
@@ -229,27 +343,34 @@ def speculation(llm, body: GenerationRequest, default: dict) -> dict:
     return {"speculative": spec.method, "draft_tokens": spec.draft_tokens, "adaptive_draft": spec.adaptive}
 
 
-async def whole_answer(answer: Answer, job: Job, event) -> JSONResponse:
-    pieces = []
+async def whole_answer(answer: Answer, job: Job, event, scores: Logprobs) -> JSONResponse:
+    pieces, records, prompt = [], [], event.prompt_logprobs if isinstance(event, (Piece, Finished)) else None
     while isinstance(event, Piece):
         pieces.append(event.text)
+        records += event.logprobs
         event = await job.next_event()
     if isinstance(event, Finished):
-        return JSONResponse(answer.whole("".join(pieces), event.finish_reason, event.prompt_tokens,
-                                         event.completion_tokens))
+        records += event.logprobs
+        return JSONResponse(answer.whole(scores.prefix + "".join(pieces), event.finish_reason, event.prompt_tokens,
+                                         event.completion_tokens, scores.value(records, prompt)))
     return error_response(job_error(event))
 
 
-async def stream_events(answer: Answer, job: Job, event, include_usage: bool):
-    """The SSE body: chunks as the text becomes final, the finish reason, the usage if asked, [DONE]."""
+async def stream_events(answer: Answer, job: Job, event, scores: Logprobs):
+    """The SSE body: chunks as the text becomes final, the finish reason, the usage if asked, [DONE]. An echo's
+    prompt text (and its log-probabilities) goes with the first chunk."""
     first = True
     while True:
         if isinstance(event, Piece):
-            yield sse(answer.chunk(event.text, first=first))
+            yield sse(answer.chunk(scores.prefix + event.text if first else event.text, first=first,
+                                   logprobs=scores.value(event.logprobs, event.prompt_logprobs)))
             first = False
         elif isinstance(event, Finished):
-            yield sse(answer.chunk(None, event.finish_reason, first=first))
-            if include_usage:
+            rest = scores.value(event.logprobs, event.prompt_logprobs) \
+                if event.logprobs or event.prompt_logprobs else None  # the tokens no piece carried (an EOS)
+            yield sse(answer.chunk(scores.prefix if first and scores.prefix else None, event.finish_reason,
+                                   first=first, logprobs=rest))
+            if answer.include_usage:
                 yield sse(answer.usage_chunk(event.prompt_tokens, event.completion_tokens))
             yield SSE_DONE
             return
@@ -308,6 +429,13 @@ def install_error_handlers(app: FastAPI, metrics: Metrics) -> None:
     @app.exception_handler(ApiError)
     async def api_error(request: Request, exc: ApiError):
         return answer(request, exc)
+
+    @app.exception_handler(ClientLeft)
+    async def client_left(request: Request, exc: ClientLeft):  # one line in the log, not a traceback
+        print(f"cullama serve: {request.method} {request.url.path}: the connection closed before the body came "
+              f"({exc})", file=sys.stderr, flush=True)
+        metrics.count("cancelled")
+        return Response(status_code=499)  # nobody is left to read it
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException):

@@ -7,13 +7,10 @@ worker thread): it submits a Job and awaits the job's events (Piece..., then one
 Failed / Stopped), which the engine thread posts onto the job's asyncio loop.
 
 Cancelling (a client that went away, or the server stopping) takes a waiting job out of the queue at
-once; a running one stops between tokens: the engine checks after each text piece and closes the
-stream, so at most the token being computed is finished. A token whose text is held back
-(the first bytes of a character, a possible start of a stop string) yields no piece and is not a
-check point, so those few tokens run on. Under speculative decoding the tokens arrive in bursts, one
-verify step each, and the stream hands a burst out one token at a time: after a cancel the engine
-reads one more piece, the burst's next (already computed) or the first of at most one more verify
-step, and the rest of the burst is dropped.
+once; a running one stops before its next token (GenerationStream.cancel, checked after every token,
+its text shown or held back as a possible start of a stop string), so at most the token being computed
+is finished. Under speculative decoding the tokens arrive in bursts, one verify step each, which the
+stream hands out one token at a time: a cancel drops the rest of the burst and runs no further step.
 """
 
 from __future__ import annotations
@@ -28,12 +25,17 @@ import traceback
 from typing import Callable, Sequence
 
 from ..errors import CullamaError
+from . import logprobs as logprob_fields
 from .metrics import Metrics
 
 
 @dataclasses.dataclass(frozen=True)
 class Piece:
     text: str  # text that became final (the streaming detokenizer, stop strings held back)
+    # A request that asked for log-probabilities (server/logprobs.py): the TokenLogprobs of the tokens produced
+    # since the last event, and the prompt's (with its first event, once scored)
+    logprobs: tuple = ()
+    prompt_logprobs: tuple | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,6 +43,8 @@ class Finished:
     finish_reason: str  # the library's: "eos", "stop" or "length"
     prompt_tokens: int
     completion_tokens: int
+    logprobs: tuple = ()  # as Piece's: those of the tokens no Piece carried
+    prompt_logprobs: tuple | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,6 +81,7 @@ class Job:
         self.arrived = time.perf_counter()
         self.state = "new"  # new -> waiting -> running -> done (changed under the engine's lock)
         self.stop_reason: str | None = None  # set to stop a running job between tokens
+        self.stream = None  # its GenerationStream while it runs (set under the engine's lock)
         self._loop = loop
         self._events: asyncio.Queue[Event] = asyncio.Queue()
 
@@ -142,7 +147,7 @@ class Engine:
                 self._publish_load()
                 self._end(job, Stopped(reason))
             elif job.state == "running" and job.stop_reason is None:
-                job.stop_reason = reason
+                self._stop_running(job, reason)
 
     def stop(self) -> None:
         """Shutting down: refuse new jobs, end the waiting ones, stop the running one at the next token."""
@@ -151,9 +156,15 @@ class Engine:
             while self._waiting:
                 self._end(self._waiting.popleft(), Stopped("shutdown"))
             if self._running is not None and self._running.stop_reason is None:
-                self._running.stop_reason = "shutdown"
+                self._stop_running(self._running, "shutdown")
             self._publish_load()
             self._lock.notify_all()
+
+    def _stop_running(self, job: Job, reason: str) -> None:
+        """The running job ends before its next token (call with the lock held)."""
+        job.stop_reason = reason
+        if job.stream is not None:
+            job.stream.cancel()
 
     # -- the engine thread --------------------------------------------------------------------------
     def _main(self) -> None:
@@ -189,11 +200,16 @@ class Engine:
         stream = None
         try:
             stream = self.llm.stream(job.prompt_ids, **job.options)
+            with self._lock:  # from here a cancel reaches the stream itself, between any two tokens
+                job.stream = stream
+                if job.stop_reason is not None:
+                    stream.cancel()
             self.metrics.prompt(len(job.prompt_ids))
+            scores = logprob_fields.cursor(stream, job.options)  # None unless the request asked for them
             for piece in stream:
                 if job.stop_reason is not None:
                     break
-                job.post(Piece(piece))
+                job.post(Piece(piece, **scores.take()) if scores else Piece(piece))
         except CullamaError as exc:  # the library refused the request's options
             return self._finish(job, Refused(str(exc)))
         except Exception as exc:  # the request fails, the server goes on
@@ -210,7 +226,8 @@ class Engine:
         result = stream.result
         if result.finish_reason not in ("eos", "stop", "length"):  # a way to end that no request asked for
             return self._finish(job, Failed(f"the generation ended early ({result.finish_reason})"))
-        self._finish(job, Finished(result.finish_reason, len(job.prompt_ids), len(result.token_ids)))
+        self._finish(job, Finished(result.finish_reason, len(job.prompt_ids), len(result.token_ids),
+                                   **(scores.take() if scores else {})))
 
     def _measure(self, job: Job, started: float, result) -> None:
         """The tokens and timings of a generation, however it ended (Llama.stream's own timings)."""
@@ -221,7 +238,7 @@ class Engine:
 
     def _finish(self, job: Job, event: Event) -> None:
         with self._lock:
-            self._running = None
+            self._running, job.stream = None, None
             self._publish_load()
             self._end(job, event)
 

@@ -1,17 +1,22 @@
 """`cullama serve`'s process: check the model, listen, load the weights in the background, serve, stop.
 
-The order matters to whoever starts the server: the model directory (and the draft model's, against the
-target's vocabulary) is checked before anything else (a bad path is one line and exit 2), then the socket
-listens, and only then do the weights load (the target's, then the draft's), on the engine thread, while
-/health answers 503; it answers 200 once they are all in. SIGINT (Ctrl-C) or
-SIGTERM stops accepting connections, ends the waiting requests with a 503 and the running generation
-at its next token, and exits 0. A model that fails to load ends the server: exit 2 for a CullamaError
-(one line), 1 for anything else (with its traceback).
+The order matters to whoever starts the server: the options, the model directory (and the draft model's,
+against the target's vocabulary) are checked before anything else (a bad one is one line and exit 2), then
+the socket listens, and only then do the weights load (the target's, then the draft's), on the engine
+thread, while /health answers 503; it answers 200 once they are all in. SIGINT (Ctrl-C) or SIGTERM, from
+the start on, stops accepting connections, ends the waiting requests with a 503 and the running generation
+at its next token, gives the connections still open (a body still arriving, a reader that does not read)
+`shutdown_grace` seconds to finish, closes the rest, and exits 0. A model that fails to load ends the
+server with the error's exit code (a CullamaError: one line, 2 for bad input, 1 for what the machine
+cannot do, such as a KV cache that does not fit), 1 for anything else (with its traceback).
 """
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
 import ipaddress
+import json
 import signal
 import socket
 import sys
@@ -21,12 +26,15 @@ from pathlib import Path
 from typing import Callable
 
 import uvicorn
+from uvicorn.protocols.http.auto import AutoHTTPProtocol
 
 from ..config import from_pretrained as read_config
-from ..errors import CullamaError
+from ..errors import CullamaError, OptionError
+from . import BODY_TIMEOUT_S, SHUTDOWN_GRACE_S
 from .app import Settings, create_app
 from .engine import Engine
 from .metrics import Metrics
+from .protocol import ApiError
 
 
 class ServeError(CullamaError):
@@ -63,15 +71,60 @@ def url(sock: socket.socket) -> str:
 class Server(uvicorn.Server):
     """uvicorn's server, which tells the engine first when it shuts down: the queue is answered with
     503s and the running generation ends at its next token, so uvicorn's wait for open connections is
-    short rather than as long as the queued generations."""
+    short rather than as long as the queued generations. uvicorn waits for every request to end, and one
+    whose body never comes would keep it waiting for ever (a second signal too): after `grace` seconds the
+    connections still open are closed, as if their clients had left."""
 
-    def __init__(self, config: uvicorn.Config, engine: Engine):
+    def __init__(self, config: uvicorn.Config, engine: Engine, grace: float = SHUTDOWN_GRACE_S):
         super().__init__(config)
-        self.engine = engine
+        self.engine, self.grace = engine, grace
 
     async def shutdown(self, sockets=None):
         self.engine.stop()
-        await super().shutdown(sockets=sockets)
+        closing = asyncio.get_running_loop().call_later(self.grace, self.close_connections)
+        try:
+            await super().shutdown(sockets=sockets)
+        finally:
+            closing.cancel()
+
+    def close_connections(self) -> None:
+        for connection in list(self.server_state.connections):
+            transport = getattr(connection, "transport", None)
+            if transport is not None:
+                transport.close()
+
+
+class JsonErrors(AutoHTTPProtocol):
+    """uvicorn's HTTP protocol (httptools' where it is installed, else h11's), whose answer to a request it
+    cannot parse (a malformed request line, headers or body framing) is OpenAI's error object rather than
+    plain text. uvicorn tells it only that the request is malformed, not where."""
+
+    def send_400_response(self, msg: str) -> None:
+        cycle = getattr(self, "cycle", None)
+        if cycle is not None and cycle.response_started:  # too late for a status: only the end of the connection
+            self.transport.close()
+            return
+        body = json.dumps(ApiError(400, "the request is not valid HTTP/1.1 (its request line, headers or body "
+                                        "framing are malformed)", code="malformed_http").body(),
+                          separators=(",", ":")).encode()
+        self.transport.write(b"HTTP/1.1 400 Bad Request\r\ncontent-type: application/json\r\ncontent-length: %d\r\n"
+                             b"connection: close\r\n\r\n%s" % (len(body), body))
+        self.transport.close()
+
+
+def checked_api_key(key: str | None) -> str | None:
+    """The API key, None for none (unset or empty); OptionError for one that no client could send back as
+    it is: spaces around it (a client's `Bearer <key>` header loses them), or characters other than
+    printable ASCII."""
+    if not key:
+        return None
+    if key != key.strip():
+        raise OptionError("api_key", "has spaces around it, which no Authorization header keeps: give the key "
+                                     "without them (also in CULLAMA_API_KEY)")
+    if not all("!" <= c <= "~" for c in key):
+        raise OptionError("api_key", "must be printable ASCII without spaces, as an Authorization header carries "
+                                     "it (also in CULLAMA_API_KEY)")
+    return key
 
 
 def _exit_zero(signum, frame):
@@ -81,28 +134,33 @@ def _exit_zero(signum, frame):
 def serve(model_dir: str, host: str = "127.0.0.1", port: int = 8000, device: str = "auto",
           max_seq_len: int | None = None, served_model_name: str | None = None, max_queue: int = 64,
           api_key: str | None = None, tokenizer: str | None = None, speculative: dict | None = None,
-          draft_model: str | None = None) -> int:
+          draft_model: str | None = None, body_timeout: float = BODY_TIMEOUT_S,
+          shutdown_grace: float = SHUTDOWN_GRACE_S, allowed_hosts: tuple[str, ...] = (),
+          allowed_origins: tuple[str, ...] = ()) -> int:
     """Serve a checkpoint directory until SIGINT or SIGTERM; the exit status (0, or 2 / 1 when the model
     failed to load).
 
     speculative: Llama.stream's speculative keywords (speculative, draft_tokens, adaptive_draft), every
     request's default ({} or None: plain decoding); draft_model: the draft model's directory, loaded with
-    the target before /health answers 200."""
-    from ..llama import Llama, check_draft
-    from ..tokenizer import Tokenizer
+    the target before /health answers 200. allowed_hosts, allowed_origins: see sites.py."""
+    from ..llama import Llama, check_draft, checked_context
+    from ..tokenizer import find_tokenizer, load_tokenizer
 
+    api_key = checked_api_key(api_key)
     config = read_config(model_dir)  # a wrong directory is an error now, not after the socket is up
-    if tokenizer is None and not (Path(model_dir) / "tokenizer.model").is_file():
-        raise ServeError(f"{Path(model_dir) / 'tokenizer.model'} not found: the server turns text into tokens "
-                         "and back, so it needs one (or name one with --tokenizer)")
+    context = checked_context(config, max_seq_len)
+    if tokenizer is None and find_tokenizer(model_dir) is None:
+        raise ServeError(f"{model_dir} has no tokenizer (tokenizer.json or tokenizer.model): the server turns "
+                         "text into tokens and back, so it needs one (or name one with --tokenizer)")
     if draft_model is not None:  # a draft that cannot speak the target's tokens, too
-        check_draft(draft_model, config, Tokenizer.from_model_dir(model_dir, override=tokenizer))
+        check_draft(draft_model, config, load_tokenizer(model_dir, override=tokenizer))
     name = served_model_name or Path(model_dir).resolve().name
-    settings = Settings(model_name=name, context=max_seq_len or config.max_seq_len, api_key=api_key or None,
-                        speculative=dict(speculative or {}))
+    settings = Settings(model_name=name, context=context, api_key=api_key, speculative=dict(speculative or {}),
+                        body_timeout=body_timeout, hosts=tuple(allowed_hosts),
+                        allowed_origins=tuple(allowed_origins))
     return run(lambda: Llama.from_pretrained(model_dir, device=device, max_seq_len=max_seq_len,
                                              tokenizer=tokenizer, draft_model=draft_model),
-               settings, host, port, max_queue)
+               settings, host, port, max_queue, shutdown_grace)
 
 
 def describe_speculation(default: dict) -> str:
@@ -113,7 +171,8 @@ def describe_speculation(default: dict) -> str:
     return f", speculative decoding by default ({default['speculative']}, {k})"
 
 
-def run(load: Callable[[], object], settings: Settings, host: str, port: int, max_queue: int) -> int:
+def run(load: Callable[[], object], settings: Settings, host: str, port: int, max_queue: int,
+        shutdown_grace: float = SHUTDOWN_GRACE_S) -> int:
     """Listen, then load the model with `load()` on the engine thread, and serve until SIGINT or SIGTERM."""
     metrics = Metrics()
 
@@ -130,15 +189,18 @@ def run(load: Callable[[], object], settings: Settings, host: str, port: int, ma
     if not settings.api_key and not is_loopback(host):
         print(f"warning: cullama serve listens on {host} without an API key: anyone who can reach this port "
               "can use the model (set --api-key or CULLAMA_API_KEY)", file=sys.stderr)
-    app = create_app(engine, settings, metrics)
-    server = Server(uvicorn.Config(app, lifespan="off", log_level="info", timeout_keep_alive=5), engine)
+    # Requests may name the server by the address it listens on (and by --host as given), besides loopback.
+    hosts = (host, sock.getsockname()[0], *settings.hosts)
+    app = create_app(engine, dataclasses.replace(settings, hosts=hosts), metrics)
+    server = Server(uvicorn.Config(app, http=JsonErrors, lifespan="off", log_level="info", timeout_keep_alive=5),
+                    engine, shutdown_grace)
     status = 0
 
     def load_failed(exc: BaseException) -> None:
         nonlocal status
         if isinstance(exc, CullamaError):
             print(f"error: {exc.for_cli()}", file=sys.stderr)
-            status = 2
+            status = exc.exit_code
         else:
             print("error: the model failed to load:", file=sys.stderr)
             traceback.print_exception(type(exc), exc, exc.__traceback__, file=sys.stderr)
