@@ -306,7 +306,8 @@ class _RowReader:
     def __init__(self, info: TensorInfo, source: np.ndarray):
         self.info, self.source = info, source  # source: [rows, ...] in the stored dtype (BF16 as bits)
         self.row_size = math.prod(info.shape[1:])  # elements per row (1 for a vector)
-        self.converted = None if info.dtype == "F16" else np.empty(CHUNK, np.float16)  # [CHUNK] converted
+        # [max(CHUNK, a row)] converted: a chunk is whole rows, one at least
+        self.converted = None if info.dtype == "F16" else np.empty(max(CHUNK, self.row_size), np.float16)
 
     def __iter__(self) -> Iterator[tuple[int, np.ndarray]]:
         step = max(1, CHUNK // max(1, self.row_size))
@@ -443,13 +444,15 @@ def _random_tensor(name: str, shape: tuple[int, ...], seed: int, std: float) -> 
 
 
 def _encode(values: np.ndarray, st_dtype: str) -> np.ndarray:
-    """fp32 values in the stored dtype; BF16 as its bits, rounded to nearest even."""
+    """fp32 values in the stored dtype; BF16 as its bits, rounded to nearest even, NaN as the quiet NaN (the
+    rounding's carry would turn a NaN's payload into inf or zero), as PyTorch's conversion does."""
     if st_dtype == "F16":
         return values.astype(np.float16)
     if st_dtype == "F32":
         return values
     bits = values.view(np.uint32)
-    return ((bits + np.uint32(0x7FFF) + ((bits >> 16) & np.uint32(1))) >> 16).astype(np.uint16)
+    rounded = ((bits + np.uint32(0x7FFF) + ((bits >> 16) & np.uint32(1))) >> 16).astype(np.uint16)
+    return np.where(np.isnan(values), np.uint16(0x7FC0), rounded)
 
 
 def _write_safetensors(file: Path, tensors: dict[str, tuple[int, ...]], st_dtype: str,

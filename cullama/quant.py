@@ -102,13 +102,14 @@ def unpack(qweight: np.ndarray, bits: int) -> np.ndarray:
 
 
 def params(scale: np.ndarray, zero: np.ndarray) -> np.ndarray:
-    """scale [M, G] and zero [M, G] -> qparams [M, G, 2] float16 (scale, zero). Zeros must be integers that
-    FP16 holds exactly (they are: at most 256)."""
+    """scale [M, G] and zero [M, G] -> qparams [M, G, 2] float16 (scale, zero). Zeros must be integers from 0 to
+    256 (FP16 holds them exactly)."""
+    z = np.asarray(zero, np.float64)
+    if not np.all((z >= 0) & (z <= 256) & (z == np.rint(z))):  # NaN fails every comparison
+        raise ValueError("zero points must be integers from 0 to 256")
     out = np.empty((*np.shape(scale), 2), np.float16)
     out[..., 0] = scale
     out[..., 1] = zero
-    if not np.array_equal(out[..., 1].astype(np.float64), np.asarray(zero, np.float64)):
-        raise ValueError("zero points must be integers from 0 to 256")
     return out
 
 
