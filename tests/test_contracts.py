@@ -163,3 +163,17 @@ def test_the_pre_wait_check_catches_a_read_of_an_activation():
 def test_every_plan_kernel_may_overlap():
     cfg = device_config(preset("llama-2-7b"))
     assert {l.spec.name for l in every_plan_launch(cfg)} == plans.OVERLAP_SAFE
+
+
+# The quantized kernels' weights by parameter name (cullama/quant.py's qweight and qparams; gather's perm): whether or
+# not a plan launches them yet, they may read these, and only these, before pdl_wait().
+QUANT_WEIGHTS = {"gemv_quant.cu": {"qweight", "qparams"}, "gemm_quant.cu": {"qweight", "qparams"}, "gather.cu": {"perm"}}
+
+
+@pytest.mark.parametrize("source,name", sorted(k for k in SIGNATURES if k[0] in QUANT_WEIGHTS))
+def test_quantized_kernels_touch_only_weights_before_pdl_wait(source, name):
+    pointers = [pname for _, pname, is_pointer in SIGNATURES[source, name] if is_pointer]
+    assert QUANT_WEIGHTS[source] <= set(pointers), f"{name}'s weights are not named {sorted(QUANT_WEIGHTS[source])}"
+    touched = pre_wait_reads(kernel_body((SOURCE_DIR / source).read_text(), name), pointers)
+    assert touched is not None, f"{name} never calls pdl_wait()"
+    assert touched and touched <= QUANT_WEIGHTS[source], f"{name} touches {sorted(touched)} before pdl_wait()"
