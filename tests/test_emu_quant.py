@@ -62,6 +62,11 @@ def test_gemm_quant(bits, schedule):
     gemm_checks.check_gemm_quant(emu_launcher(schedule), bits)
 
 
+@pytest.mark.parametrize("bits", [4, 8])
+def test_gemm_quant_rows_equal_gemv_quant_rows_within_fp16_tolerance(bits):
+    gemm_checks.check_prefill_rows_equal_decode_rows(emu_launcher("shuffled"), bits)
+
+
 # -- gather.cu: a copy (exact) -------------------------------------------------------------------------------------
 def check_gather(schedule, source_dir=None):
     rng = np.random.default_rng(4)

@@ -1,17 +1,20 @@
 """gemm_quant.cu: the twin against float64 math on quant.py's FP16-rounded weights (CPU); the kernel against the
 twin with and without split-K (check_gemm_quant: on the CPU executor in tests/test_emu_quant.py, on a GPU here with
-the LLaMA-2-7B shapes); prefill logits equal decode logits within the FP16 tolerance is the model's business
-(the plan's tests), the per-matrix part of it is here: the kernel's product against gemv_quant's on the same row."""
+the LLaMA-2-7B shapes). Prefill logits equal to decode logits within the FP16 tolerance is the model's business
+(the plan's tests); its per-matrix part is here: gemm_quant's rows against gemv_quant's on the same weights
+(check_prefill_rows_equal_decode_rows: twins, executor, GPU)."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from cullama import quant
+from cullama import ops, quant
 from cullama.ops import gemm_quant as twin
 from cullama.prefill_kernels import MMA_GEMM
 from cullama.registry import KernelSpec
+import test_gemv_quant as gemv_quant_checks
+from cullama.ops import gemv_quant as gemv_quant_ops
 from test_gemv_quant import exact, quantized, rand
 from test_verify import gpu_launcher, nan
 
@@ -54,6 +57,27 @@ def check_gemm_quant(launch, bits, cases=None, seed=5):
             assert np.isnan(workspace).all(), f"{where}: S = 1 wrote the workspace"
 
 
+def check_prefill_rows_equal_decode_rows(launch, bits, M=5, N=37, K=4096 + 2 * 32, group=32, seed=3):
+    """gemm_quant's rows (a prefill chunk: FP16 input rows, FP16-rounded weights) against gemv_residual's on each
+    row (a decode step: the same input in float32, exact float32 weights) on the same quantized W: within FP16's
+    tolerance, 2^-11 of the sum of |products| (the weights' rounding) plus float32 summation."""
+    rng = np.random.default_rng(seed)
+    A = rand(rng, M, K, dtype=np.float16)
+    qw, qp = quantized(rng, N, K, bits, group)
+    C = nan(M, N)
+    grid = (-(-N // MMA_GEMM.tile_n), -(-M // MMA_GEMM.tile_m), 1)
+    launch(KernelSpec(twin.SOURCE, "gemm_quant", twin.defines(bits)), grid, MMA_GEMM.threads,
+           (A, qw, qp, C, nan(1), np.zeros(1, np.uint32), np.int32(M), np.int32(N), np.int32(K), np.int32(0),
+            np.int32(group)))
+    decode = np.zeros((M, N), np.float32)
+    for m in range(M):
+        decode[m:m + 1] = gemv_quant_checks.run_residual(launch, gemv_quant_ops.defines(bits), A[m:m + 1].astype(np.float32),
+                                                         qw, qp, np.zeros((1, N), np.float32), group)
+    bound = np.abs(A).astype(np.float64) @ np.abs(quant.dequantize(qw, qp, bits)).astype(np.float64).T
+    diff = np.abs(C.astype(np.float64) - decode)
+    assert np.isfinite(C).all() and (diff <= (2.0 ** -11 + 1e-5) * bound).all(), float((diff / bound).max())
+
+
 # -- CPU: the twin ---------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("bits", quant.BITS)
 def test_twin_is_the_product_with_fp16_rounded_weights(bits):
@@ -72,6 +96,16 @@ def test_twin_is_the_product_with_fp16_rounded_weights(bits):
     np.testing.assert_allclose(C2, 2 * C, rtol=1e-6)
 
 
+def twin_launch(spec, grid, block, args):
+    """A launch on the twins (these take no grid)."""
+    ops.twin(spec.source, spec.name)(*args)
+
+
+@pytest.mark.parametrize("bits", quant.BITS)
+def test_twin_prefill_rows_equal_decode_rows_within_fp16_tolerance(bits):
+    check_prefill_rows_equal_decode_rows(twin_launch, bits)
+
+
 def test_variants_are_one_per_bits():
     assert [twin.defines(b) for b in quant.BITS] == twin.VARIANTS
 
@@ -81,6 +115,12 @@ def test_variants_are_one_per_bits():
 @pytest.mark.parametrize("bits", quant.BITS)
 def test_gpu_kernel_matches_its_twin(kernels, bits):
     check_gemm_quant(gpu_launcher(kernels), bits, seed=int(np.random.default_rng().integers(1 << 20)))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("bits", quant.BITS)
+def test_gpu_prefill_rows_equal_decode_rows_within_fp16_tolerance(kernels, bits):
+    check_prefill_rows_equal_decode_rows(gpu_launcher(kernels), bits)
 
 
 @pytest.mark.gpu
