@@ -11,15 +11,14 @@ each GEMM kernel in --kernels (cullama.prefill_kernels: `mma` is gemm.cu, `wgmma
 plan launches it, `wgmma-n128` / `wgmma-n256` / `wgmma-m64` / `wgmma-noswizzle` its other compiled
 variants; `mma-w4` / `mma-w8` gemm_quant.cu, the same tiles and split rule on INT4 / INT8 weights as on-load
 quantization makes them (gemv_sweep.Weights); default: mma, and wgmma on an sm_90 GPU) and each prompt length M in
---rows, times the kernel
-at S = 1 (no split), at the S that its split rule picks (marked "plan"), and at each S in --splits.
-Launches are captured in a CUDA graph that rotates over copies of the weight matrix totalling several
-times the L2, so no launch finds its weights in the cache; CUDA events time the replays. GB/s counts the
-weight bytes once per launch (FP16, or codes and (scale, zero) pairs; what a short prompt's GEMM is bound by); TFLOP/s is 2 M N K per
-launch; % is of the read bandwidth as `cullama bench` measures it. Before timing, each S is checked: S = 1
-against the NumPy twin (M <= 64; the GPU tests cover the rest), every S against S = 1 (float32
-rounding), and S > 1 against itself on a rerun (bitwise: the split-K is deterministic). Run it on a
-GPU; without one it says so in one line.
+--rows, times the kernel at S = 1 (no split), at the S that its split rule picks (marked "plan"), and at each S in
+--splits. Launches are captured in a CUDA graph that rotates over copies of the weight matrix totalling several
+times the L2, so no launch finds its weights in the cache; CUDA events time the replays. GB/s counts the weight
+bytes once per launch (FP16, or codes and (scale, zero) pairs; what a short prompt's GEMM is bound by); TFLOP/s
+is 2 M N K per launch; % is of the read bandwidth as `cullama bench` measures it. Before timing, each S is
+checked: S = 1 against the NumPy twin (M <= 64; the GPU tests cover the rest), every S against S = 1 (float32
+rounding), and S > 1 against itself on a rerun (bitwise: the split-K is deterministic). Run it on a GPU; without
+one it says so in one line.
 """
 
 from __future__ import annotations

@@ -8,7 +8,8 @@
 // subtraction, where a conversion per code (I2F) would cost a quarter-rate instruction each:
 //   4 bits: pair s = lop3(w >> 4s, 0x000F000F, 0x64006400) = ((w >> 4s) & 0x000F000F) | 0x64006400,  s = 0..3
 //   8 bits: pair s = prmt(w, 0x64646464): bytes s and s + 2 of w, each under a byte 0x64,             s = 0..1
-// Templates take the code width as CODE_BITS (kernels define BITS as a macro). The inline PTX below is mapped by the CPU executor (cullama/emu/ptx.h, "quantized weights" section).
+// Templates take the code width as CODE_BITS (the kernels define BITS as a macro). The executor maps the inline PTX
+// below (cullama/emu/ptx.h, "quantized weights" section).
 #pragma once
 #include "common.cuh"
 

@@ -44,8 +44,9 @@ struct QuantTiles {
 
 // cp.async of W's K tile `kt` (codes of columns k0 + 32 kt ..) into ring slot `stage`: TILE_N * ROW_CHUNKS chunks,
 // thread tid copies chunk tid (at 4 bits threads 128..255 copy none). Chunks past k1 or N are zero-filled.
-__device__ __forceinline__ void load_tile_codes(QuantTiles& s, int stage, int kt, const unsigned int* __restrict__ qweight,
-                                                int N, int K, int k0, int k1, int n0) {
+__device__ __forceinline__ void load_tile_codes(QuantTiles& s, int stage, int kt,
+                                                const unsigned int* __restrict__ qweight, int N, int K, int k0,
+                                                int k1, int n0) {
     if ((int)threadIdx.x >= TILE_N * ROW_CHUNKS) return;
     const int row = threadIdx.x / ROW_CHUNKS, chunk = threadIdx.x % ROW_CHUNKS;
     const int k = k0 + kt * TILE_K + chunk * CODES;

@@ -65,12 +65,12 @@ __device__ __forceinline__ void load_batch(QuantLoads& b, int base) {
 #pragma unroll
     for (int u = 0; u < UNROLL; ++u) {  // issue every load of the batch before the first use
         const int v = base + u * THREADS;
-        const bool in = v < b.vecs;
-        const int group = in ? v / b.group_vecs : 0;
+        const bool inside = v < b.vecs;
+        const int group = inside ? v / b.group_vecs : 0;
 #pragma unroll
         for (int r = 0; r < ROWS; ++r) {
-            b.w[u][r] = in ? load_stream(b.row[r] + v) : make_uint4(0, 0, 0, 0);
-            b.p[u][r] = in ? b.params[r][group] : 0u;
+            b.w[u][r] = inside ? load_stream(b.row[r] + v) : make_uint4(0, 0, 0, 0);
+            b.p[u][r] = inside ? b.params[r][group] : 0u;
         }
     }
 }

@@ -159,7 +159,8 @@ def test_gemv_sweep_times_the_quantized_kernels(fake, tmp_path, capsys):
     assert record["bits"] == [4, 8] and record["skipped"] == ["W4 down 256x688: K = 688 is not a multiple of 32"]
     expected = []
     for bits in (4, 8):
-        variants = [" ".join(f"{k}={v}" for k, v in d) for d in gemv_quant_twins.DECODE_VARIANTS if d[0] == ("BITS", bits)]
+        variants = [" ".join(f"{k}={v}" for k, v in d) for d in gemv_quant_twins.DECODE_VARIANTS
+                    if d[0] == ("BITS", bits)]
         expected += [(bits, label, v) for label, kernel, M, K in gemv_sweep.shapes(TINY)
                      if kernel != "gemv_logits" and (bits == 8 or K % 32 == 0) for v in variants]
     assert [(r["bits"], r["shape"], r["variant"]) for r in record["rows"]] == expected and len(expected) == 21

@@ -1,5 +1,5 @@
-"""The quantized kernels as written (gemv_quant.cu, gemm_quant.cu, gather.cu), run on the CPU by cullama.emu: every variant
-against its twin in every warp schedule, outputs NaN-poisoned (tests/test_gemv_quant.py's checks), a verify
+"""The quantized kernels as written (gemv_quant.cu, gemm_quant.cu, gather.cu), run on the CPU by cullama.emu: every
+variant against its twin in every warp schedule, outputs NaN-poisoned (tests/test_gemv_quant.py's checks), a verify
 launch's token rows against one-row launches bit for bit, and seeded bugs (a wrong nibble order, a zero off by one,
 a group index off by one, a missed tail, ...) that those checks must catch."""
 
@@ -97,6 +97,10 @@ def gemv(defines, cases=None):
 GEMM_CASE = {4: [gemm_checks.CASES[4][1]], 8: [gemm_checks.CASES[8][1]]}  # split 3 ways, accumulating, 25+ K tiles
 
 
+def gemm(launch, bits):
+    gemm_checks.check_gemm_quant(launch, bits, GEMM_CASE[bits])
+
+
 # (id, file, original text, its replacement, the check that must fail)
 MUTATIONS = [
     ("int4-nibble-order-plain", "dequant.cuh", "lop3<LUT_A_AND_B_OR_C>(w >> (4 * S), 0x000F000Fu",
@@ -107,26 +111,26 @@ MUTATIONS = [
      "hadd2(prmt<0x3232>(params, 0), 0x64016401u)", gemv(GEMV4, [(160, 32)])),
     ("scale-and-zero-swapped", "dequant.cuh", "prmt<0x3232>(params, 0)", "prmt<0x1010>(params, 0)",
      gemv(GEMV8, [(80, 16)])),
-    ("group-index-off-by-one", "gemv_quant.cu", "const int group = in ? v / b.group_vecs : 0;",
-     "const int group = in ? (v + 1) / b.group_vecs : 0;", gemv(GEMV4, [(192, 64)])),
+    ("group-index-off-by-one", "gemv_quant.cu", "const int group = inside ? v / b.group_vecs : 0;",
+     "const int group = inside ? (v + 1) / b.group_vecs : 0;", gemv(GEMV4, [(192, 64)])),
     ("group-in-codes-not-vectors", "gemv_quant.cu", "b.group_vecs = group / CODES;", "b.group_vecs = group / 8;",
      gemv(GEMV8, [(144, 48)])),
     ("missed-tail-vectors", "gemv_quant.cu", "for (int base = threadIdx.x; base < nvec; base += THREADS * UNROLL)",
      "for (int base = threadIdx.x; base < nvec - THREADS; base += THREADS * UNROLL)", gemv(GEMV4, [(4128, 4128)])),
     ("missed-last-word", "gemv_quant.cu", "for (int j = 0; j < 4; ++j) {  // the vector's words",
      "for (int j = 0; j < 3; ++j) {  // the vector's words", gemv(GEMV8, [(80, 16)])),
-    ("scale-per-row-not-per-group", "gemv_quant.cu", "b.p[u][r] = in ? b.params[r][group] : 0u;",
-     "b.p[u][r] = in ? b.params[r][0] : 0u;", gemv(GEMV4, [(192, 64)])),
+    ("scale-per-row-not-per-group", "gemv_quant.cu", "b.p[u][r] = inside ? b.params[r][group] : 0u;",
+     "b.p[u][r] = inside ? b.params[r][0] : 0u;", gemv(GEMV4, [(192, 64)])),
     ("verify-rows-share-one-x", "gemv_quant.cu", "load_word_floats(x + (size_t)t * K + k0, xv[t]);",
      "load_word_floats(x + k0, xv[t]);", lambda launch: gemv_checks.check_gemv_quant_rows(launch, 4, 3)),
     ("gemm-int4-codes-of-the-other-half-row", "gemm_quant.cu", "&s.codes[stage][row][half * THREAD_WORDS]",
-     "&s.codes[stage][row][(1 - half) * THREAD_WORDS]", lambda launch: gemm_checks.check_gemm_quant(launch, 4, GEMM_CASE[4])),
+     "&s.codes[stage][row][(1 - half) * THREAD_WORDS]", lambda launch: gemm(launch, 4)),
     ("gemm-params-one-tile-late", "gemm_quant.cu", "params = tile_params(prow, kt + 1, k0, k1, group);",
-     "params = tile_params(prow, kt, k0, k1, group);", lambda launch: gemm_checks.check_gemm_quant(launch, 8, GEMM_CASE[8])),
+     "params = tile_params(prow, kt, k0, k1, group);", lambda launch: gemm(launch, 8)),
     ("gemm-w-tile-barrier-removed", "gemm_quant.cu", "        __syncthreads();  // the W tile is complete\n", "",
-     lambda launch: gemm_checks.check_gemm_quant(launch, 4, GEMM_CASE[4])),
+     lambda launch: gemm(launch, 4)),
     ("gemm-scale-not-applied", "gemm_quant.cu", "out[j * (16 / BITS) + p] = hmul2(pairs[p], scale);",
-     "out[j * (16 / BITS) + p] = pairs[p];", lambda launch: gemm_checks.check_gemm_quant(launch, 8, GEMM_CASE[8])),
+     "out[j * (16 / BITS) + p] = pairs[p];", lambda launch: gemm(launch, 8)),
     ("gather-rows-at-row-zero", "gather.cu", "const size_t row = (size_t)blockIdx.x * K;", "const size_t row = 0;",
      lambda launch: check_gather("forward", launch.source_dir)),
 ]

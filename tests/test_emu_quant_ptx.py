@@ -85,8 +85,12 @@ __device__ void pairs_of(const unsigned* w, const unsigned* p, unsigned* out, in
         }
     }
 }
-extern "C" __global__ void pairs4(const unsigned* w, const unsigned* p, unsigned* out, int n) { pairs_of<4>(w, p, out, n); }
-extern "C" __global__ void pairs8(const unsigned* w, const unsigned* p, unsigned* out, int n) { pairs_of<8>(w, p, out, n); }
+extern "C" __global__ void pairs4(const unsigned* w, const unsigned* p, unsigned* out, int n) {
+    pairs_of<4>(w, p, out, n);
+}
+extern "C" __global__ void pairs8(const unsigned* w, const unsigned* p, unsigned* out, int n) {
+    pairs_of<8>(w, p, out, n);
+}
 """
 
 

@@ -157,8 +157,8 @@ def test_quantized_gemm_on_the_executor_equals_the_gpu(kernels, bits):
         workspace = np.full(max(1, splits * grid[0] * grid[1] * MMA_GEMM.tile_m * MMA_GEMM.tile_n), np.nan, np.float32)
         count = np.zeros(grid[0] * grid[1], np.uint32)
         spec = KernelSpec(gemm_quant_ops.SOURCE, "gemm_quant", gemm_quant_ops.defines(bits))
-        gpu, cpu = both(kernels, spec, grid, MMA_GEMM.threads, (A, qw, qp, C, workspace, count, np.int32(M),
-                                                                 np.int32(N), np.int32(K), np.int32(0), np.int32(group)))
+        args = (A, qw, qp, C, workspace, count, np.int32(M), np.int32(N), np.int32(K), np.int32(0), np.int32(group))
+        gpu, cpu = both(kernels, spec, grid, MMA_GEMM.threads, args)
         w16 = quant.dequantize(qw, qp, bits, np.float16).astype(np.float64)
         bound = np.abs(A).astype(np.float64) @ np.abs(w16).T
         agree(f"gemm_quant BITS={bits} M={M} N={N} K={K} S={splits} group={group}", gpu[3], cpu[3], bound, 1e-5)

@@ -71,8 +71,9 @@ def check_prefill_rows_equal_decode_rows(launch, bits, M=5, N=37, K=4096 + 2 * 3
             np.int32(group)))
     decode = np.zeros((M, N), np.float32)
     for m in range(M):
-        decode[m:m + 1] = gemv_quant_checks.run_residual(launch, gemv_quant_ops.defines(bits), A[m:m + 1].astype(np.float32),
-                                                         qw, qp, np.zeros((1, N), np.float32), group)
+        decode[m:m + 1] = gemv_quant_checks.run_residual(launch, gemv_quant_ops.defines(bits),
+                                                         A[m:m + 1].astype(np.float32), qw, qp,
+                                                         np.zeros((1, N), np.float32), group)
     bound = np.abs(A).astype(np.float64) @ np.abs(quant.dequantize(qw, qp, bits)).astype(np.float64).T
     diff = np.abs(C.astype(np.float64) - decode)
     assert np.isfinite(C).all() and (diff <= (2.0 ** -11 + 1e-5) * bound).all(), float((diff / bound).max())
@@ -140,7 +141,8 @@ def test_gpu_llama2_7b_shapes(kernels, bits, N, K, accumulate, M):
     splits = MMA_GEMM.splits(M, N, K)
     tiles = MMA_GEMM.tiles(M, N)
     dC = cp.asarray(C0)
-    workspace, count = cp.zeros(splits * tiles * MMA_GEMM.tile_m * MMA_GEMM.tile_n, cp.float32), cp.zeros(tiles, cp.uint32)
+    workspace = cp.zeros(splits * tiles * MMA_GEMM.tile_m * MMA_GEMM.tile_n, cp.float32)
+    count = cp.zeros(tiles, cp.uint32)
     kernels.function(KernelSpec(twin.SOURCE, "gemm_quant", twin.defines(bits)))(
         MMA_GEMM.grid(M, N, K), (MMA_GEMM.threads,),
         (cp.asarray(A), cp.asarray(qw), cp.asarray(qp), dC, workspace, count, np.int32(M), np.int32(N), np.int32(K),

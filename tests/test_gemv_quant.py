@@ -327,6 +327,7 @@ def test_gpu_llama2_7b_shapes(kernels, bits, kernel, M, K):
         out = rand(rng, M)
         dx = dev(out)
         kernels.function(spec("gemv_residual", defines))(
-            (-(-M // rows),), (twin.THREADS,), (dev(x), dev(qw), dev(qp), dx, np.int32(M), np.int32(K), np.int32(group)))
+            (-(-M // rows),), (twin.THREADS,),
+            (dev(x), dev(qw), dev(qp), dx, np.int32(M), np.int32(K), np.int32(group)))
         twin.gemv_residual(x, qw, qp, out, M, K, group)
         np.testing.assert_allclose(dx.get(), out, rtol=1e-3, atol=1e-3)

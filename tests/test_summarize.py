@@ -480,7 +480,8 @@ def test_quantized_sections_target_and_decision(made, records, tmp_path, capsys)
 
     r = copy.deepcopy(records)
     default4 = " ".join(f"{k}={v}" for k, v in gemv_quant.defines(4))
-    other4 = next(row["variant"] for row in r["gemv_quant.json"]["rows"] if row["bits"] == 4 and row["variant"] != default4)
+    other4 = next(row["variant"] for row in r["gemv_quant.json"]["rows"]
+                  if row["bits"] == 4 and row["variant"] != default4)
     for row in r["gemv_quant.json"]["rows"]:
         row["gb_s"] = 4000.0 if row["variant"] == default4 or row["bits"] == 8 else 3950.0
         row["us"] = row["weight_bytes"] / row["gb_s"] / 1e3
