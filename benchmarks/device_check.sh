@@ -5,7 +5,8 @@
 #
 # Steps, most decisive first: install the package, `cullama info`, `cullama kernels --arch sm_90`,
 # `pytest -m gpu`, `cullama bench`, `cullama bench --overlap` at 10, 100 and 500 tokens, then
-# benchmarks/decode_step.py (plain vs overlapped graph), prefill_step.py (TTFT per prefill kernel pair),
+# benchmarks/decode_step.py (plain vs overlapped graph), logprobs_step.py (what logprobs=N adds to a step),
+# prefill_step.py (TTFT per prefill kernel pair),
 # gemv_sweep.py, gemm_sweep.py (mma vs wgmma), the same two on INT4 / INT8 weights (gemv_quant.cu, gemm_quant.cu),
 # `cullama bench --speculative replay`, serve_latency.py (what
 # `cullama serve` adds per token) and compare_hf.py --quick. Each step runs under `timeout` inside one overall
@@ -14,8 +15,8 @@
 # ../shared (the test data beside the repo) is used when present; a copy carried as .shared otherwise.
 # Under $OUT (the device tool returns at most 8 files): steps.log (every step's output), summary.txt,
 # report.md and results.tgz (bench.json, bench_overlap.json, decode.json, prefill.json, gemv.json, gemm.json,
-# gemv_quant.json, gemm_quant.json, compare.json, speculative.json, serve.json, emu_vs_gpu.json; re-packed after
-# every step, so a run cut short
+# gemv_quant.json, gemm_quant.json, compare.json, speculative.json, serve.json, emu_vs_gpu.json, logprobs.json;
+# re-packed after every step, so a run cut short
 # still returns what it finished). benchmarks/prepare_device.sh makes what to carry (.shared, .whl).
 # Environment: PYTHON (default python3), SKIP_INSTALL=1 (already installed), BENCH_SAMPLES (default 300),
 # BUDGET_S.
@@ -95,6 +96,7 @@ CULLAMA_EMU_VS_GPU_JSON=$RESULTS/emu_vs_gpu.json step pytest 190 "$PY" -m pytest
 step bench 90 "${CULLAMA[@]}" bench --json "$RESULTS/bench.json" --samples "${BENCH_SAMPLES:-300}"
 step overlap 40 "${CULLAMA[@]}" bench --overlap --lengths 10,100,500 --samples 300 --json "$RESULTS/bench_overlap.json"
 step decode 60 "$PY" benchmarks/decode_step.py --trials 2 --json "$RESULTS/decode.json"
+step logprobs 30 "$PY" benchmarks/logprobs_step.py --trials 2 --steps 50 --json "$RESULTS/logprobs.json"
 step prefill 45 "$PY" benchmarks/prefill_step.py --json "$RESULTS/prefill.json"
 step gemv 45 "$PY" benchmarks/gemv_sweep.py --json "$RESULTS/gemv.json"
 step gemm 75 "$PY" benchmarks/gemm_sweep.py --rows 10,64,256 --json "$RESULTS/gemm.json"

@@ -209,7 +209,8 @@ def shared_options(command):
         click.option("--ignore-eos", is_flag=True, help="Keep generating past the end-of-sequence token."),
         click.option("--device", default="auto", show_default=True, type=click.Choice(["auto", "cpu", "cuda"])),
         click.option("--max-seq-len", type=int, help="Context to allocate (default: the model's)."),
-        click.option("--tokenizer", type=click.Path(), help="tokenizer.model to use instead of the checkpoint's."),
+        click.option("--tokenizer", type=click.Path(), help="tokenizer.json or tokenizer.model (or a directory "
+                     "holding one) to use instead of the checkpoint's."),
         click.option("--json", "as_json", is_flag=True, help="Print JSON: ids, text, finish reason, seed, timings."),
     ]
     return apply(options, speculative_flags(command))  # the speculative flags listed last
@@ -320,7 +321,8 @@ def stream_out(stream, llm, as_json: bool) -> None:
 @shared_options
 @click.argument("prompt", required=False)
 @click.option("--prompt-ids", help="Token ids instead of text, e.g. '1,450,7483'.")
-@click.option("--chat", is_flag=True, help="Wrap the prompt in the LLaMA-2 chat template.")
+@click.option("--chat", is_flag=True, help="Wrap the prompt in the model's chat template (LLaMA-2's format "
+              "when it has none).")
 @click.option("--system", help="System prompt for --chat.")
 def generate(model_dir, prompt, prompt_ids, chat, system, device, max_seq_len, tokenizer, as_json, **kwargs):
     """Generate text from PROMPT (or standard input; an empty prompt starts from BOS alone)."""
@@ -346,8 +348,8 @@ def generate(model_dir, prompt, prompt_ids, chat, system, device, max_seq_len, t
         if ids is not None:
             request[:] = checked_ids(ids, config.vocab_size, None)
         elif tok is None:
-            raise PromptError(f"{model_dir} has no tokenizer.model: give the prompt as --prompt-ids, or name "
-                              "a tokenizer with --tokenizer PATH")
+            raise PromptError(f"{model_dir} has no tokenizer (tokenizer.json or tokenizer.model): give the "
+                              "prompt as --prompt-ids, or name a tokenizer with --tokenizer PATH")
         elif chat:
             request[:] = tok.chat_ids([{"role": "user", "content": prompt}], system=system)
         else:
@@ -362,9 +364,10 @@ def generate(model_dir, prompt, prompt_ids, chat, system, device, max_seq_len, t
 @shared_options
 @click.option("--system", help="System prompt for the whole conversation.")
 def chat(model_dir, system, device, max_seq_len, tokenizer, as_json, **kwargs):
-    """A multi-turn LLaMA-2 chat: each line of standard input is a user turn; replies stream back.
+    """A multi-turn chat: each line of standard input is a user turn; replies stream back.
 
-    The whole conversation goes through the chat template at every turn (only its new tokens are computed).
+    The whole conversation goes through the model's chat template (LLaMA-2's format when it has none) at every
+    turn (only its new tokens are computed).
     When it outgrows the context, the oldest exchanges are dropped (the system prompt stays), with a note; a
     message too long for the context is refused and the chat goes on. An empty line is skipped, end of input
     ends the conversation."""
@@ -374,8 +377,8 @@ def chat(model_dir, system, device, max_seq_len, tokenizer, as_json, **kwargs):
 
     def check(config, tok, context):
         if tok is None:
-            raise PromptError(f"cullama chat needs a tokenizer: {model_dir} has no tokenizer.model (name one with "
-                              "--tokenizer PATH)")
+            raise PromptError(f"cullama chat needs a tokenizer: {model_dir} has no tokenizer.json or "
+                              "tokenizer.model (name one with --tokenizer PATH)")
         n = len(tok.chat_ids([{"role": "user", "content": ""}], system=system))
         if n >= context:
             raise PromptError(f"--system takes {n} tokens in the chat template, which leaves no room in the "
@@ -415,7 +418,8 @@ def chat(model_dir, system, device, max_seq_len, tokenizer, as_json, **kwargs):
 @click.option("--port", default=8000, show_default=True, type=click.IntRange(0, 65535), help="0 = any free port.")
 @click.option("--device", default="auto", show_default=True, type=click.Choice(["auto", "cpu", "cuda"]))
 @click.option("--max-seq-len", type=int, help="Context to allocate (default: the model's).")
-@click.option("--tokenizer", type=click.Path(), help="tokenizer.model to use instead of the checkpoint's.")
+@click.option("--tokenizer", type=click.Path(), help="tokenizer.json or tokenizer.model (or a directory holding "
+              "one) to use instead of the checkpoint's.")
 @click.option("--served-model-name", help="The model's name in the API [default: the directory's name].")
 @click.option("--max-queue", default=64, show_default=True, type=click.IntRange(min=0),
               help="Requests that may wait behind the running one; past it, 429.")
@@ -475,6 +479,79 @@ def kernels(arch):
     out(f"{len(reports)} kernels compiled for {arch}; {len(spilled)} with spills or local memory")
     if spilled:
         sys.exit(1)
+
+
+@main.command()
+@click.option("--model", "model_dir", required=True, type=click.Path(), help="HF LLaMA checkpoint directory.")
+@click.argument("file", type=click.Path(allow_dash=True))
+@click.option("--ids", "as_ids", is_flag=True, help="FILE holds token ids (separated by spaces, commas or newlines), "
+                                                    "not text.")
+@click.option("--stride", type=int, help="Ids between the starts of two windows [default: half the context].")
+@click.option("--device", default="auto", show_default=True, type=click.Choice(["auto", "cpu", "cuda"]))
+@click.option("--max-seq-len", type=int, help="The window: the context to allocate [default: the model's].")
+@click.option("--tokenizer", type=click.Path(), help="tokenizer.model to use instead of the checkpoint's.")
+@click.option("--json", "as_json", is_flag=True, help="Print the figures and the options as JSON.")
+def perplexity(model_dir, file, as_ids, stride, device, max_seq_len, tokenizer, as_json, **load_options):
+    """The perplexity of the text in FILE ('-': standard input) through the model's tokenizer (with BOS), or of
+    the token ids in it (--ids). A text longer than the context is scored in sliding windows of the context,
+    --stride ids apart, each id once with the context its window gives it (HuggingFace's perplexity guide).
+    Options that choose how the model is loaded go to `load` as they are (`load_options`)."""
+    from ..llama import prompt_ids as checked_ids
+    from ..logprobs import windows
+
+    data = _read_input(file)
+    ids: list[int] = []
+
+    def check(config, tok, context):
+        """The ids (or the text, through the tokenizer) and the stride, before the weights load."""
+        if as_ids:
+            ids[:] = checked_ids(_file_ids(data, file), config.vocab_size, None)
+        elif tok is None:
+            raise PromptError(f"{model_dir} has no tokenizer.model: give token ids with --ids, or name a tokenizer "
+                              "with --tokenizer PATH")
+        else:
+            ids[:] = checked_ids(data, config.vocab_size, tok)
+        if len(ids) < 2:
+            raise PromptError(f"{file} holds {len(ids)} token{'s' if len(ids) != 1 else ''}: a perplexity needs at "
+                              "least 2")
+        windows(len(ids), context, context // 2 if stride is None else stride)  # an OptionError naming --stride
+
+    llm = load(model_dir, device, max_seq_len, tokenizer, check, **load_options)
+    result = llm.perplexity(ids, stride=stride)
+    if as_json:
+        out(json.dumps({**result.to_dict(), "model": str(model_dir), "file": file, "ids": as_ids,
+                        "device": llm.device, **load_options}))
+    else:
+        settings = ", ".join(f"{k} {v}" for k, v in load_options.items() if v is not None)
+        out(f"perplexity {result.perplexity:.4f} (nll {result.nll:.4f} nats per token, {result.tokens} tokens, "
+            f"{result.windows} window{'s' if result.windows != 1 else ''} of {result.context} tokens, stride "
+            f"{result.stride}, {llm.device}{', ' + settings if settings else ''})")
+
+
+def _read_input(file: str) -> str:
+    """FILE as text (standard input for '-'): bytes that are not UTF-8 become U+FFFD, with a note."""
+    from pathlib import Path
+
+    if file == "-":
+        return TextInput().read()
+    try:
+        data = Path(file).read_bytes()
+    except OSError as exc:
+        raise PromptError(f"cannot read {file}: {exc.strerror or exc}") from None
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError:
+        note(f"{file} is not valid UTF-8: the bytes that are not became U+FFFD")
+        return data.decode("utf-8", errors="replace")
+
+
+def _file_ids(text: str, file: str) -> list[int]:
+    """The integers of an ids file: separated by spaces, commas or newlines (a JSON list reads too)."""
+    words = text.replace(",", " ").replace("[", " ").replace("]", " ").split()
+    for i, word in enumerate(words):
+        if not word.lstrip("-").isdigit():
+            raise PromptError(f"{file}: {word[:20]!r} (item {i}) is not a token id")
+    return [int(w) for w in words]
 
 
 from . import bench as _bench  # noqa: E402,F401  (registers `cullama bench`)

@@ -384,4 +384,21 @@ def from_pretrained(path: str | os.PathLike) -> LlamaConfig:
         what = "a directory" if file.is_dir() else "not a regular file" if file.exists() else \
             "a broken symbolic link" if file.is_symlink() else "missing"
         raise ConfigError(f"{file}: {what} (a HuggingFace LLaMA checkpoint needs its config.json)")
-    return from_hf_dict(read_json(file, ConfigError), source=str(file))
+    return _with_generation_eos(from_hf_dict(read_json(file, ConfigError), source=str(file)), directory)
+
+
+def _with_generation_eos(config: LlamaConfig, directory: Path) -> LlamaConfig:
+    """The EOS ids of config.json, then those only generation_config.json lists (HF's generate stops on the
+    latter: LLaMA-3.1 instruct on any of 128001, 128008 and 128009, which some of its config.json lack)."""
+    file = directory / "generation_config.json"
+    if not file.is_file():
+        return config
+    raw = read_json(file, ConfigError)
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{file}: expected a JSON object, got {type(raw).__name__}")
+    keys = _Keys(raw, str(file))
+    extra = keys.token_ids("eos_token_id", ())
+    bad = [t for t in extra if not 0 <= t < config.vocab_size]
+    if bad:
+        raise keys.error("eos_token_id", f"{bad[0]} is outside the vocabulary (vocab_size {config.vocab_size})")
+    return dataclasses.replace(config, eos_token_ids=tuple(dict.fromkeys(config.eos_token_ids + extra)))

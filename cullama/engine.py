@@ -5,8 +5,15 @@
                            with `ahead`, the following step is queued before this one's token is read
     drain():               wait for a step queued ahead (its token is kept for the next next())
     logits(ids):           prefill with every row's logits kept
+    score(ids, top):       prefill with every row reduced to the log-probability of the next id (and `top` others)
     verify(drafts):        one pass over [last, *drafts] (speculative decoding): the accepted tokens
     max_draft():           how many drafts verify() takes now
+
+Log-probabilities (cullama/logprobs.py): start(..., logprobs=N) makes every token of that generation (start's,
+next's, verify's) come with its TokenLogprob, handed out in order by take_logprobs(); the steps then run the
+plans with the logprobs kernel (one more launch in the decode graph, and a copy of a few hundred bytes beside the
+token's), and the others are left as they are. start(..., prompt_logprobs=N) also scores the prompt
+(`prompt_logprobs` after it). Off (None, the default), nothing is added to any step.
 """
 
 from __future__ import annotations
@@ -15,7 +22,7 @@ from typing import Sequence
 
 import numpy as np
 
-from . import memory, plan as plans
+from . import logprobs as scoring, memory, plan as plans
 from .config import LlamaConfig
 from .errors import PromptError
 from .prefill_kernels import PrefillKernels, default_for
@@ -60,6 +67,12 @@ class PlanRunner:
         self._queued: int | None = None  # the token slot of a decode step already queued for `last`
         self._slot = 0  # the token slot the next queued step uses (two alternate)
         self._verify_plans: dict[int, plans.Plan] = {}  # k -> the verify step of k drafts
+        # the plans with the logprobs kernel: the steps' (at most 21 alternatives' x 9 row counts), the prefills'
+        self._scored_steps: dict[tuple, plans.Plan] = {}
+        self._scored_prefills: dict[tuple, plans.Plan] = {}  # bounded as _prefills is
+        self._logprobs: int | None = None  # this generation's alternatives per token; None: no log-probabilities
+        self._records: list[scoring.TokenLogprob] = []  # the log-probabilities of tokens returned, not taken yet
+        self.prompt_logprobs: list[scoring.TokenLogprob] = []  # the last scored prompt's (start or score): ids[1:]
 
     @property
     def device(self) -> str:
@@ -79,10 +92,12 @@ class PlanRunner:
                                                      self.prefill_kernels, self.prefill_chunk, self.sample_vocab)
         return self._prefills[key]
 
-    def _prefill(self, ids: Sequence[int], output: str, state: np.ndarray | None = None,
-                 begin: int = 0) -> list[np.ndarray]:
+    def _prefill(self, ids: Sequence[int], output: str, state: np.ndarray | None = None, begin: int = 0,
+                 logprobs: int | None = None, prompt_logprobs: int | None = None) -> list[np.ndarray]:
         """Run ids[begin:] through in chunks (the cache already holds ids[:begin], and `cached` names no more
-        than those); output applies to the last chunk ("logits": to all). `cached` grows chunk by chunk."""
+        than those); output applies to the last chunk ("logits": to all), and so does `logprobs` (the sampled
+        token's). `prompt_logprobs`: every chunk scores its rows against the next ids, into prompt_logprobs.
+        `cached` grows chunk by chunk."""
         logits = []
         for start in range(begin, len(ids), self.prefill_chunk):
             chunk = np.asarray(ids[start:start + self.prefill_chunk], dtype=np.int32)
@@ -92,17 +107,53 @@ class PlanRunner:
             if out == "sample":
                 state[POS] = start + n - 1  # the sample kernel advances it to start + n
                 self.backend.set("state", state)
-            self.backend.run(self._prefill_plan(start, n, out))
+            if prompt_logprobs is not None:
+                targets = np.full(n, scoring.NO_TARGET, np.int32)  # [n] row r predicts ids[start + r + 1]
+                following = ids[start + 1:start + n + 1]  # n ids, or n - 1 in the last chunk
+                targets[:len(following)] = following
+                self.backend.set("prefill_targets", targets)
+            sampled = logprobs if out == "sample" else None  # the first token's log-probabilities
+            if sampled is None and prompt_logprobs is None:
+                self.backend.run(self._prefill_plan(start, n, out))
+            else:
+                self.backend.run(self._scored_prefill_plan(start, n, out, sampled, prompt_logprobs))
             self.cached = list(ids[:start + n])  # this chunk's rows are written (queued in full, on the GPU)
             if out == "logits":
                 logits.append(self.backend.read("logits_rows")[:n])
+            if prompt_logprobs is not None:
+                self.prompt_logprobs += scoring.from_rows(self.backend.read("logprob_rows")[:len(following)],
+                                                          prompt_logprobs)
         return logits
 
-    def start(self, prompt_ids: Sequence[int], params: SamplingParams, reuse: bool = False) -> int:
+    def _scored_prefill_plan(self, start: int, n: int, output: str, logprobs: int | None,
+                             prompt_logprobs: int | None) -> plans.Plan:
+        """The prefill chunk of _prefill_plan with the logprobs kernel: the sampled token's (output "sample",
+        `logprobs`) and every row's (`prompt_logprobs`)."""
+        key = (start, n, output, self.prefill_kernels, logprobs, prompt_logprobs)
+        if key not in self._scored_prefills:
+            if len(self._scored_prefills) > 64:
+                self._scored_prefills.clear()
+            V = self.sample_vocab
+            base = self._prefill_plan(start, n, output)
+            if prompt_logprobs is None:  # output "sample": the first token's
+                plan = plans.with_logprobs(base, logprobs, [plans.token_logprobs(V, 1, logprobs)])
+            else:
+                plan = plans.scored_prefill_plan(self._prefill_plan(start, n, "none"),
+                                                 self._prefill_plan(start, n, "logits"),
+                                                 base if output == "sample" else None, V, self.cfg.vocab_size, n,
+                                                 prompt_logprobs, logprobs)
+            self._scored_prefills[key] = plan
+        return self._scored_prefills[key]
+
+    def start(self, prompt_ids: Sequence[int], params: SamplingParams, reuse: bool = False,
+              logprobs: int | None = None, prompt_logprobs: int | None = None) -> int:
         """Prefill the prompt and sample its first token. With `reuse`, the longest prefix of the prompt
         that the KV cache already holds (from the last generation) is not computed again: a chat turn
         prefills only what is new. The reused K and V may differ from a fresh prefill's in the last FP16
-        bit, so a seeded run is reproducible only with reuse off (the default)."""
+        bit, so a seeded run is reproducible only with reuse off (the default).
+        logprobs: every token of this generation comes with its log-probabilities and that many alternatives
+        (take_logprobs); prompt_logprobs: the prompt is scored too, into `prompt_logprobs` (its ids[1:]; the
+        whole prompt is then prefilled, whatever `reuse` says). None: off (0..20 alternatives: on)."""
         if not 0 < len(prompt_ids) < self.max_seq_len:
             raise PromptError(f"a prompt of {len(prompt_ids)} tokens needs 1 to {self.max_seq_len - 1} tokens "
                               f"(the context is {self.max_seq_len})")
@@ -113,21 +164,45 @@ class PlanRunner:
         state[TOP_K] = min(p.top_k, self.sample_vocab)  # int32; at or above the vocabulary is off, as 0 is
         state[SEED_LO:SEED_HI + 1] = np.array([seed & 0xFFFFFFFF, seed >> 32], dtype=np.uint32).view(np.int32)
         prompt = list(prompt_ids)
-        begin = min(common_prefix(self.cached, prompt), len(prompt) - 1) if reuse else 0  # the last id runs
+        begin = min(common_prefix(self.cached, prompt), len(prompt) - 1) \
+            if reuse and prompt_logprobs is None else 0  # the last id runs
         # From here the cache is rewritten from row `begin`: until the prefill is through, nothing to decode
         # from, and only the rows before `begin` (and then each finished chunk's) are known to hold these ids.
         self.last, self._queued = None, None  # a step still queued is ordered before this prefill; dropped
         self.cached = prompt[:begin]
+        self._logprobs, self._records, self.prompt_logprobs = logprobs, [], []
         self.backend.set("fparams", np.array([p.temperature, p.top_p, p.repetition_penalty, 0], np.float32))
         self.backend.set("seen", sampler.seen.astype(np.uint8))
-        self._prefill(prompt, "sample", state, begin)
+        self._prefill(prompt, "sample", state, begin, logprobs, prompt_logprobs)
         self.last = self.backend.read_token()
+        if logprobs is not None:
+            self._records += scoring.from_rows(self.backend.read("logprob_step")[:1], logprobs)
         return self.last
 
     def _queue_step(self) -> int:
         slot, self._slot = self._slot, self._slot ^ 1
-        self.backend.launch_step(self.decode, slot)  # writes the K and V of `last` at position len(cached)
+        # writes the K and V of `last` at position len(cached)
+        if self._logprobs is None:
+            self.backend.launch_step(self.decode, slot)
+        else:  # the token's log-probabilities are copied out beside it: the next step overwrites logprob_step
+            self.backend.launch_step(self.decode_plan(self._logprobs), slot, "logprob_step")
         return slot
+
+    def decode_plan(self, logprobs: int | None = None) -> plans.Plan:
+        """The decode step (`decode`), or with the logprobs kernel for `logprobs` alternatives: made once each, so
+        the CUDA backend captures each as its own graph (for benchmarks: backend.replay(plan) times one)."""
+        if logprobs is None:
+            return self.decode
+        if (1, logprobs) not in self._scored_steps:
+            self._scored_steps[1, logprobs] = plans.with_logprobs(
+                self.decode, logprobs, [plans.token_logprobs(self.sample_vocab, 1, logprobs)])
+        return self._scored_steps[1, logprobs]
+
+    def take_logprobs(self) -> list[scoring.TokenLogprob]:
+        """The log-probabilities of the tokens start(), next() and verify() returned since the last call, in
+        order (one per token; none unless start() asked for them)."""
+        records, self._records = self._records, []
+        return records
 
     def next(self, ahead: bool = False) -> int:
         """The next token. With `ahead` on an asynchronous backend, the step after it is queued first (it
@@ -146,6 +221,8 @@ class PlanRunner:
             if ahead and self.backend.asynchronous and len(self.cached) < self.max_seq_len:
                 self._queued = self._queue_step()  # for the token `slot` will hold
             self.last = self.backend.token(slot)
+            if self._logprobs is not None:
+                self._records += scoring.from_rows(self.backend.fetched(slot)[:1], self._logprobs)
         except BaseException:
             # Cut short (a step half run on the CPU leaves the device state half advanced): start() again.
             self.last, self._queued = None, None
@@ -170,6 +247,13 @@ class PlanRunner:
         if k not in self._verify_plans:
             self._verify_plans[k] = plans.verify_plan(self.cfg, self.max_seq_len, k, self.sample_vocab)
         return self._verify_plans[k]
+
+    def _scored_verify_plan(self, k: int, logprobs: int) -> plans.Plan:
+        """verify_plan(k) with the logprobs kernel over its rows (row r: its pick, accepted token r)."""
+        if (k + 1, logprobs) not in self._scored_steps:  # keyed by rows: a decode step's is 1
+            self._scored_steps[k + 1, logprobs] = plans.with_logprobs(
+                self.verify_plan(k), logprobs, [plans.token_logprobs(self.sample_vocab, k + 1, logprobs)])
+        return self._scored_steps[k + 1, logprobs]
 
     def verify(self, drafts: Sequence[int]) -> list[int]:
         """Check k = len(drafts) drafted tokens in ONE pass over the rows [last, *drafts] at positions
@@ -208,7 +292,13 @@ class PlanRunner:
         if not drafts:
             return [self.next()]
         try:
-            accepted = self.backend.verify(self.verify_plan(len(drafts)), [self.last, *drafts])
+            rows = [self.last, *drafts]
+            if self._logprobs is None:
+                accepted = self.backend.verify(self.verify_plan(len(drafts)), rows)
+            else:  # row r's pick is accepted[r] for every accepted row
+                accepted = self.backend.verify(self._scored_verify_plan(len(drafts), self._logprobs), rows,
+                                               "logprob_step")
+                self._records += scoring.from_rows(self.backend.fetched("verify")[:len(accepted)], self._logprobs)
         except BaseException:  # as in next(): a step cut short leaves the device state half advanced
             self.last, self._queued = None, None
             raise
@@ -221,6 +311,17 @@ class PlanRunner:
             raise PromptError(f"logits() takes 1 to {self.max_seq_len} tokens, got {len(token_ids)}")
         self.last, self._queued, self.cached = None, None, []  # nothing is sampled: decoding needs a start()
         return np.concatenate(self._prefill(list(token_ids), "logits"))
+
+    def score(self, token_ids: Sequence[int], top: int = 0) -> list[scoring.TokenLogprob]:
+        """The log-probability of each of token_ids[1:] given the ids before it, with `top` alternatives: one
+        prefill whose every row is reduced on the device (no vocabulary row reaches the host). Like logits(),
+        it leaves nothing to decode from (the KV cache holds the ids, for a later start's reuse)."""
+        if not 0 < len(token_ids) <= self.max_seq_len:
+            raise PromptError(f"score() takes 1 to {self.max_seq_len} tokens, got {len(token_ids)}")
+        self.last, self._queued, self.cached = None, None, []  # nothing is sampled: decoding needs a start()
+        self._logprobs, self._records, self.prompt_logprobs = None, [], []
+        self._prefill(list(token_ids), "none", prompt_logprobs=top)
+        return self.prompt_logprobs
 
 
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:

@@ -23,6 +23,7 @@ holds it), never refused.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import os
 import threading
@@ -32,6 +33,7 @@ from typing import Iterator, Protocol, Sequence
 import numpy as np
 
 from .errors import OptionError, PromptError, SupersededError
+from .logprobs import TokenLogprob, checked_top
 from .sampling import SamplingParams, is_int
 
 # Why a generation ended: "eos", "stop" (a stop string), "length" (max_new_tokens or the context), or early:
@@ -98,6 +100,10 @@ class Generation:
     seed: int | None = None  # the sampling seed used (drawn at random when none was given)
     stop_string: str | None = None  # the stop string that ended it (finish_reason "stop")
     speculative: dict | None = None  # speculative decoding's statistics (cullama/speculative.py); None when off
+    # logprobs=N: one per token the model produced, token_ids' and the EOS that ended the generation, if one did
+    logprobs: list[TokenLogprob] | None = None
+    # prompt_logprobs=N: one per prompt id, None for the first (nothing predicts it)
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
     def to_dict(self) -> dict:
         record = {"text": self.text, "token_ids": self.token_ids, "finish_reason": self.finish_reason,
@@ -138,6 +144,8 @@ class GenerationOptions:
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
     reuse_cache: bool = False
+    logprobs: int | None = None  # None = off; else each token's log-probability and that many alternatives (0..20)
+    prompt_logprobs: int | None = None  # the same for every prompt id (the whole prompt is then prefilled)
 
     @classmethod
     def checked(cls, **options) -> "GenerationOptions":
@@ -157,7 +165,9 @@ class GenerationOptions:
                    top_k=int(params.top_k), top_p=float(params.top_p),
                    repetition_penalty=float(params.repetition_penalty),
                    seed=None if params.seed is None else int(params.seed), stop=_stop_strings(o["stop"]),
-                   ignore_eos=_flag("ignore_eos", o["ignore_eos"]), reuse_cache=_flag("reuse_cache", o["reuse_cache"]))
+                   ignore_eos=_flag("ignore_eos", o["ignore_eos"]), reuse_cache=_flag("reuse_cache", o["reuse_cache"]),
+                   logprobs=checked_top(o["logprobs"], "logprobs"),
+                   prompt_logprobs=checked_top(o["prompt_logprobs"], "prompt_logprobs"))
 
     def resolved(self) -> "GenerationOptions":
         """The same options with a seed: a random one when none was given, so that the run can be repeated."""
@@ -226,6 +236,13 @@ class GenerationStream:
     def __init__(self, runner: Runner, detokenizer, prompt_ids: list[int], options: GenerationOptions,
                  eos_ids: Sequence[int], guard: RunnerGuard | None = None):
         check_prompt_fits(len(prompt_ids), runner.max_seq_len, options.max_new_tokens)
+        scored = options.logprobs is not None or options.prompt_logprobs is not None
+        if scored and not hasattr(runner, "take_logprobs"):
+            raise OptionError("logprobs" if options.logprobs is not None else "prompt_logprobs",
+                              f"needs a runner that computes log-probabilities ({type(runner).__name__} does not)")
+        if options.prompt_logprobs is not None and len(prompt_ids) > runner.max_seq_len:
+            raise PromptError(f"the prompt has {len(prompt_ids)} tokens: prompt_logprobs scores at most the "
+                              f"context of {runner.max_seq_len}")
         self.runner, self.detok, self.prompt_ids = runner, detokenizer, list(prompt_ids)
         self.options = options.resolved()
         self.guard = guard or RunnerGuard()
@@ -234,6 +251,10 @@ class GenerationStream:
         self.result: Generation | None = None
         self.token_ids: list[int] = []  # sampled so far
         self.pieces: list[str] = []  # streamed so far
+        # logprobs: each token's TokenLogprob (EOS's too), paired in order from the runner's take_logprobs()
+        self.token_logprobs: list[TokenLogprob] | None = None if options.logprobs is None else []
+        self.prompt_logprobs: list[TokenLogprob | None] | None = None  # set once the prompt is scored
+        self._unpaired: collections.deque[TokenLogprob] = collections.deque()
         self.timings = Timings()
         self._ticket: int | None = None  # this generation's RunnerGuard ticket, from its first runner call
         self._close_reason = "cancelled"
@@ -255,7 +276,8 @@ class GenerationStream:
         if self.result is None:
             self.result = Generation("".join(self.pieces), list(self.token_ids), reason, self.prompt_ids,
                                      self.timings, self.options.seed, self.stop.matched if reason == "stop" else None,
-                                     self._statistics())
+                                     self._statistics(), None if self.token_logprobs is None else
+                                     list(self.token_logprobs), self.prompt_logprobs)
 
     def _step(self, i: int, budget: int) -> int:
         """Token i from the runner, while this generation owns it (the first call takes ownership)."""
@@ -264,13 +286,35 @@ class GenerationStream:
                 self._ticket = self.guard.claim()
             else:
                 self.guard.check(self._ticket)
-            return self._token(i, budget)
+            token = self._token(i, budget)
+            if self.token_logprobs is not None:
+                self._unpaired.extend(self.runner.take_logprobs())
+                self.token_logprobs.append(self._unpaired.popleft())
+            if i == 0 and self.options.prompt_logprobs is not None:
+                self.prompt_logprobs = [None, *self.runner.prompt_logprobs]
+            return token
 
     def _token(self, i: int, budget: int) -> int:
         """Token i of at most `budget`, the guard's lock held (speculative decoding hands out its bursts here)."""
         if i == 0:
-            return self.runner.start(self.prompt_ids, self.options.sampling, self.options.reuse_cache)
+            return self.runner.start(self.prompt_ids, self.options.sampling, self.options.reuse_cache,
+                                     **self._scoring())
         return self.runner.next(ahead=i + 1 < budget)
+
+    def _scoring(self) -> dict:
+        """start()'s log-probability keywords: none unless asked for (any Runner takes that)."""
+        o = self.options
+        if o.logprobs is None and o.prompt_logprobs is None:
+            return {}
+        return {"logprobs": o.logprobs, "prompt_logprobs": o.prompt_logprobs}
+
+    def _score_prompt(self) -> None:
+        """prompt_logprobs with nothing to generate: one prefill that scores the prompt, nothing sampled."""
+        started = time.perf_counter()
+        with self.guard.lock:
+            self._ticket = self.guard.claim()
+            self.prompt_logprobs = [None, *self.runner.score(self.prompt_ids, self.options.prompt_logprobs)]
+        self.timings.prefill_s = time.perf_counter() - started
 
     def _statistics(self) -> dict | None:
         """The result's `speculative` record (None: plain decoding)."""
@@ -311,6 +355,8 @@ class GenerationStream:
         """The pieces; returns the finish reason."""
         finish = "length"
         budget = min(self.options.max_new_tokens, self.runner.max_seq_len - len(self.prompt_ids))
+        if budget <= 0 and self.options.prompt_logprobs is not None:
+            self._score_prompt()
         last = time.perf_counter()
         for i in range(budget):
             token = self._step(i, budget)

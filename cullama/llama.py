@@ -1,4 +1,4 @@
-"""The public API: `Llama.from_pretrained(path)`, then `generate`, `stream` and `logits`.
+"""The public API: `Llama.from_pretrained(path)`, then `generate`, `stream`, `logits`, `logprobs` and `perplexity`.
 
     llm = cullama.Llama.from_pretrained("path/to/llama-2-7b-hf")
     print(llm.generate("The capital of France is", max_new_tokens=20).text)
@@ -15,7 +15,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from . import checkpoint, device as devices, plan as plans
+from . import checkpoint, device as devices, logprobs as scoring, plan as plans
 from .config import LlamaConfig, from_pretrained as read_config, preset
 from .errors import OptionError, PromptError
 from .generate import Generation, GenerationOptions, GenerationStream, Runner, RunnerGuard
@@ -24,11 +24,11 @@ from .engine import PlanRunner
 from .sampling import INT32_MAX, is_int
 from .speculative import SpeculativeOptions, SpeculativeStream
 from .weights import device_config, load_checkpoint, random_weights
-from .tokenizer import Tokenizer
+from .tokenizer import TokenizerBase, find_tokenizer, load_tokenizer
 
 Progress = Callable[[int, int], None]  # (bytes done, bytes total) while weights load
 # The caller's own check, run before the weights load: (config, tokenizer or None, context in tokens)
-Check = Callable[[LlamaConfig, "Tokenizer | None", int], None]
+Check = Callable[[LlamaConfig, "TokenizerBase | None", int], None]
 
 
 class Llama:
@@ -40,7 +40,7 @@ class Llama:
     ends that stream: its next read raises SupersededError, and its `result` keeps what it streamed, with
     finish_reason "cancelled". A stream that is closed or dropped mid-way leaves the model ready."""
 
-    def __init__(self, config: LlamaConfig, runner: Runner, tokenizer: Tokenizer | None, device: str,
+    def __init__(self, config: LlamaConfig, runner: Runner, tokenizer: TokenizerBase | None, device: str,
                  notes: Sequence[str] = (), draft: "Llama | None" = None):
         self.config, self.runner, self.tokenizer, self.device = config, runner, tokenizer, device
         self.notes = list(notes)  # things the user should hear once (e.g. a dtype conversion)
@@ -71,8 +71,8 @@ class Llama:
         plans.check_supported(device_config(config))
         seq_len = _context(config, max_seq_len)
         tok = None
-        if tokenizer is not None or (path / "tokenizer.model").is_file():
-            tok = Tokenizer.from_model_dir(path, override=tokenizer)
+        if tokenizer is not None or find_tokenizer(path) is not None:
+            tok = load_tokenizer(path, override=tokenizer)
             tok.check_fits(config.vocab_size)
         if draft_model is not None:
             check_draft(draft_model, config, tok)
@@ -102,17 +102,24 @@ class Llama:
         random_weights(backend, config, seed)
         return cls(config, runner, None, device)
 
+    @property
+    def eos_ids(self) -> tuple[int, ...]:
+        """Generation stops at any of these: the model's EOS ids (config.json's, then generation_config.json's)
+        and the tokenizer's (tokenizer_config.json's eos_token: a chat template's end of turn), as vLLM stops."""
+        return tuple(dict.fromkeys((*self.config.eos_token_ids, *(self.tokenizer.eos_ids if self.tokenizer else ()))))
+
     # -- prompts ----------------------------------------------------------------------------
     def encode(self, prompt: str | Sequence[int] | np.ndarray) -> list[int]:
-        """Text -> ids with BOS (an empty text is BOS alone); ids (a list, tuple or 1-D integer array) are
-        checked against the vocabulary and taken as they are."""
+        """Text -> ids with BOS where the tokenizer adds one (an empty text is BOS alone); ids (a list, tuple
+        or 1-D integer array) are checked against the vocabulary and taken as they are."""
         return prompt_ids(prompt, self.config.vocab_size, self.tokenizer)
 
     def chat_ids(self, messages: list[dict], system: str | None = None) -> list[int]:
-        """Prompt ids for a LLaMA-2 chat (see Tokenizer.chat_ids)."""
+        """Prompt ids for a chat, ready for the reply: the checkpoint's chat template, else LLaMA-2's format
+        (see TokenizerBase.chat_ids)."""
         if self.tokenizer is None:
-            raise PromptError("chat_ids() needs a tokenizer and this model has none: put a tokenizer.model in its "
-                              "directory or load it with tokenizer=PATH")
+            raise PromptError("chat_ids() needs a tokenizer and this model has none: put its tokenizer.json or "
+                              "tokenizer.model in its directory or load it with tokenizer=PATH")
         if isinstance(system, str):  # another type is refused by the tokenizer, naming `system`
             check_text(system, "the system prompt")
         for i, message in enumerate(messages if isinstance(messages, (list, tuple)) else ()):
@@ -147,7 +154,8 @@ class Llama:
                top_k: int = 0, top_p: float = 1.0, repetition_penalty: float = 1.0, seed: int | None = None,
                stop: str | Sequence[str] | None = (), ignore_eos: bool = False,
                reuse_cache: bool = False, speculative=None, draft_tokens: int | None = None,
-               adaptive_draft: bool = False) -> GenerationStream:
+               adaptive_draft: bool = False, logprobs: int | None = None,
+               prompt_logprobs: int | None = None) -> GenerationStream:
         """Iterate over text pieces as they become final; the stream's `.result` is the Generation.
 
         Every option is checked here (OptionError, a PromptError, naming it), before anything runs.
@@ -160,16 +168,22 @@ class Llama:
         draft_tokens (1..8, default 4) drafted tokens at once, and adaptive_draft moves that number with the
         recent acceptance. Greedy output is the same as plain decoding's; `result.speculative` holds the
         statistics (method, k, steps, drafted, accepted, tokens per step).
+        logprobs: None (off), or N from 0 to 20: `result.logprobs` holds each generated token's log-probability
+        (TokenLogprob, EOS's too) and its N most likely alternatives, under the model's raw softmax (before the
+        repetition penalty, temperature, top-k and top-p; cullama/logprobs.py), computed on the device beside the
+        token (speculative decoding: from the verify rows). prompt_logprobs: the same for every prompt id
+        (`result.prompt_logprobs`, None for the first), from the prompt's one prefill (the whole prompt is then
+        prefilled, whatever reuse_cache says); with max_new_tokens=0 the prompt is only scored.
 
         The stream starts computing at its first read, and from then on it owns the model until it ends:
         another generation started before that ends it (see the class docstring)."""
         options = GenerationOptions.checked(
             max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
             repetition_penalty=repetition_penalty, seed=seed, stop=stop, ignore_eos=ignore_eos,
-            reuse_cache=reuse_cache)
+            reuse_cache=reuse_cache, logprobs=logprobs, prompt_logprobs=prompt_logprobs)
         spec = SpeculativeOptions.checked(speculative, draft_tokens, adaptive_draft)
         detok = self.tokenizer.stream_decoder() if self.tokenizer else None
-        args = (self.runner, detok, self.encode(prompt), options, self.config.eos_token_ids, self.guard)
+        args = (self.runner, detok, self.encode(prompt), options, self.eos_ids, self.guard)
         if spec is None:
             return GenerationStream(*args)
         return SpeculativeStream(*args, drafter=spec.drafter(self.draft.runner if self.draft else None, reuse_cache),
@@ -196,14 +210,51 @@ class Llama:
             self.guard.claim()
             return np.asarray(self.runner.logits(ids), dtype=np.float32)
 
+    def logprobs(self, prompt: str | Sequence[int], top: int = 0) -> list[scoring.TokenLogprob | None]:
+        """The log-probability of every prompt token given the ones before it (token ids, or text, which gets
+        BOS), with the `top` (0 to 20) most likely ids at each position: [None (nothing predicts the first
+        token), TokenLogprob, ...], one per token. One prefill whose rows are reduced on the device, under the
+        model's raw softmax (cullama/logprobs.py). At most the context's tokens (perplexity() takes any length).
+        Ends an unfinished stream, like any generation, and leaves nothing to decode from."""
+        if scoring.checked_top(top, "top") is None:
+            raise OptionError("top", f"must be an integer from 0 to {scoring.MAX_TOP}, got None")
+        ids = self.encode(prompt)
+        if not ids:
+            raise PromptError("logprobs() needs at least one token id")
+        if len(ids) > self.runner.max_seq_len:
+            raise PromptError(f"{len(ids)} tokens do not fit in the context of {self.runner.max_seq_len} "
+                              "(perplexity() scores a longer text in sliding windows)")
+        with self.guard.lock:
+            self.guard.claim()
+            return [None, *self.runner.score(ids, int(top))]
 
-def prompt_ids(prompt, vocab_size: int, tokenizer: Tokenizer | None) -> list[int]:
-    """A prompt as ids: text through the tokenizer (with BOS), or token ids checked one by one (ints or NumPy
-    integers, each in [0, vocab_size)). PromptError for anything else: bytes, floats, bools, nested lists."""
+    def perplexity(self, prompt: str | Sequence[int], stride: int | None = None) -> scoring.Perplexity:
+        """The perplexity of a text (with BOS) or of token ids, of any length: windows of the whole context
+        (max_seq_len), `stride` ids apart (default half the context), each id scored once with the context its
+        window gives it, as HuggingFace's perplexity guide does (cullama.logprobs.windows). One prefill per window;
+        holds the model throughout."""
+        context = self.runner.max_seq_len
+        stride = context // 2 if stride is None else stride
+        if not is_int(stride) or not 1 <= stride <= context:
+            raise OptionError("stride", f"must be an integer from 1 to the context ({context}), got {stride!r}")
+        ids = self.encode(prompt)
+
+        def score(window: Sequence[int]) -> list[float]:
+            return [record.logprob for record in self.runner.score(window)]
+
+        with self.guard.lock:
+            self.guard.claim()
+            return scoring.perplexity(score, ids, context, int(stride))
+
+
+def prompt_ids(prompt, vocab_size: int, tokenizer: TokenizerBase | None) -> list[int]:
+    """A prompt as ids: text through the tokenizer (with BOS where it adds one), or token ids checked one by one
+    (ints or NumPy integers, each in [0, vocab_size)). PromptError for anything else: bytes, floats, bools,
+    nested lists."""
     if isinstance(prompt, str):
         if tokenizer is None:
-            raise PromptError("this model has no tokenizer.model: give token ids, or name a tokenizer "
-                              "(tokenizer=PATH, --tokenizer PATH)")
+            raise PromptError("this model has no tokenizer (tokenizer.json or tokenizer.model): give token ids, "
+                              "or name a tokenizer (tokenizer=PATH, --tokenizer PATH)")
         check_text(prompt, "the prompt")
         return tokenizer.encode(prompt, bos=True)
     if isinstance(prompt, np.ndarray):
@@ -230,12 +281,12 @@ def checked_path(value, name: str) -> Path | None:
     return Path(text)
 
 
-def check_draft(path: str | os.PathLike, config: LlamaConfig, tokenizer: Tokenizer | None) -> None:
+def check_draft(path: str | os.PathLike, config: LlamaConfig, tokenizer: TokenizerBase | None) -> None:
     """ConfigError, before any weight loads, for a draft model that does not share the target's vocabulary."""
     from .drafters import check_draft_vocabulary
 
     draft_config = read_config(path)
-    draft_tok = Tokenizer.from_model_dir(path) if (Path(path) / "tokenizer.model").is_file() else None
+    draft_tok = load_tokenizer(path) if find_tokenizer(path) is not None else None
     check_draft_vocabulary(path, draft_config.vocab_size, config.vocab_size, draft_tok, tokenizer)
 
 

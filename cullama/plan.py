@@ -21,6 +21,11 @@ gemv_logits + sample on its last row (or a logits GEMM over every row, for `Llam
 `sample_vocab` (default: the whole vocabulary) limits gemv_logits + sample to the ids 0 .. sample_vocab - 1,
 through the V both kernels take (their rows, and the row stride of a verify step's logits): a model whose
 vocabulary is padded past its tokenizer's pieces never samples an id that has no text.
+
+Log-probabilities (cullama/logprobs.py) are launches added to these plans by the end of this module, never in
+them: `token_logprobs` after a step's sample (a decode step's row, a verify step's rows, a prefill's last row) into
+logprob_step, `prompt_logprobs` over a chunk's "logits" output into logprob_rows, each with N alternatives (0..20)
+over the sample_vocab ids; `with_logprobs` and `scored_prefill_plan` compose the plans that carry them.
 """
 
 from __future__ import annotations
@@ -36,6 +41,7 @@ from .ops import gemv as gemv_ops
 from .prefill_kernels import GemmKernel, PrefillKernels, cdiv, tile_counters, workspace_floats
 from .reference import rope_tables
 from .registry import KernelSpec
+from .ops import sampling as sampling_ops  # the logprobs kernel's
 
 GEMV_ROWS, GEMV_UNROLL, GEMV_THREADS = 4, 4, 128
 # A verify step's GEMVs (TOKENS = k + 1 rows): fewer loads in flight per thread leave registers for the
@@ -187,6 +193,9 @@ def runtime_buffers(cfg: LlamaConfig, max_seq: int, chunk: int | None = None) ->
         Buffer("verify_h", (VERIFY_ROWS, ff), "float32", "activation"),  # [rows, ff]
         # [rows, vocab] at a row stride of vocab rounded up to 4 (16-byte aligned rows for the sample kernel)
         Buffer("verify_logits", (VERIFY_ROWS, gemv_ops.logits_stride(V)), "float32", "activation"),
+        # a step's log-probabilities (the logprobs kernel's rows): a decode step's or a prefill's token in row 0,
+        # a verify step's in rows 0..k
+        Buffer("logprob_step", (VERIFY_ROWS, sampling_ops.LP_WIDTH), "float32", "activation"),  # [rows, LP_WIDTH]
         # prefill chunk of up to `chunk` rows
         Buffer("prefill_ids", (chunk,), "int32", "activation"),  # [n] the chunk's token ids
         Buffer("x_rows", (chunk, d), "float32", "activation"),  # [n, d] residual stream
@@ -196,7 +205,9 @@ def runtime_buffers(cfg: LlamaConfig, max_seq: int, chunk: int | None = None) ->
         Buffer("attn_rows", (chunk, cfg.q_dim), "float16", "activation"),  # [n, heads * hd]
         Buffer("gu_rows", (chunk, 2 * ff), "float32", "activation"),  # [n, 2 ff] gate | up
         Buffer("h_rows", (chunk, ff), "float16", "activation"),  # [n, ff]
-        Buffer("logits_rows", (chunk, V), "float32", "activation"),  # [n, vocab] (Llama.logits only)
+        Buffer("logits_rows", (chunk, V), "float32", "activation"),  # [n, vocab] (Llama.logits, prompt logprobs)
+        Buffer("prefill_targets", (chunk,), "int32", "activation"),  # [n] each row's next prompt id (-1: none)
+        Buffer("logprob_rows", (chunk, sampling_ops.LP_WIDTH), "float32", "activation"),  # [n, LP_WIDTH]
         # split-K prefill GEMMs (prefill_kernels): partial tiles, and arrivals per tile (zero; reset by the
         # kernel), sized for every GEMM kernel so that the choice can change at run time
         Buffer("gemm_workspace", (workspace_floats(cfg, chunk),), "float32",
@@ -378,3 +389,48 @@ def prefill_plan(cfg: LlamaConfig, max_seq: int, start: int, n: int, output: str
     elif output == "sample":
         launches += _logits_and_sample(cfg, Ref("x_rows", n - 1), sample_vocab=sample_vocab)
     return Plan(f"prefill[{start}:{start + n}]", launches)
+
+
+# -- log-probabilities (cullama/logprobs.py) ------------------------------------------------------------
+LOGPROBS = KernelSpec("sampling.cu", "logprobs")
+
+
+def token_logprobs(V: int, rows: int, top: int) -> Launch:
+    """The logprobs kernel after a step's sample, into logprob_step, with `top` alternatives over the first V ids
+    (sample_vocab): 1 row, a decode step's (or a prefill's last row's) logits against the token sample wrote into
+    state; k + 1 rows, a verify step's rows against their picks (row r's pick is accepted token r)."""
+    if rows == 1:
+        return _logprobs(Ref("logits"), V, V, Ref("state"), sampling_ops.STATE_TOKEN, 1, top, Ref("logprob_step"))
+    return _logprobs(Ref("verify_logits", rows=rows), V, gemv_ops.logits_stride(V), Ref("verify_picks", rows=rows),
+                     0, rows, top, Ref("logprob_step"))
+
+
+def prompt_logprobs(V: int, vocab: int, n: int, top: int) -> Launch:
+    """The logprobs kernel over a prefill chunk's logits_rows[:n] (the "logits" output's, a row stride of `vocab`):
+    row r against prefill_targets[r] (the next prompt id, -1 for none), the first V ids, into logprob_rows."""
+    return _logprobs(Ref("logits_rows"), V, vocab, Ref("prefill_targets"), 0, n, top, Ref("logprob_rows"))
+
+
+def _logprobs(logits: Ref, V: int, stride: int, targets: Ref, target_at: int, rows: int, top: int,
+              out: Ref) -> Launch:
+    return Launch(LOGPROBS, (rows, 1, 1), SAMPLE_THREADS,
+                  (logits, targets, out, i32(V), i32(stride), i32(target_at), i32(top)))
+
+
+def with_logprobs(plan: Plan, top: int, launches: list[Launch]) -> Plan:
+    """`plan`'s launches and then `launches`, named for its `top` (a CUDA graph is captured per name)."""
+    return Plan(f"{plan.name}+logprobs[{top}]", plan.launches + launches)
+
+
+def scored_prefill_plan(none: Plan, logits: Plan, sample: Plan | None, V: int, vocab: int, n: int, top: int,
+                        logprobs: int | None) -> Plan:
+    """A prefill chunk whose every row is scored, from the plans of the same chunk with each output: the "logits"
+    output's launches (every row's logits), the logprobs kernel over them, then for the prompt's last chunk
+    (`sample`) the "sample" output's own launches (those after the ones it shares with "none") and, with
+    `logprobs`, the sampled token's."""
+    launches = logits.launches + [prompt_logprobs(V, vocab, n, top)]
+    if sample is not None:
+        launches += sample.launches[len(none.launches):]
+        if logprobs is not None:
+            launches.append(token_logprobs(V, 1, logprobs))
+    return Plan(f"{(sample or logits).name}+prompt_logprobs[{top}]", launches)

@@ -165,10 +165,12 @@ class SpeculativeDecoder:
         self.produced = 0  # tokens the target produced in this generation, the burst's unread ones included
         self._burst: collections.deque[int] = collections.deque()  # produced, not yet handed out
 
-    def start(self, prompt_ids: Sequence[int], params: SamplingParams, reuse: bool = False) -> int:
+    def start(self, prompt_ids: Sequence[int], params: SamplingParams, reuse: bool = False, **scoring) -> int:
+        """The prefill and the first token; `scoring`: the runner's log-probability keywords, if any (its verify
+        steps then return each accepted token's, from the verify rows)."""
         self.drafter.reset(prompt_ids)
         self._burst.clear()
-        first = self.runner.start(prompt_ids, params, reuse)
+        first = self.runner.start(prompt_ids, params, reuse, **scoring)
         self.drafter.extend([first])
         self.produced = 1
         return first
@@ -203,7 +205,8 @@ class SpeculativeStream(GenerationStream):
 
     def _token(self, i: int, budget: int) -> int:
         if i == 0:
-            return self.decoder.start(self.prompt_ids, self.options.sampling, self.options.reuse_cache)
+            return self.decoder.start(self.prompt_ids, self.options.sampling, self.options.reuse_cache,
+                                      **self._scoring())
         return self.decoder.next(budget)
 
     def _statistics(self) -> dict:

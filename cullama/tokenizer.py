@@ -1,7 +1,13 @@
-"""SentencePiece tokenizer: text <-> ids, streaming detokenization and the LLaMA-2 chat template.
+"""Tokenizers: which file a checkpoint's tokenizer is, the chat, and the SentencePiece `tokenizer.model`.
 
-Decoding follows sentencepiece itself (`decode` is `SentencePieceProcessor.decode`), so the text
-is exactly what HF / Meta code would print. Streaming has to agree with it to the character:
+A checkpoint's tokenizer is its `tokenizer.json` (HuggingFace's `tokenizers` library: tokenizer_json.py), else
+its `tokenizer.model` (SentencePiece, below), as transformers' AutoTokenizer prefers the first; `--tokenizer`
+names either file, or a directory holding one. The tokenizer's directory may hold a `tokenizer_config.json`
+(its special tokens, add_bos_token, a chat template) and the chat template files (chat_template.py). A chat
+goes through the template when there is one, else through LLaMA-2's format as Meta's code builds it.
+
+The SentencePiece tokenizer decodes as sentencepiece itself does (`decode` is `SentencePieceProcessor.decode`),
+so the text is exactly what HF / Meta code would print. Streaming has to agree with it to the character:
 for any ids, `"".join(push(i) for i in ids) + flush() == decode(ids)`. Two things make that
 non-trivial, and both come from how sentencepiece builds the text out of one surface per piece:
 
@@ -20,24 +26,144 @@ once any text was produced (nothing is "first" any more), else the few pieces th
 from __future__ import annotations
 
 import codecs
+import functools
 import os
-from collections.abc import Iterable, Sequence
+import re
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 
 import sentencepiece as spm
 
+from .chat_template import ChatTemplate, find as find_chat_template
 from .errors import OptionError, PromptError, TokenizerError, option
+from .untrusted import read_json, shown
 
 # Meta's LLaMA-2 chat markers (llama/generation.py); they are plain text, BOS/EOS are ids.
 B_INST, E_INST = "[INST]", "[/INST]"
 B_SYS, E_SYS = "<<SYS>>\n", "\n<</SYS>>\n\n"
 MAX_MODEL_BYTES = 64 * 1024 * 1024  # LLaMA-2's tokenizer.model is 0.5 MB, the largest known ~5 MB
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model")  # a checkpoint's tokenizer: the first that is there
+# tokenizer_config.json's special tokens, which a chat template sees as variables of these names
+SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
+ROLES = ("system", "user", "assistant")
 
 
-class Tokenizer:
-    """A SentencePiece `tokenizer.model` with LLaMA-2 conventions (BOS/EOS added as ids)."""
+def find_tokenizer(model_dir: str | os.PathLike[str]) -> Path | None:
+    """The checkpoint's tokenizer file (the first of TOKENIZER_FILES in `model_dir`), or None."""
+    return next((p for p in (Path(model_dir) / name for name in TOKENIZER_FILES) if p.is_file()), None)
 
-    def __init__(self, path: str | os.PathLike[str]) -> None:
+
+def load_tokenizer(model_dir: str | os.PathLike[str],
+                   override: str | os.PathLike[str] | None = None) -> TokenizerBase:
+    """The tokenizer named by `override` (--tokenizer: a tokenizer.json, a tokenizer.model, or a directory
+    holding one), else the checkpoint's own, with the tokenizer_config.json and chat template beside it."""
+    path = Path(override) if override is not None else None
+    if path is None or path.is_dir():
+        where = path if path is not None else Path(model_dir)
+        path = find_tokenizer(where)
+        if path is None:
+            raise TokenizerError(f"{where} has no tokenizer ({' or '.join(TOKENIZER_FILES)}); name one with "
+                                 f"{option('tokenizer')}")
+    config_file = path.parent / "tokenizer_config.json"
+    config = _read_config(path.parent, config_file)
+    template = find_chat_template(path.parent, config, config_file)
+    if path.suffix == ".json":
+        from .tokenizer_json import JsonTokenizer  # imports the tokenizers library only when it is needed
+
+        return JsonTokenizer(path, config, template, config_file)
+    return Tokenizer(path, config, template, config_file)
+
+
+def special_tokens(config: Mapping, config_file: Path | str) -> dict[str, str]:
+    """tokenizer_config.json's special tokens ({"bos_token": "<s>", ...}); a token may be written as a string
+    or as transformers' AddedToken object ({"content": "<s>", ...}); null or absent is none."""
+    out = {}
+    for key in SPECIAL_TOKEN_KEYS:
+        value = config.get(key)
+        if isinstance(value, dict):
+            value = value.get("content")
+        if value is None:
+            continue
+        if not isinstance(value, str):
+            raise TokenizerError(f"{config_file}: {key} must be a string, got {shown(value, quote=True)}")
+        out[key] = value
+    return out
+
+
+def _read_config(directory: Path, config_file: Path) -> dict:
+    """tokenizer_config.json ({} when there is none), with the special tokens it leaves out taken from an older
+    checkpoint's special_tokens_map.json."""
+    config = read_json(config_file, TokenizerError) if config_file.is_file() else {}
+    if not isinstance(config, dict):
+        raise TokenizerError(f"{config_file}: expected a JSON object, got {type(config).__name__}")
+    map_file = directory / "special_tokens_map.json"
+    if map_file.is_file():
+        tokens = read_json(map_file, TokenizerError)
+        if not isinstance(tokens, dict):
+            raise TokenizerError(f"{map_file}: expected a JSON object, got {type(tokens).__name__}")
+        config = {**{k: v for k, v in tokens.items() if k in SPECIAL_TOKEN_KEYS}, **config}
+    return config
+
+
+class TokenizerBase:
+    """What every tokenizer has beside encoding and decoding: the fit to a model, chat prompts, id checks.
+    A tokenizer sets path, vocab_size, template and special_tokens, and has encode, encode_rendered, decode,
+    piece, stream_decoder and eos_ids."""
+
+    path: Path
+    vocab_size: int  # ids 0 .. vocab_size - 1
+    template: ChatTemplate | None = None  # the checkpoint's chat template; None: LLaMA-2's format
+    special_tokens: dict[str, str]  # what the template sees as bos_token, eos_token, ...
+
+    def check_fits(self, model_vocab_size: int, model: str = "the model") -> None:
+        """TokenizerError unless every piece has a row in the model's embedding and lm_head: a larger
+        tokenizer would hand the model ids past its vocabulary. (A model with more rows than pieces is
+        fine: some checkpoints pad their vocabulary, and the ids past the pieces are never sampled.)"""
+        if self.vocab_size > model_vocab_size:
+            raise TokenizerError(f"{self.path} has {self.vocab_size} pieces but {model} has a vocabulary of "
+                                 f"{model_vocab_size}: they do not belong together (name the model's own "
+                                 f"tokenizer with {option('tokenizer')})")
+
+    def chat_ids(self, messages: Sequence[dict], system: str | None = None) -> list[int]:
+        """Prompt ids for a chat, ready for the assistant's reply: the checkpoint's chat template rendered as
+        transformers' apply_chat_template(messages, add_generation_prompt=True) renders it, and its text
+        tokenized with the special tokens it spells; without a template, LLaMA-2's format, built exactly as
+        Meta's `chat_completion` builds it: each finished (user, assistant) exchange is
+        `<s>[INST] u [/INST] a </s>`, the last user turn `<s>[INST] u [/INST]`, a system prompt folded into
+        the first user turn."""
+        if self.template is not None:
+            chat = _checked_chat(messages, system)
+            if not any(m["role"] == "user" for m in chat):
+                raise PromptError("chat has no user message")
+            return self.encode_rendered(self.template.render(chat, self.special_tokens))
+        turns = _chat_turns(messages, system)
+        ids: list[int] = []
+        for user, answer in zip(turns[:-1:2], turns[1::2]):
+            ids += self.encode(f"{B_INST} {user.strip()} {E_INST} {answer.strip()} ", eos=True)
+        ids += self.encode(f"{B_INST} {turns[-1].strip()} {E_INST}")
+        return ids
+
+    def _checked(self, ids: Iterable[int]) -> list[int]:
+        # A model whose vocabulary is larger than the tokenizer's (some fine-tunes add pieces, some pad)
+        # can hand it an id it has no text for: say so in one line.
+        out = [int(i) for i in ids]
+        for i in out:
+            if not 0 <= i < self.vocab_size:
+                size = self.vocab_size
+                raise TokenizerError(f"token id {i} is outside {self.path} ({size} pieces)")
+        return out
+
+
+class Tokenizer(TokenizerBase):
+    """A SentencePiece `tokenizer.model` with LLaMA-2 conventions (BOS/EOS added as ids).
+
+    `config` (tokenizer_config.json's contents) and `template` come from load_tokenizer: with a template, the
+    rendered chat is read with the control pieces it spells (`<s>`, `</s>`) as those ids, and every stretch of
+    text between them encoded on its own (with sentencepiece's leading "▁"), as transformers' LLaMA tokenizer
+    reads it (legacy mode)."""
+
+    def __init__(self, path: str | os.PathLike[str], config: Mapping | None = None,
+                 template: ChatTemplate | None = None, config_file: Path | str = "tokenizer_config.json") -> None:
         self.path = Path(path)
         try:
             with open(self.path, "rb") as fh:
@@ -59,29 +185,15 @@ class Tokenizer:
         self.bos_id: int = self._sp.bos_id()
         self.eos_id: int = self._sp.eos_id()
         self._filler = self._find_filler()
+        self.template = template
+        # the template's bos_token etc.: tokenizer_config.json's, else the model's own pieces (as transformers)
+        own = {"bos_token": self.bos_id, "eos_token": self.eos_id, "unk_token": self._sp.unk_id()}
+        self.special_tokens = {**{k: self._sp.id_to_piece(i) for k, i in own.items() if 0 <= i < self.vocab_size},
+                               **special_tokens(config or {}, config_file)}
 
-    @classmethod
-    def from_model_dir(
-        cls, model_dir: str | os.PathLike[str], override: str | os.PathLike[str] | None = None
-    ) -> Tokenizer:
-        """The tokenizer named by `override` (--tokenizer), else `model_dir/tokenizer.model`."""
-        if override is not None:
-            return cls(override)
-        path = Path(model_dir) / "tokenizer.model"
-        if not path.is_file():
-            raise TokenizerError(
-                f"{path} not found; use --tokenizer PATH to name a SentencePiece tokenizer.model"
-            )
-        return cls(path)
-
-    def check_fits(self, model_vocab_size: int, model: str = "the model") -> None:
-        """TokenizerError unless every piece has a row in the model's embedding and lm_head: a larger
-        tokenizer would hand the model ids past its vocabulary. (A model with more rows than pieces is
-        fine: some checkpoints pad their vocabulary, and the ids past the pieces are never sampled.)"""
-        if self.vocab_size > model_vocab_size:
-            raise TokenizerError(f"{self.path} has {self.vocab_size} pieces but {model} has a vocabulary of "
-                                 f"{model_vocab_size}: they do not belong together (name the model's own "
-                                 f"tokenizer with {option('tokenizer')})")
+    @property
+    def eos_ids(self) -> tuple[int, ...]:
+        return (self.eos_id,) if self.eos_id >= 0 else ()
 
     def __repr__(self) -> str:
         return f"Tokenizer({str(self.path)!r}, vocab_size={self.vocab_size})"
@@ -97,6 +209,17 @@ class Tokenizer:
             ids.append(self._special("EOS", self.eos_id))
         return ids
 
+    def encode_rendered(self, text: str) -> list[int]:
+        """A rendered chat template: the control pieces it spells as their ids, the text between encoded."""
+        specials, split = self._rendered_specials
+        ids: list[int] = []
+        for part in split(text):
+            if part in specials:
+                ids.append(specials[part])
+            elif part:
+                ids += self._sp.encode(part)
+        return ids
+
     def decode(self, ids: Iterable[int]) -> str:
         return self._sp.decode(self._checked(ids))
 
@@ -107,32 +230,19 @@ class Tokenizer:
     def stream_decoder(self) -> StreamDecoder:
         return StreamDecoder(self)
 
-    # -- chat ----------------------------------------------------------------------------------
-
-    def chat_ids(self, messages: Sequence[dict], system: str | None = None) -> list[int]:
-        """Prompt ids for a LLaMA-2 chat, built exactly as Meta's `chat_completion` builds them.
-
-        Each finished (user, assistant) exchange is `<s>[INST] u [/INST] a </s>`, the last user
-        turn `<s>[INST] u [/INST]`; a system prompt is folded into the first user turn.
-        """
-        turns = _chat_turns(messages, system)
-        ids: list[int] = []
-        for user, answer in zip(turns[:-1:2], turns[1::2]):
-            ids += self.encode(f"{B_INST} {user.strip()} {E_INST} {answer.strip()} ", eos=True)
-        ids += self.encode(f"{B_INST} {turns[-1].strip()} {E_INST}")
-        return ids
-
     # -- internals -----------------------------------------------------------------------------
 
-    def _checked(self, ids: Iterable[int]) -> list[int]:
-        # sentencepiece raises IndexError on a bad id; a model whose vocabulary is larger than the
-        # tokenizer's (some fine-tunes add pieces) is a user-facing mismatch, so say so in one line.
-        out = [int(i) for i in ids]
-        for i in out:
-            if not 0 <= i < self.vocab_size:
-                size = self.vocab_size
-                raise TokenizerError(f"token id {i} is outside {self.path} ({size} pieces)")
-        return out
+    @functools.cached_property
+    def _rendered_specials(self):
+        """({piece: id} of the pieces a rendered template may spell: control pieces and <unk>, never matched in
+        text otherwise; a function that splits a text around them)."""
+        specials = {self._sp.id_to_piece(i): i for i in range(self.vocab_size)
+                    if self._sp.is_control(i) or self._sp.is_unknown(i)}
+        specials = {piece: i for piece, i in specials.items() if piece}
+        if not specials:
+            return specials, lambda text: [text]
+        pattern = re.compile("(" + "|".join(map(re.escape, sorted(specials, key=len, reverse=True))) + ")")
+        return specials, pattern.split
 
     def _special(self, name: str, token_id: int) -> int:
         if token_id < 0:
@@ -254,35 +364,45 @@ def _utf8_prefix_ok(chunk: bytes) -> bool:
     return True
 
 
-def _chat_turns(messages: Sequence[dict], system: str | None) -> list[str]:
-    """Validated contents: user, assistant, ..., user, with the system prompt merged in."""
+def _checked_chat(messages: Sequence[dict], system: str | None) -> list[dict]:
+    """The messages as fresh {"role", "content"} dicts, checked: a list of dicts with a known role and a string
+    content, a system prompt first and once (the `system` argument becomes message 0)."""
     if not isinstance(messages, Sequence) or isinstance(messages, (str, bytes)):
         raise PromptError(f"chat messages must be a list of dicts, got {type(messages).__name__}")
     if system is not None and not isinstance(system, str):
         raise OptionError("system", f"must be a string (the system prompt) or None, got {type(system).__name__}")
-    contents: list[str] = []
+    chat = [] if system is None else [{"role": "system", "content": system}]
     for i, message in enumerate(messages):
         role = message.get("role") if isinstance(message, dict) else None
         content = message.get("content") if isinstance(message, dict) else None
-        if role not in ("system", "user", "assistant") or not isinstance(content, str):
+        if role not in ROLES or not isinstance(content, str):
             raise PromptError(
                 f"message {i} must be {{'role': 'system'|'user'|'assistant', 'content': str}}, "
                 f"got role {role!r} and content of type {type(content).__name__}"
             )
-        if role == "system":
-            if i != 0:
-                raise PromptError(f"message {i} has role 'system'; only the first message may")
-            if system is not None:
-                raise PromptError("system prompt given twice: as system= and as message 0")
-            system = content
-            continue
+        if role == "system" and i != 0:
+            raise PromptError(f"message {i} has role 'system'; only the first message may")
+        if role == "system" and system is not None:
+            raise PromptError("system prompt given twice: as system= and as message 0")
+        chat.append({"role": role, "content": content})
+    return chat
+
+
+def _chat_turns(messages: Sequence[dict], system: str | None) -> list[str]:
+    """LLaMA-2's contents: user, assistant, ..., user, with the system prompt merged into the first."""
+    chat = _checked_chat(messages, system)
+    if chat and chat[0]["role"] == "system":
+        system, chat = chat[0]["content"], chat[1:]
+    first = len(messages) - len(chat)  # the index in `messages` of chat[0]
+    contents: list[str] = []
+    for i, message in enumerate(chat, start=first):
         expected = "user" if len(contents) % 2 == 0 else "assistant"
-        if role != expected:
+        if message["role"] != expected:
             raise PromptError(
-                f"message {i} has role {role!r} where {expected!r} was expected "
+                f"message {i} has role {message['role']!r} where {expected!r} was expected "
                 "(turns alternate user, assistant, ..., starting with user)"
             )
-        contents.append(content)
+        contents.append(message["content"])
     if not contents:
         raise PromptError("chat has no user message")
     if len(contents) % 2 == 0:

@@ -45,11 +45,16 @@ def parse_json(raw: bytes, where: Path | str, error: type[Exception]):
 
 def read_json(file: Path, error: type[Exception]):
     """Read and parse a small JSON file; every failure is a one-line `error` naming the file."""
+    return parse_json(read_bounded(file, error, "a JSON description"), file, error)
+
+
+def read_bounded(file: Path, error: type[Exception], what: str) -> bytes:
+    """A file's bytes, at most MAX_JSON_BYTES of them (`what` it should be names it in the error past that)."""
     try:
         with open(file, "rb") as fh:
             raw = fh.read(MAX_JSON_BYTES + 1)
     except OSError as exc:
         raise error(f"{file}: cannot read ({exc.strerror or exc})") from None
     if len(raw) > MAX_JSON_BYTES:
-        raise error(f"{file}: larger than {MAX_JSON_BYTES >> 20} MiB, too large for a JSON description")
-    return parse_json(raw, file, error)
+        raise error(f"{file}: larger than {MAX_JSON_BYTES >> 20} MiB, too large for {what}")
+    return raw

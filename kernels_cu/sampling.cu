@@ -7,6 +7,8 @@
 //                  seen untouched, x = 0; the host raises when it reads the token. Never an index out of
 //                  bounds.
 //   uniform_probe  out[0] = uniform(seed, step), one thread: the RNG bit for bit, for the tests
+//   logprobs       what the host needs for log-probabilities under the raw softmax (no penalty, no temperature),
+//                  a few bytes per row instead of the row: see the kernel (cullama/logprobs.py finishes them)
 //
 // Launch: sample is ONE block of THREADS (1024) threads per token row, inside the decode CUDA graph after
 // gemv_logits, so every parameter is read from device memory: temperature, top_p, repetition penalty from
@@ -424,4 +426,79 @@ sample(float* logits, unsigned char* __restrict__ seen, int* __restrict__ state,
 // One thread: out[0] = uniform(seed, step).
 extern "C" __global__ void uniform_probe(unsigned long long seed, int step, float* out) {
     out[0] = uniform(seed, step);
+}
+
+// -- log-probabilities ----------------------------------------------------------------------------------
+// logprobs: grid (rows), THREADS threads, one block per row. Row r holds logits[r * stride + i], i < V (a
+// decode step's one row, a verify step's rows, a prefill chunk's rows); its target is targets[target_at + r]
+// (a decode step: state[STATE_TOKEN], written by sample; a verify step: picks; a prefill: the next prompt id).
+// Run after sample, which leaves the logits as gemv_logits wrote them. Row r of out [rows, LP_WIDTH] gets:
+//   LP_MAX        m = the largest logit (NaN counts as -inf, as in sample)
+//   LP_SUM        s = sum over the row of expf(l - m), an l = m = +inf term counting 1 (the +inf ids share the
+//                 mass, as in sample); meaningless when m = -inf (no id has a probability)
+//   LP_TARGET     l[target], raw (NaN where the target is not an id of the row: NO_TOKEN)
+//   LP_TARGET_ID  the target (int32 bits)
+//   LP_TOP + j, LP_TOP_ID + j, j < top (<= LP_MAX_TOP): the j-th largest logit (NaN as -inf) and its id, the lowest
+//                 id first on ties: pass j finds the block's largest (key << 32 | ~id) below pass j - 1's
+// The host turns them into l - (m + log s) in float64. Passes over the row (from L1 / L2 after the first): two,
+// and one more per alternative past the first, each ending in one block reduction; the sums run in a fixed order
+// (deterministic). Cost not measured yet (benchmarks/logprobs_step.py, PREDICTIONS.md).
+#define LP_MAX 0
+#define LP_SUM 1
+#define LP_TARGET 2
+#define LP_TARGET_ID 3
+#define LP_TOP 4
+#define LP_MAX_TOP 20  // cullama.logprobs.MAX_TOP: OpenAI's top_logprobs limit
+#define LP_TOP_ID (LP_TOP + LP_MAX_TOP)
+#define LP_WIDTH (LP_TOP_ID + LP_MAX_TOP)
+
+// The order of the top passes: larger logits first, then lower ids; 0 is below every real id's.
+__device__ __forceinline__ uint64_t ranked(float l, int i) {
+    return (uint64_t)float_key(l) << 32 | (FULL - (uint32_t)i);
+}
+
+extern "C" __global__ void __launch_bounds__(THREADS)
+logprobs(const float* __restrict__ logits, const int* __restrict__ targets, float* __restrict__ out, int V,
+         int stride, int target_at, int top) {
+    __shared__ uint64_t best_of[2][WARPS];
+    __shared__ float sum_of[WARPS];
+    pdl_wait();  // the logits and the targets come from the kernels before
+    const float* row = logits + (size_t)blockIdx.x * stride;
+    float* o = out + (size_t)blockIdx.x * LP_WIDTH;
+    // 1. the largest logit, with its id: m and the top-1
+    uint64_t best = 0;
+    for (int i = threadIdx.x; i < V; i += THREADS) best = max(best, ranked(row[i], i));
+    best = block_max_u64(best, best_of[0]);
+    const float m = key_float((uint32_t)(best >> 32));
+    // 2. s: each thread's ids in order, then the fixed butterfly
+    float s = 0.f;
+    for (int i = threadIdx.x; i < V; i += THREADS) {
+        const float e = key_float(float_key(row[i])) - m;  // NaN only where l = m = +inf (or m = -inf)
+        s += e == e ? expf(e) : 1.f;
+    }
+    s = block_sum_f(s, sum_of);
+    if (threadIdx.x == 0) {
+        const int t = targets[target_at + blockIdx.x];
+        o[LP_MAX] = m;
+        o[LP_SUM] = s;
+        o[LP_TARGET] = 0 <= t && t < V ? row[t] : __int_as_float(0x7fffffff);
+        o[LP_TARGET_ID] = __int_as_float(t);
+    }
+    // 3. the top ids, one pass each below the last
+    top = min(top, LP_MAX_TOP);
+    for (int j = 0; j < top; ++j) {
+        if (j > 0) {
+            const uint64_t below = best;
+            best = 0;
+            for (int i = threadIdx.x; i < V; i += THREADS) {
+                const uint64_t r = ranked(row[i], i);
+                best = r < below && r > best ? r : best;
+            }
+            best = block_max_u64(best, best_of[j & 1]);  // alternating: see block_reduce (sum_of's barrier between)
+        }
+        if (threadIdx.x == 0) {  // past the last id (V < top): NaN and -1
+            o[LP_TOP + j] = best ? key_float((uint32_t)(best >> 32)) : __int_as_float(0x7fffffff);
+            o[LP_TOP_ID + j] = __int_as_float(best ? (int)(FULL - (uint32_t)best) : -1);
+        }
+    }
 }

@@ -103,7 +103,7 @@ def test_twin_reads_parameters_from_state_and_fparams(seed):  # and uniform_prob
 
 def test_compiles_for_sm90_without_spills():
     resources = compile_module(ops.SOURCE, (), "sm_90").resources
-    assert set(resources) == {"sample", "uniform_probe"}
+    assert set(resources) == {"sample", "uniform_probe", "logprobs"}
     assert not any(r.spills for r in resources.values()), resources
     assert resources["sample"].registers <= 64  # 1024 threads per block
 

@@ -240,7 +240,7 @@ BAD_REQUESTS = [  # (what, path, body, status, param)
     ("a wrong type", "/v1/completions", {"prompt": [1], "max_tokens": "ten"}, 400, "max_tokens"),
     ("a negative max_tokens", "/v1/completions", {"prompt": [1], "max_tokens": -5}, 400, "max_tokens"),
     ("n=2", "/v1/completions", {"prompt": [1], "n": 2}, 400, "n"),
-    ("logprobs", "/v1/completions", {"prompt": [1], "logprobs": 2}, 400, "logprobs"),
+    ("logprobs past 5", "/v1/completions", {"prompt": [1], "logprobs": 6}, 400, "logprobs"),
     ("tools", "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
                                        "tools": [{"type": "function"}]}, 400, "tools"),
     ("a batch of prompts", "/v1/completions", {"prompt": ["a", "b"]}, 400, "prompt"),

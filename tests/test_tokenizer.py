@@ -12,7 +12,7 @@ import pytest
 import sentencepiece as spm
 
 from cullama.errors import OptionError, PromptError, TokenizerError
-from cullama.tokenizer import Tokenizer
+from cullama.tokenizer import Tokenizer, load_tokenizer
 
 SHARED = Path(__file__).resolve().parents[1].parent / "shared"
 LLAMA2_MODEL = SHARED / "tokenizers" / "llama2" / "tokenizer.model"
@@ -245,7 +245,7 @@ def test_empty_or_corrupt_model_is_refused_at_load(tmp_path, content, why):
     path = tmp_path / "tokenizer.model"
     path.write_bytes(content)
     with pytest.raises(TokenizerError) as info:
-        Tokenizer.from_model_dir(tmp_path)
+        load_tokenizer(tmp_path)
     assert str(path) in str(info.value) and why in str(info.value) and "\n" not in str(info.value)
 
 
@@ -271,11 +271,14 @@ def test_check_fits_the_model_vocabulary(tiny):
     assert info.value.for_cli().endswith("with --tokenizer)")  # as the CLI prints it
 
 
-def test_from_model_dir(tiny, tmp_path):
-    expected = f"{tmp_path / 'tokenizer.model'} not found; use --tokenizer PATH"
-    with pytest.raises(TokenizerError, match=re.escape(expected)):
-        Tokenizer.from_model_dir(tmp_path)
-    assert Tokenizer.from_model_dir(tmp_path, override=tiny.path).path == tiny.path
-    assert Tokenizer.from_model_dir(tiny.path.parent).vocab_size == 320
+def test_load_tokenizer(tiny, tmp_path):
+    with pytest.raises(TokenizerError) as info:
+        load_tokenizer(tmp_path)
+    assert str(info.value) == f"{tmp_path} has no tokenizer (tokenizer.json or tokenizer.model); name one with " \
+                              "the tokenizer argument"
+    assert info.value.for_cli().endswith("name one with --tokenizer")
+    assert load_tokenizer(tmp_path, override=tiny.path).path == tiny.path
+    assert load_tokenizer(tmp_path, override=tiny.path.parent).path == tiny.path  # a directory holding one
+    assert load_tokenizer(tiny.path.parent).vocab_size == 320
     with pytest.raises(TokenizerError, match="elsewhere.model"):
-        Tokenizer.from_model_dir(tiny.path.parent, override=tmp_path / "elsewhere.model")
+        load_tokenizer(tiny.path.parent, override=tmp_path / "elsewhere.model")

@@ -50,6 +50,7 @@ class CudaBackend:
         # pinned: a verify step's token rows on their way in, its verdict (n, then n ids) on its way out
         self._verify_ids = cupyx.empty_pinned((VERIFY_ROWS,), dtype=np.int32)
         self._verify_out = cupyx.empty_pinned((VERIFY_ROWS + 1,), dtype=np.int32)
+        self._fetch_host: dict = {}  # slot (0, 1, "verify") -> pinned memory the step's `fetch` buffer lands in
         self.overlap = False
         self._pdl = None  # the PdlLauncher, made on first use
         self.set_overlap(os.environ.get("CULLAMA_OVERLAP", "0") == "1" if overlap is None else overlap)
@@ -181,10 +182,14 @@ class CudaBackend:
         self.stream.synchronize()
         return drawn(int(self._tokens[2]))
 
-    def launch_step(self, plan: Plan, slot: int) -> None:
-        """Replay the step and queue the copy of its sampled id into slot `slot` (0 or 1); returns at once."""
+    def launch_step(self, plan: Plan, slot: int, fetch: str | None = None) -> None:
+        """Replay the step and queue the copy of its sampled id into slot `slot` (0 or 1); returns at once.
+        `fetch`: also queue the copy of that (small) buffer, read by fetched(slot) once token(slot) returned:
+        a step queued behind this one overwrites the buffer, not this step's copy."""
         self.replay(plan)
         self._copy_token(slot)
+        if fetch is not None:
+            self._queue_fetch(slot, fetch)
         self._token_ready[slot].record(self.stream)
 
     def token(self, slot: int) -> int:
@@ -192,10 +197,28 @@ class CudaBackend:
         self._token_ready[slot].synchronize()
         return drawn(int(self._tokens[slot]))
 
-    def verify(self, plan: Plan, ids) -> list[int]:
+    def _queue_fetch(self, slot, name: str) -> None:
+        """Queue the copy of buffer `name` into the slot's pinned memory (made on first use, or for a new shape)."""
+        source = self.arrays[name]
+        host = self._fetch_host.get(slot)
+        if host is None or host.shape != source.shape or host.dtype != source.dtype:
+            import cupyx
+
+            host = self._fetch_host[slot] = cupyx.empty_pinned(source.shape, dtype=source.dtype)
+        runtime = self.cp.cuda.runtime
+        runtime.memcpyAsync(host.ctypes.data, source.data.ptr, source.nbytes, runtime.memcpyDeviceToHost,
+                            self.stream.ptr)
+
+    def fetched(self, slot) -> np.ndarray:
+        """A copy of the buffer the last launch_step(..., slot, fetch) or verify(..., fetch) (slot "verify")
+        fetched; call after token(slot) (verify waits by itself)."""
+        return self._fetch_host[slot].copy()
+
+    def verify(self, plan: Plan, ids, fetch: str | None = None) -> list[int]:
         """A verify step (its graph, captured by plan name on first use) over the token rows `ids` (the last
         sampled token, then the drafts): the ids go in and the verdict comes back through pinned memory, a few
-        bytes each way, around one graph replay; returns the accepted tokens."""
+        bytes each way, around one graph replay; returns the accepted tokens. `fetch`: a buffer copied out
+        with the verdict, for fetched("verify")."""
         runtime = self.cp.cuda.runtime
         rows = len(ids)
         self._verify_ids[:rows] = ids
@@ -204,6 +227,8 @@ class CudaBackend:
         self.replay(plan)
         runtime.memcpyAsync(self._verify_out.ctypes.data, self.arrays["verify_out"].data.ptr, 4 * (rows + 1),
                             runtime.memcpyDeviceToHost, self.stream.ptr)
+        if fetch is not None:
+            self._queue_fetch("verify", fetch)
         self.stream.synchronize()
         *drafts, last = (int(t) for t in self._verify_out[1:1 + int(self._verify_out[0])])
         return [*drafts, drawn(last)]

@@ -21,6 +21,7 @@ class NumpyBackend:
     def __init__(self):
         self.arrays: dict[str, np.ndarray] = {}
         self._twins: dict = {}
+        self._fetched: dict = {}  # slot -> the copy of the buffer a step fetched (see CudaBackend.fetched)
 
     def allocate(self, buffers: list[Buffer]) -> None:
         for b in buffers:
@@ -60,17 +61,24 @@ class NumpyBackend:
     def read_token(self) -> int:
         return drawn(int(self.arrays["state"][STATE_TOKEN]))
 
-    def launch_step(self, plan: Plan, slot: int) -> None:
+    def launch_step(self, plan: Plan, slot: int, fetch: str | None = None) -> None:
         self.run(plan)
+        if fetch is not None:
+            self._fetched[slot] = self.read(fetch)
 
     def token(self, slot: int) -> int:
         return self.read_token()
 
-    def verify(self, plan: Plan, ids) -> list[int]:
+    def fetched(self, slot) -> np.ndarray:
+        return self._fetched[slot]
+
+    def verify(self, plan: Plan, ids, fetch: str | None = None) -> list[int]:
         """Run a verify step over the token rows `ids` (the last sampled token, then the drafts); the tokens
-        it accepted."""
+        it accepted. `fetch`: a buffer to copy out after it, for fetched("verify")."""
         self.set("verify_ids", np.asarray(ids, dtype=np.int32))
         self.run(plan)
+        if fetch is not None:
+            self._fetched["verify"] = self.read(fetch)
         out = self.arrays["verify_out"]
         *drafts, last = (int(t) for t in out[1:1 + int(out[0])])
         return [*drafts, drawn(last)]

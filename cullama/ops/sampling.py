@@ -62,3 +62,42 @@ def sample(logits, seen, state, fparams, embed, x, ids, picks, out, arrivals, V,
 def uniform_probe(seed, step, out):
     """out[0] = uniform(seed, step)."""
     out[0] = np.float32(sampling.uniform(int(seed), int(step)))
+
+
+# kernels_cu/sampling.cu: the columns of a row of the logprobs kernel's output
+LP_MAX, LP_SUM, LP_TARGET, LP_TARGET_ID, LP_TOP = range(5)
+LP_MAX_TOP = 20
+LP_TOP_ID = LP_TOP + LP_MAX_TOP
+LP_WIDTH = LP_TOP_ID + LP_MAX_TOP
+NO_LOGIT = 0x7FFFFFFF  # the NaN (bits) of a target outside [0, V), and of a top entry past the V-th id
+
+
+def logprobs(logits, targets, out, V, stride, target_at, top, *, grid):
+    """logits: rows at a stride of `stride` floats (row r: logits.reshape(-1)[r * stride:][:V]), targets int32
+    (row r's: targets[target_at + r]), out [>= rows, LP_WIDTH] float32; rows = grid[0].
+
+    Row r of out: LP_MAX m = max l (NaN as -inf), LP_SUM s = sum expf(l - m) (an l = m = +inf term is 1),
+    LP_TARGET l[target] as stored (the NaN NO_LOGIT for a target outside [0, V)), LP_TARGET_ID the target (int32
+    bits), and for j < min(top, LP_MAX_TOP) LP_TOP + j / LP_TOP_ID + j: the j-th largest logit (NaN as -inf, -0
+    as +0) and its id, lower ids first on ties (NO_LOGIT and -1 past the V-th). Columns past them are left as
+    they were. The kernel writes these bits exactly, but for s (its sum runs in another order).
+    cullama.logprobs.from_rows turns a row into log-probabilities."""
+    flat, ints = np.asarray(logits).reshape(-1), out.view(np.int32)
+    for r in range(int(grid[0])):
+        row = flat[r * stride:r * stride + V].astype(np.float32)
+        keyed = np.where(np.isnan(row), np.float32(-np.inf), row) + np.float32(0)  # NaN -> -inf, -0 -> +0
+        m = keyed.max()
+        with np.errstate(invalid="ignore"):
+            e = keyed - m
+            p = np.where(np.isnan(e), np.float32(1), np.exp(e, dtype=np.float32))
+        t = int(targets[target_at + r])
+        out[r, LP_MAX], out[r, LP_SUM] = m, np.float32(p.sum(dtype=np.float64))
+        if 0 <= t < V:
+            out[r, LP_TARGET] = row[t]
+        else:
+            ints[r, LP_TARGET] = NO_LOGIT
+        ints[r, LP_TARGET_ID] = t
+        n = min(top, LP_MAX_TOP)
+        order = np.lexsort((np.arange(V), -keyed))[:n]  # larger first, then the lower id
+        ints[r, LP_TOP:LP_TOP + n], ints[r, LP_TOP_ID:LP_TOP_ID + n] = NO_LOGIT, -1
+        out[r, LP_TOP:LP_TOP + len(order)], ints[r, LP_TOP_ID:LP_TOP_ID + len(order)] = keyed[order], order

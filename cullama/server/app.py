@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import hmac
 import typing
 
@@ -26,6 +27,7 @@ from ..errors import CullamaError, OptionError, PromptError
 from ..generate import GenerationOptions, check_prompt_fits
 from ..speculative import SpeculativeOptions
 from .engine import Busy, Engine, Failed, Finished, Job, Piece, Refused, Stopped, Unavailable
+from .logprobs import Logprobs
 from .metrics import Metrics
 from .protocol import ApiError, ChatRequest, CompletionRequest, GenerationRequest
 from .responses import SSE_DONE, Answer, sse
@@ -137,6 +139,9 @@ async def generate(request: Request, model: type[GenerationRequest], engine: Eng
     body, ids, options = await asyncio.to_thread(admit, raw, model, engine, settings)
     chat = isinstance(body, ChatRequest)
     job = Job(ids, options, asyncio.get_running_loop())
+    echo = getattr(body, "echo", False)
+    scoring = functools.partial(Logprobs, chat, options["logprobs"], echo, ids, engine.llm.tokenizer)
+    scores = await asyncio.to_thread(scoring) if echo else scoring()  # an echo decodes the whole prompt
     try:
         engine.submit(job)
     except Busy as exc:
@@ -151,11 +156,11 @@ async def generate(request: Request, model: type[GenerationRequest], engine: Eng
         if body.stream and isinstance(first, (Piece, Finished)):
             # The status is known once the generation has produced something: an error before that is
             # still a proper 4xx/5xx rather than an event inside a 200 stream.
-            events = stream_events(answer, job, first, body.include_usage())
+            events = stream_events(answer, job, first, body.include_usage(), scores)
             streaming = True  # from here the stream's own `finally` ends the watcher and the job
             return StreamingResponse(closing(events, engine, job, watcher), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        return await whole_answer(answer, job, first)
+        return await whole_answer(answer, job, first, scores)
     finally:
         if not streaming:
             watcher.cancel()
@@ -187,12 +192,15 @@ def prepare(llm, body: GenerationRequest, chat: bool, speculative: dict) -> tupl
     options = {"max_new_tokens": body.max_new_tokens(context),
                "temperature": body.temperature, "top_k": body.top_k, "top_p": body.top_p,
                "repetition_penalty": body.repetition_penalty, "seed": body.seed, "stop": body.stops(),
-               "ignore_eos": body.ignore_eos}
+               "ignore_eos": body.ignore_eos, **body.logprob_options()}
     try:
         GenerationOptions.checked(**options)
     except OptionError as exc:
         raise ApiError(400, str(exc), param=OPENAI_NAMES.get(exc.option, exc.option)) from None
     check_fits(len(ids), context, options["max_new_tokens"], body.token_limit(), param)
+    if options["prompt_logprobs"] is not None and len(ids) > context:  # echo scores the prompt in one prefill
+        raise ApiError(400, f"this model's maximum context length is {context} tokens; the prompt has {len(ids)}, "
+                            "too many to score (echo with logprobs)", param=param, code="context_length_exceeded")
     return ids, {**options, **speculation(llm, body, speculative)}
 
 
@@ -228,26 +236,33 @@ def speculation(llm, body: GenerationRequest, default: dict) -> dict:
     return {"speculative": spec.method, "draft_tokens": spec.draft_tokens, "adaptive_draft": spec.adaptive}
 
 
-async def whole_answer(answer: Answer, job: Job, event) -> JSONResponse:
-    pieces = []
+async def whole_answer(answer: Answer, job: Job, event, scores: Logprobs) -> JSONResponse:
+    pieces, records, prompt = [], [], event.prompt_logprobs if isinstance(event, (Piece, Finished)) else None
     while isinstance(event, Piece):
         pieces.append(event.text)
+        records += event.logprobs
         event = await job.next_event()
     if isinstance(event, Finished):
-        return JSONResponse(answer.whole("".join(pieces), event.finish_reason, event.prompt_tokens,
-                                         event.completion_tokens))
+        records += event.logprobs
+        return JSONResponse(answer.whole(scores.prefix + "".join(pieces), event.finish_reason, event.prompt_tokens,
+                                         event.completion_tokens, scores.value(records, prompt)))
     return error_response(job_error(event))
 
 
-async def stream_events(answer: Answer, job: Job, event, include_usage: bool):
-    """The SSE body: chunks as the text becomes final, the finish reason, the usage if asked, [DONE]."""
+async def stream_events(answer: Answer, job: Job, event, include_usage: bool, scores: Logprobs):
+    """The SSE body: chunks as the text becomes final, the finish reason, the usage if asked, [DONE]. An echo's
+    prompt text (and its log-probabilities) goes with the first chunk."""
     first = True
     while True:
         if isinstance(event, Piece):
-            yield sse(answer.chunk(event.text, first=first))
+            yield sse(answer.chunk(scores.prefix + event.text if first else event.text, first=first,
+                                   logprobs=scores.value(event.logprobs, event.prompt_logprobs)))
             first = False
         elif isinstance(event, Finished):
-            yield sse(answer.chunk(None, event.finish_reason, first=first))
+            rest = scores.value(event.logprobs, event.prompt_logprobs) \
+                if event.logprobs or event.prompt_logprobs else None  # the tokens no piece carried (an EOS)
+            yield sse(answer.chunk(scores.prefix if first and scores.prefix else None, event.finish_reason,
+                                   first=first, logprobs=rest))
             if include_usage:
                 yield sse(answer.usage_chunk(event.prompt_tokens, event.completion_tokens))
             yield SSE_DONE

@@ -28,12 +28,17 @@ import traceback
 from typing import Callable, Sequence
 
 from ..errors import CullamaError
+from . import logprobs as logprob_fields
 from .metrics import Metrics
 
 
 @dataclasses.dataclass(frozen=True)
 class Piece:
     text: str  # text that became final (the streaming detokenizer, stop strings held back)
+    # A request that asked for log-probabilities (server/logprobs.py): the TokenLogprobs of the tokens produced
+    # since the last event, and the prompt's (with its first event, once scored)
+    logprobs: tuple = ()
+    prompt_logprobs: tuple | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,6 +46,8 @@ class Finished:
     finish_reason: str  # the library's: "eos", "stop" or "length"
     prompt_tokens: int
     completion_tokens: int
+    logprobs: tuple = ()  # as Piece's: those of the tokens no Piece carried
+    prompt_logprobs: tuple | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -190,10 +197,11 @@ class Engine:
         try:
             stream = self.llm.stream(job.prompt_ids, **job.options)
             self.metrics.prompt(len(job.prompt_ids))
+            scores = logprob_fields.cursor(stream, job.options)  # None unless the request asked for them
             for piece in stream:
                 if job.stop_reason is not None:
                     break
-                job.post(Piece(piece))
+                job.post(Piece(piece, **scores.take()) if scores else Piece(piece))
         except CullamaError as exc:  # the library refused the request's options
             return self._finish(job, Refused(str(exc)))
         except Exception as exc:  # the request fails, the server goes on
@@ -210,7 +218,8 @@ class Engine:
         result = stream.result
         if result.finish_reason not in ("eos", "stop", "length"):  # a way to end that no request asked for
             return self._finish(job, Failed(f"the generation ended early ({result.finish_reason})"))
-        self._finish(job, Finished(result.finish_reason, len(job.prompt_ids), len(result.token_ids)))
+        self._finish(job, Finished(result.finish_reason, len(job.prompt_ids), len(result.token_ids),
+                                   **(scores.take() if scores else {})))
 
     def _measure(self, job: Job, started: float, result) -> None:
         """The tokens and timings of a generation, however it ended (Llama.stream's own timings)."""

@@ -89,14 +89,14 @@ def serve(model_dir: str, host: str = "127.0.0.1", port: int = 8000, device: str
     request's default ({} or None: plain decoding); draft_model: the draft model's directory, loaded with
     the target before /health answers 200."""
     from ..llama import Llama, check_draft
-    from ..tokenizer import Tokenizer
+    from ..tokenizer import find_tokenizer, load_tokenizer
 
     config = read_config(model_dir)  # a wrong directory is an error now, not after the socket is up
-    if tokenizer is None and not (Path(model_dir) / "tokenizer.model").is_file():
-        raise ServeError(f"{Path(model_dir) / 'tokenizer.model'} not found: the server turns text into tokens "
-                         "and back, so it needs one (or name one with --tokenizer)")
+    if tokenizer is None and find_tokenizer(model_dir) is None:
+        raise ServeError(f"{model_dir} has no tokenizer (tokenizer.json or tokenizer.model): the server turns "
+                         "text into tokens and back, so it needs one (or name one with --tokenizer)")
     if draft_model is not None:  # a draft that cannot speak the target's tokens, too
-        check_draft(draft_model, config, Tokenizer.from_model_dir(model_dir, override=tokenizer))
+        check_draft(draft_model, config, load_tokenizer(model_dir, override=tokenizer))
     name = served_model_name or Path(model_dir).resolve().name
     settings = Settings(model_name=name, context=max_seq_len or config.max_seq_len, api_key=api_key or None,
                         speculative=dict(speculative or {}))

@@ -3,7 +3,7 @@
 Types are checked strictly (a string is not a number, 1.0 is not an integer); the ranges of the sampling
 options are the library's own (GenerationOptions.checked), checked when the prompt is prepared. Unknown
 fields are ignored, as OpenAI's peers do, but a known field that asks for something cullama cannot do
-(`logprobs`, `tools`, `n=2`, ...) is refused by `check()` with a 400 naming it, rather than ignored.
+(`tools`, `n=2`, `echo` on a chat, ...) is refused by `check()` with a 400 naming it, rather than ignored.
 """
 
 from __future__ import annotations
@@ -12,6 +12,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import (BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, ValidationInfo,
                       field_validator)
+
+from . import logprobs as logprob_fields
 
 Number = Annotated[float, Field(strict=True, allow_inf_nan=False)]  # a JSON number; true/"1" are not
 MaxTokens = Annotated[StrictInt, Field(ge=1)]
@@ -38,9 +40,10 @@ class ApiError(Exception):
 
 # Fields of OpenAI's API that cullama cannot honour, with the values that ask for nothing (some clients
 # send them as defaults). Any other value is a 400 naming the field: silently ignoring it would answer a
-# different question than the one asked.
+# different question than the one asked. A request model that declares one of them as a field serves it
+# (logprobs, top_logprobs, echo: server/logprobs.py): it is then no extra field, and not checked here.
 UNHONOURED: dict[str, tuple] = {
-    "logprobs": (None, False), "top_logprobs": (None,), "echo": (None, False), "best_of": (None, 1),
+    "top_logprobs": (None,), "echo": (None, False), "best_of": (None, 1),
     "suffix": (None, ""), "logit_bias": (None, {}), "presence_penalty": (None, 0, 0.0),
     "frequency_penalty": (None, 0, 0.0), "tools": (None, []), "tool_choice": (None, "none"),
     "functions": (None, []), "function_call": (None, "none"), "response_format": (None, {"type": "text"}),
@@ -49,7 +52,7 @@ UNHONOURED: dict[str, tuple] = {
 
 
 def _asks_nothing(value: Any, inert: tuple) -> bool:
-    # By type as well as value: `logprobs: 0` asks for the sampled token's log-probability, although 0 == False.
+    # By type as well as value: `best_of: true` is no 1, `echo: 0` no false.
     return any(value is None if v is None else (type(value) is type(v) and value == v) for v in inert)
 
 
@@ -133,17 +136,43 @@ class GenerationRequest(BaseModel):
 
 
 class CompletionRequest(GenerationRequest):
-    """POST /v1/completions: `prompt` is a text or a list of token ids (BOS is added to a text only)."""
+    """POST /v1/completions: `prompt` is a text or a list of token ids (BOS is added to a text only); a batch of
+    one of them is taken as that one (lm-evaluation-harness sends its token ids so)."""
 
     prompt: StrictStr | list[Any] = Field(description="a string or a list of token ids")
-    max_tokens: MaxTokens | None = None  # unset or null: 16, OpenAI's default for completions
+    # unset or null: 16, OpenAI's default for completions; 0 with echo: the prompt's log-probabilities only
+    max_tokens: Annotated[StrictInt, Field(ge=0)] | None = None
+    logprobs: StrictInt | None = None  # the sampled token's log-probability and this many more (0..5)
+    echo: StrictBool = False  # the prompt's text (and with logprobs, its tokens') before the completion's
+
+    @field_validator("echo", mode="before")
+    @classmethod
+    def echo_null_is_false(cls, value):
+        return False if value is None else value
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def batch_of_one(cls, value):
+        return value[0] if isinstance(value, list) and len(value) == 1 and isinstance(value[0], (str, list)) \
+            else value
 
     def max_new_tokens(self, context: int) -> int:
         limit = self.token_limit()
         return 16 if limit is None else limit[1]
 
+    def logprob_options(self) -> dict:
+        """Llama.stream's logprobs and prompt_logprobs (server/logprobs.py)."""
+        return logprob_fields.library_options(False, self.logprobs, None, self.echo)
+
     def check(self) -> None:
         super().check()
+        if self.logprobs is not None and not 0 <= self.logprobs <= logprob_fields.MAX_COMPLETION_LOGPROBS:
+            raise ApiError(400, f"logprobs must be an integer from 0 to {logprob_fields.MAX_COMPLETION_LOGPROBS}, got "
+                                f"{self.logprobs} (top_logprobs on /v1/chat/completions goes to "
+                                f"{logprob_fields.MAX_TOP_LOGPROBS})", param="logprobs")
+        if self.max_tokens == 0 and not self.echo:
+            raise ApiError(400, "max_tokens 0 asks for nothing without echo: true (which scores the prompt)",
+                           param="max_tokens")
         if isinstance(self.prompt, list):
             if any(isinstance(p, (str, list)) for p in self.prompt):
                 raise ApiError(400, "prompt must be one text or one list of token ids: batch prompts (a list of "
@@ -168,7 +197,7 @@ class Message(BaseModel):
         None, description='a string or a list of {"type": "text", "text": ...} parts')
 
     def as_dict(self) -> dict:
-        """{"role", "content": str} for Tokenizer.chat_ids; `developer` is OpenAI's new name for `system`."""
+        """{"role", "content": str} for Llama.chat_ids; `developer` is OpenAI's new name for `system`."""
         content = self.content
         if isinstance(content, list):
             content = "".join(part.text for part in content)
@@ -176,10 +205,31 @@ class Message(BaseModel):
 
 
 class ChatRequest(GenerationRequest):
-    """POST /v1/chat/completions: `messages` go through the LLaMA-2 chat template."""
+    """POST /v1/chat/completions: `messages` go through the model's chat template (LLaMA-2's without one)."""
 
     messages: list[Message]
     max_completion_tokens: MaxTokens | None = None  # OpenAI's newer name for max_tokens; it wins
+    logprobs: StrictBool = False  # each generated token's log-probability
+    top_logprobs: StrictInt | None = None  # and this many alternatives (0..20; needs logprobs)
+
+    @field_validator("logprobs", mode="before")
+    @classmethod
+    def logprobs_null_is_false(cls, value):
+        return False if value is None else value
+
+    def logprob_options(self) -> dict:
+        """Llama.stream's logprobs and prompt_logprobs (server/logprobs.py)."""
+        return logprob_fields.library_options(True, self.logprobs, self.top_logprobs, False)
+
+    def check(self) -> None:
+        super().check()
+        most = logprob_fields.MAX_TOP_LOGPROBS
+        if self.top_logprobs is not None:
+            if not 0 <= self.top_logprobs <= most:
+                raise ApiError(400, f"top_logprobs must be an integer from 0 to {most}, got {self.top_logprobs}",
+                               param="top_logprobs")
+            if not self.logprobs:
+                raise ApiError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
 
     def token_limit(self) -> tuple[str, int] | None:
         if self.max_completion_tokens is not None:

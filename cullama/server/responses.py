@@ -38,27 +38,31 @@ class Answer:
     def _head(self, obj: str) -> dict:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
 
-    def whole(self, text: str, finish_reason: str, prompt_tokens: int, completion_tokens: int) -> dict:
+    def whole(self, text: str, finish_reason: str, prompt_tokens: int, completion_tokens: int,
+              logprobs: dict | None = None) -> dict:
+        """The whole answer; `logprobs`: the choice's (server/logprobs.py), None where none was asked for."""
         finish = FINISH_REASONS[finish_reason]
         if self.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
                       "finish_reason": finish}
         else:
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+            choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}
         return {**self._head("chat.completion" if self.chat else "text_completion"), "choices": [choice],
                 "usage": usage(prompt_tokens, completion_tokens)}
 
-    def chunk(self, text: str | None, finish_reason: str | None = None, first: bool = False) -> dict:
-        """A streamed choice: `text` (None in the last chunk, which carries the finish reason). The
-        first chat chunk also names the role, as OpenAI's does."""
+    def chunk(self, text: str | None, finish_reason: str | None = None, first: bool = False,
+              logprobs: dict | None = None) -> dict:
+        """A streamed choice: `text` (None in the last chunk, which carries the finish reason), and the
+        log-probabilities of its tokens where they were asked for. The first chat chunk also names the role,
+        as OpenAI's does."""
         finish = FINISH_REASONS[finish_reason] if finish_reason else None
         if self.chat:
             delta = {} if text is None else {"content": text}
             if first:
                 delta = {"role": "assistant", **delta}
-            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+            choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
             return {**self._head("chat.completion.chunk"), "choices": [choice]}
-        choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
+        choice = {"index": 0, "text": text or "", "logprobs": logprobs, "finish_reason": finish}
         return {**self._head("text_completion"), "choices": [choice]}
 
     def usage_chunk(self, prompt_tokens: int, completion_tokens: int) -> dict:

@@ -1,0 +1,77 @@
+"""`cullama perplexity` on the CPU: stories260K's story as ids (the README's figure), its options in --json, text
+through the tokenizer from a file and from standard input, and each bad input as one line with exit code 2,
+before any weight loads."""
+
+import json
+
+import pytest
+from click.testing import CliRunner
+
+import cullama
+from cullama.cli.main import main
+
+
+def run(*args, input=None):
+    return CliRunner().invoke(main, [str(a) for a in args], input=input)
+
+
+@pytest.fixture
+def story_file(stories_expected, tmp_path):
+    path = tmp_path / "story.ids"
+    path.write_text(" ".join(map(str, [1, *stories_expected["ids"]])) + "\n")
+    return path
+
+
+def test_the_stories260k_figure(stories_dir, story_file):
+    result = run("perplexity", "--model", stories_dir, "--device", "cpu", "--ids", story_file)
+    assert result.exit_code == 0, result.output
+    assert result.stdout.startswith("perplexity 1.5799 (nll 0.4573 nats per token, 256 tokens, 1 window of 512 "
+                                    "tokens, stride 256, cpu")
+
+
+def test_json_holds_the_figures_and_the_options(stories_dir, story_file):
+    result = run("perplexity", "--model", stories_dir, "--device", "cpu", "--ids", story_file, "--max-seq-len", 64,
+                 "--stride", 32, "--json")
+    assert result.exit_code == 0, result.output
+    doc = json.loads(result.stdout)
+    assert {k: doc[k] for k in ("tokens", "windows", "context", "stride", "ids", "device")} == \
+        {"tokens": 256, "windows": 8, "context": 64, "stride": 32, "ids": True, "device": "cpu"}
+    llm = cullama.Llama.from_pretrained(stories_dir, device="cpu", max_seq_len=64)
+    ids = [int(i) for i in story_file.read_text().split()]
+    assert doc["perplexity"] == llm.perplexity(ids, stride=32).perplexity
+    assert doc["file"] == str(story_file) and doc["model"] == str(stories_dir)
+
+
+def test_text_from_a_file_and_from_standard_input(stories_dir, tmp_path):
+    text = "Once upon a time, there was a little girl named Lily."
+    (tmp_path / "story.txt").write_text(text)
+    from_file = run("perplexity", "--model", stories_dir, "--device", "cpu", "--json", tmp_path / "story.txt")
+    from_stdin = run("perplexity", "--model", stories_dir, "--device", "cpu", "--json", "-", input=text)
+    assert from_file.exit_code == from_stdin.exit_code == 0, from_file.output
+    a, b = json.loads(from_file.stdout), json.loads(from_stdin.stdout)
+    llm = cullama.Llama.from_pretrained(stories_dir, device="cpu")
+    assert a["perplexity"] == b["perplexity"] == llm.perplexity(text).perplexity
+    assert a["tokens"] == len(llm.encode(text)) - 1 and not a["ids"]
+
+
+@pytest.mark.parametrize("args,content,message", [
+    (["--ids"], "1 403 x", "'x' (item 2) is not a token id"),
+    (["--ids"], "1 99999", "outside the vocabulary"),
+    (["--ids"], "1", "at least 2"),
+    (["--ids"], "", "at least 2"),
+    (["--ids", "--stride", "0"], "1 403 407", "--stride must be an integer from 1 to the context (512)"),
+    (["--ids", "--stride", "600"], "1 403 407", "--stride"),
+])
+def test_bad_input_is_one_line_before_the_weights_load(stories_dir, tmp_path, monkeypatch, args, content, message):
+    from cullama import llama
+
+    monkeypatch.setattr(llama, "load_checkpoint", lambda *a, **k: pytest.fail("the weights were loaded"))
+    (tmp_path / "in").write_text(content)
+    result = run("perplexity", "--model", stories_dir, "--device", "cpu", *args, tmp_path / "in")
+    assert result.exit_code == 2 and message in result.stderr and "Traceback" not in result.output, result.output
+    assert len(result.stderr.strip().splitlines()) <= 2  # a note about the weights' dtype at most, and the error
+
+
+def test_a_file_that_cannot_be_read(stories_dir, tmp_path):
+    result = run("perplexity", "--model", stories_dir, tmp_path / "missing.txt")
+    assert result.exit_code == 2 and "cannot read" in result.stderr and "missing.txt" in result.stderr
