@@ -59,15 +59,16 @@ __device__ __forceinline__ uint32_t zero_bias(uint32_t params) { return hadd2(pr
 // The scale in both halves (gemm_quant's FP16 multiply).
 __device__ __forceinline__ uint32_t scale_x2(uint32_t params) { return prmt<0x1010>(params, 0); }
 
-// Codes 2s and 2s + 1 of word w as the FP16 pair (q - zero) (low half: code 2s). S = 0 .. 16 / CODE_BITS - 1.
-template <int CODE_BITS, int S>
-__device__ __forceinline__ uint32_t code_pair(uint32_t w, uint32_t bias) {
-    static_assert((CODE_BITS == 4 && S < 4) || (CODE_BITS == 8 && S < 2), "4-bit pairs 0..3, 8-bit pairs 0..1");
+// Codes 2s and 2s + 1 of word w as the FP16 pair (q - zero) (low half: code 2s), s = 0 .. 16 / CODE_BITS - 1: a
+// constant once the callers' loops are unrolled (prmt's selector must be an immediate).
+template <int CODE_BITS>
+__device__ __forceinline__ uint32_t code_pair(uint32_t w, uint32_t bias, int s) {
+    static_assert(CODE_BITS == 4 || CODE_BITS == 8, "4- or 8-bit codes");
     uint32_t biased;  // (1024 + q[2s], 1024 + q[2s + 1])
     if constexpr (CODE_BITS == 4) {
-        biased = lop3<LUT_A_AND_B_OR_C>(w >> (4 * S), 0x000F000Fu, FP16_1024X2);
+        biased = lop3<LUT_A_AND_B_OR_C>(w >> (4 * s), 0x000F000Fu, FP16_1024X2);
     } else {
-        biased = prmt<S == 0 ? 0x4240 : 0x4341>(w, 0x64646464u);
+        biased = s == 0 ? prmt<0x4240>(w, 0x64646464u) : prmt<0x4341>(w, 0x64646464u);
     }
     return hsub2(biased, bias);
 }
@@ -75,10 +76,6 @@ __device__ __forceinline__ uint32_t code_pair(uint32_t w, uint32_t bias) {
 // A word's codes (32 / CODE_BITS of them) as FP16 pairs (q - zero): pairs[s] holds codes 2s and 2s + 1.
 template <int CODE_BITS>
 __device__ __forceinline__ void dequant_word(uint32_t w, uint32_t bias, uint32_t (&pairs)[16 / CODE_BITS]) {
-    pairs[0] = code_pair<CODE_BITS, 0>(w, bias);
-    pairs[1] = code_pair<CODE_BITS, 1>(w, bias);
-    if constexpr (CODE_BITS == 4) {
-        pairs[2] = code_pair<CODE_BITS, 2>(w, bias);
-        pairs[3] = code_pair<CODE_BITS, 3>(w, bias);
-    }
+#pragma unroll
+    for (int s = 0; s < 16 / CODE_BITS; ++s) pairs[s] = code_pair<CODE_BITS>(w, bias, s);
 }

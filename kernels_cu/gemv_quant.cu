@@ -41,14 +41,19 @@
 #error "BITS must be 4 or 8"
 #endif
 #define CODES (128 / BITS)        // codes per 16-byte vector (quant.VECTOR)
-#define WORD_CODES (32 / BITS)    // codes per 32-bit word
-#define WORD_PAIRS (16 / BITS)    // FP16 pairs per word
+#define WORD_QUADS (8 / BITS)     // quads of codes per 32-bit word: the unit of the dot product's inner loop
+// A decode step unrolls a vector's quads (each row's word is then a register, each shift a constant); a verify
+// step keeps them rolled: its token rows need the registers that hoisting the next quads' x loads would take
+// (unrolled, 9 INT4 token rows spill on sm_120 at 255 registers; rolled, they take ~200), and its word selects and
+// shifts are shared by every token row.
+#define QUAD_UNROLL (TOKENS == 1 ? CODES / 4 : 1)
 // Resident blocks per SM that ptxas must leave room for (registers at most 65536 / (MIN_BLOCKS * 128): 128, 168,
 // 255). A decode block of 4 rows fits 128 registers with no spills on sm_80 .. sm_120; 8 rows need more (ptxas
 // spills on sm_80 / sm_100 at 128) and 3 such blocks still keep 48 KB of codes in flight per SM. More token rows
-// hold more sums: fewer blocks. 0 spills everywhere (CI checks).
+// hold more sums: up to 3 fit 128 registers, up to 6 168, 7 to 9 need 2 blocks' worth (~165-213 on sm_80 ..
+// sm_120). 0 spills everywhere (CI checks).
 #ifndef MIN_BLOCKS
-#define MIN_BLOCKS (TOKENS == 1 ? (ROWS >= 8 ? 3 : 4) : TOKENS <= 3 ? 3 : 2)
+#define MIN_BLOCKS (TOKENS == 1 ? (ROWS >= 8 ? 3 : 4) : TOKENS <= 3 ? 4 : TOKENS <= 6 ? 3 : 2)
 #endif
 
 // One block's rows and the batch of loads in flight: w[u][r] and p[u][r] are row r's vector base + u * THREADS
@@ -87,25 +92,6 @@ __device__ __forceinline__ void first_batch(QuantLoads& b, const unsigned int* _
     load_batch(b, threadIdx.x);
 }
 
-// WORD_CODES consecutive FP16 values from p (16-byte aligned for 8 of them, 8-byte for 4) as floats.
-__device__ __forceinline__ void load_word_halves(const half_t* __restrict__ p, float (&f)[WORD_CODES]) {
-#if WORD_CODES == 8
-    unpack8(*reinterpret_cast<const uint4*>(p), f);
-#else
-    const uint2 v = *reinterpret_cast<const uint2*>(p);
-    f[0] = lo_f(v.x), f[1] = hi_f(v.x), f[2] = lo_f(v.y), f[3] = hi_f(v.y);
-#endif
-}
-
-// WORD_CODES consecutive floats from p (16-byte aligned).
-__device__ __forceinline__ void load_word_floats(const float* __restrict__ p, float (&f)[WORD_CODES]) {
-#pragma unroll
-    for (int i = 0; i < WORD_CODES / 4; ++i) {
-        const float4 v = reinterpret_cast<const float4*>(p)[i];
-        f[4 * i] = v.x, f[4 * i + 1] = v.y, f[4 * i + 2] = v.z, f[4 * i + 3] = v.w;
-    }
-}
-
 // gemv.cu's block_dot_rows on quantized rows: dot[t][r] = W[rows[r], :] · (x_t ⊙ g) (g = 1 without NORM),
 // ss[t] = Σ x_t² (NORM only), for the rows first_batch set up and the TOKENS rows of x ([TOKENS, K]); on
 // return (after a barrier) thread t < TOKENS gets token row t's sums from reduced().
@@ -134,21 +120,25 @@ __device__ __forceinline__ void block_dot_rows(QuantLoads& b, int K, const float
 #pragma unroll
                 for (int t = 0; t < TOKENS; ++t) part[t][r] = 0.f;
             }
-#pragma unroll
-            for (int j = 0; j < 4; ++j) {  // the vector's words: codes k0 .. k0 + WORD_CODES - 1
-                const int k0 = v * CODES + j * WORD_CODES;
-                // x first (the word's inputs of every token row, RMSNorm's weights applied), then each row's word
-                // dequantized once and multiplied with them: the registers hold one word's x per token row and
-                // one row's pairs at a time (all rows' weights as floats would be ROWS x WORD_CODES registers).
-                float xv[TOKENS][WORD_CODES];
-                float gv[WORD_CODES];
-                if (NORM) load_word_halves(g + k0, gv);
+#pragma unroll QUAD_UNROLL
+            for (int c = 0; c < CODES / 4; ++c) {  // the vector's quads: codes k0 .. k0 + 3, of word j
+                const int k0 = v * CODES + 4 * c, j = c / WORD_QUADS, q = c % WORD_QUADS;
+                // x first (the quad's inputs of every token row, RMSNorm's weights applied), then each row's quad
+                // dequantized and multiplied with them: the registers hold 4 inputs per token row and one row's
+                // pairs at a time (a verify step's 9 token rows leave no room for more).
+                float xv[TOKENS][4];
+                float gv[4];
+                if (NORM) {
+                    const uint2 gw = *reinterpret_cast<const uint2*>(g + k0);
+                    gv[0] = lo_f(gw.x), gv[1] = hi_f(gw.x), gv[2] = lo_f(gw.y), gv[3] = hi_f(gw.y);
+                }
 #pragma unroll
                 for (int t = 0; t < TOKENS; ++t) {
-                    load_word_floats(x + (size_t)t * K + k0, xv[t]);
+                    const float4 x4 = *reinterpret_cast<const float4*>(x + (size_t)t * K + k0);
+                    xv[t][0] = x4.x, xv[t][1] = x4.y, xv[t][2] = x4.z, xv[t][3] = x4.w;
                     if (NORM) {
 #pragma unroll
-                        for (int i = 0; i < WORD_CODES; ++i) {
+                        for (int i = 0; i < 4; ++i) {
                             ss[t] = fmaf(xv[t][i], xv[t][i], ss[t]);
                             xv[t][i] = __fmul_rn(xv[t][i], gv[i]);
                         }
@@ -158,16 +148,13 @@ __device__ __forceinline__ void block_dot_rows(QuantLoads& b, int K, const float
                 for (int r = 0; r < ROWS; ++r) {
                     const uint32_t word = j == 0 ? b.w[u][r].x : j == 1 ? b.w[u][r].y : j == 2 ? b.w[u][r].z
                                                                                        : b.w[u][r].w;
-                    uint32_t pairs[WORD_PAIRS];
-                    dequant_word<BITS>(word, bias[r], pairs);
+                    const uint32_t p0 = code_pair<BITS>(word, bias[r], 2 * q);  // codes 4q, 4q + 1 of the word
+                    const uint32_t p1 = code_pair<BITS>(word, bias[r], 2 * q + 1);
+                    const float w[4] = {lo_f(p0), hi_f(p0), lo_f(p1), hi_f(p1)};  // q - zero
 #pragma unroll
-                    for (int s = 0; s < WORD_PAIRS; ++s) {
-                        const float w0 = lo_f(pairs[s]), w1 = hi_f(pairs[s]);  // codes 2s, 2s + 1: q - zero
+                    for (int t = 0; t < TOKENS; ++t) {
 #pragma unroll
-                        for (int t = 0; t < TOKENS; ++t) {
-                            part[t][r] = fmaf(w0, xv[t][2 * s], part[t][r]);
-                            part[t][r] = fmaf(w1, xv[t][2 * s + 1], part[t][r]);
-                        }
+                        for (int i = 0; i < 4; ++i) part[t][r] = fmaf(w[i], xv[t][i], part[t][r]);
                     }
                 }
             }

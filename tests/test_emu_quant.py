@@ -103,10 +103,10 @@ def gemm(launch, bits):
 
 # (id, file, original text, its replacement, the check that must fail)
 MUTATIONS = [
-    ("int4-nibble-order-plain", "dequant.cuh", "lop3<LUT_A_AND_B_OR_C>(w >> (4 * S), 0x000F000Fu",
-     "lop3<LUT_A_AND_B_OR_C>(w >> (4 * (S ^ 1)), 0x000F000Fu", gemv(GEMV4, [(160, 32)])),  # pairs 0 <-> 1, 2 <-> 3
-    ("int8-byte-order-plain", "dequant.cuh", "prmt<S == 0 ? 0x4240 : 0x4341>", "prmt<S == 0 ? 0x4140 : 0x4342>",
-     gemv(GEMV8, [(80, 16)])),
+    ("int4-nibble-order-plain", "dequant.cuh", "lop3<LUT_A_AND_B_OR_C>(w >> (4 * s), 0x000F000Fu",
+     "lop3<LUT_A_AND_B_OR_C>(w >> (4 * (s ^ 1)), 0x000F000Fu", gemv(GEMV4, [(160, 32)])),  # pairs 0 <-> 1, 2 <-> 3
+    ("int8-byte-order-plain", "dequant.cuh", "s == 0 ? prmt<0x4240>(w, 0x64646464u) : prmt<0x4341>(w, 0x64646464u)",
+     "s == 0 ? prmt<0x4140>(w, 0x64646464u) : prmt<0x4342>(w, 0x64646464u)", gemv(GEMV8, [(80, 16)])),
     ("zero-off-by-one", "dequant.cuh", "hadd2(prmt<0x3232>(params, 0), FP16_1024X2)",
      "hadd2(prmt<0x3232>(params, 0), 0x64016401u)", gemv(GEMV4, [(160, 32)])),
     ("scale-and-zero-swapped", "dequant.cuh", "prmt<0x3232>(params, 0)", "prmt<0x1010>(params, 0)",
@@ -117,12 +117,12 @@ MUTATIONS = [
      gemv(GEMV8, [(144, 48)])),
     ("missed-tail-vectors", "gemv_quant.cu", "for (int base = threadIdx.x; base < nvec; base += THREADS * UNROLL)",
      "for (int base = threadIdx.x; base < nvec - THREADS; base += THREADS * UNROLL)", gemv(GEMV4, [(4128, 4128)])),
-    ("missed-last-word", "gemv_quant.cu", "for (int j = 0; j < 4; ++j) {  // the vector's words",
-     "for (int j = 0; j < 3; ++j) {  // the vector's words", gemv(GEMV8, [(80, 16)])),
+    ("missed-last-quad", "gemv_quant.cu", "for (int c = 0; c < CODES / 4; ++c) {  // the vector's quads",
+     "for (int c = 0; c < CODES / 4 - 1; ++c) {  // the vector's quads", gemv(GEMV8, [(80, 16)])),
     ("scale-per-row-not-per-group", "gemv_quant.cu", "b.p[u][r] = inside ? b.params[r][group] : 0u;",
      "b.p[u][r] = inside ? b.params[r][0] : 0u;", gemv(GEMV4, [(192, 64)])),
-    ("verify-rows-share-one-x", "gemv_quant.cu", "load_word_floats(x + (size_t)t * K + k0, xv[t]);",
-     "load_word_floats(x + k0, xv[t]);", lambda launch: gemv_checks.check_gemv_quant_rows(launch, 4, 3)),
+    ("verify-rows-share-one-x", "gemv_quant.cu", "reinterpret_cast<const float4*>(x + (size_t)t * K + k0)",
+     "reinterpret_cast<const float4*>(x + k0)", lambda launch: gemv_checks.check_gemv_quant_rows(launch, 4, 3)),
     ("gemm-int4-codes-of-the-other-half-row", "gemm_quant.cu", "&s.codes[stage][row][half * THREAD_WORDS]",
      "&s.codes[stage][row][(1 - half) * THREAD_WORDS]", lambda launch: gemm(launch, 4)),
     ("gemm-params-one-tile-late", "gemm_quant.cu", "params = tile_params(prow, kt + 1, k0, k1, group);",
