@@ -22,8 +22,9 @@
 //
 // Block: a 64 x 128 tile of C, 8 warps as 2 (M) x 4 (N), each warp a 32 x 32 sub-tile = 2 x 4 MMAs of
 // m16n8k16 (32 float accumulators per thread). K advances in tiles of 32 through a STAGES-deep ring
-// of shared-memory buffers filled by cp.async (16 B, zero-fill past M, N or K), so the next tiles'
-// loads are in flight while the tensor cores work on this one. Fragments come from shared memory
+// of shared-memory buffers filled by cp.async (16 B, zero-fill past M, N or K; gemm_quant.cu's W tile is
+// dequantized from its ring into one more buffer), so the next tiles' loads are in flight while the tensor
+// cores work on this one. Fragments come from shared memory
 // with ldmatrix.x4; rows are padded to 40 halves (80 B) so each 8-row ldmatrix phase hits 8 distinct
 // 16-byte bank groups (80 r mod 128 = 0, 80, 32, 112, 64, 16, 96, 48 for r = 0..7): conflict-free.
 //
