@@ -554,10 +554,10 @@ def kernels(arch):
     from ..kernel_report import compile_all, skipped
 
     reports = compile_all(arch)
-    out(f"{'kernel':<22} {'file':<14} {'defines':<22} {'regs':>5} {'smem B':>7} {'stack B':>8} {'spill st/ld':>12}")
+    out(f"{'kernel':<22} {'file':<14} {'defines':<31} {'regs':>5} {'smem B':>7} {'stack B':>8} {'spill st/ld':>12}")
     for r in reports:
         res = r.resources
-        out(f"{r.name:<22} {r.source:<14} {r.define_text:<22} {res.registers:>5} {res.smem_bytes:>7} "
+        out(f"{r.name:<22} {r.source:<14} {r.define_text:<31} {res.registers:>5} {res.smem_bytes:>7} "
             f"{res.stack_bytes:>8} {res.spill_stores:>5}/{res.spill_loads:<6}")
     spilled = [r for r in reports if r.resources.spills]
     for note in skipped(arch):

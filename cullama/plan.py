@@ -67,7 +67,8 @@ ROW_THREADS = 256  # the row-wise prefill kernels: one block per token row
 OVERLAP_SAFE = frozenset({"gemv_qkv_rope", "attention_decode", "gemv_residual", "gemv_gate_up_silu",
                           "gemv_logits", "sample",
                           "embed_rows", "rmsnorm_rows", "rope_kv_rows", "silu_mul_rows", "gemm", "gemm_wgmma",
-                          "attention_prefill", "attention_prefill_mma"})
+                          "attention_prefill", "attention_prefill_mma",
+                          "gemm_quant", "gather_f32", "gather_f16"})  # gemv_quant.cu's GEMVs share gemv.cu's names
 
 
 @dataclasses.dataclass(frozen=True)

@@ -71,7 +71,7 @@ def test_verify_sample_bounds_its_drafts(schedule):
 
 # (id, file, original text, its replacement, the check that must fail): the checks above have teeth
 MUTATIONS = [
-    ("gemv-rows-at-one-position", "gemv.cu", "const int pos = state[STATE_POS] + t;", "const int pos = state[STATE_POS];",
+    ("gemv-rows-at-one-position", "gemv.cuh", "const int pos = state[STATE_POS] + t;", "const int pos = state[STATE_POS];",
      lambda launch: checks.check_gemv_rows(launch, 3, d=72, ff=56, V=37, heads=3, kv_heads=1, hd=8, pos=5)),
     ("attention-rows-see-the-first-row's-keys", "attention.cu", "min(state[STATE_POS] + row + 1, max_seq)",
      "min(state[STATE_POS] + 1, max_seq)", lambda launch: checks.check_attention_rows(launch, 8, 2, 2, 5, 3, 4)),

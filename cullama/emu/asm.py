@@ -48,6 +48,12 @@ PTX_TEMPLATES: dict[str, tuple[str, str]] = {
     "wgmma.fence.sync.aligned;": ("wgmma_fence", ""),
     "wgmma.commit_group.sync.aligned;": ("wgmma_commit_group", ""),
     "wgmma.wait_group.sync.aligned %0;": ("wgmma_wait_group", "n"),
+    # quantized weights (kernels_cu/dequant.cuh): lop3 and prmt take their immLut / selector as an immediate
+    "lop3.b32 %0, %1, %2, %3, %4;": ("lop3_b32", "=r r r r n"),
+    "prmt.b32 %0, %1, %2, %3;": ("prmt_b32", "=r r r n"),
+    "add.rn.f16x2 %0, %1, %2;": ("add_rn_f16x2", "=r r r"),
+    "sub.rn.f16x2 %0, %1, %2;": ("sub_rn_f16x2", "=r r r"),
+    "mul.rn.f16x2 %0, %1, %2;": ("mul_rn_f16x2", "=r r r"),
     **{_wgmma_template(n): (f"wgmma_m64n{n}k16_f32_f16", " ".join(["+f"] * (n // 2) + ["l", "l", "r"]))
        for n in (64, 128, 192, 256)},
 }
