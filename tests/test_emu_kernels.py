@@ -354,10 +354,14 @@ def test_sample(options, schedule):
     check_sample(options, 1000, schedule)
 
 
-@pytest.mark.parametrize("options", [SAMPLE_OPTIONS[1], SAMPLE_OPTIONS[5]], ids=["greedy", "sampled"])
-def test_sample_past_the_on_chip_ids(options):
-    """V = 33001 > 1024 x 32: each thread re-reads the ids past its registers and shared memory at every pass."""
-    check_sample(options, 33001, "shuffled", draws=1)
+@pytest.mark.parametrize("V", [33001, 152065], ids=["33001", "qwen2.5-152065"])
+@pytest.mark.parametrize("options", [SAMPLE_OPTIONS[1], SAMPLE_OPTIONS[5], SAMPLE_OPTIONS[3]],
+                         ids=["greedy", "sampled-both-cuts", "sampled-top-k"])
+def test_sample_past_the_on_chip_ids(options, V):
+    """V > 1024 x 32: each thread re-reads the ids past its registers and shared memory at every pass; at 152,065
+    (Qwen2.5's 152,064 and one: odd) 120 of its 152 ids, in every top-k and top-p pass. Exact as at any V: the
+    greedy token, and the sampled one within rounding of a bucket edge."""
+    check_sample(options, V, "shuffled", draws=1)
 
 
 @pytest.mark.parametrize("schedule", SCHEDULES)

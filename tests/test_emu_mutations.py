@@ -93,6 +93,10 @@ MUTATIONS = [
      lambda s, d: checks.check_attention_mma((("HEAD_DIM", 32), ("GROUP", 4), ("WARPS", 4)), s, d, window=20)),
     ("rope-kv-rows-bias-dropped", "prefill.cu", "__fadd_rn(row[at], h2f(bias[at]))", "row[at]",
      lambda s, d: checks.check_prefill(s, d)),
+    # the ids past the 32 a thread holds on chip never re-read: seen only past V = 32768 (LLaMA-3's, Qwen2's)
+    ("sample-ids-past-the-chip-dropped", "sampling.cu", "for (int j = ITEMS; j < n; ++j) {",
+     "for (int j = ITEMS; j < 0; ++j) {",
+     lambda s, d: checks.check_sample(checks.SAMPLE_OPTIONS[5], 152065, s, d, draws=1)),
     ("sample-block-reduce-barrier-removed", "sampling.cu",
      "    if (threadIdx.x % WARP == 0) buf[threadIdx.x / WARP] = v;\n    __syncthreads();",
      "    if (threadIdx.x % WARP == 0) buf[threadIdx.x / WARP] = v;",
