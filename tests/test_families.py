@@ -281,3 +281,26 @@ def test_the_cli_refuses_a_qwen2_sliding_window_in_one_line(tmp_path):
                                        "1,2,3"])
     assert result.exit_code == 2 and "use_sliding_window" in result.output
     assert len(result.output.strip().splitlines()) == 1 and "Traceback" not in result.output
+
+
+# -- the presets `cullama bench --synthetic NAME` runs ------------------------------------------------------------
+# (preset, FP16 bytes a decode step reads in GB, the floor in ms at the H200's 4.44 TB/s, int8 GB, int4 GB): the
+# README's table. LLaMA-3-8B's lm_head alone is 128,256 x 4096 x 2 bytes = 1.05 GB of its 15.01.
+PRESET_FLOORS = [("llama3-8b", 15.01, 3.38, 8.04, 4.76), ("llama3.2-1b", 2.47, 0.56, 1.50, 1.04),
+                 ("mistral-7b", 14.22, 3.20, 7.25, 3.97), ("qwen2.5-7b", 14.14, 3.18, 7.62, 4.56)]
+
+
+@pytest.mark.parametrize("name,gb,floor_ms,int8_gb,int4_gb", PRESET_FLOORS, ids=[p[0] for p in PRESET_FLOORS])
+def test_presets_bytes_per_step_and_floors(name, gb, floor_ms, int8_gb, int4_gb):
+    from cullama import layout
+    from cullama.config import preset
+
+    config = preset(name)
+    fp16 = layout.fp16(config).summary()
+    assert round(fp16["decode_bytes"] / 1e9, 2) == gb and round(fp16["floor_ms_h200"], 2) == floor_ms
+    assert [round(layout.on_load(config, q).decode_bytes() / 1e9, 2) for q in ("int8", "int4")] == [int8_gb, int4_gb]
+    if name == "llama3-8b":
+        assert round(2 * config.vocab_size * config.hidden_size / 1e9, 2) == 1.05
+    families = {"llama3-8b": ("LlamaForCausalLM", None, False), "llama3.2-1b": ("LlamaForCausalLM", None, False),
+                "mistral-7b": ("MistralForCausalLM", 4096, False), "qwen2.5-7b": ("Qwen2ForCausalLM", None, True)}
+    assert (config.architecture, config.sliding_window, config.qkv_bias) == families[name]
