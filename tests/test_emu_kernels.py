@@ -314,6 +314,45 @@ def test_prefill_rows(schedule):
     check_prefill(schedule)
 
 
+# The QKV epilogue (the bias, RoPE, the cache write) at the head widths and groups of LLaMA-3.2-1B (64 x GQA 4),
+# LLaMA-3-8B and Mistral-7B (128 x 4) and Qwen2.5-7B (128 x 7), where the checks above use hd 8: in decode
+# (gemv_qkv_rope, the plan's variant) and in the prefill (rope_kv_rows), the same tolerances as there.
+@pytest.mark.parametrize("schedule", SCHEDULES)
+@pytest.mark.parametrize("hd,group", [(64, 4), (128, 4), (128, 7)], ids=["hd64-gqa4", "hd128-gqa4", "hd128-gqa7"])
+def test_qkv_epilogue_at_llama3_and_qwen2_head_dims(hd, group, schedule):
+    from cullama import plan
+
+    rng = np.random.default_rng(hd + group)
+    kv, d, pos, n, chunk = 2, 72, 5, 3, 4
+    heads, max_seq = kv * group, pos + n + 2
+    rows = (heads + 2 * kv) * hd
+    bias = rand(rng, rows, dtype=np.float16)  # [q|k|v rows]
+    rope = np.stack(rope_tables(hd, np.arange(max_seq), 500000.0), -1).astype(np.float32)  # [max_seq, hd / 2, 2]
+    x, norm_w, W = rand(rng, d), rand(rng, d, dtype=np.float16), rand(rng, rows, d, scale=0.2, dtype=np.float16)
+    state = np.array([pos, 0, 0, 0, 0, 0, 0, 0], np.int32)
+    scalars = (np.int32(d), np.int32(heads), np.int32(kv), np.int32(hd), np.int32(max_seq), EPS)
+    q, kc, vc = nan(heads * hd), nan(kv, max_seq, hd, dtype=np.float16), nan(kv, max_seq, hd, dtype=np.float16)
+    rq, rk, rv = q.copy(), kc.copy(), vc.copy()
+    gemv_twin.gemv_qkv_rope(x, norm_w, W, bias, rq, rk, rv, rope, state, *scalars)
+    run(plan.gemv("gemv_qkv_rope"), -(-rows // plan.gemv_rows()), GEMV_THREADS,
+        (x, norm_w, W, bias, q, kc, vc, rope, state, *scalars), schedule)
+    close(q, rq, 1e-5, "gemv_qkv_rope q")
+    close(kc[:, pos], rk[:, pos], 2e-3, "gemv_qkv_rope k")
+    close(vc[:, pos], rv[:, pos], 2e-3, "gemv_qkv_rope v")
+    exact(np.delete(kc, pos, axis=1), np.delete(rk, pos, axis=1), "k_cache outside the position")
+    exact(np.delete(vc, pos, axis=1), np.delete(rv, pos, axis=1), "v_cache outside the position")
+
+    qkv = rand(rng, chunk, rows)  # [chunk, q|k|v rows] f32: the prefill GEMM's output
+    outs = [nan(chunk, heads * hd, dtype=np.float16), nan(kv, max_seq, hd, dtype=np.float16),
+            nan(kv, max_seq, hd, dtype=np.float16)]
+    refs = [o.copy() for o in outs]
+    row_scalars = (np.int32(pos), np.int32(heads), np.int32(kv), np.int32(hd), np.int32(max_seq))
+    prefill_twin.rope_kv_rows(qkv, bias, rope, *refs, *row_scalars, grid=(n, 1, 1))
+    run(KernelSpec("prefill.cu", "rope_kv_rows"), n, ROW_THREADS, (qkv, bias, rope, *outs, *row_scalars), schedule)
+    for out, ref, what in zip(outs, refs, ("q_rows", "k_cache", "v_cache")):
+        exact(out, ref, f"rope_kv_rows {what}")
+
+
 # -- sampling.cu --------------------------------------------------------------------------------------------
 # Exact: the greedy token, and for every draw the state, seen and x updates that follow from the kernel's
 # token (NO_TOKEN where no logit can be drawn: seen untouched, x = 0; an index out of bounds would fail the
