@@ -20,8 +20,8 @@ and, where the model has q/k/v biases (Qwen2),
 
 and embed [vocab, d], final_norm [d], lm_head [vocab, d] (the embedding itself when tied). Embeddings, norms,
 biases and the lm_head are FP16 (an AWQ or GPTQ checkpoint keeps its biases FP16 too). A model without biases
-runs the same kernels on NO_BIAS, one zero row of q_dim + 2 kv_dim that the plan allocates (bias_name). Each linear (LINEARS) has a format, FP16 or a quant.QuantFormat (bits, group), and lives in
-buffers named after it:
+runs the same kernels on NO_BIAS, one zero row of q_dim + 2 kv_dim that the plan allocates (bias_name). Each
+linear (LINEARS) has a format, FP16 or a quant.QuantFormat (bits, group), and lives in buffers named after it:
 
     FP16         layers.i.F            float16 [M, K]
     quantized    layers.i.F.qweight    uint32 [M, K bits / 32]     cullama/quant.py's format
