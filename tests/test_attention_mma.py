@@ -664,7 +664,8 @@ def _spec(hd, group, warps=ops.WARPS):
     return KernelSpec(ops.SOURCE, "attention_prefill_mma", defines_of(hd, group, warps))
 
 
-def _run_kernel(kernels, q_rows, k, v, start, rows, max_seq, scale, hd, group, warps=ops.WARPS, extra_blocks=0):
+def _run_kernel(kernels, q_rows, k, v, start, rows, max_seq, scale, hd, group, warps=ops.WARPS, extra_blocks=0,
+                window=None):
     import cupy as cp
 
     kv_heads = k.shape[0]
@@ -673,7 +674,7 @@ def _run_kernel(kernels, q_rows, k, v, start, rows, max_seq, scale, hd, group, w
     kernels.function(_spec(hd, group, warps))(
         (g[0], g[1] + extra_blocks), (ops.threads(warps),),
         (cp.asarray(q_rows), cp.asarray(k), cp.asarray(v), d_out, np.int32(start), np.int32(rows),
-         np.int32(max_seq), np.float32(scale)))
+         np.int32(max_seq), np.float32(scale), np.int32(window or max_seq)))
     return d_out.get()
 
 
@@ -691,6 +692,21 @@ def test_kernel_matches_twin(kernels, hd, group, start, rows):
     got = _run_kernel(kernels, q_rows, k, v, start, rows, max_seq, scale, hd, group)
     assert not np.isnan(got[:rows].astype(np.float32)).any()  # every (row, head) written
     assert np.isnan(got[rows:].astype(np.float32)).all()  # rows >= n_rows untouched
+    np.testing.assert_allclose(got[:rows].astype(np.float32), expected[:rows].astype(np.float32), rtol=2e-3,
+                               atol=2e-3)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("hd,group", [(128, 4), (64, 4)], ids=["hd128-g4", "hd64-g4"])
+@pytest.mark.parametrize("window", [1, 20, 100])
+def test_kernel_sliding_window_matches_twin(kernels, hd, group, window):
+    """Mistral's sliding window: 200 rows at position 37, keys older than every row's window NaN (never read)."""
+    start, rows = 37, 200
+    q_rows, k, v, max_seq, scale = inputs(hd, group, 2, start, rows, rows + 3, seed=window)
+    k[:, :max(0, start + 1 - window)], v[:, :max(0, start + 1 - window)] = np.nan, np.nan
+    expected = run_twin(q_rows, k, v, start, rows, max_seq, scale, window)
+    got = _run_kernel(kernels, q_rows, k, v, start, rows, max_seq, scale, hd, group, window=window)
+    assert np.isnan(got[rows:].astype(np.float32)).all()
     np.testing.assert_allclose(got[:rows].astype(np.float32), expected[:rows].astype(np.float32), rtol=2e-3,
                                atol=2e-3)
 
@@ -730,6 +746,6 @@ def test_kernel_tiling(kernels, hd, group):
                                 (("HEAD_DIM", hd), ("GROUP", group), ("ROWS_Q", rows_q))))(
         (3, -(-rows // rows_q)), (128,),
         (cp.asarray(q_rows), cp.asarray(k), cp.asarray(v), d_out, np.int32(start), np.int32(rows),
-         np.int32(max_seq), np.float32(scale)))
+         np.int32(max_seq), np.float32(scale), np.int32(max_seq)))
     np.testing.assert_allclose(d_out.get()[:rows].astype(np.float32), base[:rows].astype(np.float32), rtol=2e-3,
                                atol=2e-3)
