@@ -66,11 +66,12 @@ def _rope_store(y: np.ndarray, q_out, k_cache, v_cache, rope, pos: int, n_heads:
     v_cache[:, pos] = y[n_heads + n_kv_heads:].astype(np.float16)
 
 
-def gemv_qkv_rope(x, norm_w, W, q_out, k_cache, v_cache, rope, state, d, n_heads, n_kv_heads, hd, max_seq, eps):
-    """Per token row t of x [T, d] (or [d]): q_out[t] [heads*hd] f32; k_cache/v_cache [kv_heads, max_seq, hd]
-    f16 written at position state[0] + t."""
-    qkv_rope(W.astype(np.float32), x, norm_w, q_out, k_cache, v_cache, rope, state, d, n_heads, n_kv_heads, hd,
-             eps)
+def gemv_qkv_rope(x, norm_w, W, bias, q_out, k_cache, v_cache, rope, state, d, n_heads, n_kv_heads, hd, max_seq,
+                  eps):
+    """Per token row t of x [T, d] (or [d]): q|k|v = W · rmsnorm(x[t]) + bias [(heads + 2 kv_heads) hd] f16, then
+    RoPE: q_out[t] [heads*hd] f32; k_cache/v_cache [kv_heads, max_seq, hd] f16 written at position state[0] + t."""
+    qkv_rope(W.astype(np.float32), x, norm_w, bias, q_out, k_cache, v_cache, rope, state, d, n_heads, n_kv_heads,
+             hd, eps)
 
 
 def gemv_residual(inp, W, x, M, K):
@@ -93,9 +94,10 @@ def gemv_logits(x, norm_w, W, logits, V, d, eps):
 
 # The functions of the kernels on float32 weights w32 [M, K], whatever they are stored as (ops/gemv_quant.py
 # dequantizes its weights and calls these).
-def qkv_rope(w32, x, norm_w, q_out, k_cache, v_cache, rope, state, d, n_heads, n_kv_heads, hd, eps):
+def qkv_rope(w32, x, norm_w, bias, q_out, k_cache, v_cache, rope, state, d, n_heads, n_kv_heads, hd, eps):
+    b32 = bias[:w32.shape[0]].astype(np.float32)  # [all heads * hd]
     for t, (xt, qt) in enumerate(zip(token_rows(x), token_rows(q_out))):
-        y = _norm_dot(w32, xt[:d], norm_w, eps).reshape(n_heads + 2 * n_kv_heads, hd)  # [all heads, hd]
+        y = (_norm_dot(w32, xt[:d], norm_w, eps) + b32).reshape(n_heads + 2 * n_kv_heads, hd)  # [all heads, hd]
         _rope_store(y, qt, k_cache, v_cache, rope, int(state[0]) + t, n_heads, n_kv_heads, hd)
 
 
