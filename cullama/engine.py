@@ -59,6 +59,7 @@ class PlanRunner:
                           f"the KV cache takes {memory.gib(kv // max_seq_len * 1024)} per 1024 tokens)")
         backend.allocate(buffers)
         backend.set("rope", plans.rope_table(cfg, max_seq_len))
+        backend.set("slot_rows", plans.slot_rows_table(1))
         self.decode = plans.decode_plan(cfg, max_seq_len, self.sample_vocab)
         self._prefills: dict[tuple, plans.Plan] = {}
         self.prefill_kernels = default_for(getattr(backend, "arch", None))  # the prompt path's GEMM and attention
@@ -106,7 +107,7 @@ class PlanRunner:
             out = output if output == "logits" or last else "none"
             if out == "sample":
                 state[POS] = start + n - 1  # the sample kernel advances it to start + n
-                self.backend.set("state", state)
+                self.backend.set("state", state[None])
             if prompt_logprobs is not None:
                 targets = np.full(n, scoring.NO_TARGET, np.int32)  # [n] row r predicts ids[start + r + 1]
                 following = ids[start + 1:start + n + 1]  # n ids, or n - 1 in the last chunk
@@ -171,8 +172,8 @@ class PlanRunner:
         self.last, self._queued = None, None  # a step still queued is ordered before this prefill; dropped
         self.cached = prompt[:begin]
         self._logprobs, self._records, self.prompt_logprobs = logprobs, [], []
-        self.backend.set("fparams", np.array([p.temperature, p.top_p, p.repetition_penalty, 0], np.float32))
-        self.backend.set("seen", sampler.seen.astype(np.uint8))
+        self.backend.set("fparams", np.array([[p.temperature, p.top_p, p.repetition_penalty, 0]], np.float32))
+        self.backend.set("seen", seen_row(sampler.seen, plans.seen_stride(self.cfg.vocab_size))[None])
         self._prefill(prompt, "sample", state, begin, logprobs, prompt_logprobs)
         self.last = self.backend.read_token()
         if logprobs is not None:
@@ -322,6 +323,13 @@ class PlanRunner:
         self._logprobs, self._records, self.prompt_logprobs = None, [], []
         self._prefill(list(token_ids), "none", prompt_logprobs=top)
         return self.prompt_logprobs
+
+
+def seen_row(seen: np.ndarray, stride: int) -> np.ndarray:
+    """A sequence's seen flags (bool [vocab]) as its row of the `seen` buffer: uint8 [stride], 0 past the vocabulary."""
+    row = np.zeros(stride, np.uint8)
+    row[:len(seen)] = seen
+    return row
 
 
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:

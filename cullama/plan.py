@@ -42,6 +42,7 @@ from .prefill_kernels import GemmKernel, PrefillKernels, cdiv, tile_counters, wo
 from .reference import rope_tables
 from .registry import KernelSpec
 from .ops import sampling as sampling_ops  # the logprobs kernel's
+from .ops.rows import FPARAMS_LEN, STATE_LEN
 
 GEMV_ROWS, GEMV_UNROLL, GEMV_THREADS = 4, 4, 128
 # A verify step's GEMVs (TOKENS = k + 1 rows): fewer loads in flight per thread leave registers for the
@@ -77,11 +78,12 @@ class Buffer:
 
 @dataclasses.dataclass(frozen=True)
 class Ref:
-    """A buffer argument; `index` selects one slice along the first axis (a layer, a row), `rows` the first
-    `rows` slices (a verify step's token rows: the kernels get their address, the twins that shape)."""
+    """A buffer argument; `index` selects one slice along the first axis (a layer, a row), or along the first
+    axes (a tuple: a layer's slot of the KV cache), `rows` the first `rows` slices (a verify step's token rows:
+    the kernels get their address, the twins that shape)."""
 
     name: str
-    index: int | None = None
+    index: int | tuple[int, ...] | None = None
     rows: int | None = None
 
     def of(self, array):
@@ -158,19 +160,21 @@ def weight_buffers(cfg: LlamaConfig) -> list[Buffer]:
     return out
 
 
-def runtime_buffers(cfg: LlamaConfig, max_seq: int, chunk: int | None = None) -> list[Buffer]:
+def runtime_buffers(cfg: LlamaConfig, max_seq: int, chunk: int | None = None, slots: int = 1) -> list[Buffer]:
     """Everything but the weights: KV cache, state, and the decode and prefill activations (prefill chunks
-    of up to `chunk` rows, default PREFILL_CHUNK)."""
+    of up to `chunk` rows, default PREFILL_CHUNK), for `slots` sequences (each its own KV cache and state)."""
     chunk = chunk or PREFILL_CHUNK
     d, ff, V, hd = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size, cfg.head_dim
-    kv = (cfg.num_layers, cfg.num_kv_heads, max_seq, hd)
+    kv = (cfg.num_layers, slots, cfg.num_kv_heads, max_seq, hd)
     return [
-        Buffer("k_cache", kv, "float16", "cache"),  # [layers, kv_heads, max_seq, hd]
-        Buffer("v_cache", kv, "float16", "cache"),  # [layers, kv_heads, max_seq, hd]
+        Buffer("k_cache", kv, "float16", "cache"),  # [layers, slots, kv_heads, max_seq, hd]
+        Buffer("v_cache", kv, "float16", "cache"),  # [layers, slots, kv_heads, max_seq, hd]
         Buffer("rope", (max_seq, hd // 2, 2), "float32", "constant"),  # [max_seq, hd/2, (cos, sin)]
-        Buffer("state", (8,), "int32", "state"),  # see STATE_* in kernels_cu/common.cuh
-        Buffer("fparams", (4,), "float32", "state"),  # temperature, top_p, repetition penalty
-        Buffer("seen", (V,), "uint8", "state"),  # 1 where a token is in the prompt or was generated
+        Buffer("state", (slots, STATE_LEN), "int32", "state"),  # [slots, 8] see STATE_* in kernels_cu/common.cuh
+        Buffer("fparams", (slots, FPARAMS_LEN), "float32", "state"),  # [slots, 4] temperature, top_p, penalty
+        Buffer("seen", (slots, seen_stride(V)), "uint8", "state"),  # [slots, V rounded up to 4] 1: in the text
+        # [slots, VERIFY_ROWS, (slot, offset)]: slot s's rows table for a decode or verify step (slot_rows_table)
+        Buffer("slot_rows", (slots, VERIFY_ROWS, 2), "int32", "constant"),
         # decode step
         Buffer("x", (d,), "float32", "activation"),  # [d] the residual stream
         Buffer("q", (cfg.q_dim,), "float32", "activation"),  # [heads * hd] after RoPE
@@ -214,6 +218,21 @@ def runtime_buffers(cfg: LlamaConfig, max_seq: int, chunk: int | None = None) ->
                "activation"),  # [max split x max tiles of a split-K launch x tile_m x tile_n]
         Buffer("gemm_tile_count", (tile_counters(cfg, chunk),), "uint32", "activation"),  # [those tiles]
     ]
+
+
+def seen_stride(V: int) -> int:
+    """The row stride of `seen` [slots, V]: V rounded up to 4, so that every slot's row is 4-byte aligned (the sample
+    kernel reads a word of 4 flags at once)."""
+    return gemv_ops.logits_stride(V)
+
+
+def slot_rows_table(slots: int) -> np.ndarray:
+    """slot_rows [slots, VERIFY_ROWS, 2] int32: slot s's rows (s, 0), (s, 1), ...: its decode step is the first row,
+    a verify step of k drafts the first k + 1 (common.cuh's rows table)."""
+    table = np.zeros((slots, VERIFY_ROWS, 2), np.int32)
+    table[:, :, 0] = np.arange(slots)[:, None]
+    table[:, :, 1] = np.arange(VERIFY_ROWS)[None, :]
+    return table
 
 
 def rope_table(cfg: LlamaConfig, max_seq: int) -> np.ndarray:
@@ -296,11 +315,11 @@ def _step_launches(cfg: LlamaConfig, max_seq: int, rows: int, act, sample_vocab:
         launches += [
             Launch(gemv("gemv_qkv_rope", rows), (cdiv(cfg.qkv_dim // 2, per_block // 2), 1, 1), GEMV_THREADS,
                    (act("x"), _layer(i, "attn_norm"), _layer(i, "wqkv"), act("q"), Ref("k_cache", i),
-                    Ref("v_cache", i), Ref("rope"), Ref("state"), i32(d), i32(nh), i32(nkv), i32(hd),
-                    i32(max_seq), eps)),
+                    Ref("v_cache", i), Ref("rope"), Ref("state"), Ref("slot_rows", 0), i32(d), i32(nh), i32(nkv),
+                    i32(hd), i32(max_seq), eps)),
             Launch(attention("attention_decode", cfg), (nkv, attention_splits(cfg), rows), ATTENTION_THREADS,
                    (act("q"), Ref("k_cache", i), Ref("v_cache", i), act("attn_part"), act("attn_count"),
-                    act("attn_out"), Ref("state"), i32(max_seq), f32(1.0 / np.sqrt(hd)))),
+                    act("attn_out"), Ref("state"), Ref("slot_rows", 0), i32(max_seq), f32(1.0 / np.sqrt(hd)))),
             Launch(gemv("gemv_residual", rows), (cdiv(d, per_block), 1, 1), GEMV_THREADS,
                    (act("attn_out"), _layer(i, "wo"), act("x"), i32(d), i32(cfg.q_dim))),
             Launch(gemv("gemv_gate_up_silu", rows), (cdiv(ff, per_block // 2), 1, 1), GEMV_THREADS,
@@ -324,7 +343,8 @@ def _logits_and_sample(cfg: LlamaConfig, x: Ref, logits: Ref = Ref("logits"), ro
         Launch(gemv("gemv_logits", rows), (cdiv(V, gemv_rows(rows)), 1, 1), GEMV_THREADS,
                (x, Ref("final_norm"), lm_head, logits, i32(V), i32(d), f32(cfg.rms_norm_eps))),
         Launch(SAMPLE, (rows, 1, 1), SAMPLE_THREADS,
-               (logits, Ref("seen"), Ref("state"), Ref("fparams"), Ref("embed"), Ref("x"), *verify, i32(V), i32(d))),
+               (logits, Ref("seen"), Ref("state"), Ref("fparams"), Ref("embed"), Ref("x"), Ref("slot_rows", 0),
+                *verify, i32(V), i32(d), i32(seen_stride(cfg.vocab_size)), i32(1))),
     ]
 
 
@@ -336,7 +356,7 @@ def _gemm(kernel: GemmKernel, a: str, w: Ref, c: str, m: int, n: int, k: int, ac
 
 def _attention_prefill(cfg: LlamaConfig, kernels: PrefillKernels, max_seq: int, i: int, start: int,
                        n: int) -> Launch:
-    args = (Ref("q_rows"), Ref("k_cache", i), Ref("v_cache", i), Ref("attn_rows"), i32(start), i32(n),
+    args = (Ref("q_rows"), Ref("k_cache", (i, 0)), Ref("v_cache", (i, 0)), Ref("attn_rows"), i32(start), i32(n),
             i32(max_seq), f32(1.0 / np.sqrt(cfg.head_dim)))
     if kernels.mma_attention(cfg):
         return Launch(attention_prefill_mma_spec(cfg), attention_mma_ops.grid(cfg.num_kv_heads, n, cfg.group_size),
@@ -374,8 +394,8 @@ def prefill_plan(cfg: LlamaConfig, max_seq: int, start: int, n: int, output: str
         launches += [
             rows("rmsnorm_rows", Ref("x_rows"), _layer(i, "attn_norm"), Ref("xn_rows"), i32(d), eps),
             _gemm(gemm, "xn_rows", _layer(i, "wqkv"), "qkv_rows", n, cfg.qkv_dim, d, False),
-            rows("rope_kv_rows", Ref("qkv_rows"), Ref("rope"), Ref("q_rows"), Ref("k_cache", i),
-                 Ref("v_cache", i), i32(start), i32(nh), i32(nkv), i32(hd), i32(max_seq)),
+            rows("rope_kv_rows", Ref("qkv_rows"), Ref("rope"), Ref("q_rows"), Ref("k_cache", (i, 0)),
+                 Ref("v_cache", (i, 0)), i32(start), i32(nh), i32(nkv), i32(hd), i32(max_seq)),
             _attention_prefill(cfg, kernels, max_seq, i, start, n),
             _gemm(gemm, "attn_rows", _layer(i, "wo"), "x_rows", n, d, cfg.q_dim, True),
             rows("rmsnorm_rows", Ref("x_rows"), _layer(i, "ffn_norm"), Ref("xn_rows"), i32(d), eps),

@@ -11,16 +11,20 @@
 // with UNROLL x ROWS streaming loads in flight per thread. RMSNorm is free here: the block reads
 // all of x for the dot product anyway, so it sums x^2 on the way and scales the result.
 // Shapes: W [M, K] FP16 row-major, K % 8 == 0, any M; x, in: [TOKENS, K] float32 (row t at t * K), outputs
-// [TOKENS, M] likewise, except logits: row t at t * logits_stride(V) (V rounded up to 4, common.cuh); token
-// row t is at position state[STATE_POS] + t; 16-byte aligned rows.
+// [TOKENS, M] likewise, except logits: row t at t * logits_stride(V) (V rounded up to 4, common.cuh); 16-byte
+// aligned rows. Token row t's sequence slot and position come from the step's rows table (common.cuh: a decode
+// step's one row, a verify step's k + 1 rows of one slot, a batched step's rows of B slots); only gemv_qkv_rope
+// reads them (RoPE's angle, the KV cache row it writes).
 // Rows that need each other share a block: RoPE pairs (j, j + hd/2) of one head, and the gate
 // and up rows (r, ff + r) of one SwiGLU unit.
 // Token rows: each weight vector a thread loads is multiplied with all TOKENS rows of x, so W is read once
 // for all of them. Row t's arithmetic is exactly the 1-row kernel's on that row, whatever TOKENS, ROWS and
 // UNROLL are: thread i always adds the products of its vectors i, i + THREADS, i + 2 THREADS, ... in that
 // order, with explicit fmaf (NVRTC would contract a*b + c on its own, and could decide differently when the
-// code around it differs), then the same warp butterfly and the same sum over warps in order. So a verify
-// step's logits equal the plain steps' bit for bit (tests/test_verify.py).
+// code around it differs), then the same warp butterfly and the same sum over warps in order; the epilogues'
+// arithmetic is explicit too (__fadd_rn, __fmul_rn, __fdiv_rn: nothing left to contract). So a verify step's and a
+// batched step's logits equal the plain steps' bit for bit (tests/test_verify.py, tests/test_batch_kernels.py;
+// tests/test_sass_dataflow.py compares the variants' machine code).
 // Overlap: each kernel lets the next one launch at once (pdl_launch_dependents) and issues its first
 // batch of weight loads before pdl_wait(), so under programmatic dependent launch (the decode graph's
 // `overlap` mode) a block streams its weights while the previous kernel's tail runs.
@@ -46,7 +50,7 @@
 #define PAIRS (ROWS / 2)
 
 #if TOKENS < 1 || TOKENS > 9
-#error "TOKENS must be 1..9 (a verify step of at most 8 drafts)"
+#error "TOKENS must be 1..9 (a verify step of at most 8 drafts; a batched step's group of rows)"
 #endif
 
 // One block's weight rows and the batch of streaming loads in flight: w[u][r] is row r's vector
@@ -147,24 +151,27 @@ __device__ __forceinline__ void reduced(const RowSums& sums, int t, float (&dot)
 #pragma unroll
     for (int r = 0; r < ROWS; ++r) {
         dot[r] = 0.f;
-        for (int w = 0; w < THREADS / WARP; ++w) dot[r] += sums.partial[w][t][r];
+        for (int w = 0; w < THREADS / WARP; ++w) dot[r] = __fadd_rn(dot[r], sums.partial[w][t][r]);
     }
     ss = 0.f;
-    for (int w = 0; w < THREADS / WARP; ++w) ss += sums.partial[w][t][ROWS];
+    for (int w = 0; w < THREADS / WARP; ++w) ss = __fadd_rn(ss, sums.partial[w][t][ROWS]);
 }
 
-__device__ __forceinline__ float rms_scale(float ss, int K, float eps) { return rsqrtf(ss / (float)K + eps); }
+__device__ __forceinline__ float rms_scale(float ss, int K, float eps) {
+    return rsqrtf(__fadd_rn(__fdiv_rn(ss, (float)K), eps));
+}
 
-__device__ __forceinline__ float silu(float a) { return a / (1.f + expf(-a)); }
+__device__ __forceinline__ float silu(float a) { return __fdiv_rn(a, __fadd_rn(1.f, expf(-a))); }
 
 // grid: ceil(qkv_dim / ROWS); rows are RoPE pairs. W_qkv [(n_heads + 2 n_kv_heads) * hd, d].
-// q_out [TOKENS, n_heads * hd] float32 (after RoPE); k_cache, v_cache [n_kv_heads, max_seq, hd] FP16 (this
-// layer's), token row t's written at position state[STATE_POS] + t; rope [max_seq, hd / 2, 2] float32 (cos, sin).
+// q_out [TOKENS, n_heads * hd] float32 (after RoPE); k_cache, v_cache [slots, n_kv_heads, max_seq, hd] FP16 (this
+// layer's), token row t's written in its slot at its position (state [slots, 8], step_rows [TOKENS, 2]: common.cuh);
+// rope [max_seq, hd / 2, 2] float32 (cos, sin).
 extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS)
 gemv_qkv_rope(const float* __restrict__ x, const half_t* __restrict__ norm_w, const half_t* __restrict__ W,
               float* __restrict__ q_out, half_t* __restrict__ k_cache, half_t* __restrict__ v_cache,
-              const float* __restrict__ rope, const int* __restrict__ state, int d, int n_heads, int n_kv_heads,
-              int hd, int max_seq, float eps) {
+              const float* __restrict__ rope, const int* __restrict__ state, const int* __restrict__ step_rows,
+              int d, int n_heads, int n_kv_heads, int hd, int max_seq, float eps) {
     __shared__ RowSums sums;
     pdl_launch_dependents();  // the next kernel may start streaming its weights
     const int half_hd = hd / 2, n_pairs = (n_heads + 2 * n_kv_heads) * half_hd;
@@ -185,13 +192,15 @@ gemv_qkv_rope(const float* __restrict__ x, const half_t* __restrict__ norm_w, co
     float dot[ROWS], ss;
     reduced(sums, t, dot, ss);
     const float scale = rms_scale(ss, d, eps);
-    const int pos = state[STATE_POS] + t;
+    const int pos = row_pos(step_rows, state, t);
+    const size_t slot_off = (size_t)row_slot(step_rows, t) * n_kv_heads * max_seq * hd;  // the row's slot's cache
 #pragma unroll
     for (int i = 0; i < PAIRS; ++i) {
         const int p = blockIdx.x * PAIRS + i;
         if (p >= n_pairs) continue;
-        rope_store_pair(p, dot[2 * i] * scale, dot[2 * i + 1] * scale, rope + pos * half_hd * 2,
-                        q_out + (size_t)t * n_heads * hd, k_cache, v_cache, pos, n_heads, n_kv_heads, hd, max_seq);
+        rope_store_pair(p, __fmul_rn(dot[2 * i], scale), __fmul_rn(dot[2 * i + 1], scale), rope + pos * half_hd * 2,
+                        q_out + (size_t)t * n_heads * hd, k_cache + slot_off, v_cache + slot_off, pos, n_heads,
+                        n_kv_heads, hd, max_seq);
     }
 }
 
@@ -214,7 +223,7 @@ gemv_residual(const float* __restrict__ in, const half_t* __restrict__ W, float*
 #pragma unroll
     for (int r = 0; r < ROWS; ++r) {
         const int row = blockIdx.x * ROWS + r;
-        if (row < M) x[(size_t)t * M + row] += dot[r];
+        if (row < M) x[(size_t)t * M + row] = __fadd_rn(x[(size_t)t * M + row], dot[r]);
     }
 }
 
@@ -243,7 +252,8 @@ gemv_gate_up_silu(const float* __restrict__ x, const half_t* __restrict__ norm_w
 #pragma unroll
     for (int i = 0; i < PAIRS; ++i) {
         const int r = blockIdx.x * PAIRS + i;
-        if (r < ff) h[(size_t)t * ff + r] = silu(dot[2 * i] * scale) * (dot[2 * i + 1] * scale);
+        const float gate = __fmul_rn(dot[2 * i], scale), up = __fmul_rn(dot[2 * i + 1], scale);
+        if (r < ff) h[(size_t)t * ff + r] = __fmul_rn(silu(gate), up);
     }
 }
 
@@ -268,6 +278,6 @@ gemv_logits(const float* __restrict__ x, const half_t* __restrict__ norm_w, cons
 #pragma unroll
     for (int r = 0; r < ROWS; ++r) {
         const int row = blockIdx.x * ROWS + r;
-        if (row < V) logits[(size_t)t * logits_stride(V) + row] = dot[r] * scale;
+        if (row < V) logits[(size_t)t * logits_stride(V) + row] = __fmul_rn(dot[r], scale);
     }
 }

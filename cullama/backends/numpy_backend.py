@@ -59,7 +59,7 @@ class NumpyBackend:
     replay = run  # no graphs on the CPU: a decode step is just run
 
     def read_token(self) -> int:
-        return drawn(int(self.arrays["state"][STATE_TOKEN]))
+        return drawn(int(self.arrays["state"].reshape(-1)[STATE_TOKEN]))  # slot 0's
 
     def launch_step(self, plan: Plan, slot: int, fetch: str | None = None) -> None:
         self.run(plan)
