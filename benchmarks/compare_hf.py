@@ -33,8 +33,7 @@ DEVICE = "cuda"  # where the HF peers run ("cpu" only in a test of this script's
 def hf_model(llm, torch, transformers):
     """A transformers LlamaForCausalLM of llm's config, holding a copy of llm's device weights."""
     from cullama.checkpoint import EMBED, FINAL_NORM, LM_HEAD, expected_shapes, layer_name
-    from cullama.weights import LAYER_PLAN
-    from cullama.weights import buffer_name
+    from cullama.layout import LAYER_PLAN, buffer_name
 
     cfg = llm.config
     hf_cfg = transformers.LlamaConfig(

@@ -7,14 +7,16 @@
 # `pytest -m gpu`, `cullama bench`, `cullama bench --overlap` at 10, 100 and 500 tokens, then
 # benchmarks/decode_step.py (plain vs overlapped graph), logprobs_step.py (what logprobs=N adds to a step),
 # prefill_step.py (TTFT per prefill kernel pair),
-# gemv_sweep.py, gemm_sweep.py (mma vs wgmma), `cullama bench --speculative replay`, serve_latency.py (what
+# gemv_sweep.py, gemm_sweep.py (mma vs wgmma), the same two on INT4 / INT8 weights (gemv_quant.cu, gemm_quant.cu),
+# `cullama bench --speculative replay`, serve_latency.py (what
 # `cullama serve` adds per token) and compare_hf.py --quick. Each step runs under `timeout` inside one overall
 # budget (BUDGET_S, default 500 s), and a failing step does not stop the next. `pytest -m gpu` also runs the CPU
 # executor against the GPU on the tensor-core kernels (tests/test_emu_vs_gpu.py: emu_vs_gpu.json).
 # ../shared (the test data beside the repo) is used when present; a copy carried as .shared otherwise.
 # Under $OUT (the device tool returns at most 8 files): steps.log (every step's output), summary.txt,
 # report.md and results.tgz (bench.json, bench_overlap.json, decode.json, prefill.json, gemv.json, gemm.json,
-# compare.json, speculative.json, serve.json, emu_vs_gpu.json, logprobs.json; re-packed after every step, so a run cut short
+# gemv_quant.json, gemm_quant.json, compare.json, speculative.json, serve.json, emu_vs_gpu.json, logprobs.json;
+# re-packed after every step, so a run cut short
 # still returns what it finished). benchmarks/prepare_device.sh makes what to carry (.shared, .whl).
 # Environment: PYTHON (default python3), SKIP_INSTALL=1 (already installed), BENCH_SAMPLES (default 300),
 # BUDGET_S.
@@ -98,6 +100,10 @@ step logprobs 30 "$PY" benchmarks/logprobs_step.py --trials 2 --steps 50 --json 
 step prefill 45 "$PY" benchmarks/prefill_step.py --json "$RESULTS/prefill.json"
 step gemv 45 "$PY" benchmarks/gemv_sweep.py --json "$RESULTS/gemv.json"
 step gemm 75 "$PY" benchmarks/gemm_sweep.py --rows 10,64,256 --json "$RESULTS/gemm.json"
+# W4A16 / W8A16 (issue 16): the decode GEMVs per 7B shape in effective GB/s, and the prefill GEMM on quantized weights
+step gemv-quant 45 "$PY" benchmarks/gemv_sweep.py --bits 4,8 --json "$RESULTS/gemv_quant.json"
+step gemm-quant 40 "$PY" benchmarks/gemm_sweep.py --kernels mma-w4,mma-w8 --rows 10,256 --json \
+    "$RESULTS/gemm_quant.json"
 # Speculative decoding's upper bound (replay: every draft accepted) and its verify step per k; the derived figures
 # use ngram's tokens per step on stories260K where the test data is here.
 STORIES=${CULLAMA_SHARED:-../shared}/models/stories260K

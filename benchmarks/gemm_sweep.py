@@ -1,22 +1,24 @@
-"""GEMM sweep: the prefill GEMMs (gemm.cu, gemm_wgmma.cu) with and without split-K on the LLaMA-2-7B shapes.
+"""GEMM sweep: the prefill GEMMs (gemm.cu, gemm_wgmma.cu, gemm_quant.cu) with and without split-K on the LLaMA-2-7B
+shapes.
 
-    python benchmarks/gemm_sweep.py [--json FILE] [--kernels mma,wgmma] [--rows 1,10,64,256] [--splits 2,4]
-                                    [--trials N] [--launches N] [--l2-multiple K] [--model PRESET]
+    python benchmarks/gemm_sweep.py [--json FILE] [--kernels mma,wgmma,mma-w4,mma-w8] [--rows 1,10,64,256]
+                                    [--splits 2,4] [--trials N] [--launches N] [--l2-multiple K] [--model PRESET]
 
 For each prefill matrix of LLaMA-2-7B (qkv 12288x4096, o_proj 4096x4096, gate_up 22016x4096,
 down 4096x11008; o_proj and down accumulate into the residual, as in the plan), or of --model's
-preset as the plan runs it (cullama.weights.device_config; the tests run `tiny` on a fake CuPy),
+preset as the plan runs it (cullama.layout.device_config; the tests run `tiny` on a fake CuPy),
 each GEMM kernel in --kernels (cullama.prefill_kernels: `mma` is gemm.cu, `wgmma` gemm_wgmma.cu as the
 plan launches it, `wgmma-n128` / `wgmma-n256` / `wgmma-m64` / `wgmma-noswizzle` its other compiled
-variants; default: mma, and wgmma on an sm_90 GPU) and each prompt length M in --rows, times the kernel
-at S = 1 (no split), at the S that its split rule picks (marked "plan"), and at each S in --splits.
-Launches are captured in a CUDA graph that rotates over copies of the weight matrix totalling several
-times the L2, so no launch finds its weights in the cache; CUDA events time the replays. GB/s counts the
-FP16 weight bytes once per launch (what a short prompt's GEMM is bound by); TFLOP/s is 2 M N K per
-launch; % is of the read bandwidth as `cullama bench` measures it. Before timing, each S is checked: S = 1
-against the NumPy twin (M <= 64; the GPU tests cover the rest), every S against S = 1 (float32
-rounding), and S > 1 against itself on a rerun (bitwise: the split-K is deterministic). Run it on a
-GPU; without one it says so in one line.
+variants; `mma-w4` / `mma-w8` gemm_quant.cu, the same tiles and split rule on INT4 / INT8 weights as on-load
+quantization makes them (gemv_sweep.Weights); default: mma, and wgmma on an sm_90 GPU) and each prompt length M in
+--rows, times the kernel at S = 1 (no split), at the S that its split rule picks (marked "plan"), and at each S in
+--splits. Launches are captured in a CUDA graph that rotates over copies of the weight matrix totalling several
+times the L2, so no launch finds its weights in the cache; CUDA events time the replays. GB/s counts the weight
+bytes once per launch (FP16, or codes and (scale, zero) pairs; what a short prompt's GEMM is bound by); TFLOP/s
+is 2 M N K per launch; % is of the read bandwidth as `cullama bench` measures it. Before timing, each S is
+checked: S = 1 against the NumPy twin (M <= 64; the GPU tests cover the rest), every S against S = 1 (float32
+rounding), and S > 1 against itself on a rerun (bitwise: the split-K is deterministic). Run it on a GPU; without
+one it says so in one line.
 """
 
 from __future__ import annotations
@@ -34,9 +36,11 @@ from cullama import prefill_kernels
 from cullama.config import preset
 from cullama.errors import CullamaError
 from cullama.ops import gemm as twin
+from cullama.ops import gemm_quant as quant_twin
 from cullama.ops import gemm_wgmma as wgmma_ops
 from cullama.prefill_kernels import MMA_GEMM, WGMMA_GEMM, GemmKernel, PrefillKernels, cdiv
-from gemv_sweep import (events_ms, positive_int, positive_ints, random_fp16, read_bandwidth, require_gpu,
+from cullama.registry import KernelSpec
+from gemv_sweep import (Weights, events_ms, positive_int, positive_ints, random_fp16, read_bandwidth, require_gpu,
                         save_json)
 
 
@@ -47,13 +51,26 @@ def wgmma_variant(defines: tuple) -> GemmKernel:
                                tile_m=g.tile_m, tile_n=g.tile_n, threads=g.threads, smem=g.smem_bytes)
 
 
-# --kernels names: the plan's two GEMMs, then gemm_wgmma's other compiled variants (ops/gemm_wgmma.VARIANTS)
+def quant_variant(bits: int) -> GemmKernel:
+    """gemm_quant.cu for `bits`-bit weights: gemm.cu's geometry and split rule (prefill_kernels.MMA_GEMM)."""
+    return dataclasses.replace(MMA_GEMM, name=f"mma-w{bits}",
+                               spec=KernelSpec(quant_twin.SOURCE, "gemm_quant", quant_twin.defines(bits)))
+
+
+# --kernels names: the plan's two GEMMs, then gemm_wgmma's other compiled variants (ops/gemm_wgmma.VARIANTS), then
+# the quantized GEMM per bits
 KERNELS = {"mma": MMA_GEMM, "wgmma": WGMMA_GEMM,
            "wgmma-n256": wgmma_variant((("GW_TILE_N", 256), ("GW_STAGES", 4))),
            "wgmma-n128": wgmma_variant((("GW_TILE_N", 128), ("GW_STAGES", 6))),
            "wgmma-m64": wgmma_variant((("GW_WARPGROUPS", 1), ("GW_TILE_N", 256), ("GW_STAGES", 5))),
-           "wgmma-noswizzle": wgmma_variant((("GW_SWIZZLE", 0),))}
+           "wgmma-noswizzle": wgmma_variant((("GW_SWIZZLE", 0),)),
+           "mma-w4": quant_variant(4), "mma-w8": quant_variant(8)}
 assert all(k.spec.defines in wgmma_ops.VARIANTS for k in KERNELS.values() if k.spec.arch_specific)
+
+
+def weights_of(kernel: GemmKernel) -> Weights:
+    """How the kernel's weights are stored (FP16, or gemm_quant's BITS)."""
+    return Weights(dict(kernel.spec.defines)["BITS"]) if kernel.spec.source == quant_twin.SOURCE else Weights()
 
 
 def shapes(cfg):
@@ -66,9 +83,12 @@ def shapes(cfg):
 
 
 def launcher(kernel: GemmKernel, fn, A, C, workspace, count, M, N, K, accumulate, splits):
+    """run(copy): one launch on a weight copy ({parameter name: device array}, gemv_sweep.Weights.make)."""
     grid = (cdiv(N, kernel.tile_n), cdiv(M, kernel.tile_m), splits)
-    scalars = (np.int32(M), np.int32(N), np.int32(K), np.int32(accumulate))
-    return lambda W: fn(grid, (kernel.threads,), (A, W, C, workspace, count) + scalars, shared_mem=kernel.smem)
+    weights = weights_of(kernel)
+    scalars = (np.int32(M), np.int32(N), np.int32(K), np.int32(accumulate)) + tuple(v for _, v in weights.scalars(K))
+    return lambda copy: fn(grid, (kernel.threads,), (A, *(copy[n] for n in weights.names), C, workspace, count)
+                           + scalars, shared_mem=kernel.smem)
 
 
 def load(loader, kernel: GemmKernel):
@@ -83,12 +103,13 @@ def load(loader, kernel: GemmKernel):
 
 def sweep_shape(cp, loader, name, label, N, K, accumulate, args) -> list[dict]:
     kernel = KERNELS[name]
+    weights = weights_of(kernel)
     fn = load(loader, kernel)
-    nbytes = 2 * N * K
+    nbytes = weights.nbytes(N, K)
     l2 = cp.cuda.runtime.getDeviceProperties(cp.cuda.Device().id)["l2CacheSize"]
     n_copies = max(3, math.ceil(args.l2_multiple * l2 / nbytes))
-    copies = [random_fp16(cp, loader, (N, K), seed=1 + i) for i in range(n_copies)]
-    W_host = None  # copies[0] on the host as float16, fetched once for the twin
+    copies = [weights.make(cp, loader, N, K, seed=1 + i) for i in range(n_copies)]
+    W_host = None  # copies[0] on the host, fetched once for the twin
     launches = n_copies * math.ceil(args.launches / n_copies)
     stream = cp.cuda.Stream(non_blocking=True)
     rng = np.random.default_rng(0)
@@ -117,9 +138,12 @@ def sweep_shape(cp, loader, name, label, N, K, accumulate, args) -> list[dict]:
             ok, notes = bool(np.isfinite(outs[0]).all() and not count.get().any()), []
             if splits == 1 and M <= 64:
                 if W_host is None:
-                    W_host = copies[0].get()
+                    W_host = [copies[0][n].get() for n in weights.names]
                 ref = C0.copy()
-                twin.gemm(A.get(), W_host, ref, None, None, M, N, K, accumulate)
+                if weights.bits == 16:
+                    twin.gemm(A.get(), *W_host, ref, None, None, M, N, K, accumulate)
+                else:
+                    quant_twin.gemm_quant(A.get(), *W_host, ref, None, None, M, N, K, accumulate, weights.group(K))
                 err = float(np.linalg.norm(outs[0] - ref) / np.linalg.norm(ref - (C0 if accumulate else 0)))
                 ok &= err <= 1e-3
                 notes.append(f"twin rel err {err:.1e}")
@@ -142,7 +166,8 @@ def sweep_shape(cp, loader, name, label, N, K, accumulate, args) -> list[dict]:
                 per_launch = [events_ms(cp, stream, lambda: graph.launch(stream), 1) / launches
                               for _ in range(args.trials)]
             us = statistics.median(per_launch) * 1e3
-            rows.append({"kernel": name, "shape": label, "M": M, "N": N, "K": K, "accumulate": accumulate,
+            rows.append({"kernel": name, "bits": weights.bits, "shape": label, "M": M, "N": N, "K": K,
+                         "accumulate": accumulate,
                          "splits": splits, "plan_splits": plan_s, "tiles": tiles, "blocks": tiles * splits, "us": us,
                          "us_min": min(per_launch) * 1e3, "us_max": max(per_launch) * 1e3,
                          "gb_s": nbytes / us / 1e3, "tflop_s": 2 * M * N * K / us / 1e6, "weight_bytes": nbytes,
@@ -183,7 +208,7 @@ def main(argv=None) -> int:
     import cupy as cp
 
     from cullama.device import environment
-    from cullama.weights import device_config
+    from cullama.layout import device_config
     from cullama.registry import KernelLoader
 
     try:
@@ -200,6 +225,9 @@ def main(argv=None) -> int:
                   "environment": environment(), "split_k": prefill_kernels.SPLIT_K, "kernels": names, "rows": rows}
         for name in names:
             for label, N, K, accumulate in shapes(cfg):
+                if not weights_of(KERNELS[name]).holds(K):
+                    print(f"skipped {name} {label}: K = {K} is not a multiple of the 16-byte vector of codes")
+                    continue
                 for r in sweep_shape(cp, loader, name, label, N, K, accumulate, args):
                     r["pct_read_bw"] = 100 * r["gb_s"] * 1e9 / bps
                     rows.append(r)

@@ -1,11 +1,12 @@
 """GEMV sweep: every gemv.cu variant on every LLaMA-2-7B matrix shape, in GB/s and % of read bandwidth.
 
-    python benchmarks/gemv_sweep.py [--json FILE] [--trials N] [--launches N] [--l2-multiple K] [--model PRESET]
+    python benchmarks/gemv_sweep.py [--json FILE] [--bits 16|4,8] [--trials N] [--launches N] [--l2-multiple K]
+                                    [--model PRESET]
 
 Each shape is timed with the kernel the decode step uses for it (qkv: gemv_qkv_rope, o_proj and
 down: gemv_residual, gate_up: gemv_gate_up_silu, lm_head: gemv_logits), in every (ROWS, UNROLL)
 variant of cullama.ops.gemv.DECODE_VARIANTS. --model sweeps another preset's shapes instead, as the decode
-step runs them (cullama.weights.device_config; the tests run `tiny` on a fake CuPy). Launches are
+step runs them (cullama.layout.device_config; the tests run `tiny` on a fake CuPy). Launches are
 captured in a CUDA graph (as in the decode step) that rotates over copies of the weight matrix
 totalling several times the L2, so no launch finds its weights in the cache; CUDA events time the
 replays. On sm_90 and newer the same launches are timed again linked by programmatic dependent launch
@@ -14,11 +15,17 @@ previous one's tail). GB/s counts the FP16 weight bytes only (the vectors are < 
 traffic); % is of the read bandwidth as `cullama bench` measures it (cullama.bench.measure_bandwidth).
 Before timing, each variant's output is checked against the kernel's NumPy twin. Run it on a GPU;
 without one it says so in one line.
+--bits 4,8 sweeps gemv_quant.cu instead (W4A16 and W8A16: every variant of cullama.ops.gemv_quant.DECODE_VARIANTS
+for those bits, the four weight matrices: no quantized lm_head), with weights as on-load quantization makes them
+(Weights below: INT4 in groups of 128 along K, INT8 one group per row); GB/s is then the effective weight
+bandwidth, the bytes of codes and (scale, zero) pairs that a decode step reads (quant.QuantFormat.nbytes), and a
+shape the format cannot hold (K not a multiple of the 16-byte vector) is skipped with a line saying so.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import math
@@ -29,9 +36,11 @@ import sys
 import numpy as np
 
 from cullama import plan as plans
+from cullama import quant
 from cullama.config import preset
 from cullama.errors import CullamaError
 from cullama.ops import gemv as twins
+from cullama.ops import gemv_quant as quant_twins
 from cullama.registry import KernelLoader, KernelSpec
 
 
@@ -142,6 +151,61 @@ def random_fp16(cp, loader, shape, seed: int, std: float = 0.02):
     return out
 
 
+# -- the weights a sweep streams: FP16 (gemv.cu, gemm.cu) or quantized (gemv_quant.cu, gemm_quant.cu) ------------
+@dataclasses.dataclass(frozen=True)
+class Weights:
+    """How the swept matrices are stored: bits 16 is FP16; 4 and 8 are cullama/quant.py's format as on-load
+    quantization makes it (INT4 in groups of 128 along K, or the largest multiple of 32 below that divides K;
+    INT8 one group per row). Gemv_sweep and gemm_sweep share it."""
+
+    bits: int = 16
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        """The kernels' weight parameters, in order, where FP16 kernels take W."""
+        return ("W",) if self.bits == 16 else ("qweight", "qparams")
+
+    def group(self, K: int) -> int | None:
+        """The group size along K (None: the format cannot hold a row of K)."""
+        if self.bits == 8:
+            return K if K % quant.VECTOR[8] == 0 else None
+        return next((g for g in range(quant.INT4_GROUP, 0, -quant.VECTOR[4]) if K % g == 0), None)
+
+    def holds(self, K: int) -> bool:
+        return self.bits == 16 or self.group(K) is not None
+
+    def nbytes(self, M: int, K: int) -> int:
+        """Bytes a launch reads for the matrix: FP16 W, or codes and (scale, zero) pairs."""
+        return 2 * M * K if self.bits == 16 else quant.QuantFormat(self.bits, self.group(K)).nbytes(M, K)
+
+    def make(self, cp, loader, M: int, K: int, seed: int) -> dict:
+        """One random device copy of an [M, K] matrix: {parameter name: array}. Codes are random FP16 bits (any
+        word is a valid word of codes); scales of both signs, zeros anywhere in 0 .. 2**bits."""
+        if self.bits == 16:
+            return {"W": random_fp16(cp, loader, (M, K), seed)}
+        rng = np.random.default_rng(seed)
+        groups = K // self.group(K)
+        scale = (0.02 * 2 / (1 << self.bits) * rng.standard_normal((M, groups))).astype(np.float16)
+        zero = rng.integers(0, (1 << self.bits) + 1, (M, groups))
+        codes = random_fp16(cp, loader, (M, K * self.bits // 16), seed).view(cp.uint32)  # [M, K bits / 32]
+        return {"qweight": codes, "qparams": cp.asarray(quant.params(scale, zero))}
+
+    def scalars(self, K: int) -> list:
+        """The kernels' arguments after their FP16 twins' last one: the group size."""
+        return [] if self.bits == 16 else [("group", np.int32(self.group(K)))]
+
+    def args(self, named: list, K: int) -> list:
+        """A kernel's (name, value) arguments with ("W", None) replaced by this storage's (name, None) and its
+        scalars appended."""
+        out = []
+        for name, value in named:
+            out += [(n, None) for n in self.names] if name == "W" else [(name, value)]
+        return out + self.scalars(K)
+
+    def label(self) -> str:
+        return "FP16" if self.bits == 16 else f"W{self.bits}"
+
+
 def overlap_launcher(loader):
     """backends.pdl's launcher where the GPU has programmatic dependent launch (sm_90 and newer), else None."""
     from cullama.backends import pdl
@@ -162,28 +226,37 @@ def graph_us(cp, stream, launches: int, launch, trials: int) -> list[float]:
         return [events_ms(cp, stream, lambda: graph.launch(stream), 1) / launches * 1e3 for _ in range(trials)]
 
 
-def sweep_shape(cp, loader, cfg, label, kernel, M, K, args, pdl=None) -> list[dict]:
+def gemv_kernels(weights: Weights):
+    """(source, twins module, decode variants) of the GEMV kernels for this storage."""
+    if weights.bits == 16:
+        return twins.SOURCE, twins, twins.DECODE_VARIANTS
+    return quant_twins.SOURCE, quant_twins, [v for v in quant_twins.DECODE_VARIANTS if dict(v)["BITS"] == weights.bits]
+
+
+def sweep_shape(cp, loader, cfg, label, kernel, M, K, args, pdl=None, weights=Weights()) -> list[dict]:
     rng = np.random.default_rng(0)
     named, outputs = case(kernel, cfg, M, K, rng)
-    nbytes = 2 * M * K
+    named = weights.args(named, K)
+    source, module, variants = gemv_kernels(weights)
+    nbytes = weights.nbytes(M, K)
     l2 = cp.cuda.runtime.getDeviceProperties(cp.cuda.Device().id)["l2CacheSize"]
     n_copies = max(3, math.ceil(args.l2_multiple * l2 / nbytes))
-    copies = [random_fp16(cp, loader, (M, K), seed=1 + i) for i in range(n_copies)]
+    copies = [weights.make(cp, loader, M, K, seed=1 + i) for i in range(n_copies)]
     # The specification: the twin on the host, on the inputs as they are before any launch.
-    host = {n: (a.copy() if isinstance(a, np.ndarray) else a) for n, a in named}
-    host["W"] = copies[0].get()
-    getattr(twins, kernel)(*(host[n] for n, _ in named))
+    host = {n: (a.copy() if isinstance(a, np.ndarray) else a) for n, a in named if a is not None}
+    host.update({n: a.get() for n, a in copies[0].items()})
+    getattr(module, kernel)(*(host[n] for n, _ in named))
     expected = np.concatenate([host[n].astype(np.float32).ravel() for n in outputs])
-    dev = {n: cp.asarray(a) if isinstance(a, np.ndarray) else a for n, a in named if n != "W"}
+    dev = {n: cp.asarray(a) if isinstance(a, np.ndarray) else a for n, a in named if a is not None}
     cp.cuda.Device().synchronize()  # made on the default stream; used on `stream`
     launches = n_copies * math.ceil(args.launches / n_copies)
     stream = cp.cuda.Stream(non_blocking=True)
     rows = []
-    for defines in twins.DECODE_VARIANTS:
+    for defines in variants:
         variant = " ".join(f"{k}={v}" for k, v in defines)
-        fn = loader.function(KernelSpec(twins.SOURCE, kernel, tuple(defines)))
+        fn = loader.function(KernelSpec(source, kernel, tuple(defines)))
         grid = (plans.cdiv(M, dict(defines)["ROWS"]), 1, 1)  # ROWS rows (or ROWS/2 pairs) per block
-        argv = lambda W: tuple(W if n == "W" else dev[n] for n, _ in named)  # noqa: E731
+        argv = lambda copy: tuple(copy[n] if n in copy else dev[n] for n, _ in named)  # noqa: E731
         with stream:
             for n in outputs:  # poisoned (or the residual's starting x) before the checked launch
                 dev[n].set(dict(named)[n], stream=stream)
@@ -195,10 +268,10 @@ def sweep_shape(cp, loader, cfg, label, kernel, M, K, args, pdl=None) -> list[di
         block = (plans.GEMV_THREADS,)
         per_launch = graph_us(cp, stream, launches, lambda i: fn(grid, block, argv(copies[i % n_copies])), args.trials)
         us = statistics.median(per_launch)
-        row = {"shape": label, "kernel": kernel, "M": M, "K": K, "variant": variant, "defines": dict(defines),
-               "us": us, "us_min": min(per_launch), "us_max": max(per_launch), "gb_s": nbytes / us / 1e3,
-               "weight_bytes": nbytes, "copies": n_copies, "launches_per_graph": launches, "check_rel_err": err,
-               "check_ok": ok, "us_overlap": None, "gb_s_overlap": None}
+        row = {"shape": label, "kernel": kernel, "bits": weights.bits, "M": M, "K": K, "variant": variant,
+               "defines": dict(defines), "us": us, "us_min": min(per_launch), "us_max": max(per_launch),
+               "gb_s": nbytes / us / 1e3, "weight_bytes": nbytes, "copies": n_copies, "launches_per_graph": launches,
+               "check_rel_err": err, "check_ok": ok, "us_overlap": None, "gb_s_overlap": None}
         if pdl is not None:  # the first launch waits for what came before the graph, as in the decode step
             overlapped = graph_us(cp, stream, launches, lambda i: fn(grid, block, argv(copies[0])) if i == 0 else
                                   pdl(fn, grid, (block[0], 1, 1), argv(copies[i % n_copies]), stream.ptr), args.trials)
@@ -210,6 +283,24 @@ def sweep_shape(cp, loader, cfg, label, kernel, M, K, args, pdl=None) -> list[di
     return rows
 
 
+def bits_list(text: str) -> list[int]:
+    """argparse type of --bits: 16 (FP16, gemv.cu) or any of 4 and 8 (gemv_quant.cu), comma-separated."""
+    try:
+        values = [int(t) for t in text.split(",") if t.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of integers") from None
+    if not values or not (values == [16] or set(values) <= set(quant.BITS)):
+        raise argparse.ArgumentTypeError(f"{text!r}: give 16 (FP16) or any of {', '.join(map(str, quant.BITS))}")
+    return values
+
+
+def plan_variant(bits: list[int]) -> str:
+    """The variant(s) the plan launches for a decode step, as the table's footnote and the record say."""
+    if bits == [16]:
+        return f"ROWS={plans.GEMV_ROWS} UNROLL={plans.GEMV_UNROLL}"
+    return ", ".join(" ".join(f"{k}={v}" for k, v in quant_twins.defines(b)) for b in bits)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--json", metavar="FILE", help="write every row and the environment here")
@@ -218,12 +309,14 @@ def main(argv=None) -> int:
     parser.add_argument("--l2-multiple", type=float, default=6.0,
                         help="weight copies totalling at least this many times the L2")
     parser.add_argument("--model", default="llama-2-7b", help="preset whose decode-step shapes are swept")
+    parser.add_argument("--bits", type=bits_list, default=[16],
+                        help="16: the FP16 kernels (gemv.cu); 4,8: the quantized ones (gemv_quant.cu) [16]")
     args = parser.parse_args(argv)
     require_gpu("gemv_sweep")
     import cupy as cp
 
     from cullama.device import environment
-    from cullama.weights import device_config
+    from cullama.layout import device_config
 
     try:
         cfg, loader = device_config(preset(args.model)), KernelLoader()
@@ -231,33 +324,44 @@ def main(argv=None) -> int:
         bps, bandwidth = read_bandwidth()
         print(f"read bandwidth: {bps / 1e9:.0f} GB/s (cullama.bench.measure_bandwidth, {bandwidth['statistic']}); "
               f"overlapped launches: {'timed too' if pdl else 'not on ' + loader.arch}")
-        rows = []
-        record = {"model": args.model, "plan_variant": f"ROWS={plans.GEMV_ROWS} UNROLL={plans.GEMV_UNROLL}",
+        rows, skipped = [], []
+        record = {"model": args.model, "plan_variant": plan_variant(args.bits),
                   "read_bandwidth_bytes_per_s": bps, "bandwidth": bandwidth, "environment": environment(),
-                  "rows": rows}
-        for label, kernel, M, K in shapes(cfg):
-            for r in sweep_shape(cp, loader, cfg, label, kernel, M, K, args, pdl):
-                r["pct_read_bw"] = 100 * r["gb_s"] * 1e9 / bps
-                rows.append(r)
-            if args.json:
-                save_json(args.json, record, args, complete=False)
+                  "bits": args.bits, "rows": rows, "skipped": skipped}
+        for bits in args.bits:
+            weights = Weights(bits)
+            for label, kernel, M, K in shapes(cfg):
+                if kernel == "gemv_logits" and bits != 16:
+                    continue  # the lm_head stays FP16
+                if not weights.holds(K):
+                    skipped.append(f"{weights.label()} {label}: K = {K} is not a multiple of {quant.VECTOR[bits]}")
+                    print(f"skipped {skipped[-1]}")
+                    continue
+                for r in sweep_shape(cp, loader, cfg, label, kernel, M, K, args, pdl, weights):
+                    r["pct_read_bw"] = 100 * r["gb_s"] * 1e9 / bps
+                    rows.append(r)
+                if args.json:
+                    save_json(args.json, record, args, complete=False)
     except CullamaError as exc:
         sys.exit(f"gemv_sweep: {exc}")
     best = {}
     for r in rows:
-        if r["check_ok"] and r["gb_s"] > best.get(r["shape"], {"gb_s": 0})["gb_s"]:
-            best[r["shape"]] = r
-    print(f"{'shape':<22} {'kernel':<18} {'variant':<16} {'us':>8} {'min-max us':>15} {'GB/s':>7} "
-          f"{'% bw':>6} {'ov GB/s':>7} {'ov % bw':>7}  check")
+        key = (r["bits"], r["shape"])
+        if r["check_ok"] and r["gb_s"] > best.get(key, {"gb_s": 0})["gb_s"]:
+            best[key] = r
+    quantized = args.bits != [16]
+    print(f"{'shape':<22} {'kernel':<18} {'variant':<{24 if quantized else 16}} {'us':>8} {'min-max us':>15} "
+          f"{'GB/s':>7} {'% bw':>6} {'ov GB/s':>7} {'ov % bw':>7}  check")
     for r in rows:
-        mark = "*" if best.get(r["shape"]) is r else " "
+        mark = "*" if best.get((r["bits"], r["shape"])) is r else " "
         spread = f"{r['us_min']:.1f}-{r['us_max']:.1f}"
         check = "ok" if r["check_ok"] else f"WRONG (rel err {r['check_rel_err']:.1e})"
         overlap = ("-", "-") if r["gb_s_overlap"] is None else \
             (f"{r['gb_s_overlap']:.0f}", f"{100 * r['gb_s_overlap'] * 1e9 / bps:.1f}%")
-        print(f"{r['shape']:<22} {r['kernel']:<18} {r['variant']:<16} {r['us']:>8.1f} {spread:>15} "
-              f"{r['gb_s']:>7.0f} {r['pct_read_bw']:>5.1f}%{mark} {overlap[0]:>7} {overlap[1]:>7} {check}")
-    print(f"* fastest correct variant per shape; the plan uses ROWS={plans.GEMV_ROWS} UNROLL={plans.GEMV_UNROLL}; "
+        print(f"{r['shape']:<22} {r['kernel']:<18} {r['variant']:<{24 if quantized else 16}} {r['us']:>8.1f} "
+              f"{spread:>15} {r['gb_s']:>7.0f} {r['pct_read_bw']:>5.1f}%{mark} {overlap[0]:>7} {overlap[1]:>7} {check}")
+    print(f"* fastest correct variant per shape{' and bits' if quantized else ''}; the plan uses "
+          f"{plan_variant(args.bits)}; {'GB/s: effective (codes and (scale, zero) pairs); ' if quantized else ''}"
           f"ov: the same launches linked by programmatic dependent launch (CULLAMA_OVERLAP=1)")
     if args.json:
         save_json(args.json, record, args, complete=True)

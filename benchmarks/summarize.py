@@ -5,7 +5,8 @@
 RESULTS is results.tgz, a directory holding the JSON files (or $OUT itself, holding results.tgz), or one of
 the JSON files. The files: bench.json (`cullama bench`), bench_overlap.json (`cullama bench --overlap`),
 decode.json (decode_step.py), prefill.json (prefill_step.py), gemv.json (gemv_sweep.py), gemm.json
-(gemm_sweep.py), compare.json (compare_hf.py), speculative.json (`cullama bench --speculative replay`),
+(gemm_sweep.py), gemv_quant.json (gemv_sweep.py --bits 4,8), gemm_quant.json (gemm_sweep.py --kernels
+mma-w4,mma-w8), compare.json (compare_hf.py), speculative.json (`cullama bench --speculative replay`),
 serve.json (serve_latency.py) and emu_vs_gpu.json (tests/test_emu_vs_gpu.py).
 summary.txt and steps.log beside them are read too when present (each step's status; nvidia-smi's driver
 and clocks). Prints one Markdown report, --markdown writes
@@ -27,6 +28,7 @@ from device_report.checks import SECTIONS as CHECK_SECTIONS
 from device_report.decisions import decisions
 from device_report.header import header
 from device_report.kernel_sections import section_gemm, section_gemv, section_prefill
+from device_report.quant_sections import section_gemm_quant, section_gemv_quant
 from device_report.results import FILES, Results, load, missing_note
 from device_report.run_sections import section_bench, section_compare, section_decode, section_overlap
 from device_report.speculative import section_speculative
@@ -40,6 +42,8 @@ SECTIONS = [
     ("prefill.json", "Prefill: TTFT per kernel pair and chunk (prefill.json)", section_prefill),
     ("gemv.json", "GEMV sweep (gemv.json)", section_gemv),
     ("gemm.json", "GEMM sweep: mma vs wgmma, split-K (gemm.json)", section_gemm),
+    ("gemv_quant.json", "Quantized GEMVs: W4 and W8 per shape (gemv_quant.json)", section_gemv_quant),
+    ("gemm_quant.json", "Quantized prefill GEMM: W4 and W8 (gemm_quant.json)", section_gemm_quant),
     ("compare.json", "cullama vs HuggingFace (compare.json)", section_compare),
     ("speculative.json", "Speculative decoding: cullama bench --speculative replay (speculative.json)",
      section_speculative),

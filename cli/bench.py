@@ -8,7 +8,7 @@ from pathlib import Path
 
 import click
 
-from .main import NonEmptyPath, main, out, require_stdout
+from .main import QUANTIZE, NonEmptyPath, main, out, require_stdout
 
 
 class BenchProgress:
@@ -41,6 +41,7 @@ class BenchProgress:
 @click.option("--prompt-len", default=8, show_default=True, type=int, help="Prompt tokens before each decode trial.")
 @click.option("--max-seq-len", type=int, help="Context to allocate (default: the model's).")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), help="Write every sample and the environment here.")
+@QUANTIZE
 @click.option("--overlap/--no-overlap", default=None,
               help="Link the decode graph's kernels by programmatic dependent launch (sm_90+) "
                    "[default: CULLAMA_OVERLAP=1 turns it on; off otherwise].")
@@ -56,22 +57,22 @@ class BenchProgress:
 @click.option("--acceptance-model", type=NonEmptyPath(),
               help="--speculative: a real checkpoint (e.g. stories260K) on which ngram's tokens per step is measured "
                    "for the derived per-token figures.")
-def bench(model_dir, synthetic, device, lengths, samples, warmup, prompt_len, max_seq_len, json_path, overlap,
-          **speculative):
+def bench(model_dir, synthetic, device, lengths, samples, warmup, prompt_len, max_seq_len, json_path, quantize,
+          overlap, **speculative):
     """Per-token decode latency (p50/p90/p99/max), tokens/s, GB/s and TTFT at each length."""
     require_stdout()
     from .. import bench as protocol
     from ..config import from_pretrained as read_config, preset
     from ..device import resolve
-    from ..weights import device_config
+    from ..weights import config_layout
     from ..errors import PromptError
     from ..llama import Llama, check_draft, checked_context
     from ..plan import check_supported
-    from ..tokenizer import Tokenizer
+    from ..tokenizer import find_tokenizer, load_tokenizer
 
     command = {"model": model_dir, "synthetic": synthetic, "device": device, "lengths": lengths,
                "samples": samples, "warmup": warmup, "prompt_len": prompt_len, "max_seq_len": max_seq_len,
-               "json": json_path, "overlap": overlap, **speculative}
+               "json": json_path, "quantize": quantize, "overlap": overlap, **speculative}
     if model_dir is not None and synthetic is not None:
         raise PromptError("give either --model or --synthetic, not both")
     speculative_options(speculative)
@@ -86,24 +87,24 @@ def bench(model_dir, synthetic, device, lengths, samples, warmup, prompt_len, ma
         tiny = " (the tiny preset: --device cpu --synthetic tiny)" if synthetic == "tiny" else ""
         BenchProgress.note(f"note: {fallback[0]}{tiny}")
     config = read_config(model_dir) if model_dir is not None else preset(synthetic)
-    check_supported(device_config(config))
+    check_supported(config_layout(config, quantize).device)
     context = checked_context(config, max_seq_len)
     protocol.check_options(lengths, samples, warmup, prompt_len, context)
 
     if speculative["speculative"]:
         check_speculative(speculative, context)
     if speculative["draft_model"] is not None:  # a draft that cannot speak the target's tokens, before any weight
-        has_tokenizer = model_dir is not None and (Path(model_dir) / "tokenizer.model").is_file()
-        check_draft(speculative["draft_model"], config, Tokenizer.from_model_dir(model_dir) if has_tokenizer else None)
+        has_tokenizer = model_dir is not None and find_tokenizer(model_dir) is not None
+        check_draft(speculative["draft_model"], config, load_tokenizer(model_dir) if has_tokenizer else None)
     bandwidth = None
     if dev == "cuda" and not speculative["speculative"]:  # before the weights arrive (a few GiB on any GPU)
         BenchProgress.note("measuring the read bandwidth of this GPU ...")
         bandwidth = protocol.measure_bandwidth()
     BenchProgress.note(f"loading {model_dir or 'synthetic ' + synthetic} on {dev} ...")
     if model_dir is not None:
-        llm = Llama.from_pretrained(model_dir, device=dev, max_seq_len=max_seq_len)
+        llm = Llama.from_pretrained(model_dir, device=dev, max_seq_len=max_seq_len, quantize=quantize)
     else:
-        llm = Llama.synthetic(synthetic, device=dev, max_seq_len=max_seq_len)
+        llm = Llama.synthetic(synthetic, device=dev, max_seq_len=max_seq_len, quantize=quantize)
 
     overlapped = False
     if dev == "cuda":
@@ -118,7 +119,7 @@ def bench(model_dir, synthetic, device, lengths, samples, warmup, prompt_len, ma
                                  {"command": command, "overlap": overlapped}, **speculative_defaults(speculative))
     try:
         result = protocol.run(llm.runner, llm.config, lengths, samples, warmup, prompt_len, bandwidth=bandwidth,
-                              device=dev, progress=BenchProgress(),
+                              device=dev, progress=BenchProgress(), layout=llm.layout,
                               extra_options={"command": command, "overlap": overlapped})
     except protocol.Interrupted as stop:  # Ctrl-C: the lengths that finished are kept, then exit 130
         report(stop.result, label, dev, overlapped, json_path)
@@ -136,7 +137,8 @@ def report(result, label: str, dev: str, overlapped: bool, json_path: str | None
         from ..device import environment
         gpu = f" ({environment().get('gpu')})"
     interrupted = ", interrupted" if result.interrupted else ""
-    title = f"cullama bench: {label}, {dev}{gpu}{', overlap on' if overlapped else ''}{interrupted}"
+    weights = f" in {result.weights.describe()}" if result.weights.quantized else ""
+    title = f"cullama bench: {label}{weights}, {dev}{gpu}{', overlap on' if overlapped else ''}{interrupted}"
     out(protocol.format_table(result, title=title))
     if json_path:
         protocol.write_json(result, json_path, model=label)
@@ -188,7 +190,8 @@ def speculative_bench(llm, label, dev, lengths, samples, warmup, prompt_len, jso
         real = Llama.from_pretrained(acceptance_model, device=dev)
         lookup = {"model": str(acceptance_model), **protocol.lookup_tokens_per_step(
             real.runner, real.config.bos_token_id, k=draft_tokens)}
-    title = f"cullama bench --speculative {speculative}: {label}, {dev}"
+    weights = f" in {llm.layout.describe()}" if llm.layout.quantized else ""
+    title = f"cullama bench --speculative {speculative}: {label}{weights}, {dev}"
     try:
         result = protocol.run(llm.runner, llm.config, speculative, lengths, samples, warmup, prompt_len,
                               draft_tokens=draft_tokens, adaptive=adaptive_draft, draft_runner=draft_runner,

@@ -234,9 +234,17 @@ def shared_options(command):
         click.option("--max-seq-len", type=int, help="Context to allocate (default: the model's)."),
         click.option("--tokenizer", type=NonEmptyPath(), help="tokenizer.json or tokenizer.model (or a directory "
                      "holding one) to use instead of the checkpoint's."),
-        click.option("--json", "as_json", is_flag=True, help="Print JSON: ids, text, finish reason, seed, timings."),
+        QUANTIZE,
+        click.option("--json", "as_json", is_flag=True, help="Print JSON: ids, text, finish reason, seed, timings, "
+                                                            "the weights' format."),
     ]
     return apply(options, speculative_flags(command))  # the speculative flags listed last
+
+
+# --quantize of generate, chat, serve and bench (a value it does not list is refused by click, exit 2)
+QUANTIZE = click.option("--quantize", type=click.Choice(["int8", "int4"]),
+                        help="Quantize an FP16 / BF16 / FP32 checkpoint's linear weights on load: int8 per output "
+                             "channel, int4 in groups of 128 (AWQ and GPTQ checkpoints run as they are stored).")
 
 
 def speculative_flags(command):
@@ -295,14 +303,15 @@ def pick_device(device: str) -> str:
     return resolve(device, on_fallback=note)
 
 
-def load(model_dir, device, max_seq_len, tokenizer, check=None, draft_model=None):
+def load(model_dir, device, max_seq_len, tokenizer, check=None, draft_model=None, quantize=None):
     """The model (and its draft model), with a progress bar while the weights load and its notes said once."""
     from ..llama import Llama
 
     progress = LoadProgress("loading weights")
     try:
         llm = Llama.from_pretrained(model_dir, device=pick_device(device), max_seq_len=max_seq_len,
-                                    tokenizer=tokenizer, progress=progress, check=check, draft_model=draft_model)
+                                    tokenizer=tokenizer, progress=progress, check=check, draft_model=draft_model,
+                                    quantize=quantize)
     finally:
         progress.close()
     for text in llm.notes:
@@ -311,7 +320,7 @@ def load(model_dir, device, max_seq_len, tokenizer, check=None, draft_model=None
 
 
 def record(result, llm) -> str:
-    return json.dumps({**result.to_dict(), "device": llm.device})
+    return json.dumps({**result.to_dict(), "device": llm.device, "weights": llm.layout.summary()})
 
 
 def stream_out(stream, llm, as_json: bool) -> None:
@@ -347,7 +356,8 @@ def stream_out(stream, llm, as_json: bool) -> None:
 @click.option("--chat", is_flag=True, help="Wrap the prompt in the model's chat template (LLaMA-2's format "
               "when it has none).")
 @click.option("--system", help="System prompt for --chat.")
-def generate(model_dir, prompt, prompt_ids, chat, system, device, max_seq_len, tokenizer, as_json, **kwargs):
+def generate(model_dir, prompt, prompt_ids, chat, system, device, max_seq_len, tokenizer, quantize, as_json,
+             **kwargs):
     """Generate text from PROMPT (or standard input; an empty prompt starts from BOS alone)."""
     require_stdout()
     from ..generate import check_prompt_fits
@@ -380,14 +390,14 @@ def generate(model_dir, prompt, prompt_ids, chat, system, device, max_seq_len, t
             request[:] = checked_ids(prompt, config.vocab_size, tok)
         check_prompt_fits(len(request), context, options.max_new_tokens)
 
-    llm = load(model_dir, device, max_seq_len, tokenizer, check, kwargs["draft_model"])
+    llm = load(model_dir, device, max_seq_len, tokenizer, check, kwargs["draft_model"], quantize)
     stream_out(llm.stream(request, **dataclasses.asdict(options), **spec), llm, as_json)
 
 
 @main.command()
 @shared_options
 @click.option("--system", help="System prompt for the whole conversation.")
-def chat(model_dir, system, device, max_seq_len, tokenizer, as_json, **kwargs):
+def chat(model_dir, system, device, max_seq_len, tokenizer, quantize, as_json, **kwargs):
     """A multi-turn chat: each line of standard input is a user turn; replies stream back.
 
     The whole conversation goes through the model's chat template (LLaMA-2's format when it has none) at every
@@ -409,7 +419,7 @@ def chat(model_dir, system, device, max_seq_len, tokenizer, as_json, **kwargs):
             raise PromptError(f"--system takes {n} tokens in the chat template, which leaves no room in the "
                               f"context of {context} tokens (--max-seq-len)")
 
-    llm = load(model_dir, device, max_seq_len, tokenizer, check, kwargs["draft_model"])
+    llm = load(model_dir, device, max_seq_len, tokenizer, check, kwargs["draft_model"], quantize)
     interactive = sys.stdin is not None and sys.stdin.isatty()
     lines = TextInput().lines()
     messages: list[dict] = []
@@ -458,9 +468,10 @@ def chat(model_dir, system, device, max_seq_len, tokenizer, as_json, **kwargs):
               help="Seconds a request body may take to arrive; past it, 408.")
 @click.option("--shutdown-grace", default=SHUTDOWN_GRACE_S, show_default=True, type=click.FloatRange(0),
               help="Seconds open connections get to finish after SIGINT/SIGTERM before they are closed.")
+@QUANTIZE
 @speculative_flags
 def serve(model_dir, host, port, device, max_seq_len, tokenizer, served_model_name, max_queue, api_key,
-          allowed_hosts, allowed_origins, body_timeout, shutdown_grace, **flags):
+          allowed_hosts, allowed_origins, body_timeout, shutdown_grace, quantize, **flags):
     """An OpenAI-compatible HTTP server: /v1/completions, /v1/chat/completions, /v1/models, /health, /metrics.
 
     One generation at a time, the others wait in a FIFO queue. The speculative options are every request's
@@ -478,7 +489,8 @@ def serve(model_dir, host, port, device, max_seq_len, tokenizer, served_model_na
                         served_model_name=served_model_name, max_queue=max_queue, api_key=api_key,
                         tokenizer=tokenizer, speculative=spec, draft_model=flags["draft_model"],
                         body_timeout=body_timeout, shutdown_grace=shutdown_grace,
-                        allowed_hosts=listed(allowed_hosts), allowed_origins=listed(allowed_origins)))
+                        allowed_hosts=listed(allowed_hosts), allowed_origins=listed(allowed_origins),
+                        quantize=quantize))
 
 
 def listed(values: tuple[str, ...]) -> tuple[str, ...]:
@@ -487,10 +499,18 @@ def listed(values: tuple[str, ...]) -> tuple[str, ...]:
 
 
 @main.command()
-def info():
-    """Python, NumPy, CuPy, NVRTC and the GPU (or why there is none)."""
+@click.option("--model", "model_dir", type=NonEmptyPath(), help="Also say how this checkpoint's weights would run "
+                                                                "(read from its headers, no weight loads).")
+@QUANTIZE
+def info(model_dir, quantize):
+    """Python, NumPy, CuPy, NVRTC and the GPU (or why there is none); with --model, the checkpoint's weights on
+    the device: their format, bytes, and the floor a decode step's reads imply on an H200."""
     require_stdout()
     from ..device import environment, two_cupys_warning
+
+    if quantize is not None and model_dir is None:
+        raise PromptError("--quantize goes with --model")
+    summary = model_summary(model_dir, quantize) if model_dir is not None else None  # a bad model: before anything
 
     env = environment()
     for key, value in env.items():
@@ -500,8 +520,29 @@ def info():
             value = f"{value} ({env['nvrtc_library']})"
         if key not in ("gpu_status", "nvrtc_library"):
             out(f"{key:>18}: {value}")
+    for key, value in (summary or {}).items():
+        out(f"{key:>18}: {value}")
     if warning := two_cupys_warning():
         click.echo(f"warning: {warning}", err=True)
+
+
+def model_summary(model_dir, quantize) -> dict:
+    """What `info --model` prints of a checkpoint: its device layout, read from the config and the headers (a
+    quantized checkpoint's scales and g_idx are read and checked too); no weight is loaded."""
+    from ..checkpoint import open_checkpoint
+    from ..layout import H200_READ_BYTES_PER_S
+    from ..memory import gib
+    from ..weights import check_quantize, checkpoint_layout
+
+    layout = checkpoint_layout(open_checkpoint(model_dir), check_quantize(quantize))
+    s = layout.summary()
+    return {"model": model_dir, "weights": s["weights"],
+            "linears": ", ".join(f"{n} x {name}" for name, n in s["linears"].items()),
+            "intermediate size": f"{layout.config.intermediate_size} (on the device {s['intermediate_size']})",
+            "weight memory": gib(s["weight_bytes"]),
+            "bytes per step": f"{s['decode_bytes'] / 1e9:.4g} GB (linears, lm_head)",
+            "floor on an H200": f"{s['floor_ms_h200']:.3g} ms per token at {H200_READ_BYTES_PER_S / 1e12:.2f} TB/s",
+            **{f"note {i + 1}": note for i, note in enumerate(s["notes"])}}
 
 
 @main.command()
@@ -513,10 +554,10 @@ def kernels(arch):
     from ..kernel_report import compile_all, skipped
 
     reports = compile_all(arch)
-    out(f"{'kernel':<22} {'file':<14} {'defines':<22} {'regs':>5} {'smem B':>7} {'stack B':>8} {'spill st/ld':>12}")
+    out(f"{'kernel':<22} {'file':<14} {'defines':<31} {'regs':>5} {'smem B':>7} {'stack B':>8} {'spill st/ld':>12}")
     for r in reports:
         res = r.resources
-        out(f"{r.name:<22} {r.source:<14} {r.define_text:<22} {res.registers:>5} {res.smem_bytes:>7} "
+        out(f"{r.name:<22} {r.source:<14} {r.define_text:<31} {res.registers:>5} {res.smem_bytes:>7} "
             f"{res.stack_bytes:>8} {res.spill_stores:>5}/{res.spill_loads:<6}")
     spilled = [r for r in reports if r.resources.spills]
     for note in skipped(arch):
@@ -536,6 +577,7 @@ def kernels(arch):
 @click.option("--max-seq-len", type=int, help="The window: the context to allocate [default: the model's].")
 @click.option("--tokenizer", type=click.Path(), help="tokenizer.model to use instead of the checkpoint's.")
 @click.option("--json", "as_json", is_flag=True, help="Print the figures and the options as JSON.")
+@QUANTIZE
 def perplexity(model_dir, file, as_ids, stride, device, max_seq_len, tokenizer, as_json, **load_options):
     """The perplexity of the text in FILE ('-': standard input) through the model's tokenizer (with BOS), or of
     the token ids in it (--ids). A text longer than the context is scored in sliding windows of the context,

@@ -11,8 +11,9 @@ For each L in `lengths`, batch 1, greedy, EOS ignored (a runner never stops by i
     result = run(llm.runner, llm.config, lengths=(10, 100), samples=1000, bandwidth=measure_bandwidth())
     print(format_table(result)); write_json(result, "bench.json")
 
-Achieved GB/s = the bytes a decode step reads (all linear weights and the lm_head, plus the K and V
-of every cached position, averaged over the trial's contexts) / the p50 latency.
+Achieved GB/s = the bytes a decode step reads (all linear weights and the lm_head as the device holds them:
+FP16, or quantized codes and their (scale, zero) pairs; plus the K and V of every cached position, averaged over
+the trial's contexts) / the p50 latency.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ import numpy as np
 from . import cache
 from .config import LlamaConfig
 from .errors import DeviceError, OptionError, PromptError, ResourceError
+from .layout import Layout, fp16
 from .sampling import SamplingParams
 
 DEFAULT_LENGTHS = (10, *range(50, 501, 50))
@@ -79,6 +81,11 @@ class BenchResult:
     lengths: list[LengthResult]
     bandwidth: dict | None  # measure_bandwidth()'s record on a GPU; None on the CPU
     interrupted: bool = False  # Ctrl-C stopped the run: `lengths` are those that finished
+    layout: Layout | None = None  # the weights' device layout (None: the config's FP16 layout)
+
+    @property
+    def weights(self) -> Layout:
+        return self.layout or fp16(self.config)
 
     @property
     def read_bandwidth(self) -> float | None:
@@ -173,17 +180,20 @@ def ttft(runner, prompt: Sequence[int], trials: int, warmup: int, clock: Clock =
     return out
 
 
-def step_bytes(config: LlamaConfig, context: float) -> float:
-    """Bytes one decode step reads at `context` cached positions: weights, then K and V (FP16)."""
-    return config.decode_weight_bytes() + 2 * config.num_layers * config.kv_dim * 2 * context
+def step_bytes(config: LlamaConfig, context: float, layout: Layout | None = None) -> float:
+    """Bytes one decode step reads at `context` cached positions: weights (in `layout`, default FP16: what
+    Layout.decode_bytes counts), then K and V (FP16)."""
+    return (layout or fp16(config)).decode_bytes() + 2 * config.num_layers * config.kv_dim * 2 * context
 
 
 def run(runner, config: LlamaConfig, lengths: Sequence[int] = DEFAULT_LENGTHS, samples: int = DEFAULT_SAMPLES,
         warmup: int = DEFAULT_WARMUP, prompt_len: int = DEFAULT_PROMPT_LEN, ttft_trials: int = DEFAULT_TTFT_TRIALS,
         bandwidth: dict | None = None, device: str = "cpu", progress: Progress | None = None,
-        clock: Clock = time.perf_counter_ns, extra_options: dict | None = None) -> BenchResult:
-    """The whole protocol on any runner with start/next (see the module docstring). Ctrl-C raises Interrupted
-    with the lengths that finished."""
+        clock: Clock = time.perf_counter_ns, extra_options: dict | None = None,
+        layout: Layout | None = None) -> BenchResult:
+    """The whole protocol on any runner with start/next (see the module docstring); `layout`: the weights' (for
+    the bytes a step reads; default the config's FP16 layout). Ctrl-C raises Interrupted with the lengths that
+    finished."""
     check_options(lengths, samples, warmup, prompt_len, runner.max_seq_len, ttft_trials)
     prompt = prompt_ids(prompt_len, config.vocab_size)
     options = {"lengths": list(lengths), "samples": samples, "warmup": warmup, "prompt_len": prompt_len,
@@ -197,10 +207,11 @@ def run(runner, config: LlamaConfig, lengths: Sequence[int] = DEFAULT_LENGTHS, s
                          progress)
             # step i (1..L) attends over prompt_len + i positions; the mean context is prompt_len + (L + 1) / 2
             results.append(LengthResult(length, latencies, times, trials,
-                                        step_bytes(config, prompt_len + (length + 1) / 2)))
+                                        step_bytes(config, prompt_len + (length + 1) / 2, layout)))
     except KeyboardInterrupt:
-        raise Interrupted(BenchResult(config, device, options, results, bandwidth, interrupted=True)) from None
-    return BenchResult(config, device, options, results, bandwidth)
+        raise Interrupted(BenchResult(config, device, options, results, bandwidth, interrupted=True,
+                                      layout=layout)) from None
+    return BenchResult(config, device, options, results, bandwidth, layout=layout)
 
 
 def measure_bandwidth(buffer_bytes: int = 4 << 30, reps: int = 10) -> dict:
@@ -271,7 +282,8 @@ def to_json(result: BenchResult, model: str | None = None) -> dict:
     summaries = result.summaries()
     return {
         **record_header(SCHEMA, result.device, model or result.config.name, result.config, result.options),
-        "decode_weight_bytes": result.config.decode_weight_bytes(),
+        "decode_weight_bytes": result.weights.decode_bytes(),  # the weights' bytes a step reads, as stored
+        "weights": result.weights.summary(),  # their format, and the floor they imply on an H200
         "bandwidth": result.bandwidth,
         "interrupted": result.interrupted,  # then "results" holds the lengths that finished, not all of options'
         "results": [{**s, "bytes_per_step": r.bytes_per_step, "decode_ns": r.decode_ns, "ttft_ns": r.ttft_ns}

@@ -22,6 +22,10 @@ tensor and the element. weights.py places the chunks in the fused device layout.
 Conversion is reported, not printed: `Checkpoint.converted_from` holds the source dtypes that
 were not FP16 and `Checkpoint.conversion_note` a one-line message the caller (CLI) may print.
 
+An AWQ or GPTQ checkpoint (config.quantization) stores its quantized linears as packed int32 and FP16 tensors
+in place of `.weight`: their names, dtypes and shapes are checked here too (quant_checkpoint.check), and
+`Checkpoint.stored` reads them as they are; quant_checkpoint unpacks them and checks their data.
+
 PyTorch pickles (`.bin`, `.pth`, `.pt`) are refused, never unpickled.
 """
 
@@ -40,6 +44,7 @@ from typing import Callable, Iterator
 
 import numpy as np
 
+from . import quant_checkpoint
 from .config import LlamaConfig, from_pretrained
 from .errors import CheckpointError
 from .untrusted import parse_json, read_json, shown
@@ -62,6 +67,7 @@ ITEM_BYTES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "U16": 2,
               "C64": 8}
 # The dtypes cullama reads, and how their bytes are viewed (BF16 has no numpy dtype: its raw bits).
 SOURCE_VIEW = {"F16": np.float16, "BF16": np.uint16, "F32": np.float32}
+STORED_VIEW = {"F16": np.float16, "I32": np.int32}  # a quantized linear's tensors, read as they are
 SOURCE_NAME = {"F16": "float16", "BF16": "bfloat16", "F32": "float32"}
 WRITE_DTYPES = {"float16": "F16", "bfloat16": "BF16", "float32": "F32"}
 
@@ -111,6 +117,14 @@ def expected_shapes(config: LlamaConfig) -> dict[str, tuple[int, ...]]:
     if not config.tie_word_embeddings:
         shapes[LM_HEAD] = (vocab, d)
     return shapes
+
+
+def quantized_linear(config: LlamaConfig, name: str) -> bool:
+    """Whether the HF tensor `name` (a .weight of expected_shapes) is stored quantized instead: a linear of a
+    layer, in an AWQ or GPTQ checkpoint, not kept FP16 by modules_to_not_convert."""
+    q = config.quantization
+    return (q is not None and LAYER_NAME.match(name) is not None and name.endswith("_proj.weight")
+            and q.converts(name.removesuffix(".weight")))
 
 
 def _error(*where_and_what) -> CheckpointError:
@@ -257,6 +271,10 @@ def _validate(config: LlamaConfig, infos: dict[str, TensorInfo], where: Path) ->
         if layer and int(layer.group(1)) >= config.num_layers:
             raise _error(info.file, shown(name), f"layer beyond num_hidden_layers={config.num_layers} of the config")
     for name, shape in expected.items():
+        if quantized_linear(config, name):
+            found = lambda n: (infos[n].dtype, infos[n].shape) if n in infos else None  # noqa: E731
+            quant_checkpoint.check(config.quantization, name.removesuffix(".weight"), *shape, found, where)
+            continue
         info = infos.get(name)
         if info is None:
             raise _error(where, f"missing tensor {name}")
@@ -288,7 +306,8 @@ class _RowReader:
     def __init__(self, info: TensorInfo, source: np.ndarray):
         self.info, self.source = info, source  # source: [rows, ...] in the stored dtype (BF16 as bits)
         self.row_size = math.prod(info.shape[1:])  # elements per row (1 for a vector)
-        self.converted = None if info.dtype == "F16" else np.empty(CHUNK, np.float16)  # [CHUNK] converted
+        # [max(CHUNK, a row)] converted: a chunk is whole rows, one at least
+        self.converted = None if info.dtype == "F16" else np.empty(max(CHUNK, self.row_size), np.float16)
 
     def __iter__(self) -> Iterator[tuple[int, np.ndarray]]:
         step = max(1, CHUNK // max(1, self.row_size))
@@ -344,7 +363,7 @@ class Checkpoint:
         self.files = list(maps)
         self._infos = infos
         self._maps = maps
-        used = {infos[name].dtype for name in expected_shapes(config)}
+        used = {infos[name].dtype for name in expected_shapes(config) if not quantized_linear(config, name)}
         self.converted_from = {SOURCE_NAME[d] for d in used if d != "F16"}  # e.g. {"bfloat16"}
 
     @property
@@ -370,6 +389,12 @@ class Checkpoint:
         finite (CheckpointError naming the tensor and the element) just before it is handed out."""
         info = self._info(name)
         return iter(_RowReader(info, self._source(info)))
+
+    def stored(self, name: str) -> np.ndarray:
+        """A quantized linear's tensor (qweight, qzeros, scales, g_idx) as stored: a read-only int32 or FP16
+        memmap view, unchecked (quant_checkpoint checks what it reads)."""
+        info = self._info(name)
+        return self._maps[info.file][info.start:info.end].view(STORED_VIEW[info.dtype]).reshape(info.shape)
 
     def tensor(self, name: str) -> np.ndarray:
         """A whole tensor as FP16, checked: a read-only memmap view when stored as FP16 (the check is the
@@ -419,13 +444,15 @@ def _random_tensor(name: str, shape: tuple[int, ...], seed: int, std: float) -> 
 
 
 def _encode(values: np.ndarray, st_dtype: str) -> np.ndarray:
-    """fp32 values in the stored dtype; BF16 as its bits, rounded to nearest even."""
+    """fp32 values in the stored dtype; BF16 as its bits, rounded to nearest even, NaN as the quiet NaN (the
+    rounding's carry would turn a NaN's payload into inf or zero), as PyTorch's conversion does."""
     if st_dtype == "F16":
         return values.astype(np.float16)
     if st_dtype == "F32":
         return values
     bits = values.view(np.uint32)
-    return ((bits + np.uint32(0x7FFF) + ((bits >> 16) & np.uint32(1))) >> 16).astype(np.uint16)
+    rounded = ((bits + np.uint32(0x7FFF) + ((bits >> 16) & np.uint32(1))) >> 16).astype(np.uint16)
+    return np.where(np.isnan(values), np.uint16(0x7FC0), rounded)
 
 
 def _write_safetensors(file: Path, tensors: dict[str, tuple[int, ...]], st_dtype: str,
@@ -483,6 +510,6 @@ def write_random(path: str | os.PathLike, config: LlamaConfig, seed: int = 0, dt
     if shards > 1:
         index = {"metadata": {"total_size": total}, "weight_map": weight_map}
         (directory / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
-    hf_config = dataclasses.replace(config, dtype=dtype).to_hf_dict()
+    hf_config = dataclasses.replace(config, dtype=dtype, quantization=None).to_hf_dict()  # plain weights
     (directory / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
     return directory

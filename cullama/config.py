@@ -14,10 +14,10 @@ range-checked (1 to 2**31 - 1: the kernels index with int32), rms_norm_eps and r
 BOS and EOS ids lie in the vocabulary. The HF LLaMA keys that do not change what cullama computes are
 type-checked too (pretraining_tp, attention_dropout, initializer_range, use_cache, pad_token_id). Keys that
 change what the model computes and that cullama does not run (another architecture, biases, another
-activation, quantization, partial rotary, a RoPE scaling other than linear / dynamic / llama3) are refused,
-never ignored. null means "absent" only where HF reads it so (num_key_value_heads, head_dim, rope_scaling,
-rope_parameters, bos/eos_token_id, dtype) or HF does not read it at inference (architectures,
-attention_dropout, initializer_range, use_cache, pad_token_id).
+activation, partial rotary, a RoPE scaling other than linear / dynamic / llama3, a quantization other than
+AWQ's GEMM layout or GPTQ) are refused, never ignored. null means "absent" only where HF reads it so
+(num_key_value_heads, head_dim, rope_scaling, rope_parameters, bos/eos_token_id, dtype, quantization_config) or HF
+does not read it at inference (architectures, attention_dropout, initializer_range, use_cache, pad_token_id).
 """
 
 from __future__ import annotations
@@ -34,6 +34,12 @@ from .untrusted import read_json
 DTYPES = ("float16", "bfloat16", "float32")
 INT32_MAX = 2**31 - 1  # the kernels take sizes and ids as int32
 ROPE_SCALINGS = ("linear", "dynamic", "llama3")
+QUANT_METHODS = ("awq", "gptq")
+QUANT_BITS = {"awq": (4,), "gptq": (4, 8)}
+GPTQ_FORMATS = ("gptq", "gptq_v2")  # how qzeros holds a zero: minus one (v1), or as it is (v2)
+# Older dumps keep the quantization beside config.json: AutoAWQ's quant_config.json (w_bit, q_group_size, ...) and
+# AutoGPTQ's quantize_config.json (bits, group_size, desc_act, sym, ...); config.json's quantization_config wins.
+QUANT_FILES = {"quant_config.json": "awq", "quantize_config.json": "gptq"}
 ARCHITECTURE = "LlamaForCausalLM"  # also spelt LLaMAForCausalLM by early conversions
 # config.json's key for each size field of LlamaConfig (also how errors name the field).
 SIZE_KEYS = {"vocab_size": "vocab_size", "hidden_size": "hidden_size", "intermediate_size": "intermediate_size",
@@ -68,6 +74,48 @@ class RopeScaling:
 
 
 @dataclasses.dataclass(frozen=True)
+class Quantization:
+    """A quantized checkpoint's scheme, from its quantization_config (cullama/quant_checkpoint.py reads the
+    tensors it describes):
+    - awq:  AutoAWQ's GEMM layout, 4 bits, a zero point per group (zero_point true);
+    - gptq: AutoGPTQ / GPTQModel, 4 or 8 bits, symmetric or not (the zeros are read from qzeros either way),
+            desc_act (act-order: g_idx orders the input channels), checkpoint_format gptq (qzeros holds zero - 1)
+            or gptq_v2 (the zero itself).
+    group: inputs per (scale, zero); -1 is one group per row (all of the inputs). Modules whose names contain an
+    entry of modules_to_not_convert stay FP16, as HF keeps them."""
+
+    method: str  # one of QUANT_METHODS
+    bits: int
+    group: int  # group_size; -1: the whole row
+    checkpoint_format: str = "gptq"  # gptq only: one of GPTQ_FORMATS
+    sym: bool = False  # gptq only
+    desc_act: bool = False  # gptq only
+    not_converted: tuple[str, ...] = ()  # modules_to_not_convert
+
+    def converts(self, module: str) -> bool:
+        """Whether the module (e.g. model.layers.0.self_attn.q_proj) is stored quantized."""
+        return not any(part in module for part in self.not_converted)
+
+    @property
+    def zero_stored_minus_one(self) -> bool:
+        return self.method == "gptq" and self.checkpoint_format == "gptq"
+
+    def describe(self) -> str:
+        """e.g. "gptq int4 g128 act-order"."""
+        group = "per channel" if self.group == -1 else f"g{self.group}"
+        act = " act-order" if self.desc_act else ""
+        return f"{self.method} int{self.bits} {group}{act}"
+
+    def to_hf_dict(self) -> dict:
+        """quantization_config as AutoAWQ / AutoGPTQ write it."""
+        out = {"quant_method": self.method, "bits": self.bits, "group_size": self.group,
+               "modules_to_not_convert": list(self.not_converted) or None}
+        if self.method == "awq":
+            return out | {"zero_point": True, "version": "gemm"}
+        return out | {"sym": self.sym, "desc_act": self.desc_act, "checkpoint_format": self.checkpoint_format}
+
+
+@dataclasses.dataclass(frozen=True)
 class LlamaConfig:
     vocab_size: int
     hidden_size: int  # d, the residual width
@@ -85,6 +133,7 @@ class LlamaConfig:
     eos_token_ids: tuple[int, ...] = (2,)
     dtype: str = "float16"  # the dtype the checkpoint says it holds
     name: str = "custom"
+    quantization: Quantization | None = None  # an AWQ or GPTQ checkpoint's scheme; None: plain weights
 
     def __post_init__(self):
         for field, key in SIZE_KEYS.items():
@@ -165,6 +214,7 @@ class LlamaConfig:
             "bos_token_id": self.bos_token_id,
             "eos_token_id": self.eos_token_ids[0] if len(self.eos_token_ids) == 1 else list(self.eos_token_ids),
             "dtype": self.dtype,
+            **({"quantization_config": self.quantization.to_hf_dict()} if self.quantization else {}),
         }
 
 
@@ -294,9 +344,6 @@ def _check_supported(keys: _Keys) -> None:
     for key in ("attention_bias", "mlp_bias"):
         if keys.flag(key, False):
             raise keys.error(key, "= true is not supported (LLaMA has no biases)")
-    if keys.get("quantization_config", None) is not None:
-        raise keys.error("quantization_config", "is set: quantized checkpoints are not supported (FP16, BF16 "
-                                                "or FP32 weights only)")
 
 
 def _check_unused(keys: _Keys) -> None:
@@ -341,8 +388,50 @@ def _rope(keys: _Keys, max_position: int) -> tuple[float, RopeScaling | None]:
     return theta, RopeScaling(kind, factor, original, low, high)
 
 
-def from_hf_dict(raw: dict, source: str = "config.json") -> LlamaConfig:
-    """Build a config from the parsed JSON of an HF LLaMA config; `source` names it in errors."""
+def _quantization(keys: _Keys | None, method: str | None = None) -> Quantization | None:
+    """The quantization scheme of quantization_config (or of an older dump's own file, whose method is known
+    from its name: `method`). Anything cullama does not read is refused naming the key."""
+    if keys is None:
+        return None
+    method = keys.choice("quant_method", method or REQUIRED, QUANT_METHODS,
+                         why=" checkpoints; bitsandbytes, fp8, compressed-tensors and others are not read")
+    bits_key = "w_bit" if "w_bit" in keys.raw else "bits"  # AutoAWQ's quant_config.json spells them so
+    group_key = "q_group_size" if "q_group_size" in keys.raw else "group_size"
+    bits = keys.integer(bits_key)
+    if bits not in QUANT_BITS[method]:
+        raise keys.error(bits_key, f"{bits} is not supported ({method}: {' or '.join(map(str, QUANT_BITS[method]))} "
+                                   "bits)")
+    group = keys.integer(group_key, low=-1)
+    if group == 0:
+        raise keys.error(group_key, "must be -1 (one group per row) or a group size >= 1, got 0")
+    not_converted = keys.get("modules_to_not_convert", None)
+    if not_converted is not None and (not isinstance(not_converted, list)
+                                      or not all(isinstance(m, str) for m in not_converted)):
+        raise keys.error("modules_to_not_convert", f"must be a list of module names, got {shown(not_converted)}")
+    common = dict(method=method, bits=bits, group=group, not_converted=tuple(not_converted or ()))
+    if method == "awq":
+        version = keys.get("version", "gemm")
+        if not isinstance(version, str) or version.lower() != "gemm":
+            raise keys.error("version", f"{shown(version)} is not supported (cullama reads AWQ's gemm layout)")
+        if not keys.flag("zero_point", True):
+            raise keys.error("zero_point", "= false is not supported (cullama reads AWQ with zero points)")
+        return Quantization(**common)
+    if keys.flag("is_marlin_format", False):
+        raise keys.error("is_marlin_format", "= true is not supported (Marlin's repacked layout; cullama reads "
+                                             "the gptq and gptq_v2 layouts)")
+    if keys.get("dynamic", None):
+        raise keys.error("dynamic", "is not supported (per-module bits and group sizes)")
+    if keys.flag("lm_head", False):
+        raise keys.error("lm_head", "= true is not supported (cullama keeps the lm_head FP16)")
+    format_key = "format" if "checkpoint_format" not in keys.raw and "format" in keys.raw else "checkpoint_format"
+    return Quantization(**common, checkpoint_format=keys.choice(format_key, "gptq", GPTQ_FORMATS),
+                        sym=keys.flag("sym", True), desc_act=keys.flag("desc_act", False))
+
+
+def from_hf_dict(raw: dict, source: str = "config.json", quant: tuple[dict, str, str] | None = None) -> LlamaConfig:
+    """Build a config from the parsed JSON of an HF LLaMA config; `source` names it in errors. `quant`: an older
+    dump's own quantization file (its JSON, its name for errors, its method), read when config.json has no
+    quantization_config."""
     if not isinstance(raw, dict):
         raise ConfigError(f"{source}: expected a JSON object, got {type(raw).__name__}")
     keys = _Keys(raw, source)
@@ -353,6 +442,12 @@ def from_hf_dict(raw: dict, source: str = "config.json") -> LlamaConfig:
     head_dim = keys.integer("head_dim", hidden // heads)
     theta, scaling = _rope(keys, max_position)
     dtype_key = "dtype" if keys.get("dtype", None) is not None else "torch_dtype"
+    quantization = _quantization(keys.nested("quantization_config"))
+    if quantization is None and quant is not None:
+        quant_raw, quant_source, method = quant
+        if not isinstance(quant_raw, dict):
+            raise ConfigError(f"{quant_source}: expected a JSON object, got {type(quant_raw).__name__}")
+        quantization = _quantization(_Keys(quant_raw, quant_source), method)
     return LlamaConfig(
         vocab_size=vocab,
         hidden_size=hidden,
@@ -370,6 +465,7 @@ def from_hf_dict(raw: dict, source: str = "config.json") -> LlamaConfig:
         eos_token_ids=keys.token_ids("eos_token_id", (2,)),
         dtype=keys.choice(dtype_key, "float16", DTYPES),
         name=source,
+        quantization=quantization,
     )
 
 
@@ -384,7 +480,9 @@ def from_pretrained(path: str | os.PathLike) -> LlamaConfig:
         what = "a directory" if file.is_dir() else "not a regular file" if file.exists() else \
             "a broken symbolic link" if file.is_symlink() else "missing"
         raise ConfigError(f"{file}: {what} (a HuggingFace LLaMA checkpoint needs its config.json)")
-    return _with_generation_eos(from_hf_dict(read_json(file, ConfigError), source=str(file)), directory)
+    quant = next(((read_json(directory / name, ConfigError), str(directory / name), method)
+                  for name, method in QUANT_FILES.items() if (directory / name).is_file()), None)
+    return _with_generation_eos(from_hf_dict(read_json(file, ConfigError), source=str(file), quant=quant), directory)
 
 
 def _with_generation_eos(config: LlamaConfig, directory: Path) -> LlamaConfig:

@@ -8,6 +8,8 @@ A message names an option in its reader's terms: written `option("tokenizer")`, 
 argument" (a Python caller's), `error.for_cli()` says "--tokenizer" (what the CLI prints).
 """
 
+from .untrusted import printable
+
 OPTION = "\0"  # brackets an option's Python name inside a message (no path, nor any shown value, holds a NUL)
 
 
@@ -34,8 +36,9 @@ class CullamaError(Exception):
         return self._said(flag)
 
     def _said(self, term) -> str:
+        """The message, each option said by `term`, and anything unprintable it interpolated escaped."""
         parts = super().__str__().split(OPTION)
-        return "".join(term(part) if i % 2 else part for i, part in enumerate(parts))
+        return printable("".join(term(part) if i % 2 else part for i, part in enumerate(parts)))
 
 
 class ConfigError(CullamaError):
@@ -63,7 +66,7 @@ class OptionError(PromptError):
         self.option, self.problem = option, problem
 
     def for_cli(self) -> str:
-        return f"{flag(self.option)} {self.problem}"
+        return printable(f"{flag(self.option)} {self.problem}")
 
 
 class SupersededError(CullamaError):

@@ -23,7 +23,7 @@ from .backends import make_backend
 from .engine import PlanRunner
 from .sampling import INT32_MAX, is_int
 from .speculative import SpeculativeOptions, SpeculativeStream
-from .weights import device_config, load_checkpoint, random_weights
+from .weights import check_quantize, checkpoint_layout, config_layout, load_checkpoint, random_weights
 from .tokenizer import TokenizerBase, find_tokenizer, load_tokenizer
 
 Progress = Callable[[int, int], None]  # (bytes done, bytes total) while weights load
@@ -48,27 +48,40 @@ class Llama:
         # speculative="draft"'s model: its runner is driven only from this model's generations, under self.guard
         self.draft = draft
 
+    @property
+    def layout(self):
+        """The device layout of the weights (cullama.layout.Layout): what the model runs in (layout.describe(),
+        layout.summary()), its bytes."""
+        return self.runner.layout
+
     @classmethod
     def from_pretrained(cls, path: str | os.PathLike, device: str = "auto", max_seq_len: int | None = None,
                         tokenizer: str | os.PathLike | None = None, progress: Progress | None = None,
-                        check: Check | None = None, draft_model: str | os.PathLike | None = None) -> "Llama":
+                        check: Check | None = None, draft_model: str | os.PathLike | None = None,
+                        quantize: str | None = None) -> "Llama":
         """Load an HF-format LLaMA checkpoint directory (safetensors) onto `device` ("auto", "cpu", "cuda").
 
+        Plain checkpoints (FP16, BF16, FP32) run in FP16, or with quantize="int8" | "int4" quantized on load
+        (int8 per output channel, int4 in groups of 128 along the inputs: cullama/layout.py); AWQ and GPTQ
+        checkpoints run as they are stored (quantize must then be None). `llm.layout` says what it runs in.
+
         What can be checked without the weights is checked before they load, in this order: the paths' types,
-        the device, config.json and the shapes cullama's kernels support, max_seq_len, the tokenizer (its pieces
-        must be ids of the model's vocabulary; the ids of a padded vocabulary past them are never sampled), the
-        draft model's vocabulary, `check(config, tokenizer, context)` (the caller's own, e.g. its prompt), the
-        checkpoint's files and tensors, and the memory the KV cache and the weights need.
+        quantize, the device, config.json (with quantize) and the shapes cullama's kernels support, max_seq_len, the
+        tokenizer (its pieces must be ids of the model's vocabulary; the ids of a padded vocabulary past them are
+        never sampled), the draft model's vocabulary, `check(config, tokenizer, context)` (the caller's own, e.g.
+        its prompt), the checkpoint's files and tensors (a quantized one's scales and g_idx read and checked), and
+        the memory the KV cache and the weights need.
 
         draft_model: a smaller LLaMA checkpoint with the same tokenizer, loaded after this one on the same
-        device with the same context, for speculative="draft"; one with another vocabulary size or other
-        pieces is refused before any weight loads."""
+        device with the same context, for speculative="draft" (as it is stored: quantize applies to this model
+        only); one with another vocabulary size or other pieces is refused before any weight loads."""
         notes: list[str] = []
         path, tokenizer = checked_path(path, "path"), checked_path(tokenizer, "tokenizer")
         draft_model = checked_path(draft_model, "draft_model")
+        check_quantize(quantize)
         device = devices.resolve(device, on_fallback=notes.append)
         config = read_config(path)
-        plans.check_supported(device_config(config))
+        plans.check_supported(config_layout(config, quantize).device)
         seq_len = checked_context(config, max_seq_len)
         tok = None
         if tokenizer is not None or find_tokenizer(path) is not None:
@@ -79,28 +92,33 @@ class Llama:
         if check is not None:
             check(config, tok, seq_len)
         ckpt = checkpoint.open_checkpoint(path, config)
+        layout = checkpoint_layout(ckpt, quantize)
         if ckpt.conversion_note:
             notes.append(ckpt.conversion_note)
+        notes += layout.notes
         backend = make_backend(device)
         # fits, or says so; the ids past a smaller tokenizer's pieces (a padded vocabulary) are never sampled
-        runner = PlanRunner(config, backend, seq_len, weight_bytes=device_weight_bytes(config),
+        runner = PlanRunner(layout, backend, seq_len, weight_bytes=layout.weight_bytes(),
                             sample_vocab=tok.vocab_size if tok else None)
-        load_checkpoint(backend, ckpt, progress)
+        load_checkpoint(backend, ckpt, progress, layout)
         draft = None if draft_model is None else cls.from_pretrained(draft_model, device, seq_len, progress=progress)
         return cls(config, runner, tok, device, notes + (draft.notes if draft else []), draft)
 
     @classmethod
     def synthetic(cls, config: LlamaConfig | str, device: str = "auto", max_seq_len: int | None = None,
-                  seed: int = 0) -> "Llama":
-        """Random weights of a preset's (or any config's) shape, made on the device: no download.
+                  seed: int = 0, quantize: str | None = None) -> "Llama":
+        """Random weights of a preset's (or any config's) shape, made on the device: no download. quantize
+        ("int8" | "int4"): random codes and (scale, zero) pairs in the layout on-load quantization gives.
         For benchmarks; there is no tokenizer, so prompts are token ids."""
+        check_quantize(quantize)
         config = preset(config) if isinstance(config, str) else config
         device = devices.resolve(device)
-        plans.check_supported(device_config(config))
+        layout = config_layout(config, quantize)
+        plans.check_supported(layout.device)
         backend = make_backend(device)
-        runner = PlanRunner(config, backend, checked_context(config, max_seq_len),
-                            weight_bytes=device_weight_bytes(config))
-        random_weights(backend, config, seed)
+        runner = PlanRunner(layout, backend, checked_context(config, max_seq_len),
+                            weight_bytes=layout.weight_bytes())
+        random_weights(backend, layout, seed)
         return cls(config, runner, None, device)
 
     @property
@@ -300,11 +318,6 @@ def check_text(text: str, what: str) -> None:
         text.encode("utf-8")
     except UnicodeEncodeError as exc:
         raise PromptError(f"{what} is not valid Unicode (character {exc.start}: {exc.reason})") from None
-
-
-def device_weight_bytes(config: LlamaConfig) -> int:
-    """Bytes the weights take on the device, in its layout (FP16, padded)."""
-    return sum(b.nbytes for b in plans.weight_buffers(device_config(config)))
 
 
 def checked_context(config: LlamaConfig, max_seq_len: int | None) -> int:

@@ -18,6 +18,11 @@ state, seen and x end as n decode steps would leave them.
 A prefill chunk runs n prompt tokens at positions start..start+n-1 with GEMMs, then the same
 gemv_logits + sample on its last row (or a logits GEMM over every row, for `Llama.logits`).
 
+The weights are read in the device layout (cullama/layout.py), which every plan function takes (a config stands
+for its FP16 layout): a quantized linear runs gemv_quant.cu's kernel of the same name and fusions (and the prefill
+gemm_quant.cu's GEMM) on its qweight and qparams, with its group as the last argument; under act-order a gather
+kernel first puts the linear's input in its weight's input order (ops/gather.py), into a buffer of its own.
+
 `sample_vocab` (default: the whole vocabulary) limits gemv_logits + sample to the ids 0 .. sample_vocab - 1,
 through the V both kernels take (their rows, and the row stride of a verify step's logits): a model whose
 vocabulary is padded past its tokenizer's pieces never samples an id that has no text.
@@ -36,9 +41,11 @@ import numpy as np
 
 from .config import LlamaConfig
 from .errors import KernelError
+from .layout import GATHERED, Buffer, Layout, as_layout
 from .ops import attention_mma as attention_mma_ops
 from .ops import gemv as gemv_ops
-from .prefill_kernels import GemmKernel, PrefillKernels, cdiv, tile_counters, workspace_floats
+from .ops import gemv_quant as gemv_quant_ops
+from .prefill_kernels import GemmKernel, PrefillKernels, cdiv, quant_gemm, tile_counters, workspace_floats
 from .reference import rope_tables
 from .registry import KernelSpec
 from .ops import sampling as sampling_ops  # the logprobs kernel's
@@ -61,19 +68,8 @@ ROW_THREADS = 256  # the row-wise prefill kernels: one block per token row
 OVERLAP_SAFE = frozenset({"gemv_qkv_rope", "attention_decode", "gemv_residual", "gemv_gate_up_silu",
                           "gemv_logits", "sample",
                           "embed_rows", "rmsnorm_rows", "rope_kv_rows", "silu_mul_rows", "gemm", "gemm_wgmma",
-                          "attention_prefill", "attention_prefill_mma"})
-
-
-@dataclasses.dataclass(frozen=True)
-class Buffer:
-    name: str
-    shape: tuple[int, ...]
-    dtype: str  # numpy dtype name
-    kind: str  # "weight" | "cache" | "state" | "constant" | "activation"
-
-    @property
-    def nbytes(self) -> int:
-        return int(np.prod(self.shape)) * np.dtype(self.dtype).itemsize
+                          "attention_prefill", "attention_prefill_mma",
+                          "gemm_quant", "gather_f32", "gather_f16"})  # gemv_quant.cu's GEMVs share gemv.cu's names
 
 
 @dataclasses.dataclass(frozen=True)
@@ -114,7 +110,7 @@ class Plan:
 def check_supported(cfg: LlamaConfig) -> None:
     """Shapes the kernels handle; anything else is a clear error, never wrong numbers. The CPU runs the same
     plans (the kernels' twins), so the limits hold on every device. Cheap: call it as soon as a config is read,
-    before any weight loads (of the device layout: engine.device_config pads intermediate_size)."""
+    before any weight loads (of the device layout: layout.device_config pads intermediate_size)."""
     hd = cfg.head_dim
     if hd < 8 or hd > 128 or hd & (hd - 1):
         raise KernelError(f"{cfg.name}: head_dim {hd} is not supported by cullama's kernels "
@@ -145,25 +141,19 @@ def attention_rows_q(cfg: LlamaConfig) -> int:
 
 
 # -- buffers --------------------------------------------------------------------------------------
-def weight_buffers(cfg: LlamaConfig) -> list[Buffer]:
-    d, ff, V = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
-    out = [Buffer("embed", (V, d), "float16", "weight"),  # [vocab, d]
-           Buffer("final_norm", (d,), "float16", "weight"),  # [d]
-           Buffer("lm_head", (V, d), "float16", "weight")]  # [vocab, d]
-    for i in range(cfg.num_layers):
-        out += [Buffer(f"layers.{i}.attn_norm", (d,), "float16", "weight"),  # [d]
-                Buffer(f"layers.{i}.wqkv", (cfg.qkv_dim, d), "float16", "weight"),  # [q_dim + 2 kv_dim, d]
-                Buffer(f"layers.{i}.wo", (d, cfg.q_dim), "float16", "weight"),  # [d, q_dim]
-                Buffer(f"layers.{i}.ffn_norm", (d,), "float16", "weight"),  # [d]
-                Buffer(f"layers.{i}.w_gate_up", (2 * ff, d), "float16", "weight"),  # [2 ff, d]
-                Buffer(f"layers.{i}.w_down", (d, ff), "float16", "weight")]  # [d, ff]
-    return out
+def weight_buffers(model: LlamaConfig | Layout) -> list[Buffer]:
+    """The weight buffers of a layout (layout.Layout.buffers)."""
+    return as_layout(model).buffers()
 
 
-def runtime_buffers(cfg: LlamaConfig, max_seq: int, chunk: int | None = None, slots: int = 1) -> list[Buffer]:
+def runtime_buffers(model: LlamaConfig | Layout, max_seq: int, chunk: int | None = None,
+                    slots: int = 1) -> list[Buffer]:
     """Everything but the weights: KV cache, state, and the decode and prefill activations (prefill chunks
-    of up to `chunk` rows, default PREFILL_CHUNK), for `slots` sequences (each its own KV cache and state)."""
+    of up to `chunk` rows, default PREFILL_CHUNK), and under act-order the gathered inputs, for
+    `slots` sequences (each its own KV cache and state)."""
     chunk = chunk or PREFILL_CHUNK
+    layout = as_layout(model)
+    cfg = layout.device
     d, ff, V, hd = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size, cfg.head_dim
     kv = (cfg.num_layers, slots, cfg.num_kv_heads, max_seq, hd)
     return [
@@ -175,6 +165,10 @@ def runtime_buffers(cfg: LlamaConfig, max_seq: int, chunk: int | None = None, sl
         Buffer("seen", (slots, seen_stride(V)), "uint8", "state"),  # [slots, V rounded up to 4] 1: in the text
         # [slots, VERIFY_ROWS, (slot, offset)]: slot s's rows table for a decode or verify step (slot_rows_table)
         Buffer("slot_rows", (slots, VERIFY_ROWS, 2), "int32", "constant"),
+        # batched decode (batch_plan): group g of up to VERIFY_ROWS rows, its rows table and each row's token (the
+        # host writes both when the batch changes; sample writes the tokens step after step)
+        Buffer("batch_rows", (batch_groups(slots), VERIFY_ROWS, 2), "int32", "state"),  # [groups, rows, 2]
+        Buffer("batch_ids", (batch_groups(slots), VERIFY_ROWS), "int32", "state"),  # [groups, rows] their tokens
         # decode step
         Buffer("x", (d,), "float32", "activation"),  # [d] the residual stream
         Buffer("q", (cfg.q_dim,), "float32", "activation"),  # [heads * hd] after RoPE
@@ -217,13 +211,45 @@ def runtime_buffers(cfg: LlamaConfig, max_seq: int, chunk: int | None = None, sl
         Buffer("gemm_workspace", (workspace_floats(cfg, chunk),), "float32",
                "activation"),  # [max split x max tiles of a split-K launch x tile_m x tile_n]
         Buffer("gemm_tile_count", (tile_counters(cfg, chunk),), "uint32", "activation"),  # [those tiles]
-    ]
+    ] + (_gathered_buffers(cfg, chunk) if _gathers(layout) else [])
+
+
+def _gathers(layout: Layout) -> bool:
+    return any(layout.perm_name(i, field) for i in range(layout.config.num_layers) for field in GATHERED)
+
+
+def _gathered_buffers(cfg: LlamaConfig, chunk: int) -> list[Buffer]:
+    """An act-order linear's input in its weight's input order (ops/gather.py): the decode, verify and prefill
+    forms of x (before wqkv and w_gate_up, whose kernels then apply a norm weight permuted alike) and attn_out
+    (before wo)."""
+    d, q = cfg.hidden_size, cfg.q_dim
+    return [Buffer("x_perm", (d,), "float32", "activation"),  # [d] x in the input order
+            Buffer("attn_out_perm", (q,), "float32", "activation"),  # [heads * hd]
+            Buffer("verify_x_perm", (VERIFY_ROWS, d), "float32", "activation"),  # [rows, d]
+            Buffer("verify_attn_out_perm", (VERIFY_ROWS, q), "float32", "activation"),  # [rows, heads * hd]
+            Buffer("xn_rows_perm", (chunk, d), "float16", "activation"),  # [n, d] rmsnorm(x) in the input order
+            Buffer("attn_rows_perm", (chunk, q), "float16", "activation")]  # [n, heads * hd]
 
 
 def seen_stride(V: int) -> int:
     """The row stride of `seen` [slots, V]: V rounded up to 4, so that every slot's row is 4-byte aligned (the sample
     kernel reads a word of 4 flags at once)."""
     return gemv_ops.logits_stride(V)
+
+
+MAX_SLOTS = 64  # sequences a runner holds at most (--max-batch)
+
+
+def embed_x_plan(cfg: LlamaConfig) -> Plan:
+    """x = embed[verify_ids[0]] as float32: a sequence's next input for a decode step, written again when another
+    sequence's step wrote x in between (the sample kernel writes it at every step of its own)."""
+    return Plan("embed_x", [Launch(prefill("embed_rows"), (1, 1, 1), ROW_THREADS,
+                                   (Ref("verify_ids"), Ref("embed"), Ref("x"), i32(cfg.hidden_size)))])
+
+
+def batch_groups(slots: int) -> int:
+    """The groups of at most VERIFY_ROWS rows (a GEMV's TOKENS at most) a batched step of `slots` rows runs in."""
+    return -(-slots // VERIFY_ROWS)
 
 
 def slot_rows_table(slots: int) -> np.ndarray:
@@ -283,14 +309,92 @@ def _layer(i: int, name: str) -> Ref:
     return Ref(f"layers.{i}.{name}")
 
 
-def decode_plan(cfg: LlamaConfig, max_seq: int, sample_vocab: int | None = None) -> Plan:
+GATHER_F32, GATHER_F16 = KernelSpec("gather.cu", "gather_f32"), KernelSpec("gather.cu", "gather_f16")
+
+
+class _Weights:
+    """How the plan reads one layer's linears from the layout: each one's kernel variant, weight arguments and
+    group, and the gather before it under act-order."""
+
+    def __init__(self, layout: Layout, layer: int):
+        self.layout, self.layer = layout, layer
+
+    def format(self, field: str):
+        return self.layout.linear(self.layer, field).format
+
+    def gemv(self, name: str, field: str, tokens: int) -> tuple[KernelSpec, int, int]:
+        """(kernel, output rows per block, threads) of a decode or verify GEMV of `field`."""
+        fmt = self.format(field)
+        if fmt is None:
+            return gemv(name, tokens), gemv_rows(tokens), GEMV_THREADS
+        return (KernelSpec(gemv_quant_ops.SOURCE, name, gemv_quant_ops.defines(fmt.bits, tokens)),
+                gemv_quant_ops.rows_per_block(fmt.bits, tokens), gemv_quant_ops.THREADS)
+
+    def gemm(self, field: str, kernel: GemmKernel) -> GemmKernel:
+        """The prefill GEMM of `field`: the plan's choice for FP16, gemm_quant.cu for a quantized linear."""
+        fmt = self.format(field)
+        return kernel if fmt is None else quant_gemm(fmt.bits)
+
+    def weights(self, field: str) -> tuple[Ref, ...]:
+        """W, or qweight and qparams."""
+        return tuple(Ref(name) for name in self.layout.weight_names(self.layer, field))
+
+    def group(self, field: str) -> tuple:
+        """The quantized kernels' last argument, the group size (nothing for FP16)."""
+        fmt = self.format(field)
+        return () if fmt is None else (i32(fmt.group),)
+
+    def norm(self, field: str) -> Ref:
+        return Ref(self.layout.norm_name(self.layer, field))
+
+    def gathered(self, field: str, inp: Ref, out: Ref, K: int, rows: int, spec: KernelSpec) -> tuple[list, Ref]:
+        """(the launches, the input ref) for `field`: under act-order `inp` gathered into `out`, else `inp`."""
+        perm = self.layout.perm_name(self.layer, field)
+        if perm is None:
+            return [], inp
+        return [Launch(spec, (rows, 1, 1), ROW_THREADS, (inp, Ref(perm), out, i32(K)))], out
+
+
+def decode_plan(model: LlamaConfig | Layout, max_seq: int, sample_vocab: int | None = None, slot: int = 0) -> Plan:
+    """One decode step of the sequence in `slot` (its rows table slot_rows[slot]: one row (slot, 0))."""
+    layout = as_layout(model)
+    check_supported(layout.device)
+    return Plan("decode" + _at(slot), _step_launches(layout, max_seq, 1, Ref, sample_vocab, Ref("slot_rows", slot)))
+
+
+def _at(slot: int) -> str:
+    """A plan's name suffix for its slot (none for slot 0): the CUDA backend captures a graph per name."""
+    return f"@{slot}" if slot else ""
+
+
+def batch_plan(model: LlamaConfig | Layout, max_seq: int, rows: int, group: int = 0,
+               sample_vocab: int | None = None) -> Plan:
+    """A batched decode step of group `group`: `rows` (1..VERIFY_ROWS) sequences, row r the one-row decode step of
+    slot batch_rows[group][r] at its position (offset 0), each independent of the others: embed_rows turns each
+    row's last token batch_ids[group][r] into its input, then the decode step's launches over the rows, and sample
+    in batch mode (verify 0) writes each row's next token back into batch_ids[group][r] and advances its slot."""
+    layout = as_layout(model)
+    cfg = layout.device
     check_supported(cfg)
-    return Plan("decode", _step_launches(cfg, max_seq, 1, Ref, sample_vocab))
+    if not 1 <= rows <= VERIFY_ROWS:
+        raise KernelError(f"a batched step's group has 1 to {VERIFY_ROWS} rows, not {rows}")
+
+    def act(name: str) -> Ref:  # the verify buffers' first `rows` token rows (a step runs one group at a time)
+        return Ref(f"verify_{name}", rows=rows)
+
+    ids = Ref("batch_ids", group)
+    embed = Launch(prefill("embed_rows"), (rows, 1, 1), ROW_THREADS,
+                   (ids, Ref("embed"), act("x"), i32(cfg.hidden_size)))
+    return Plan(f"batch[{rows}]#{group}", [embed] + _step_launches(layout, max_seq, rows, act, sample_vocab,
+                                                                  Ref("batch_rows", group), ids))
 
 
-def verify_plan(cfg: LlamaConfig, max_seq: int, k: int, sample_vocab: int | None = None) -> Plan:
+def verify_plan(model: LlamaConfig | Layout, max_seq: int, k: int, sample_vocab: int | None = None,
+                slot: int = 0) -> Plan:
     """A verify step of k drafts (1..MAX_DRAFT): the token rows verify_ids[:k + 1] at positions pos..pos + k
     (the host keeps pos + k < max_seq); the decode step's launches with k + 1 rows, sample accepting."""
+    layout = as_layout(model)
+    cfg = layout.device
     check_supported(cfg)
     if not 1 <= k <= MAX_DRAFT:
         raise KernelError(f"a verify step checks 1 to {MAX_DRAFT} drafts, not {k}")
@@ -301,62 +405,80 @@ def verify_plan(cfg: LlamaConfig, max_seq: int, k: int, sample_vocab: int | None
 
     embed = Launch(prefill("embed_rows"), (rows, 1, 1), ROW_THREADS,
                    (act("ids"), Ref("embed"), act("x"), i32(cfg.hidden_size)))
-    return Plan(f"verify[{k}]", [embed] + _step_launches(cfg, max_seq, rows, act, sample_vocab))
+    return Plan(f"verify[{k}]" + _at(slot),
+                [embed] + _step_launches(layout, max_seq, rows, act, sample_vocab, Ref("slot_rows", slot)))
 
 
-def _step_launches(cfg: LlamaConfig, max_seq: int, rows: int, act, sample_vocab: int | None) -> list[Launch]:
+def _step_launches(layout: Layout, max_seq: int, rows: int, act, sample_vocab: int | None, step_rows: Ref,
+                   batch: Ref | None = None) -> list[Launch]:
     """Every layer, the logits and the sample kernel over `rows` token rows (1: a decode step); act(name) is
-    the activation buffer `name` (x, q, attn_part, attn_count, attn_out, h, logits) as the kernels take it."""
+    the activation buffer `name` (x, q, attn_part, attn_count, attn_out, h, logits, and the gathered x_perm and
+    attn_out_perm) as the kernels take it; step_rows the rows table (slot, offset per row). `batch`: a batched
+    step's tokens (sample in batch mode writes each row's pick there), else a decode or verify step."""
+    cfg = layout.device
     d, ff = cfg.hidden_size, cfg.intermediate_size
     nh, nkv, hd, eps = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, f32(cfg.rms_norm_eps)
-    per_block = gemv_rows(rows)
     launches = []
     for i in range(cfg.num_layers):
-        launches += [
-            Launch(gemv("gemv_qkv_rope", rows), (cdiv(cfg.qkv_dim // 2, per_block // 2), 1, 1), GEMV_THREADS,
-                   (act("x"), _layer(i, "attn_norm"), _layer(i, "wqkv"), act("q"), Ref("k_cache", i),
-                    Ref("v_cache", i), Ref("rope"), Ref("state"), Ref("slot_rows", 0), i32(d), i32(nh), i32(nkv),
-                    i32(hd), i32(max_seq), eps)),
+        w = _Weights(layout, i)
+        qkv, qkv_rows, qkv_threads = w.gemv("gemv_qkv_rope", "wqkv", rows)
+        o, o_rows, o_threads = w.gemv("gemv_residual", "wo", rows)
+        gate_up, gate_up_rows, gate_up_threads = w.gemv("gemv_gate_up_silu", "w_gate_up", rows)
+        down, down_rows, down_threads = w.gemv("gemv_residual", "w_down", rows)
+        gather_qkv, x_qkv = w.gathered("wqkv", act("x"), act("x_perm"), d, rows, GATHER_F32)
+        gather_o, attn_out = w.gathered("wo", act("attn_out"), act("attn_out_perm"), cfg.q_dim, rows, GATHER_F32)
+        gather_gate_up, x_gate_up = w.gathered("w_gate_up", act("x"), act("x_perm"), d, rows, GATHER_F32)
+        launches += gather_qkv + [
+            Launch(qkv, (cdiv(cfg.qkv_dim // 2, qkv_rows // 2), 1, 1), qkv_threads,
+                   (x_qkv, w.norm("wqkv"), *w.weights("wqkv"), act("q"), Ref("k_cache", i), Ref("v_cache", i),
+                    Ref("rope"), Ref("state"), step_rows, i32(d), i32(nh), i32(nkv), i32(hd),
+                    i32(max_seq), eps, *w.group("wqkv"))),
             Launch(attention("attention_decode", cfg), (nkv, attention_splits(cfg), rows), ATTENTION_THREADS,
                    (act("q"), Ref("k_cache", i), Ref("v_cache", i), act("attn_part"), act("attn_count"),
-                    act("attn_out"), Ref("state"), Ref("slot_rows", 0), i32(max_seq), f32(1.0 / np.sqrt(hd)))),
-            Launch(gemv("gemv_residual", rows), (cdiv(d, per_block), 1, 1), GEMV_THREADS,
-                   (act("attn_out"), _layer(i, "wo"), act("x"), i32(d), i32(cfg.q_dim))),
-            Launch(gemv("gemv_gate_up_silu", rows), (cdiv(ff, per_block // 2), 1, 1), GEMV_THREADS,
-                   (act("x"), _layer(i, "ffn_norm"), _layer(i, "w_gate_up"), act("h"), i32(ff), i32(d), eps)),
-            Launch(gemv("gemv_residual", rows), (cdiv(d, per_block), 1, 1), GEMV_THREADS,
-                   (act("h"), _layer(i, "w_down"), act("x"), i32(d), i32(ff))),
+                    act("attn_out"), Ref("state"), step_rows, i32(max_seq), f32(1.0 / np.sqrt(hd)))),
+        ] + gather_o + [
+            Launch(o, (cdiv(d, o_rows), 1, 1), o_threads,
+                   (attn_out, *w.weights("wo"), act("x"), i32(d), i32(cfg.q_dim), *w.group("wo"))),
+        ] + gather_gate_up + [
+            Launch(gate_up, (cdiv(ff, gate_up_rows // 2), 1, 1), gate_up_threads,
+                   (x_gate_up, w.norm("w_gate_up"), *w.weights("w_gate_up"), act("h"), i32(ff), i32(d), eps,
+                    *w.group("w_gate_up"))),
+            Launch(down, (cdiv(d, down_rows), 1, 1), down_threads,
+                   (act("h"), *w.weights("w_down"), act("x"), i32(d), i32(ff), *w.group("w_down"))),
         ]
-    return launches + _logits_and_sample(cfg, act("x"), act("logits"), rows, sample_vocab)
+    return launches + _logits_and_sample(cfg, act("x"), act("logits"), rows, sample_vocab, step_rows, batch)
 
 
 def _logits_and_sample(cfg: LlamaConfig, x: Ref, logits: Ref = Ref("logits"), rows: int = 1,
-                       sample_vocab: int | None = None) -> list[Launch]:
+                       sample_vocab: int | None = None, step_rows: Ref = Ref("slot_rows", 0),
+                       batch: Ref | None = None) -> list[Launch]:
     """logits = lm_head · rmsnorm(x) for `rows` token rows, then the sample kernel over them (1 row: the next
     token; more: a verify step's acceptance). Either way it sets up the next decode step (state, seen, x).
     Only the first sample_vocab ids (default: all) get a logit and can be drawn."""
     d, V = cfg.hidden_size, sample_vocab or cfg.vocab_size
     lm_head = Ref("lm_head") if V == cfg.vocab_size else Ref("lm_head", rows=V)  # its first V rows: the twin's W
-    verify = [Ref("verify_ids", rows=rows), Ref("verify_picks", rows=rows), Ref("verify_out", rows=rows + 1),
-              Ref("verify_arrivals")]
+    picks = Ref("verify_picks", rows=rows) if batch is None else batch
+    verify = [Ref("verify_ids", rows=rows), picks, Ref("verify_out", rows=rows + 1), Ref("verify_arrivals")]
+    next_x = Ref("x") if batch is None else x  # a batched step: each row's next input in its own row
     return [
         Launch(gemv("gemv_logits", rows), (cdiv(V, gemv_rows(rows)), 1, 1), GEMV_THREADS,
                (x, Ref("final_norm"), lm_head, logits, i32(V), i32(d), f32(cfg.rms_norm_eps))),
         Launch(SAMPLE, (rows, 1, 1), SAMPLE_THREADS,
-               (logits, Ref("seen"), Ref("state"), Ref("fparams"), Ref("embed"), Ref("x"), Ref("slot_rows", 0),
-                *verify, i32(V), i32(d), i32(seen_stride(cfg.vocab_size)), i32(1))),
+               (logits, Ref("seen"), Ref("state"), Ref("fparams"), Ref("embed"), next_x, step_rows,
+                *verify, i32(V), i32(d), i32(seen_stride(cfg.vocab_size)), i32(batch is None))),
     ]
 
 
-def _gemm(kernel: GemmKernel, a: str, w: Ref, c: str, m: int, n: int, k: int, accumulate: bool) -> Launch:
+def _gemm(kernel: GemmKernel, a: Ref, w: tuple[Ref, ...], c: str, m: int, n: int, k: int, accumulate: bool,
+          group: tuple = ()) -> Launch:
     return Launch(kernel.spec, kernel.grid(m, n, k), kernel.threads,
-                  (Ref(a), w, Ref(c), Ref("gemm_workspace"), Ref("gemm_tile_count"), i32(m), i32(n), i32(k),
-                   i32(accumulate)), kernel.smem)
+                  (a, *w, Ref(c), Ref("gemm_workspace"), Ref("gemm_tile_count"), i32(m), i32(n), i32(k),
+                   i32(accumulate), *group), kernel.smem)
 
 
 def _attention_prefill(cfg: LlamaConfig, kernels: PrefillKernels, max_seq: int, i: int, start: int,
-                       n: int) -> Launch:
-    args = (Ref("q_rows"), Ref("k_cache", (i, 0)), Ref("v_cache", (i, 0)), Ref("attn_rows"), i32(start), i32(n),
+                       n: int, slot: int) -> Launch:
+    args = (Ref("q_rows"), Ref("k_cache", (i, slot)), Ref("v_cache", (i, slot)), Ref("attn_rows"), i32(start), i32(n),
             i32(max_seq), f32(1.0 / np.sqrt(cfg.head_dim)))
     if kernels.mma_attention(cfg):
         return Launch(attention_prefill_mma_spec(cfg), attention_mma_ops.grid(cfg.num_kv_heads, n, cfg.group_size),
@@ -368,16 +490,19 @@ def _attention_prefill(cfg: LlamaConfig, kernels: PrefillKernels, max_seq: int, 
 PREFILL_OUTPUTS = ("sample", "logits", "none")
 
 
-def prefill_plan(cfg: LlamaConfig, max_seq: int, start: int, n: int, output: str = "sample",
+def prefill_plan(model: LlamaConfig | Layout, max_seq: int, start: int, n: int, output: str = "sample",
                  kernels: PrefillKernels = PrefillKernels(), chunk: int | None = None,
-                 sample_vocab: int | None = None) -> Plan:
-    """Prompt tokens prefill_ids[:n] at positions start..start+n-1 (n <= chunk: the rows runtime_buffers
-    made, default PREFILL_CHUNK), with the GEMM and attention kernels `kernels` names (prefill_kernels.py).
+                 sample_vocab: int | None = None, slot: int = 0) -> Plan:
+    """Prompt tokens prefill_ids[:n] at positions start..start+n-1 of the sequence in `slot` (n <= chunk: the
+    rows runtime_buffers made, default PREFILL_CHUNK), with the GEMM and attention kernels `kernels` names
+    (prefill_kernels.py; a quantized linear runs gemm_quant with the mma GEMM's tiles whatever `kernels` says).
 
     output "sample": the last row's logits go through the decode step's gemv_logits + sample (which
     sets pos = start + n, so the host sets state[POS] = start + n - 1 first); "logits":
     logits_rows[:n] gets every row's logits; "none": only the KV cache is filled (an early chunk).
     """
+    layout = as_layout(model)
+    cfg = layout.device
     check_supported(cfg)
     if output not in PREFILL_OUTPUTS:
         raise KernelError(f"prefill output {output!r} is not one of {PREFILL_OUTPUTS}")
@@ -391,38 +516,55 @@ def prefill_plan(cfg: LlamaConfig, max_seq: int, start: int, n: int, output: str
     gemm = kernels.gemm_kernel
     launches = [rows("embed_rows", Ref("prefill_ids"), Ref("embed"), Ref("x_rows"), i32(d))]
     for i in range(cfg.num_layers):
-        launches += [
-            rows("rmsnorm_rows", Ref("x_rows"), _layer(i, "attn_norm"), Ref("xn_rows"), i32(d), eps),
-            _gemm(gemm, "xn_rows", _layer(i, "wqkv"), "qkv_rows", n, cfg.qkv_dim, d, False),
-            rows("rope_kv_rows", Ref("qkv_rows"), Ref("rope"), Ref("q_rows"), Ref("k_cache", (i, 0)),
-                 Ref("v_cache", (i, 0)), i32(start), i32(nh), i32(nkv), i32(hd), i32(max_seq)),
-            _attention_prefill(cfg, kernels, max_seq, i, start, n),
-            _gemm(gemm, "attn_rows", _layer(i, "wo"), "x_rows", n, d, cfg.q_dim, True),
+        w = _Weights(layout, i)
+        gather_qkv, xn_qkv = w.gathered("wqkv", Ref("xn_rows"), Ref("xn_rows_perm"), d, n, GATHER_F16)
+        gather_o, attn = w.gathered("wo", Ref("attn_rows"), Ref("attn_rows_perm"), cfg.q_dim, n, GATHER_F16)
+        gather_gate_up, xn_gate_up = w.gathered("w_gate_up", Ref("xn_rows"), Ref("xn_rows_perm"), d, n, GATHER_F16)
+        launches += [rows("rmsnorm_rows", Ref("x_rows"), _layer(i, "attn_norm"), Ref("xn_rows"), i32(d), eps)]
+        launches += gather_qkv + [
+            _gemm(w.gemm("wqkv", gemm), xn_qkv, w.weights("wqkv"), "qkv_rows", n, cfg.qkv_dim, d, False,
+                  w.group("wqkv")),
+            rows("rope_kv_rows", Ref("qkv_rows"), Ref("rope"), Ref("q_rows"), Ref("k_cache", (i, slot)),
+                 Ref("v_cache", (i, slot)), i32(start), i32(nh), i32(nkv), i32(hd), i32(max_seq)),
+            _attention_prefill(cfg, kernels, max_seq, i, start, n, slot),
+        ] + gather_o + [
+            _gemm(w.gemm("wo", gemm), attn, w.weights("wo"), "x_rows", n, d, cfg.q_dim, True, w.group("wo")),
             rows("rmsnorm_rows", Ref("x_rows"), _layer(i, "ffn_norm"), Ref("xn_rows"), i32(d), eps),
-            _gemm(gemm, "xn_rows", _layer(i, "w_gate_up"), "gu_rows", n, 2 * ff, d, False),
+        ] + gather_gate_up + [
+            _gemm(w.gemm("w_gate_up", gemm), xn_gate_up, w.weights("w_gate_up"), "gu_rows", n, 2 * ff, d, False,
+                  w.group("w_gate_up")),
             rows("silu_mul_rows", Ref("gu_rows"), Ref("h_rows"), i32(ff)),
-            _gemm(gemm, "h_rows", _layer(i, "w_down"), "x_rows", n, d, ff, True),
+            _gemm(w.gemm("w_down", gemm), Ref("h_rows"), w.weights("w_down"), "x_rows", n, d, ff, True,
+                  w.group("w_down")),
         ]
     if output == "logits":
         launches += [rows("rmsnorm_rows", Ref("x_rows"), Ref("final_norm"), Ref("xn_rows"), i32(d), eps),
-                     _gemm(gemm, "xn_rows", Ref("lm_head"), "logits_rows", n, V, d, False)]
+                     _gemm(gemm, Ref("xn_rows"), (Ref("lm_head"),), "logits_rows", n, V, d, False)]
     elif output == "sample":
-        launches += _logits_and_sample(cfg, Ref("x_rows", n - 1), sample_vocab=sample_vocab)
-    return Plan(f"prefill[{start}:{start + n}]", launches)
+        launches += _logits_and_sample(cfg, Ref("x_rows", n - 1), sample_vocab=sample_vocab,
+                                       step_rows=Ref("slot_rows", slot))
+    return Plan(f"prefill[{start}:{start + n}]" + _at(slot), launches)
 
 
 # -- log-probabilities (cullama/logprobs.py) ------------------------------------------------------------
 LOGPROBS = KernelSpec("sampling.cu", "logprobs")
 
 
-def token_logprobs(V: int, rows: int, top: int) -> Launch:
+def token_logprobs(V: int, rows: int, top: int, slot: int = 0) -> Launch:
     """The logprobs kernel after a step's sample, into logprob_step, with `top` alternatives over the first V ids
     (sample_vocab): 1 row, a decode step's (or a prefill's last row's) logits against the token sample wrote into
     state; k + 1 rows, a verify step's rows against their picks (row r's pick is accepted token r)."""
     if rows == 1:
-        return _logprobs(Ref("logits"), V, V, Ref("state"), sampling_ops.STATE_TOKEN, 1, top, Ref("logprob_step"))
+        return _logprobs(Ref("logits"), V, V, Ref("state"), slot * STATE_LEN + sampling_ops.STATE_TOKEN, 1, top,
+                         Ref("logprob_step"))
     return _logprobs(Ref("verify_logits", rows=rows), V, gemv_ops.logits_stride(V), Ref("verify_picks", rows=rows),
                      0, rows, top, Ref("logprob_step"))
+
+
+def batch_logprobs(V: int, rows: int, group: int, top: int) -> Launch:
+    """The logprobs kernel after a batched step's sample: each row's logits against its pick (batch_ids[group])."""
+    return _logprobs(Ref("verify_logits", rows=rows), V, gemv_ops.logits_stride(V), Ref("batch_ids", group), 0, rows,
+                     top, Ref("logprob_step"))
 
 
 def prompt_logprobs(V: int, vocab: int, n: int, top: int) -> Launch:
@@ -443,14 +585,14 @@ def with_logprobs(plan: Plan, top: int, launches: list[Launch]) -> Plan:
 
 
 def scored_prefill_plan(none: Plan, logits: Plan, sample: Plan | None, V: int, vocab: int, n: int, top: int,
-                        logprobs: int | None) -> Plan:
-    """A prefill chunk whose every row is scored, from the plans of the same chunk with each output: the "logits"
-    output's launches (every row's logits), the logprobs kernel over them, then for the prompt's last chunk
-    (`sample`) the "sample" output's own launches (those after the ones it shares with "none") and, with
-    `logprobs`, the sampled token's."""
+                        logprobs: int | None, slot: int = 0) -> Plan:
+    """A prefill chunk (of the sequence in `slot`) whose every row is scored, from the plans of the same chunk with
+    each output: the "logits" output's launches (every row's logits), the logprobs kernel over them, then for the
+    prompt's last chunk (`sample`) the "sample" output's own launches (those after the ones it shares with "none")
+    and, with `logprobs`, the sampled token's."""
     launches = logits.launches + [prompt_logprobs(V, vocab, n, top)]
     if sample is not None:
         launches += sample.launches[len(none.launches):]
         if logprobs is not None:
-            launches.append(token_logprobs(V, 1, logprobs))
+            launches.append(token_logprobs(V, 1, logprobs, slot))
     return Plan(f"{(sample or logits).name}+prompt_logprobs[{top}]", launches)

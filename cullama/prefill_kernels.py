@@ -88,6 +88,15 @@ WGMMA_GEMM = GemmKernel("wgmma", KernelSpec("gemm_wgmma.cu", "gemm_wgmma", arch_
                         threads=wgmma_ops.THREADS, smem=wgmma_ops.SMEM_BYTES, full_tiles=3 * SMS // 4,
                         split_k_unit=1024)
 GEMMS = {kernel.name: kernel for kernel in (MMA_GEMM, WGMMA_GEMM)}
+
+
+def quant_gemm(bits: int) -> GemmKernel:
+    """gemm_quant.cu on INT4 / INT8 weights (ops/gemm_quant.py): the mma GEMM's tiles, threads and split-K rule,
+    so the workspace sized for MMA_GEMM serves it too."""
+    return dataclasses.replace(MMA_GEMM, name=f"mma_int{bits}",
+                               spec=KernelSpec("gemm_quant.cu", "gemm_quant", (("BITS", bits),)))
+
+
 ATTENTIONS = ("scalar", "mma")
 
 

@@ -102,25 +102,27 @@ def unpack(qweight: np.ndarray, bits: int) -> np.ndarray:
 
 
 def params(scale: np.ndarray, zero: np.ndarray) -> np.ndarray:
-    """scale [M, G] and zero [M, G] -> qparams [M, G, 2] float16 (scale, zero). Zeros must be integers that
-    FP16 holds exactly (they are: at most 256)."""
+    """scale [M, G] and zero [M, G] -> qparams [M, G, 2] float16 (scale, zero). Zeros must be integers from 0 to
+    256 (FP16 holds them exactly)."""
+    z = np.asarray(zero, np.float64)
+    if not np.all((z >= 0) & (z <= 256) & (z == np.rint(z))):  # NaN fails every comparison
+        raise ValueError("zero points must be integers from 0 to 256")
     out = np.empty((*np.shape(scale), 2), np.float16)
     out[..., 0] = scale
     out[..., 1] = zero
-    if not np.array_equal(out[..., 1].astype(np.float64), np.asarray(zero, np.float64)):
-        raise ValueError("zero points must be integers from 0 to 256")
     return out
 
 
 def dequantize(qweight: np.ndarray, qparams: np.ndarray, bits: int, dtype=np.float32) -> np.ndarray:
     """W [M, K] from the device tensors: float32 exact (the decode kernels' weights), or float16 (that value
     rounded to nearest even: the prefill GEMM's weights)."""
-    q = unpack(qweight, bits).astype(np.float32)  # [M, K]
-    groups = qparams.shape[1]
-    group = q.shape[1] // groups
-    scale = np.repeat(qparams[..., 0].astype(np.float32), group, axis=1)  # [M, K]
-    zero = np.repeat(qparams[..., 1].astype(np.float32), group, axis=1)  # [M, K]
-    return ((q - zero) * scale).astype(dtype)
+    q = unpack(qweight, bits)  # [M, K]
+    M, K = q.shape
+    pairs = qparams.astype(np.float32)  # [M, G, 2]
+    w = q.reshape(M, pairs.shape[1], -1).astype(np.float32)  # [M, G, group]: each group against its pair
+    w -= pairs[..., 1:]
+    w *= pairs[..., :1]
+    return w.reshape(M, K).astype(dtype, copy=False)
 
 
 # -- quantizing FP16 weights on load (round to nearest, no calibration) -----------------------------------------

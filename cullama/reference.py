@@ -1,7 +1,9 @@
 """The reference LLaMA forward pass: plain NumPy in FP32, written to be read, not to be fast.
 
 It is the oracle for the plans and kernels, and is itself checked against HuggingFace's FP32
-logits (../shared/golden). One token or many at a time, with a KV cache:
+logits (../shared/golden). Its weights are the model's (layout.Weights): FP16, or where the model runs quantized
+the exact dequantized float32 values the kernels compute with, so it is the oracle of quantized plans too.
+One token or many at a time, with a KV cache:
 
     x = embed[ids]
     for each layer:
@@ -16,15 +18,11 @@ logits (../shared/golden). One token or many at a time, with a KV cache:
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
-
 import numpy as np
 
 from .config import RopeScaling
 from .errors import ConfigError, PromptError
-
-if TYPE_CHECKING:  # weights.py imports plan.py, which takes its RoPE table from here
-    from .weights import Weights
+from .layout import Weights
 
 
 def rmsnorm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:

@@ -28,6 +28,15 @@ def shown(value, quote: bool = False) -> str:
     return text if len(text) <= SHOWN_CHARS else text[:SHOWN_CHARS - 3] + "..."
 
 
+def printable(text: str) -> str:
+    """`text` with each character that is not printable escaped as JSON writes it (an ANSI escape as \\u001b, a
+    newline as \\n; NUL, C1 controls, bidi overrides, line separators, lone surrogates alike): what a message
+    interpolated (a path, an option's value) can neither recolour nor clear a terminal, nor start a line."""
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() else json.dumps(c)[1:-1] for c in text)
+
+
 def parse_json(raw: bytes, where: Path | str, error: type[Exception]):
     """Parse JSON bytes; a one-line `error` naming `where` when they are not JSON (the message gives
     positions, never the bytes themselves)."""

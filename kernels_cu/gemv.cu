@@ -28,29 +28,21 @@
 // Overlap: each kernel lets the next one launch at once (pdl_launch_dependents) and issues its first
 // batch of weight loads before pdl_wait(), so under programmatic dependent launch (the decode graph's
 // `overlap` mode) a block streams its weights while the previous kernel's tail runs.
-#include "common.cuh"
-#include "rope.cuh"
-
+// What is not about FP16 weights (token rows, the block's rows, the block reduction, the epilogues) is in
+// gemv.cuh, shared with gemv_quant.cu (the same kernels on INT4 / INT8 weights).
 #ifndef ROWS
 #define ROWS 4  // output rows per block (even: pairs)
 #endif
 #ifndef UNROLL
 #define UNROLL 4  // 16-byte loads per row per thread in one batch
 #endif
-#ifndef TOKENS
-#define TOKENS 1  // token rows per launch: 1 = a decode step, k + 1 = a verify step of k drafts
-#endif
-#define THREADS 128
+#include "gemv.cuh"
+
 // Resident blocks per SM that ptxas must leave room for: at most 65536 / (5 * 128) = 102 registers.
 // Without it the split first batch (below) takes 108-115 registers and only 4 blocks fit: fewer
 // loads in flight per SM. 0 spills either way (CI checks). More token rows hold more sums: fewer blocks.
 #ifndef MIN_BLOCKS
 #define MIN_BLOCKS (TOKENS == 1 ? 5 : TOKENS <= 3 ? 4 : TOKENS <= 5 ? 3 : 2)
-#endif
-#define PAIRS (ROWS / 2)
-
-#if TOKENS < 1 || TOKENS > 9
-#error "TOKENS must be 1..9 (a verify step of at most 8 drafts; a batched step's group of rows)"
 #endif
 
 // One block's weight rows and the batch of streaming loads in flight: w[u][r] is row r's vector
@@ -77,11 +69,6 @@ __device__ __forceinline__ void first_batch(RowLoads& b, const half_t* __restric
     for (int r = 0; r < ROWS; ++r) b.row[r] = reinterpret_cast<const uint4*>(W + (size_t)rows[r] * K);
     load_batch(b, threadIdx.x, K / 8);
 }
-
-// block_dot_rows' per-warp sums in shared memory; reduced() adds them up, in warp order, for one token row.
-struct RowSums {
-    float partial[THREADS / WARP][TOKENS][ROWS + 1];  // per warp: the ROWS dot products, then ss
-};
 
 // dot[t][r] = W[rows[r], :] · (x_t ⊙ g) (g = 1 without NORM), ss[t] = Σ x_t² (NORM only), for the rows that
 // first_batch set up and the TOKENS rows of x ([TOKENS, K]). Block-wide; on return (after a barrier) thread
@@ -128,45 +115,11 @@ __device__ __forceinline__ void block_dot_rows(RowLoads& b, int K, const float* 
             }
         }
     }
-    const int lane = threadIdx.x % WARP, warp = threadIdx.x / WARP;
-#pragma unroll
-    for (int t = 0; t < TOKENS; ++t) {
-#pragma unroll
-        for (int r = 0; r < ROWS; ++r) acc[t][r] = warp_sum(acc[t][r]);
-        if (NORM) ss[t] = warp_sum(ss[t]);
-    }
-    if (lane == 0) {
-#pragma unroll
-        for (int t = 0; t < TOKENS; ++t) {
-#pragma unroll
-            for (int r = 0; r < ROWS; ++r) sums.partial[warp][t][r] = acc[t][r];
-            sums.partial[warp][t][ROWS] = ss[t];
-        }
-    }
-    __syncthreads();
+    block_reduce<NORM>(acc, ss, sums);
 }
 
-// Token row t's sums over the warps, in warp order: dot[r] for the block's ROWS rows, and ss.
-__device__ __forceinline__ void reduced(const RowSums& sums, int t, float (&dot)[ROWS], float& ss) {
-#pragma unroll
-    for (int r = 0; r < ROWS; ++r) {
-        dot[r] = 0.f;
-        for (int w = 0; w < THREADS / WARP; ++w) dot[r] = __fadd_rn(dot[r], sums.partial[w][t][r]);
-    }
-    ss = 0.f;
-    for (int w = 0; w < THREADS / WARP; ++w) ss = __fadd_rn(ss, sums.partial[w][t][ROWS]);
-}
-
-__device__ __forceinline__ float rms_scale(float ss, int K, float eps) {
-    return rsqrtf(__fadd_rn(__fdiv_rn(ss, (float)K), eps));
-}
-
-__device__ __forceinline__ float silu(float a) { return __fdiv_rn(a, __fadd_rn(1.f, expf(-a))); }
-
-// grid: ceil(qkv_dim / ROWS); rows are RoPE pairs. W_qkv [(n_heads + 2 n_kv_heads) * hd, d].
-// q_out [TOKENS, n_heads * hd] float32 (after RoPE); k_cache, v_cache [slots, n_kv_heads, max_seq, hd] FP16 (this
-// layer's), token row t's written in its slot at its position (state [slots, 8], step_rows [TOKENS, 2]: common.cuh);
-// rope [max_seq, hd / 2, 2] float32 (cos, sin).
+// grid: ceil(qkv_dim / ROWS); rows are RoPE pairs. W_qkv [(n_heads + 2 n_kv_heads) * hd, d]; the outputs
+// as qkv_rope_store (gemv.cuh) says.
 extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS)
 gemv_qkv_rope(const float* __restrict__ x, const half_t* __restrict__ norm_w, const half_t* __restrict__ W,
               float* __restrict__ q_out, half_t* __restrict__ k_cache, half_t* __restrict__ v_cache,
@@ -174,34 +127,13 @@ gemv_qkv_rope(const float* __restrict__ x, const half_t* __restrict__ norm_w, co
               int d, int n_heads, int n_kv_heads, int hd, int max_seq, float eps) {
     __shared__ RowSums sums;
     pdl_launch_dependents();  // the next kernel may start streaming its weights
-    const int half_hd = hd / 2, n_pairs = (n_heads + 2 * n_kv_heads) * half_hd;
     int rows[ROWS];
-#pragma unroll
-    for (int i = 0; i < PAIRS; ++i) {
-        const int p = min((int)blockIdx.x * PAIRS + i, n_pairs - 1);  // clamped: computed, never stored
-        const int row0 = (p / half_hd) * hd + p % half_hd;
-        rows[2 * i] = row0;
-        rows[2 * i + 1] = row0 + half_hd;
-    }
+    qkv_rows(rows, n_heads, n_kv_heads, hd);
     RowLoads loads;
     first_batch(loads, W, rows, d);
     pdl_wait();  // everything below may read what the previous kernel wrote
     block_dot_rows<true>(loads, d, x, norm_w, sums);
-    const int t = threadIdx.x;
-    if (t >= TOKENS) return;
-    float dot[ROWS], ss;
-    reduced(sums, t, dot, ss);
-    const float scale = rms_scale(ss, d, eps);
-    const int pos = row_pos(step_rows, state, t);
-    const size_t slot_off = (size_t)row_slot(step_rows, t) * n_kv_heads * max_seq * hd;  // the row's slot's cache
-#pragma unroll
-    for (int i = 0; i < PAIRS; ++i) {
-        const int p = blockIdx.x * PAIRS + i;
-        if (p >= n_pairs) continue;
-        rope_store_pair(p, __fmul_rn(dot[2 * i], scale), __fmul_rn(dot[2 * i + 1], scale), rope + pos * half_hd * 2,
-                        q_out + (size_t)t * n_heads * hd, k_cache + slot_off, v_cache + slot_off, pos, n_heads,
-                        n_kv_heads, hd, max_seq);
-    }
+    qkv_rope_store(sums, d, eps, q_out, k_cache, v_cache, rope, state, step_rows, n_heads, n_kv_heads, hd, max_seq);
 }
 
 // grid: ceil(M / ROWS). x [TOKENS, M] float32 += W [M, K] · in [TOKENS, K].
@@ -210,21 +142,12 @@ gemv_residual(const float* __restrict__ in, const half_t* __restrict__ W, float*
     __shared__ RowSums sums;
     pdl_launch_dependents();  // the next kernel may start streaming its weights
     int rows[ROWS];
-#pragma unroll
-    for (int r = 0; r < ROWS; ++r) rows[r] = min((int)blockIdx.x * ROWS + r, M - 1);
+    plain_rows(rows, M);
     RowLoads loads;
     first_batch(loads, W, rows, K);
     pdl_wait();  // everything below may read what the previous kernel wrote
     block_dot_rows<false>(loads, K, in, nullptr, sums);
-    const int t = threadIdx.x;
-    if (t >= TOKENS) return;
-    float dot[ROWS], ss;
-    reduced(sums, t, dot, ss);
-#pragma unroll
-    for (int r = 0; r < ROWS; ++r) {
-        const int row = blockIdx.x * ROWS + r;
-        if (row < M) x[(size_t)t * M + row] = __fadd_rn(x[(size_t)t * M + row], dot[r]);
-    }
+    residual_store(sums, x, M);
 }
 
 // grid: ceil(ff / PAIRS). W [2 ff, d]: gate rows then up rows. h [TOKENS, ff] float32.
@@ -234,27 +157,12 @@ gemv_gate_up_silu(const float* __restrict__ x, const half_t* __restrict__ norm_w
     __shared__ RowSums sums;
     pdl_launch_dependents();  // the next kernel may start streaming its weights
     int rows[ROWS];
-#pragma unroll
-    for (int i = 0; i < PAIRS; ++i) {
-        const int r = min((int)blockIdx.x * PAIRS + i, ff - 1);
-        rows[2 * i] = r;
-        rows[2 * i + 1] = ff + r;
-    }
+    gate_up_rows(rows, ff);
     RowLoads loads;
     first_batch(loads, W, rows, d);
     pdl_wait();  // everything below may read what the previous kernel wrote
     block_dot_rows<true>(loads, d, x, norm_w, sums);
-    const int t = threadIdx.x;
-    if (t >= TOKENS) return;
-    float dot[ROWS], ss;
-    reduced(sums, t, dot, ss);
-    const float scale = rms_scale(ss, d, eps);
-#pragma unroll
-    for (int i = 0; i < PAIRS; ++i) {
-        const int r = blockIdx.x * PAIRS + i;
-        const float gate = __fmul_rn(dot[2 * i], scale), up = __fmul_rn(dot[2 * i + 1], scale);
-        if (r < ff) h[(size_t)t * ff + r] = __fmul_rn(silu(gate), up);
-    }
+    gate_up_store(sums, h, ff, d, eps);
 }
 
 // grid: ceil(V / ROWS). logits [TOKENS, V] float32 = W [V, d] · rmsnorm(x [TOKENS, d]).
@@ -264,8 +172,7 @@ gemv_logits(const float* __restrict__ x, const half_t* __restrict__ norm_w, cons
     __shared__ RowSums sums;
     pdl_launch_dependents();  // the next kernel may start streaming its weights
     int rows[ROWS];
-#pragma unroll
-    for (int r = 0; r < ROWS; ++r) rows[r] = min((int)blockIdx.x * ROWS + r, V - 1);
+    plain_rows(rows, V);
     RowLoads loads;
     first_batch(loads, W, rows, d);
     pdl_wait();  // everything below may read what the previous kernel wrote

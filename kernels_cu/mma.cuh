@@ -42,12 +42,14 @@ __device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], uint32_t add
                  : "memory");
 }
 
-// d += A (16 x 16) · B (16 x 8), FP16 inputs, FP32 accumulators (layouts in gemm.cu's header).
+// d += A (16 x 16) · B (16 x 8), FP16 inputs, FP32 accumulators (layouts in gemm.cu's header). volatile, as
+// CUTLASS's: a warp-collective .sync.aligned instruction, which the compiler must never move (under a branch,
+// across a barrier) or merge with another, whatever its operands.
 __device__ __forceinline__ void mma_16816(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
-    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-        "{%0, %1, %2, %3};"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+                 "{%0, %1, %2, %3};"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
 // Two floats written by another block of this launch (8-byte aligned): ld.global.cg bypasses L1, as

@@ -6,7 +6,9 @@
 //                  for the slot of each token row (rows table, common.cuh): its own params, seen and state.
 //                  Where no token can be drawn (every logit NaN or -inf): state[TOKEN] = NO_TOKEN (-1),
 //                  seen untouched, x = 0; the host raises when it reads the token. Never an index out of
-//                  bounds.
+//                  bounds: a verify's draft ids are bounded here too (the host refuses any outside [0, V)
+//                  first), one outside [0, V) makes every row's pick NO_TOKEN, so the step's answer is
+//                  out = [1, NO_TOKEN] with state and seen as above.
 //   uniform_probe  out[0] = uniform(seed, step), one thread: the RNG bit for bit, for the tests
 //   logprobs       what the host needs for log-probabilities under the raw softmax (no penalty, no temperature),
 //                  a few bytes per row instead of the row: see the kernel (cullama/logprobs.py finishes them)
@@ -82,6 +84,7 @@
 #define NEG_INF_KEY 0x007fffffu  // float_key(-inf), and of NaN: the least key of a real id, never drawn
 #define NO_HIT 0x7fffffff
 #define NO_TOKEN (-1)  // cullama.sampling.NO_TOKEN: no logit can be drawn
+#define NOT_AN_ID (-2)  // sample's marked[e]: draft e + 1 is outside [0, V)
 
 // Order-preserving key of a float; -0 becomes +0 first, since the spec compares floats; NaN is -inf.
 __device__ __forceinline__ uint32_t float_key(float f) {
@@ -389,14 +392,15 @@ sample(float* logits, unsigned char* __restrict__ seen, int* __restrict__ state,
     // The drafts before this row count as seen: each one not seen yet (its first occurrence) is penalised in
     // this block's own row, in place, and put back once the token is picked (thread e: draft e + 1; the ids
     // and values wait in shared memory, not in registers the passes below need).
-    __shared__ int marked[MAX_DRAFTS];  // the id thread e penalised, or -1
+    __shared__ int marked[MAX_DRAFTS];  // the id thread e penalised, -1 if none, NOT_AN_ID: draft e + 1 is no id
     __shared__ float raw[MAX_DRAFTS];   // its logit before
     float* const own = logits + (size_t)row * logits_stride(V);  // 16-byte aligned: keys4 reads float4s
-    if (threadIdx.x < MAX_DRAFTS) {
-        const int e = threadIdx.x, draft = e < offset ? ids[1 + e] : -1;
+    if (threadIdx.x < MAX_DRAFTS) {  // thread e checks draft e + 1 of the step, and marks it if before this row
+        const int e = threadIdx.x, id = e + 1 < rows ? ids[1 + e] : 0, draft = e < offset ? id : -1;
         bool repeated = false;
         for (int f = 0; f < e && draft >= 0; ++f) repeated |= ids[1 + f] == draft;  // ids[1..row] only
-        marked[e] = draft >= 0 && penalty != 1.f && !seen[seen_at + draft] && !repeated ? draft : -1;
+        if (id < 0 || id >= V) marked[e] = NOT_AN_ID;
+        else marked[e] = draft >= 0 && penalty != 1.f && !seen[seen_at + draft] && !repeated ? draft : -1;
         if (marked[e] >= 0) {
             raw[e] = own[draft];
             own[draft] = penalised(raw[e], penalty);
@@ -407,12 +411,17 @@ sample(float* logits, unsigned char* __restrict__ seen, int* __restrict__ state,
         row_state = st;
     }
     __syncthreads();
+    bool drafts_are_ids = true;  // the same in every thread and every block: the branches below are uniform
+#pragma unroll
+    for (int e = 0; e < MAX_DRAFTS; ++e) drafts_are_ids &= marked[e] != NOT_AN_ID;
     const Transform tf{seen, seen_at, V, penalty != 1.f, !greedy, penalty, temperature};
     const int front = offset + 1 < rows ? ids[offset + 1] : -1;  // this row's draft, if any
     // Every thread gets the token from the block reductions; those barriers also order every read of
     // state and seen above before the writes below (in a verify, the other blocks' reads come before their
     // arrival, so before the last block writes).
-    int token = greedy ? greedy_token(tf, scratch) : sampled_token(tf, top_k, top_p, offset, front);
+    int token = !drafts_are_ids ? NO_TOKEN
+                : greedy        ? greedy_token(tf, scratch)
+                                : sampled_token(tf, top_k, top_p, offset, front);
     if (threadIdx.x < MAX_DRAFTS && marked[threadIdx.x] >= 0)  // every read of the row is behind the reductions
         const_cast<float*>(row_logits)[marked[threadIdx.x]] = raw[threadIdx.x];
     int n = 1;
@@ -426,8 +435,8 @@ sample(float* logits, unsigned char* __restrict__ seen, int* __restrict__ state,
         if (!is_last) return;
         __threadfence();
         if (threadIdx.x == 0) {
-            int j = 0;  // NO_TOKEN never equals a draft: it ends the run
-            while (j + 1 < rows && load_coherent(picks + j) == ids[j + 1]) ++j;  // draft j + 1 is row j's pick
+            int j = 0;  // NO_TOKEN equals no draft that is an id: it ends the run (else every pick is NO_TOKEN)
+            while (drafts_are_ids && j + 1 < rows && load_coherent(picks + j) == ids[j + 1]) ++j;  // row j's pick
             accepted[0] = j + 1;
             accepted[1] = load_coherent(picks + j);
             *arrivals = 0u;

@@ -479,6 +479,7 @@ ERROR_STRINGS = {CUDA_ERROR_INVALID_VALUE: b"invalid argument", CUDA_ERROR_INVAL
 FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT = 8, 9
 LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION = 6
 _KERNEL = re.compile(r'extern "C" __global__ void\s+(?:__launch_bounds__\(([^)]*)\)\s+)?(\w+)\s*\(([^)]*)\)', re.S)
+_INCLUDE = re.compile(r'^[ \t]*#include[ \t]+"([^"]+)"', re.M)
 _DEFINE = re.compile(r"^[ \t]*#define[ \t]+(\w+)[ \t]+([^\n]*?)[ \t]*(?://.*)?$", re.M)
 _SCALARS = {"int": ctypes.c_int32, "unsigned int": ctypes.c_uint32, "float": ctypes.c_float,
             "size_t": ctypes.c_uint64, "unsigned long long": ctypes.c_uint64}
@@ -487,8 +488,20 @@ _POINTEES = {"half_t": np.float16, "float": np.float32, "int": np.int32, "unsign
 _kernels: dict = {}
 
 
+def _with_headers(name: str, seen: set) -> str:
+    """kernels_cu/`name`, then the text of each kernels_cu header it includes (recursively, each once): a
+    constant such as THREADS may live in a header the kernels share (gemv.cuh, gemm.cuh)."""
+    text = (SOURCE_DIR / name).read_text()
+    parts = [text]
+    for header in _INCLUDE.findall(text):
+        if header not in seen and (SOURCE_DIR / header).is_file():
+            seen.add(header)
+            parts.append(_with_headers(header, seen))
+    return "\n".join(parts)
+
+
 def _parse(source: str) -> None:
-    text = (SOURCE_DIR / source).read_text()
+    text = _with_headers(source, set())
     macros = {}
     for name, expr in _DEFINE.findall(text):
         macros.setdefault(name, expr)  # the first: an #ifndef default, before any alternative

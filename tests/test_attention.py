@@ -8,7 +8,7 @@ import pytest
 
 from cullama import plan as plans
 from cullama.config import preset
-from cullama.weights import device_config
+from cullama.layout import device_config
 from cullama.ops import attention as ops
 from cullama.registry import KernelSpec, compile_module
 

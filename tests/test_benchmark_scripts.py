@@ -17,7 +17,9 @@ from cullama.backends import pdl
 from cullama.config import preset
 from cullama.weights import FILL
 from cullama.errors import DeviceError
+from cullama import quant
 from cullama.ops import gemv as gemv_twins
+from cullama.ops import gemv_quant as gemv_quant_twins
 from cullama.prefill_kernels import MMA_GEMM, WGMMA_GEMM
 from cullama.registry import KernelLoader
 
@@ -146,6 +148,36 @@ def test_gemv_sweep_flags_a_wrong_variant_and_fails(fake, monkeypatch, capsys):
     assert len(wrong) == len(gemv_sweep.shapes(TINY)) and all("ROWS=8" in line and "*" not in line for line in wrong)
 
 
+def test_gemv_sweep_times_the_quantized_kernels(fake, tmp_path, capsys):
+    """--bits 4,8: gemv_quant.cu's variants of each bits on the four weight matrices (no lm_head), the effective
+    bytes (codes and (scale, zero) pairs), and a shape INT4 cannot hold (tiny's K = 688) skipped with a line."""
+    out = tmp_path / "gemv_quant.json"
+    code, stdout = run_main("gemv_sweep", ["--model", "tiny", "--bits", "4,8", "--trials", "1", "--launches", "2",
+                                           "--l2-multiple", "1", "--json", str(out)], capsys)
+    assert code == 0
+    record = json.loads(out.read_text())
+    assert record["bits"] == [4, 8] and record["skipped"] == ["W4 down 256x688: K = 688 is not a multiple of 32"]
+    expected = []
+    for bits in (4, 8):
+        variants = [" ".join(f"{k}={v}" for k, v in d) for d in gemv_quant_twins.DECODE_VARIANTS
+                    if d[0] == ("BITS", bits)]
+        expected += [(bits, label, v) for label, kernel, M, K in gemv_sweep.shapes(TINY)
+                     if kernel != "gemv_logits" and (bits == 8 or K % 32 == 0) for v in variants]
+    assert [(r["bits"], r["shape"], r["variant"]) for r in record["rows"]] == expected and len(expected) == 21
+    for r in record["rows"]:
+        group = r["K"] if r["bits"] == 8 else 128
+        assert r["weight_bytes"] == quant.QuantFormat(r["bits"], group).nbytes(r["M"], r["K"])
+        assert r["check_ok"] and r["check_rel_err"] == 0
+        check_timing(r)
+    lines = stdout.splitlines()
+    assert lines[1] == "skipped W4 down 256x688: K = 688 is not a multiple of 32"
+    assert sum("*" in line for line in lines[3:-2]) == 3 + 4  # one fastest variant per (bits, shape)
+    assert "ROWS=8 UNROLL=1" in lines[-2] and "effective" in lines[-2]
+    with pytest.raises(SystemExit):
+        gemv_sweep.main(["--bits", "16,4"])
+    assert "give 16 (FP16) or any of 4, 8" in capsys.readouterr().err
+
+
 # -- gemm_sweep -----------------------------------------------------------------------------------
 def test_gemm_sweep_times_and_checks_every_split(fake, tmp_path, capsys):
     out = tmp_path / "gemm.json"
@@ -171,6 +203,28 @@ def test_gemm_sweep_times_and_checks_every_split(fake, tmp_path, capsys):
     assert len(lines) == 2 + len(expected) + 4 and lines[-1] == f"wrote {out}"
     assert lines[-3].startswith("the plan's S is the fastest in") and lines[-3].endswith(f"of {4 * 2} cases")
     assert lines[-2] == f"mma: fastest in {4 * 2} of {4 * 2} (shape, M) cases"
+
+
+def test_gemm_sweep_times_the_quantized_gemm(fake, tmp_path, capsys):
+    """mma-w4 / mma-w8: gemm_quant.cu with gemm.cu's split rule, checked against its twin and across splits; INT4
+    skips tiny's down (K = 688)."""
+    out = tmp_path / "gemm_quant.json"
+    code, stdout = run_main("gemm_sweep", ["--model", "tiny", "--kernels", "mma-w4,mma-w8", "--rows", "1,65",
+                                           "--splits", "2", "--trials", "1", "--launches", "2", "--l2-multiple", "1",
+                                           "--json", str(out)], capsys)
+    assert code == 0
+    record = json.loads(out.read_text())
+    expected = [(name, label, M) for name, bits in (("mma-w4", 4), ("mma-w8", 8))
+                for label, N, K, _ in gemm_sweep.shapes(TINY) if K % (128 // bits) == 0 for M in (1, 65)]
+    assert sorted({(r["kernel"], r["shape"], r["M"]) for r in record["rows"]}) == sorted(expected)
+    for r in record["rows"]:
+        bits = int(r["kernel"][-1])
+        assert r["bits"] == bits and r["check_ok"], r
+        assert r["plan_splits"] == MMA_GEMM.splits(r["M"], r["N"], r["K"])
+        group = r["K"] if bits == 8 else 128
+        assert r["weight_bytes"] == quant.QuantFormat(bits, group).nbytes(r["N"], r["K"])
+        assert ("twin rel err" in r["check"]) == (r["splits"] == 1 and r["M"] <= 64)
+    assert "skipped mma-w4 down 256x688" in stdout
 
 
 def test_gemm_sweep_compares_the_wgmma_kernels_on_sm90(fake, monkeypatch, tmp_path, capsys):

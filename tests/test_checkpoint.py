@@ -21,7 +21,8 @@ from cullama.checkpoint import (EMBED, FINAL_NORM, INDEX_FILE, LM_HEAD, expected
                                 write_random)
 from cullama.config import LlamaConfig, from_pretrained
 from cullama.errors import CheckpointError, ConfigError
-from cullama.weights import fused_shapes, host_weights, load_checkpoint, load_weights, parts
+from cullama.layout import fused_shapes, parts
+from cullama.weights import host_weights, load_checkpoint, load_weights
 
 SHARED = Path(__file__).resolve().parents[1].parent / "shared"
 # GQA (4 query heads over 2 kv heads) so that q, k and v have different row counts.

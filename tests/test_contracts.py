@@ -10,7 +10,8 @@ import pytest
 
 from cullama import ops, plan as plans
 from cullama.config import preset
-from cullama.weights import device_config
+from cullama.layout import device_config
+from cullama.weights import config_layout
 from cullama.prefill_kernels import ATTENTIONS, GEMMS, PrefillKernels
 from cullama.kernels_cu import SOURCE_DIR
 
@@ -138,7 +139,12 @@ def weight_params(cfg, name: str) -> dict[str, bool]:
             for i, (_, pname, is_pointer) in enumerate(params) if is_pointer}
 
 
-@pytest.mark.parametrize("name", sorted(plans.OVERLAP_SAFE))
+# Overlap-safe kernels that only quantized layouts launch (the gathers: only GPTQ act-order ones): their sources are
+# checked by test_quantized_kernels_touch_only_weights_before_pdl_wait below.
+QUANT_ONLY = {"gemm_quant", "gather_f32", "gather_f16"}
+
+
+@pytest.mark.parametrize("name", sorted(plans.OVERLAP_SAFE - QUANT_ONLY))
 def test_overlap_safe_kernels_touch_only_weights_before_pdl_wait(name):
     """Launched overlapped, a kernel runs next to the one before it until pdl_wait(): reading an
     activation there would read a stale value, writing one would race. Weights never change."""
@@ -162,4 +168,21 @@ def test_the_pre_wait_check_catches_a_read_of_an_activation():
 
 def test_every_plan_kernel_may_overlap():
     cfg = device_config(preset("llama-2-7b"))
-    assert {l.spec.name for l in every_plan_launch(cfg)} == plans.OVERLAP_SAFE
+    fp16 = {l.spec.name for l in every_plan_launch(cfg)}
+    assert fp16 == plans.OVERLAP_SAFE - QUANT_ONLY
+    int4 = {l.spec.name for l in every_plan_launch(config_layout(preset("llama-2-7b"), "int4"))}
+    assert "gemm_quant" in int4 and int4 <= plans.OVERLAP_SAFE
+
+
+# The quantized kernels' weights by parameter name (cullama/quant.py's qweight and qparams; gather's perm): whether or
+# not a plan launches them yet, they may read these, and only these, before pdl_wait().
+QUANT_WEIGHTS = {"gemv_quant.cu": {"qweight", "qparams"}, "gemm_quant.cu": {"qweight", "qparams"}, "gather.cu": {"perm"}}
+
+
+@pytest.mark.parametrize("source,name", sorted(k for k in SIGNATURES if k[0] in QUANT_WEIGHTS))
+def test_quantized_kernels_touch_only_weights_before_pdl_wait(source, name):
+    pointers = [pname for _, pname, is_pointer in SIGNATURES[source, name] if is_pointer]
+    assert QUANT_WEIGHTS[source] <= set(pointers), f"{name}'s weights are not named {sorted(QUANT_WEIGHTS[source])}"
+    touched = pre_wait_reads(kernel_body((SOURCE_DIR / source).read_text(), name), pointers)
+    assert touched is not None, f"{name} never calls pdl_wait()"
+    assert touched and touched <= QUANT_WEIGHTS[source], f"{name} touches {sorted(touched)} before pdl_wait()"

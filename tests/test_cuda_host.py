@@ -15,7 +15,8 @@ from cullama.backends.cuda_backend import CudaBackend
 from cullama.backends.numpy_backend import NumpyBackend
 from cullama.checkpoint import open_checkpoint
 from cullama.engine import PlanRunner
-from cullama.weights import FILL, device_config, load_checkpoint
+from cullama.layout import device_config
+from cullama.weights import FILL, load_checkpoint
 from cullama.errors import KernelError, PromptError
 from cullama.registry import KernelLoader
 from cullama.sampling import SamplingParams

@@ -20,6 +20,7 @@ from cullama import cache, emu, ops
 from cullama.emu import asm, build
 from cullama.errors import KernelError
 from cullama.kernels_cu import SOURCE_DIR
+from cullama.plan import GEMV_THREADS
 from cullama.registry import KernelSpec
 
 pytestmark = pytest.mark.emu
@@ -89,6 +90,32 @@ extern "C" __global__ void dynamic_overflow(int n) {
 
 extern "C" __global__ void __launch_bounds__(64) bounded(float* out) { out[threadIdx.x] = 1.f; }
 
+// The FP16 conversions as the kernels write them: common.cuh's f2h and h2f, and attention_mma.cu's packed cvt
+// (first source to the upper half).
+extern "C" __global__ void conversions(const float* f, half_t* h, uint32_t* packed, const half_t* halves,
+                                       float* back, int n) {
+    for (int i = 0; i < n; ++i) {
+        h[i] = f2h(f[i]);
+        asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(packed[i]) : "f"(f[i]), "f"(f[n - 1 - i]));
+        back[i] = h2f(halves[i]);
+    }
+}
+
+// Read with ld.global.nc (load_stream) or __ldg, or through __restrict__ pointers; written in the same launch.
+extern "C" __global__ void nc_in_place(uint4* data) {
+    uint4 v = load_stream(data + threadIdx.x);
+    v.x += 1u;
+    data[threadIdx.x] = v;
+}
+
+extern "C" __global__ void ldg_twice(const float* in, float* out) { out[threadIdx.x] = 2.f * __ldg(in + threadIdx.x); }
+
+extern "C" __global__ void restrict_twice(const float* __restrict__ in, float* __restrict__ out) {
+    out[threadIdx.x] = 2.f * in[threadIdx.x];
+}
+
+extern "C" __global__ void plain_twice(const float* in, float* out) { out[threadIdx.x] = 2.f * in[threadIdx.x]; }
+
 extern "C" __global__ void scalars(float* out, int i, unsigned long long u, float f) {
     out[0] = (float)i, out[1] = (float)u, out[2] = f;
 }
@@ -109,32 +136,107 @@ def probe(source_dir, name, grid, block, args, schedule="forward", shared_mem=0)
 
 
 # -- FP16 conversions: every half, and floats at and around every rounding boundary ---------------------------
-def test_fp16_conversions_are_numpys():
-    rt = build.runtime()
-    halves = np.arange(1 << 16, dtype=np.uint16)
-    floats = np.empty(halves.size, np.float32)
-    rt.emu_h2f_array(halves.ctypes.data_as(ctypes.c_void_p), floats.ctypes.data_as(ctypes.c_void_p),
-                     ctypes.c_longlong(halves.size))
-    expected = halves.view(np.float16).astype(np.float32)
-    assert np.array_equal(floats.view(np.uint32), expected.view(np.uint32))  # NaN payloads too
+HALVES = np.arange(1 << 16, dtype=np.uint16)
+
+
+def float_bits(size: int = 1 << 20) -> np.ndarray:
+    """uint32 float patterns: random ones, every half's value, the exact ties between neighbouring halves and the
+    floats just above them, the edges of overflow and underflow, and NaNs of every sign and payload class (only
+    bits that survive the cut to 10, only bits that do not, random)."""
     rng = np.random.default_rng(0)
-    finite = expected[np.isfinite(expected)].astype(np.float64)
-    mids = np.float32((finite[:-1] + finite[1:]) / 2)  # exact ties between neighbouring halves
-    bits = np.concatenate([rng.integers(0, 2**32, 1 << 20, dtype=np.uint64).astype(np.uint32),
-                           expected.view(np.uint32), mids.view(np.uint32),
-                           np.nextafter(mids, np.float32(np.inf)).view(np.uint32),
-                           np.array([0x477FF000, 0x477FEFFF, 0x33000000, 0x33000001, 0x7F800000, 0xFF800001],
-                                    np.uint32)])
-    values = bits.view(np.float32)
+    exact = HALVES.view(np.float16).astype(np.float32)
+    finite = exact[np.isfinite(exact)].astype(np.float64)
+    mids = np.float32((finite[:-1] + finite[1:]) / 2)
+    payload = np.concatenate([np.arange(1, 1024, dtype=np.uint32) << 13, np.arange(1, 1 << 13, dtype=np.uint32),
+                              rng.integers(1, 1 << 23, 4096, dtype=np.uint32)])
+    nans = np.concatenate([0x7F800000 | payload, 0xFF800000 | payload]).astype(np.uint32)
+    return np.concatenate([rng.integers(0, 2**32, size, dtype=np.uint64).astype(np.uint32), exact.view(np.uint32),
+                           mids.view(np.uint32), np.nextafter(mids, np.float32(np.inf)).view(np.uint32),
+                           np.array([0x477FF000, 0x477FEFFF, 0x33000000, 0x33000001, 0x7F800000, 0xFF800000],
+                                    np.uint32), nans])
+
+
+def test_fp16_conversions_are_numpys_for_numbers_and_nan_is_canonical():
+    rt = build.runtime()
+    floats = np.empty(HALVES.size, np.float32)
+    rt.emu_h2f_array(HALVES.ctypes.data_as(ctypes.c_void_p), floats.ctypes.data_as(ctypes.c_void_p),
+                     ctypes.c_longlong(HALVES.size))
+    expected = HALVES.view(np.float16).astype(np.float32)
+    nan = np.isnan(expected)
+    assert np.array_equal(floats.view(np.uint32)[~nan], expected.view(np.uint32)[~nan])
+    assert (floats.view(np.uint32)[nan] == 0x7FFFFFFF).all()  # NumPy keeps the payload; the GPU does not
+    values = float_bits().view(np.float32)
     out = np.empty(values.size, np.uint16)
     rt.emu_f2h_array(values.ctypes.data_as(ctypes.c_void_p), out.ctypes.data_as(ctypes.c_void_p),
                      ctypes.c_longlong(values.size))
+    nan = np.isnan(values)
     with np.errstate(over="ignore"):
-        assert np.array_equal(out, values.astype(np.float16).view(np.uint16))
+        assert np.array_equal(out[~nan], values[~nan].astype(np.float16).view(np.uint16))
+    assert (out[nan] == 0x7FFF).all()
+
+
+# The GPU's conversions in plain C++ on the host's floating point, apart from cullama/emu's bit code: round to
+# nearest even (nearbyint in the default rounding mode) at the half's quantum, 2^-24 below 2^-14, else 2^(e - 10);
+# a NaN, whatever its sign and payload, is the canonical NaN (cuda_fp16.hpp's host __float2half_rn and
+# __half2float, CUDA's own statement of what cvt.rn.f16.f32 and cvt.f32.f16 give).
+REFERENCE_CONVERSIONS = r"""
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+static uint16_t f2h(float f) {
+    if (std::isnan(f)) return 0x7fff;
+    const uint16_t sign = std::signbit(f) ? 0x8000 : 0;
+    const double a = std::fabs((double)f);
+    if (a < 0x1p-14) return sign | (uint16_t)std::nearbyint(a * 0x1p24);  // 1024 there is the least normal
+    int e;
+    std::frexp(a, &e);                                                    // a in [2^(e-1), 2^e)
+    const double q = std::nearbyint(std::ldexp(a, 11 - e));               // 1024 .. 2048 (a carry)
+    const double bits = (e + 14) * 1024.0 + (q - 1024);
+    return sign | (bits >= 0x7c00 ? 0x7c00 : (uint16_t)bits);             // past 65504 + half an ulp: inf
+}
+static float h2f(uint16_t h) {
+    const int e = h >> 10 & 31, m = h & 1023;
+    float v;
+    if (e == 31 && m) { const uint32_t nan = 0x7fffffff; std::memcpy(&v, &nan, 4); return v; }
+    v = e == 31 ? INFINITY : e ? std::ldexp(1024.f + m, e - 25) : std::ldexp((float)m, -24);
+    return h & 0x8000 ? -v : v;
+}
+extern "C" void reference(const float* f, uint16_t* h, uint32_t* packed, const uint16_t* halves, float* back,
+                          int n) {
+    for (int i = 0; i < n; ++i) {
+        h[i] = f2h(f[i]);
+        packed[i] = (uint32_t)f2h(f[i]) << 16 | f2h(f[n - 1 - i]);
+        back[i] = h2f(halves[i]);
+    }
+}
+"""
+
+
+def test_fp16_conversions_in_a_kernel_are_the_gpus_on_every_nan(probes, tmp_path):
+    """common.cuh's f2h and h2f and the packed cvt.rn.f16x2.f32 (attention_mma.cu's), run by the executor, equal
+    the reference above on every kind of number and NaN: a NaN comes out canonical (0x7FFF, 0x7FFFFFFF), as on
+    the GPU, not with NumPy's payload."""
+    source, library = tmp_path / "reference.cpp", tmp_path / "reference.so"
+    source.write_text(REFERENCE_CONVERSIONS)
+    subprocess.run([build.compiler(), "-std=c++17", "-O1", "-shared", "-fPIC", str(source), "-o", str(library)],
+                   check=True, capture_output=True, timeout=120)
+    reference = ctypes.CDLL(str(library)).reference
+    f = float_bits(1 << 16).view(np.float32)
+    n = f.size
+    halves = np.resize(HALVES, n)
+    outputs = [(np.empty(n, np.uint16), np.empty(n, np.uint32), np.empty(n, np.float32)) for _ in range(2)]
+    probe(probes, "conversions", 1, 1, (f, outputs[0][0], outputs[0][1], halves, outputs[0][2], np.int32(n)))
+    reference(*(a.ctypes.data_as(ctypes.c_void_p) for a in (f, outputs[1][0], outputs[1][1], halves,
+                                                             outputs[1][2])), ctypes.c_int(n))
+    (h, packed, back), (h_ref, packed_ref, back_ref) = outputs
+    assert np.array_equal(h, h_ref) and np.array_equal(packed, packed_ref)
+    assert np.array_equal(back.view(np.uint32), back_ref.view(np.uint32))
+    assert (h[np.isnan(f)] == 0x7FFF).all() and (back.view(np.uint32)[(halves & 0x7FFF) > 0x7C00] == 0x7FFFFFFF).all()
 
 
 # -- the rewrite table --------------------------------------------------------------------------------------
 def test_every_template_in_kernels_cu_is_known_and_the_table_has_no_dead_entry():
+    """Every variant's source rewrites (so each collective is asm volatile, mma.cuh's mma.sync included)."""
     used = set()
     for stem in ops.STEMS:
         module = ops.module(stem)
@@ -150,6 +252,8 @@ def test_every_template_in_kernels_cu_is_known_and_the_table_has_no_dead_entry()
     ('asm("cvt.rn.f16.f32 %0, %1" : "=h"(h) : "f"(f));', "inline PTX the emulator does not know"),  # no ';'
     ('asm("cvt.rn.f16.f32 %0, %1;" : "=r"(h) : "f"(f));', "operand constraints '=r f'"),
     ('asm(TEMPLATE : "=h"(h) : "f"(f));', "not a string literal"),
+    ('asm("wgmma.fence.sync.aligned;" ::: "memory");', "collective (.sync.aligned) instruction: it must be asm "
+                                                        "volatile"),
 ])
 def test_an_unknown_template_fails_the_build_with_its_text(statement, message):
     with pytest.raises(KernelError, match=re.escape(message)):
@@ -216,6 +320,112 @@ def test_writes_past_the_dynamic_shared_memory_are_caught(probes):
     probe(probes, "dynamic_overflow", 1, 32, (np.int32(999),), shared_mem=1000)
     with pytest.raises(emu.EmuError, match="wrote 1 bytes past the end of its 1000 bytes of dynamic shared memory"):
         probe(probes, "dynamic_overflow", 1, 32, (np.int32(1000),), shared_mem=1000)
+
+
+# gemm_wgmma.cu's own pieces, one warpgroup: C = A W^T over one K tile, the threads double their accumulators,
+# then C += A W^T again (3 A W^T). The fence before the second pass orders the threads' writes before it.
+WGMMA_PROBE = r"""
+#include "gemm_wgmma.cu"
+
+// A [64, 64], W [GW_TILE_N, 64] FP16; C [64, GW_TILE_N] float32. GW_WARPGROUPS 1, GW_SMEM_BYTES of dynamic shared.
+extern "C" __global__ void __launch_bounds__(GW_THREADS, 1) wgmma_twice(const half_t* A, const half_t* W, float* C) {
+    extern __shared__ __align__(16) unsigned char gw_dynamic_smem[];
+    const uint32_t smem = (smem_addr(gw_dynamic_smem) + 1023u) & ~1023u, a = gw_a_base(smem, 0);
+    const uint32_t w = gw_w_base(smem, 0);
+    load_tile_a(smem, 0, 0, A, 64, 64, 0, 64, 0);
+    load_tile_w(smem, 0, 0, W, GW_TILE_N, 64, 0, 64, 0);
+    cp_async_commit();
+    cp_async_wait<0>();
+    fence_proxy_async();
+    __syncthreads();
+    float acc[GW_ACC];
+    for (int j = 0; j < GW_ACC; ++j) acc[j] = 0.f;
+    wgmma_fence();
+    for (int ks = 0; ks < 4; ++ks) wgmma_k16(acc, gw_a_desc(a, 0, ks), gw_w_desc(w, ks));
+    wgmma_commit();
+    wgmma_wait<0>();
+    for (int j = 0; j < GW_ACC; ++j) acc[j] *= 2.f;
+    wgmma_fence();  // the second pass
+    for (int ks = 0; ks < 4; ++ks) wgmma_k16(acc, gw_a_desc(a, 0, ks), gw_w_desc(w, ks));
+    wgmma_commit();
+    wgmma_wait<0>();
+    for (int j = 0; j < GW_ACC; ++j) C[gw_acc_row(threadIdx.x, j) * GW_TILE_N + gw_acc_col(threadIdx.x, j)] = acc[j];
+}
+"""
+WGMMA_DEFINES = (("GW_WARPGROUPS", 1), ("GW_TILE_N", 64))
+
+
+@pytest.mark.parametrize("bug,replacement,message", [
+    (None, None, None),
+    ("fence-removed", ("    wgmma_fence();  // the second pass\n", ""),
+     r"wgmma_twice block \(0, 0, 0\) thread \(\d+, 0, 0\) at gemm_wgmma.cu:\d+: wgmma.mma_async: thread \d+ wrote its "
+     r"accumulator \d+ after the last wgmma.fence"),
+    ("written-in-flight", ("    wgmma_commit();\n    wgmma_wait<0>();\n    for (int j = 0; j < GW_ACC; ++j) acc",
+                           "    wgmma_commit();\n    acc[5] = 1.f;\n    wgmma_wait<0>();\n"
+                           "    for (int j = 0; j < GW_ACC; ++j) acc"),
+     r"wgmma.wait_group: thread \d+ wrote its accumulator 5 while the wgmma.mma_async at gemm_wgmma.cu:\d+ on it "
+     r"was in flight"),
+], ids=["correct", "fence-removed", "written-in-flight"])
+def test_the_wgmma_fence_rule_holds_before_every_wgmma(tmp_path, bug, replacement, message):
+    """PTX ISA, wgmma.fence: between a thread's write of accumulator registers and a wgmma.mma_async that uses them
+    (not only before the first); and no write while a wgmma on them is in flight. Seeded bugs in a copy of the
+    probe are reported with the offending thread and register; the probe itself computes 3 A W^T."""
+    source_dir = tmp_path / "kernels_cu"
+    shutil.copytree(SOURCE_DIR, source_dir)
+    assert bug is None or WGMMA_PROBE.count(replacement[0]) == 1
+    text = WGMMA_PROBE if bug is None else WGMMA_PROBE.replace(*replacement)
+    (source_dir / "wgmma_probe.cu").write_text(text)
+    rng = np.random.default_rng(0)
+    A, W = rng.standard_normal((64, 64)).astype(np.float16), rng.standard_normal((64, 64)).astype(np.float16)
+    C = np.full((64, 64), np.nan, np.float32)
+    spec = KernelSpec("wgmma_probe.cu", "wgmma_twice", WGMMA_DEFINES, arch_specific=True)
+    smem = 5 * (64 + 64) * 128 + 1024  # GW_SMEM_BYTES
+    if bug is None:
+        emu.launch(spec, 1, 128, (A, W, C), smem, source_dir=source_dir)
+        np.testing.assert_allclose(C, 3 * (A.astype(np.float64) @ W.astype(np.float64).T), rtol=1e-5, atol=1e-4)
+    else:
+        with pytest.raises(emu.EmuError, match=message):
+            emu.launch(spec, 1, 128, (A, W, C), smem, source_dir=source_dir)
+
+
+def test_read_only_loads_and_restrict_pointers_are_checked_against_the_writes(probes):
+    """What ld.global.nc / __ldg read must be read-only for the whole launch; a __restrict__ argument must not share
+    written bytes with another argument. Each seeded bug fails the launch naming the arguments, and leaves the
+    arrays as they were; the same kernels on separate arrays (or without restrict) run."""
+    data = np.arange(64, dtype=np.uint32)
+    with pytest.raises(emu.EmuError, match=r"nc_in_place: argument 0 is read by ld.global.nc / __ldg, which needs it "
+                                           r"read-only for the whole launch, and written by it \(16 bytes, the first "
+                                           r"at byte 0\)"):
+        probe(probes, "nc_in_place", 1, 16, (data,))
+    assert (data == np.arange(64)).all()
+    x = np.arange(33, dtype=np.float32)
+    with pytest.raises(emu.EmuError, match=r"ldg_twice: argument 0 is read by ld.global.nc / __ldg.*written by it"):
+        probe(probes, "ldg_twice", 1, 32, (x[:32], x[:32]))
+    with pytest.raises(emu.EmuError, match=r"restrict_twice: arguments 0 and 1 share bytes that the launch wrote, "
+                                           r"but argument 0 is __restrict__"):
+        probe(probes, "restrict_twice", 1, 32, (x[1:], x[:32]))  # out[i] = 2 in[i + 1]: overlapping views
+    assert (x == np.arange(33)).all()
+    probe(probes, "plain_twice", 1, 32, (x[1:], x[:32]))  # no restrict: allowed
+    assert (x[:32] == 2 * np.arange(1, 33)).all()
+    for name in ("ldg_twice", "restrict_twice"):
+        out = np.zeros(32, np.float32)
+        probe(probes, name, 1, 32, (x[:32].copy(), out))
+        assert (out == 2 * x[:32]).all()
+
+
+def test_a_real_kernel_with_aliased_restrict_arguments_fails_its_launch():
+    """gemv_residual(in, W, x): x += W in, every pointer __restrict__ (and W read with ld.global.nc). A plan that
+    passed x as `in` too would read what it writes; the launch says so."""
+    spec = KernelSpec("gemv.cu", "gemv_residual", (("ROWS", 4), ("UNROLL", 4)))
+    assert build.library(spec.source, spec.defines).kernels["gemv_residual"].restrict == (True, True, True, False,
+                                                                                          False)
+    rng = np.random.default_rng(0)
+    W, x = rng.standard_normal((64, 64)).astype(np.float16), rng.standard_normal(64).astype(np.float32)
+    with pytest.raises(emu.EmuError, match="gemv_residual: arguments 0 and 2 share bytes that the launch wrote, but "
+                                           "argument 0 is __restrict__"):
+        emu.launch(spec, 16, GEMV_THREADS, (x, W, x, np.int32(64), np.int32(64)))
+    with pytest.raises(emu.EmuError, match="gemv_residual: argument 1 is read by ld.global.nc"):
+        emu.launch(spec, 16, GEMV_THREADS, (x, W, W.view(np.float32).reshape(-1)[:64], np.int32(64), np.int32(64)))
 
 
 # -- CuPy's launch rules --------------------------------------------------------------------------------------

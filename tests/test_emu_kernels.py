@@ -355,6 +355,17 @@ def check_fill(schedule, source_dir=None):
     run(KernelSpec("fill.cu", "fill_uniform"), 3, fill_twin.THREADS,
         (out, np.uint64(n), np.uint64(2**63 + 11), np.float32(0.5), np.float32(0.25)), schedule, source_dir)
     exact(out, ref, "fill_uniform")
+    words, ref_words = np.zeros(n + 4, np.uint32), np.zeros(n + 4, np.uint32)
+    fill_twin.fill_words(ref_words, n, 2**64 - 3)
+    run(KernelSpec("fill.cu", "fill_words"), 3, fill_twin.THREADS, (words, np.uint64(n), np.uint64(2**64 - 3)),
+        schedule, source_dir)
+    exact(words, ref_words, "fill_words")
+    pairs, ref_pairs = nan(n // 2 + 2, 2, dtype=np.float16), nan(n // 2 + 2, 2, dtype=np.float16)
+    fill_twin.fill_qparams(ref_pairs, n // 2, 11, 0.01, 0.002, 8.0)
+    run(KernelSpec("fill.cu", "fill_qparams"), 3, fill_twin.THREADS,
+        (pairs, np.uint64(n // 2), np.uint64(11), np.float32(0.01), np.float32(0.002), np.float32(8)), schedule,
+        source_dir)
+    exact(pairs, ref_pairs, "fill_qparams")
 
 
 def check_read_sum(schedule, source_dir=None):

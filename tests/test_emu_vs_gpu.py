@@ -1,6 +1,9 @@
 """The CPU executor (cullama.emu) against the GPU on the same inputs, for the kernels whose inline PTX the executor
-models from the ISA's text rather than from a run: mma.sync + ldmatrix (gemm.cu, attention_mma.cu) and wgmma with
-its shared-memory descriptors and swizzle (gemm_wgmma.cu). A layout the executor gets wrong would pass its own
+models from the ISA's text rather than from a run: mma.sync + ldmatrix (gemm.cu, attention_mma.cu), wgmma with
+its shared-memory descriptors and swizzle (gemm_wgmma.cu), the quantized kernels' lop3, prmt and FP16x2
+arithmetic (gemv_quant.cu: float32 only after that, so the executor must give the GPU's bits exactly; gemm_quant.cu,
+with mma.sync), and the canonical NaN of its FP16 conversions, bit for bit. A layout the executor gets wrong would
+pass its own
 tests against the twins only if the kernel had the same misreading; this compares it with the hardware once.
 
 Agreement means the same numbers up to the one thing the executor does not model, the tensor cores' rounding (it
@@ -18,10 +21,15 @@ import numpy as np
 import pytest
 
 import test_attention_mma as mma_cases
-from cullama import emu
+import test_gemm_quant as gemm_quant_cases
+import test_gemv_quant as gemv_quant_cases
+from conftest import FAKE_GPU, FAKE_GPU_MODE
+from cullama import emu, quant
 from cullama.backends import func_attr
 from cullama.ops import attention_mma as attention_mma_ops
+from cullama.ops import gemm_quant as gemm_quant_ops
 from cullama.ops import gemm_wgmma as wgmma_ops
+from cullama.ops import gemv_quant as gemv_quant_ops
 from cullama.prefill_kernels import MMA_GEMM
 from cullama.registry import KernelSpec
 
@@ -116,3 +124,80 @@ def test_mma_attention_on_the_executor_equals_the_gpu(kernels, defines):
                     (q_rows, k, v, out, np.int32(start), np.int32(n), np.int32(max_seq), np.float32(scale)))
     bound = np.maximum(np.abs(cpu[3].astype(np.float64)), 1.0)  # an FP16 rounding or two of the output
     agree(f"attention_prefill_mma {d}", gpu[3], cpu[3], bound, 2e-3)
+
+
+def same_bits(what: str, gpu: np.ndarray, cpu: np.ndarray) -> None:
+    if FAKE_GPU_MODE == "1":  # the "GPU" is the NumPy twin, which keeps a NaN's payload: where the NaNs are
+        assert np.array_equal(np.isnan(gpu), np.isnan(cpu)), what
+        return
+    bits = {2: np.uint16, 4: np.uint32}[gpu.dtype.itemsize]
+    gpu, cpu = gpu.view(bits).ravel(), cpu.view(bits).ravel()
+    differ = np.flatnonzero(gpu != cpu)
+    assert differ.size == 0, (f"{what}: {differ.size} elements differ, the first {int(gpu[differ[0]]):#x} on the "
+                              f"GPU, {int(cpu[differ[0]]):#x} on the executor")
+
+
+def test_nan_conversions_on_the_executor_equal_the_gpu(kernels):
+    """A NaN of any sign and payload through cvt.f32.f16 (embed_rows widens every FP16 NaN) and cvt.rn.f16.f32
+    (rope_kv_rows stores v unrotated, q and k after arithmetic on NaNs): the executor gives the canonical NaN
+    (0x7FFFFFFF, 0x7FFF), which must be the GPU's bit for bit (cullama/emu/emu_abi.h)."""
+    halves = np.concatenate([np.arange(0x7C01, 0x8000), np.arange(0xFC01, 0x10000), [0x7C00, 0x3C00]])
+    embed = halves.astype(np.uint16).view(np.float16).reshape(1, -1)  # [1, 2048]: every FP16 NaN
+    d = embed.shape[1]
+    gpu, cpu = both(kernels, KernelSpec("prefill.cu", "embed_rows"), (1,), 256,
+                    (np.zeros(1, np.int32), embed, np.zeros((1, d), np.float32), np.int32(d)))
+    same_bits("embed_rows (cvt.f32.f16)", gpu[2], cpu[2])
+
+    n, hd, heads, kv_heads = 256, 8, 1, 1  # 24 floats a row: q, k, v; every v float goes straight to FP16
+    rng = np.random.default_rng(0)
+    payload = rng.integers(1, 1 << 23, (n, (heads + 2 * kv_heads) * hd), dtype=np.uint32)
+    sign = rng.integers(0, 2, payload.shape, dtype=np.uint32) << 31
+    qkv = (sign | 0x7F800000 | payload).view(np.float32)
+    rope = rng.standard_normal((n, hd // 2, 2)).astype(np.float32)
+    q_rows, k_cache, v_cache = (np.zeros(shape, np.float16) for shape in ((n, heads * hd), (kv_heads, n, hd),
+                                                                          (kv_heads, n, hd)))
+    with np.errstate(invalid="ignore"):  # the fake GPU's twin multiplies NaNs
+        gpu, cpu = both(kernels, KernelSpec("prefill.cu", "rope_kv_rows"), (n,), 256,
+                        (qkv, rope, q_rows, k_cache, v_cache, np.int32(0), np.int32(heads), np.int32(kv_heads),
+                         np.int32(hd), np.int32(n)))
+    for i, what in ((2, "q_rows"), (3, "k_cache"), (4, "v_cache")):
+        same_bits(f"rope_kv_rows {what} (cvt.rn.f16.f32)", gpu[i], cpu[i])
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_quantized_gemv_on_the_executor_equals_the_gpu(kernels, bits):
+    """lop3 / prmt extraction and sub.rn.f16x2 (gemv_quant.cu's decode instance, gemv_residual over two batches of
+    loads): everything after them is float32 with explicit fmaf and the same shuffles, so the bits must agree."""
+    rng = np.random.default_rng(bits)
+    M, K = 37, 4096 + 2 * 128 // bits
+    group = 128 // bits
+    qw, qp = gemv_quant_cases.quantized(rng, M, K, bits, group)
+    inp, x = rng.standard_normal(K).astype(np.float32), rng.standard_normal(M).astype(np.float32)
+    defines = gemv_quant_ops.defines(bits)
+    spec = KernelSpec(gemv_quant_ops.SOURCE, "gemv_residual", defines)
+    gpu, cpu = both(kernels, spec, (-(-M // gemv_quant_ops.rows_per_block(bits)),), gemv_quant_ops.THREADS,
+                    (inp, qw, qp, x, np.int32(M), np.int32(K), np.int32(group)))
+    bound = np.abs(quant.dequantize(qw, qp, bits)).astype(np.float64) @ np.abs(inp) + np.abs(x)
+    agree(f"gemv_quant residual BITS={bits} M={M} K={K}", gpu[3], cpu[3], bound, 1e-5)
+    if not FAKE_GPU:  # the fake's "GPU" is the twin, which sums in another order
+        assert np.array_equal(gpu[3].view(np.uint32), cpu[3].view(np.uint32)), "not the GPU's bits"
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_quantized_gemm_on_the_executor_equals_the_gpu(kernels, bits):
+    """The W tile dequantized into shared memory (mul.rn.f16x2), then mma.sync: gemm_quant.cu with and without
+    split-K, against the GPU within 1e-5 of the sum of |products|."""
+    for M, N, K, splits, accumulate, group in gemm_quant_cases.CASES[bits][:3]:
+        rng = np.random.default_rng(M + N + K)
+        A = rng.standard_normal((M, K)).astype(np.float16)
+        qw, qp = gemv_quant_cases.quantized(rng, N, K, bits, group)
+        C = np.full((M, N), np.nan, np.float32)
+        grid = (-(-N // MMA_GEMM.tile_n), -(-M // MMA_GEMM.tile_m), splits)
+        workspace = np.full(max(1, splits * grid[0] * grid[1] * MMA_GEMM.tile_m * MMA_GEMM.tile_n), np.nan, np.float32)
+        count = np.zeros(grid[0] * grid[1], np.uint32)
+        spec = KernelSpec(gemm_quant_ops.SOURCE, "gemm_quant", gemm_quant_ops.defines(bits))
+        args = (A, qw, qp, C, workspace, count, np.int32(M), np.int32(N), np.int32(K), np.int32(0), np.int32(group))
+        gpu, cpu = both(kernels, spec, grid, MMA_GEMM.threads, args)
+        w16 = quant.dequantize(qw, qp, bits, np.float16).astype(np.float64)
+        bound = np.abs(A).astype(np.float64) @ np.abs(w16).T
+        agree(f"gemm_quant BITS={bits} M={M} N={N} K={K} S={splits} group={group}", gpu[3], cpu[3], bound, 1e-5)

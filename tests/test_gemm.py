@@ -7,7 +7,7 @@ import pytest
 from cullama.ops import gemm as twin
 from cullama import plan as plans, prefill_kernels
 from cullama.config import preset
-from cullama.weights import device_config
+from cullama.layout import device_config
 from cullama.prefill_kernels import GEMMS, MAX_SPLIT, MMA_GEMM, WGMMA_GEMM, PrefillKernels, cdiv
 from cullama.registry import compile_module
 from conftest import poisoned

@@ -23,7 +23,7 @@ from cullama.backends.cuda_backend import CudaBackend
 from cullama.backends.numpy_backend import NumpyBackend
 from cullama.cli.main import main
 from cullama.config import PRESETS
-from cullama.weights import device_config
+from cullama.layout import device_config
 from cullama.errors import DeviceError, KernelError
 from cullama.kernel_report import variants
 from cullama.kernels_cu import SOURCE_DIR

@@ -102,7 +102,11 @@ def make_results(directory: Path, monkeypatch, capsys) -> Path:
                             "--l2-multiple", "0"], "gemm.json"),
             ("decode_step", DECODE_ARGS, "decode.json"),
             ("prefill_step", ["--model", "tiny", "--lengths", "3,10", "--chunks", "8,16", "--trials", "1"],
-             "prefill.json")]
+             "prefill.json"),
+            ("gemv_sweep", ["--model", "tiny", "--bits", "4,8", "--trials", "1", "--launches", "2", "--l2-multiple",
+                            "1"], "gemv_quant.json"),
+            ("gemm_sweep", ["--model", "tiny", "--kernels", "mma-w4,mma-w8", "--rows", "1,10", "--splits", "2",
+                            "--trials", "1", "--launches", "1", "--l2-multiple", "0"], "gemm_quant.json")]
     for script, argv, name in runs:
         code, _ = run_main(script, argv + ["--json", str(directory / name)], capsys)
         assert code == 0, script
@@ -452,6 +456,50 @@ def test_gemv_and_gemm_decisions(records, tmp_path, capsys):
             row["check_ok"] = False  # no correct S for one case: out
     gemm = decision(report(write(tmp_path / "b", r), capsys), "Prefill GEMM")
     assert "**mma**" in gemm and "wgmma out (no correct S in some case)" in gemm
+
+
+def test_quantized_sections_target_and_decision(made, records, tmp_path, capsys):
+    """The W4 / W8 GEMV table (effective GB/s, % of the read bandwidth, the speedup over the same shape's FP16
+    GEMV), the prefill GEMM's, the 3.9 TB/s target and the variant decision per bits, from edited copies."""
+    from cullama.ops import gemv_quant
+
+    text = report(made, capsys)
+    sec = section(text, "Quantized GEMVs")
+    bw = records["gemv_quant.json"]["read_bandwidth_bytes_per_s"]
+    rows = records["gemv_quant.json"]["rows"]
+    best = max((r for r in rows if r["bits"] == 4 and r["shape"].startswith("qkv")), key=lambda r: r["gb_s"])
+    row = table_row(sec, f"W4 {best['shape']}")
+    assert row[1:6] == ["gemv_qkv_rope", best["variant"], f"{best['us']:.2f}", f"{best['gb_s']:.0f}",
+                        f"{100 * best['gb_s'] * 1e9 / bw:.1f} %"]
+    fp16 = min(r["us"] for r in records["gemv.json"]["rows"] if r["shape"] == best["shape"])
+    assert row[8] == f"{fp16 / best['us']:.2f}x"
+    assert "W4 down" not in sec and "W8 down 256x688" in sec  # INT4 cannot hold K = 688: not swept
+    gemm = section(text, "Quantized prefill GEMM")
+    assert "| mma-w4 |" in gemm and "| mma-w8 |" in gemm
+    assert target(text, "every W4 / W8 GEMV")[1] == "FAIL"  # the CPU's fake GPU is far from 3.9 TB/s
+
+    r = copy.deepcopy(records)
+    default4 = " ".join(f"{k}={v}" for k, v in gemv_quant.defines(4))
+    other4 = next(row["variant"] for row in r["gemv_quant.json"]["rows"]
+                  if row["bits"] == 4 and row["variant"] != default4)
+    for row in r["gemv_quant.json"]["rows"]:
+        row["gb_s"] = 4000.0 if row["variant"] == default4 or row["bits"] == 8 else 3950.0
+        row["us"] = row["weight_bytes"] / row["gb_s"] / 1e3
+    out = report(write(tmp_path / "q", r), capsys)
+    measured, status = target(out, "every W4 / W8 GEMV")
+    assert status == "PASS" and "W4 qkv 4.00" in measured
+    assert f"W4: keep {default4}" in decision(out, "Quantized GEMV")
+    for row in r["gemv_quant.json"]["rows"]:
+        if row["bits"] == 4 and row["variant"] == other4:
+            row["us"] /= 2
+    line = decision(report(write(tmp_path / "q2", r), capsys), "Quantized GEMV")
+    assert f"W4: **{other4}**" in line and "cullama/ops/gemv_quant.py DECODE" in line
+    first = r["gemv_quant.json"]["rows"][0]
+    for row in r["gemv_quant.json"]["rows"]:
+        if (row["bits"], row["shape"]) == (first["bits"], first["shape"]):
+            row["check_ok"] = False  # no correct variant left for that shape
+    measured, status = target(report(write(tmp_path / "q3", r), capsys), "every W4 / W8 GEMV")
+    assert status == "FAIL" and f"no correct variant: W4 {first['shape']}" in measured
 
 
 # -- missing, cut and odd files --------------------------------------------------------------------

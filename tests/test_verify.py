@@ -226,6 +226,12 @@ def test_a_row_with_nothing_to_draw_ends_the_verdict():
         backend.verify(plans.Plan("verify[2]", []), [3, first, 5])
 
 
+def test_a_draft_outside_the_vocabulary_is_the_no_token_answer():
+    """The twin's rule for a draft id outside [0, V), which the host never writes (the kernel's, on the executor
+    in test_verify_emu)."""
+    check_drafts_outside_the_vocabulary(twin_launcher)
+
+
 # -- the sampling rule: the draft's bucket first ----------------------------------------------------------------
 N = 20000
 
@@ -531,6 +537,12 @@ def gpu_launcher(kernels):
     return launch
 
 
+def twin_launcher(spec, grid, block, args):
+    """launch(spec, grid, block, args) on the kernel's NumPy twin."""
+    assert spec == plans.SAMPLE
+    sample_twin.sample(*args, grid=(*grid, 1, 1)[:3])
+
+
 def nan(*shape, dtype=np.float32):
     return np.full(shape, np.nan, dtype)
 
@@ -639,8 +651,8 @@ def check_greedy_sample_rows(launch, V, penalty, D=40):
         x, picks, out = nan(D), np.full(5, -7, np.int32), np.full(6, -7, np.int32)
         arrivals = np.zeros(1, np.uint32)
         kernel_logits = at_row_stride(rows_logits)
-        launch(plans.SAMPLE, (5,), plans.SAMPLE_THREADS, (kernel_logits, kernel_seen, state, fp, embed, x, verify_rows(5),
-                                                           np.array(ids, np.int32), picks, out, arrivals,
+        launch(plans.SAMPLE, (5,), plans.SAMPLE_THREADS, (kernel_logits, kernel_seen, state, fp, embed, x,
+                                                           verify_rows(5), np.array(ids, np.int32), picks, out, arrivals,
                                                            *verify_sizes(V, D)))
         twin_seen, twin_state = seen.copy(), state_at(11, step=3)
         twin_out, twin_picks, twin_x = run_sample_twin(rows_logits, twin_seen, twin_state, fp, embed, ids)
@@ -653,6 +665,32 @@ def check_greedy_sample_rows(launch, V, penalty, D=40):
         np.testing.assert_array_equal(x, twin_x)
         np.testing.assert_array_equal(kernel_logits[:, :V], rows_logits)  # the drafts' logits, penalised, put back
         assert int(arrivals[0]) == 0
+
+
+def check_drafts_outside_the_vocabulary(launch, V=517):
+    """The sample kernel over 5 rows whose drafts hold an id outside [0, V) (first, in the middle, last; greedy and
+    sampled, with a penalty, so the valid drafts before it are penalised in place): nothing is indexed with it
+    (an index of 2^31 - 1 faults), every pick is NO_TOKEN, out = [1, NO_TOKEN], state one step on with NO_TOKEN,
+    seen and the logits as they were, x = 0, arrivals at zero."""
+    logits, seen, embed = sample_case(V=V, seed=1)
+    for fp in (np.array([0.0, 1.0, 1.3, 0.0], np.float32), np.array([0.9, 0.95, 1.2, 0.0], np.float32)):
+        for bad, where in ((V, 1), (-1, 1), (-2**31, 2), (V + 4096, 4), (2**31 - 1, 4)):
+            ids = np.array([3, 10, 11, 12, 13], np.int32)
+            ids[where] = bad
+            kernel_logits, state, kernel_seen = at_row_stride(logits), state_at(11, step=3, seed=5), seen.copy()
+            x, picks, out = nan(embed.shape[1]), np.full(5, -7, np.int32), np.full(6, -7, np.int32)
+            arrivals = np.zeros(1, np.uint32)
+            launch(plans.SAMPLE, (5,), plans.SAMPLE_THREADS, (kernel_logits, kernel_seen, state, fp, embed, x,
+                                                               verify_rows(5), ids, picks, out, arrivals,
+                                                               *verify_sizes(V, embed.shape[1])))
+            case = f"draft {bad} at {where}, temperature {fp[0]}"
+            assert out[:2].tolist() == [1, sampling.NO_TOKEN] and (picks == sampling.NO_TOKEN).all(), case
+            expected = state_at(12, step=4, seed=5)
+            expected[sample_twin.STATE_TOKEN] = sampling.NO_TOKEN
+            np.testing.assert_array_equal(state, expected, err_msg=case)
+            np.testing.assert_array_equal(kernel_seen, seen, err_msg=case)
+            np.testing.assert_array_equal(kernel_logits, at_row_stride(logits), err_msg=case)
+            assert not x.any() and int(arrivals[0]) == 0, case
 
 
 def explained(token, logits, params, seen, step, draft, delta=1e-4) -> bool:
@@ -722,6 +760,11 @@ def test_gpu_greedy_verify_sample_equals_its_twin(kernels, V, penalty):
 @pytest.mark.parametrize("V", [517, 32000])
 def test_gpu_sampled_verify_sample_follows_its_twin(kernels, V):
     check_sampled_sample_rows(gpu_launcher(kernels), V, trials=40)
+
+
+@pytest.mark.gpu
+def test_gpu_verify_sample_bounds_its_drafts(kernels):
+    check_drafts_outside_the_vocabulary(gpu_launcher(kernels))
 
 
 @pytest.mark.gpu

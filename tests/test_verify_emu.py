@@ -63,9 +63,15 @@ def test_sampled_verify_sample_follows_its_twin(V, trials):
     checks.check_sampled_sample_rows(emu_launcher("shuffled"), V, trials)
 
 
+@pytest.mark.parametrize("schedule", emu.SCHEDULES)
+def test_verify_sample_bounds_its_drafts(schedule):
+    """A draft id outside [0, V) indexes nothing (the executor faults on a stray access) and is the no-token answer."""
+    checks.check_drafts_outside_the_vocabulary(emu_launcher(schedule))
+
+
 # (id, file, original text, its replacement, the check that must fail): the checks above have teeth
 MUTATIONS = [
-    ("gemv-rows-at-one-position", "gemv.cu", "const int pos = row_pos(step_rows, state, t);",
+    ("gemv-rows-at-one-position", "gemv.cuh", "const int pos = row_pos(step_rows, state, t);",
      "const int pos = row_pos(step_rows, state, 0);",
      lambda launch: checks.check_gemv_rows(launch, 3, d=72, ff=56, V=37, heads=3, kv_heads=1, hd=8, pos=5)),
     ("attention-rows-see-the-first-row's-keys", "attention.cu", "min(row_pos(step_rows, state, row) + 1, max_seq)",
@@ -84,6 +90,11 @@ MUTATIONS = [
      "load_coherent(picks + j) == ids[j]", lambda launch: checks.check_greedy_sample_rows(launch, 517, 1.0)),
     ("sample-drafts-not-seen", "sampling.cu", "? draft : -1;", "? -1 : -1;",
      lambda launch: checks.check_greedy_sample_rows(launch, 517, 1.3)),
+    ("sample-draft-ids-unbounded", "sampling.cu", "if (id < 0 || id >= V) marked[e] = NOT_AN_ID;",
+     "if (false) marked[e] = NOT_AN_ID;",
+     checks.check_drafts_outside_the_vocabulary),
+    ("sample-accepts-a-no-token-pick", "sampling.cu", "while (drafts_are_ids && j + 1 < rows", "while (j + 1 < rows",
+     checks.check_drafts_outside_the_vocabulary),
     ("sample-logits-not-put-back", "sampling.cu", "const_cast<float*>(row_logits)[marked[threadIdx.x]] = raw[threadIdx.x];",
      ";", lambda launch: checks.check_greedy_sample_rows(launch, 517, 1.3)),
 ]

@@ -1,10 +1,11 @@
 """The decisions on defaults that the data supports (overlap, prefill kernels and chunk, GEMV variant, prefill
-GEMM), each with its rule."""
+GEMM, quantized GEMV variant), each with its rule."""
 
 from __future__ import annotations
 
 from .values import as_dict, as_int, change_pct, dicts, fmt, num, ratio
 from .results import Results, bench_overlap_flag, bench_results, checkout_defaults, unavailable
+from .quant_sections import decide_gemv_quant
 from .kernel_sections import (combo_name, combo_of, fastest_us, gemm_cases, gemv_best, gemv_shapes, prefill_combos,
                               prefill_index, wrong_combos)
 
@@ -185,7 +186,7 @@ def decide_gemm(res: Results) -> str:
     return f"**Prefill GEMM**: **{pick}** (total over the cases: {text}). {rule}."
 
 
-DECISIONS = [decide_overlap, decide_prefill, decide_gemv, decide_gemm]
+DECISIONS = [decide_overlap, decide_prefill, decide_gemv, decide_gemm, decide_gemv_quant]
 
 
 def decisions(res: Results) -> list[str]:

@@ -19,6 +19,8 @@ FILES = {
     "prefill.json": "benchmarks/prefill_step.py",
     "gemv.json": "benchmarks/gemv_sweep.py",
     "gemm.json": "benchmarks/gemm_sweep.py",
+    "gemv_quant.json": "benchmarks/gemv_sweep.py --bits 4,8",
+    "gemm_quant.json": "benchmarks/gemm_sweep.py --kernels mma-w4,mma-w8",
     "compare.json": "benchmarks/compare_hf.py --quick",
     "speculative.json": "cullama bench --speculative replay --draft-tokens 4",
     "serve.json": "benchmarks/serve_latency.py --synthetic llama-2-7b",

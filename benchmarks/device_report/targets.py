@@ -7,6 +7,7 @@ from .results import Results, bench_results, compare_engines, unavailable
 from .kernel_sections import fastest_prefill, gemv_best, gemv_shapes
 from .checks import TARGETS as CHECK_TARGETS
 from .speculative import TARGETS as SPECULATIVE_TARGETS
+from .quant_sections import TARGETS as QUANT_TARGETS
 
 
 # The issues' targets (benchmarks/RESULTS.md).
@@ -157,6 +158,7 @@ TARGETS = [
      lambda res: target_peer(res, HF_COMPILED)),
     (f"p99 >= {PEER_RATIOS[HF_EAGER]:g}x lower than HF eager, every L", "compare.json",
      lambda res: target_peer(res, HF_EAGER)),
+    *QUANT_TARGETS,
     *SPECULATIVE_TARGETS,
     *CHECK_TARGETS,
 ]

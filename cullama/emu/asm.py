@@ -2,7 +2,8 @@
 the C++ function (cullama/emu/ptx.h) that its literal template maps to in PTX_TEMPLATES, with the asm's file and
 line, then its operands in order (outputs by reference, inputs by value). A template not in the table, or one
 whose operand constraints differ from the table's, fails the build with its text: a typo in a PTX string fails
-here as it would in ptxas. It works on preprocessed text (templates built from macros are whole by then).
+here as it would in ptxas. So does a collective (.sync.aligned: mma.sync, ldmatrix, wgmma) not written `asm
+volatile`, which the compiler could move or merge. It works on preprocessed text (templates built from macros are whole by then).
 
 One declaration form C++ cannot take either: `extern __shared__ T name[];` (the dynamic shared memory window)
 becomes `T* const name = (T*)emu_dynamic_shared();`, the same window the runtime maps at its shared address.
@@ -47,6 +48,12 @@ PTX_TEMPLATES: dict[str, tuple[str, str]] = {
     "wgmma.fence.sync.aligned;": ("wgmma_fence", ""),
     "wgmma.commit_group.sync.aligned;": ("wgmma_commit_group", ""),
     "wgmma.wait_group.sync.aligned %0;": ("wgmma_wait_group", "n"),
+    # quantized weights (kernels_cu/dequant.cuh): lop3 and prmt take their immLut / selector as an immediate
+    "lop3.b32 %0, %1, %2, %3, %4;": ("lop3_b32", "=r r r r n"),
+    "prmt.b32 %0, %1, %2, %3;": ("prmt_b32", "=r r r n"),
+    "add.rn.f16x2 %0, %1, %2;": ("add_rn_f16x2", "=r r r"),
+    "sub.rn.f16x2 %0, %1, %2;": ("sub_rn_f16x2", "=r r r"),
+    "mul.rn.f16x2 %0, %1, %2;": ("mul_rn_f16x2", "=r r r"),
     **{_wgmma_template(n): (f"wgmma_m64n{n}k16_f32_f16", " ".join(["+f"] * (n // 2) + ["l", "l", "r"]))
        for n in (64, 128, 192, 256)},
 }
@@ -130,6 +137,12 @@ def _rewrite_asm(text: str, start: int, open_paren: int) -> tuple[str, int]:
         raise KernelError(f"{where}: inline PTX the emulator does not know (cullama/emu/asm.py PTX_TEMPLATES): "
                           f"{template!r}")
     function, expected = entry
+    if ".sync.aligned" in template and not re.search(r"\b(?:volatile|__volatile__)\b", text[start:open_paren]):
+        # A warp- or warpgroup-collective: every lane must execute it together, where the source puts it. Without
+        # volatile the compiler may move it (under a branch, across a barrier) or merge two alike ones, as CUTLASS
+        # writes them to prevent.
+        raise KernelError(f"{where}: asm {template[:60]!r} is a collective (.sync.aligned) instruction: it must be "
+                          f"asm volatile")
     constraints = " ".join(c for c, _ in outputs + inputs)
     if constraints != expected:
         raise KernelError(f"{where}: asm {template[:60]!r} has operand constraints {constraints!r}, the emulator's "

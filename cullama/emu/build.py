@@ -55,6 +55,7 @@ class KernelEntry:
     entry: object  # ctypes function: int(const emu_launch*, void**)
     params: tuple[tuple[str, int], ...]  # (kind, size) per parameter: p pointer, i / u integer, f float
     max_threads: int  # __launch_bounds__'s first value, else 1024
+    restrict: tuple[bool, ...]  # per parameter: declared __restrict__
 
 
 def compiler() -> str:
@@ -136,8 +137,9 @@ def preprocess(source: str, defines: tuple, source_dir: Path, arch: int, arch_sp
     return done.stdout
 
 
-def kernels_of(text: str) -> dict[str, int]:
-    """extern "C" __global__ kernels of preprocessed text -> the threads their __launch_bounds__ allow."""
+def kernels_of(text: str) -> dict[str, tuple[int, tuple[bool, ...]]]:
+    """extern "C" __global__ kernels of preprocessed text -> (the threads their __launch_bounds__ allow, which
+    parameters are __restrict__: the function type the launcher sees drops the qualifier)."""
     found = {}
     for m in _KERNEL_DECL.finditer(text):
         i, bound = m.end(), 1024
@@ -150,7 +152,10 @@ def kernels_of(text: str) -> dict[str, int]:
             i = close + 1
         name = re.match(r"\s*(\w+)\s*\(", text[i:])
         if name:
-            found[name.group(1)] = bound
+            open_paren = i + name.end() - 1
+            params = asm._split_top(text[open_paren + 1:asm._balanced(text, open_paren)], ",")
+            found[name.group(1)] = bound, tuple(bool(re.search(r"\b__restrict(?:__)?\b", p)) for p in params
+                                                if p.strip() not in ("", "void"))
     return found
 
 
@@ -186,25 +191,28 @@ def library(source: str, defines: tuple = (), arch_specific: bool = False, sourc
         return found
     runtime()  # the kernel library resolves its emu_* symbols against it
     text = preprocess(source, tuple(defines), source_dir, arch, arch_specific)
-    bounds = kernels_of(text)
-    if not bounds:
+    declared = kernels_of(text)
+    if not declared:
         raise KernelError(f"{source}: no extern \"C\" __global__ kernel found")
     # In an unnamed namespace: every function internal, so the statics of inline functions are not COMDAT
     # objects, which GCC cannot put in one section with the kernels' own __shared__ variables.
     generated = ('#include "cuda_emu.h"\nnamespace {\n' + asm.rewrite(text) + "\n}  // namespace\n"
-                 + _entries(bounds))
+                 + _entries(declared))
     headers = [(EMU_DIR / h).read_text() for h in ("emu_abi.h", "cuda_emu.h", "ptx.h")]
     digest = _digest(FORMAT, _compiler_version(compiler()), *KERNEL_FLAGS, generated, *headers)
     path = _cached_library(f"{Path(source).stem}-{digest}", generated, KERNEL_FLAGS, source)
     lib = ctypes.CDLL(str(path), mode=os.RTLD_NOW)
     kernels = {}
-    for name, max_threads in bounds.items():
+    for name, (max_threads, restrict) in declared.items():
         entry = getattr(lib, f"emu_entry_{name}")
         entry.argtypes, entry.restype = [ctypes.c_void_p, ctypes.c_void_p], ctypes.c_int
         describe = getattr(lib, f"emu_params_{name}")
         describe.restype = ctypes.c_char_p
         params = tuple((code[0], int(code[1:])) for code in describe().decode().split())
-        kernels[name] = KernelEntry(name, entry, params, max_threads)
+        if len(restrict) != len(params):
+            raise KernelError(f"{source}: {name}: {len(restrict)} parameters read in its declaration, {len(params)} "
+                              "in its type")
+        kernels[name] = KernelEntry(name, entry, params, max_threads, restrict)
     built = Library(path, kernels)
     with _lock:
         _libraries[key] = built

@@ -79,6 +79,15 @@ static inline float atomicAdd(float* p, float v) { const float old = *p; *p = ol
 static inline unsigned atomicAdd(unsigned* p, unsigned v) { const unsigned old = *p; *p = old + v; return old; }
 static inline int atomicAdd(int* p, int v) { const int old = *p; *p = old + v; return old; }
 
+// __ldg: a plain load, recorded as read-only for the whole launch, as ld.global.nc (the launcher checks that the
+// launch never writes what it read so).
+template <class T>
+static inline T emu_ldg(const T* p) {
+    emu_read_only_load(p, sizeof(T));
+    return *p;
+}
+#define __ldg(p) emu_ldg(p)
+
 // -- math: IEEE float operations, as NumPy's float32 (the build passes -ffp-contract=off: no fused multiply-add)
 static inline float __int_as_float(int i) { float f; __builtin_memcpy(&f, &i, 4); return f; }
 static inline float __uint_as_float(unsigned u) { return emu_bits_float(u); }

@@ -19,6 +19,12 @@ struct emu_launch {
     unsigned long long seed;     // of the shuffled schedule
     char* error;                 // out: a one-line message when emu_run returns nonzero
     int error_size;
+    // Global memory: the copies launch.py made of the array arguments (spans of bytes), and per byte of each an
+    // out flag, set to 1 where an ld.global.nc or __ldg read it (launch.py checks those against the writes).
+    int spans;
+    unsigned char* const* span_start;
+    const unsigned long long* span_bytes;
+    unsigned char* const* span_read_only;
 };
 
 enum { EMU_FORWARD = 0, EMU_REVERSE = 1, EMU_SHUFFLED = 2 };
@@ -46,6 +52,8 @@ EMU_API void emu_cp_async_wait(int pending, const char* file, int line);
 EMU_API void emu_ldmatrix_x4(unsigned* r, unsigned addr, int trans, const char* file, int line);
 EMU_API void emu_mma_m16n8k16(float* d, const unsigned* a, unsigned b0, unsigned b1, const char* file, int line);
 EMU_API void emu_fence_proxy_async(void);
+// An ld.global.nc / __ldg of `bytes` at p: data read-only for the whole launch (recorded, see emu_launch).
+EMU_API void emu_read_only_load(const void* p, unsigned long long bytes);
 // wgmma: op 0 fence, 1 commit_group, 2 wait_group (arg = pending groups allowed).
 EMU_API void emu_wgmma_sync(int op, int arg, const char* file, int line);
 EMU_API void emu_wgmma_mma(int n, float** acc, unsigned long long desc_a, unsigned long long desc_b, int scale_d,
@@ -54,7 +62,13 @@ EMU_API void emu_wgmma_mma(int n, float** acc, unsigned long long desc_a, unsign
 EMU_API __attribute__((noreturn, format(printf, 3, 4))) void emu_fail(const char* file, int line, const char* fmt,
                                                                       ...);
 
-// -- FP16 <-> FP32, exactly as NumPy's astype (round to nearest even; NaN keeps its top payload bits) -----
+// -- FP16 <-> FP32 as the GPU's cvt: NumPy's astype for every number (round to nearest even), but a NaN becomes
+// the canonical NaN, 0x7FFF in FP16 and 0x7FFFFFFF in FP32, whatever its sign and payload (NumPy keeps the top
+// payload bits and the sign). That is the rule of CUDA's own host versions of cvt.rn.f16.f32 and cvt.f32.f16
+// (cuda_fp16.hpp: __float2half_rn, __half2float; CUDART_NAN_FP16 is 0x7FFF), and of the packed
+// cvt.rn.f16x2.f32, which converts each half alike. So an output that holds a NaN is the GPU's bit for bit.
+#define EMU_CANONICAL_NAN_F16 0x7fffu
+#define EMU_CANONICAL_NAN_F32 0x7fffffffu
 static inline float emu_bits_float(unsigned b) {
     float f;
     __builtin_memcpy(&f, &b, 4);
@@ -69,12 +83,8 @@ static inline unsigned emu_float_bits(float f) {
 
 static inline unsigned short emu_f2h(float f) {
     const unsigned x = emu_float_bits(f), sign = (x >> 16) & 0x8000u, a = x & 0x7fffffffu;
-    if (a >= 0x7f800000u) {  // inf or NaN (a NaN stays a NaN)
-        if (a == 0x7f800000u) return (unsigned short)(sign | 0x7c00u);
-        const unsigned h = 0x7c00u | ((a & 0x7fffffu) >> 13);
-        return (unsigned short)(sign | (h == 0x7c00u ? 0x7c01u : h));
-    }
-    if (a >= 0x47800000u) return (unsigned short)(sign | 0x7c00u);  // >= 65536: inf
+    if (a > 0x7f800000u) return EMU_CANONICAL_NAN_F16;
+    if (a >= 0x47800000u) return (unsigned short)(sign | 0x7c00u);  // inf, or >= 65536: inf
     if (a >= 0x38800000u) {                                          // a normal half (>= 2^-14)
         const unsigned r = a - 0x38000000u, rem = r & 0x1fffu;      // exponent rebiased from 127 to 15
         unsigned h = r >> 13;
@@ -91,7 +101,7 @@ static inline unsigned short emu_f2h(float f) {
 
 static inline float emu_h2f(unsigned short h) {
     const unsigned sign = (unsigned)(h & 0x8000u) << 16, e = (h >> 10) & 0x1fu, m = h & 0x3ffu;
-    if (e == 0x1f) return emu_bits_float(sign | 0x7f800000u | (m << 13));  // inf, NaN
+    if (e == 0x1f) return emu_bits_float(m ? EMU_CANONICAL_NAN_F32 : sign | 0x7f800000u);  // NaN, inf
     if (e == 0) {
         if (m == 0) return emu_bits_float(sign);
         return (sign ? -1.0f : 1.0f) * (float)m * (1.0f / 16777216.0f);  // subnormal: m * 2^-24, exact

@@ -27,6 +27,7 @@ inline void check_aligned(EMU_SITE_PARAMS, const void* p, unsigned long long byt
 }
 inline void ld_global_nc_v4_u32(EMU_SITE_PARAMS, unsigned& a, unsigned& b, unsigned& c, unsigned& d, const void* p) {
     check_aligned(file, line, p, 16, "ld.global.nc.v4.u32");
+    emu_read_only_load(p, 16);
     const unsigned* w = (const unsigned*)p;
     a = w[0], b = w[1], c = w[2], d = w[3];
 }
@@ -102,6 +103,60 @@ template <class... Ops> inline void wgmma_m64n64k16_f32_f16(EMU_SITE_PARAMS, Ops
 template <class... Ops> inline void wgmma_m64n128k16_f32_f16(EMU_SITE_PARAMS, Ops&&... ops) { wgmma_m64k16_f32_f16<128>(file, line, ops...); }
 template <class... Ops> inline void wgmma_m64n192k16_f32_f16(EMU_SITE_PARAMS, Ops&&... ops) { wgmma_m64k16_f32_f16<192>(file, line, ops...); }
 template <class... Ops> inline void wgmma_m64n256k16_f32_f16(EMU_SITE_PARAMS, Ops&&... ops) { wgmma_m64k16_f32_f16<256>(file, line, ops...); }
+
+// -- quantized weights (kernels_cu/dequant.cuh): integer and FP16x2 register operations, as the PTX ISA defines
+// them for every operand value (tests/test_emu_quant_ptx.py checks each exhaustively or by truth table).
+// lop3.b32: bit i of d is bit (a_i << 2 | b_i << 1 | c_i) of the 8-bit immLut.
+inline void lop3_b32(EMU_SITE_PARAMS, unsigned& d, unsigned a, unsigned b, unsigned c, int lut) {
+    unsigned r = 0;
+    for (int m = 0; m < 8; ++m)  // minterm m = (a, b, c) bits: every bit position where the inputs read m
+        if ((lut >> m) & 1) r |= (m & 4 ? a : ~a) & (m & 2 ? b : ~b) & (m & 1 ? c : ~c);
+    d = r;
+}
+
+// prmt.b32, default mode: nibble i of the selector (low 16 bits) picks byte i of d from the 8 bytes {b, a}
+// (a = bytes 0..3, b = 4..7) by its low 3 bits; with its high bit set, that byte's sign bit fills all 8 bits.
+inline void prmt_b32(EMU_SITE_PARAMS, unsigned& d, unsigned a, unsigned b, int selector) {
+    const unsigned long long bytes = (unsigned long long)b << 32 | a;
+    unsigned r = 0;
+    for (int i = 0; i < 4; ++i) {
+        const unsigned s = ((unsigned)selector >> (4 * i)) & 0xFu, byte = (unsigned)(bytes >> (8 * (s & 7u))) & 0xFFu;
+        r |= (s & 8u ? (byte & 0x80u ? 0xFFu : 0u) : byte) << (8 * i);
+    }
+    d = r;
+}
+
+// binary16 of a double holding an exact sum or product of two halves, rounded to nearest even (overflow: inf;
+// subnormal results kept: no .ftz). NaN results are the canonical NaN 0x7FFF, as the GPU's FP16 units give.
+inline unsigned short f16_rn(double v) {
+    if (v != v) return 0x7fffu;
+    const unsigned short sign = __builtin_signbit(v) ? 0x8000u : 0u;
+    const double a = __builtin_fabs(v);
+    if (a >= 65520.0) return sign | 0x7c00u;  // the rounding boundary above 65504: inf (and inf itself)
+    int e;
+    __builtin_frexp(a, &e);                                          // 2^(e-1) <= a < 2^e
+    const double ulp = __builtin_ldexp(1.0, e - 11 < -24 ? -24 : e - 11);  // a half's spacing there (2^-24 lowest)
+    const double r = __builtin_rint(a / ulp) * ulp;                  // ties to even; exact: a power-of-two scale
+    return sign | emu_f2h((float)r);                                 // r is a half: converted exactly
+}
+
+inline double f16_value(unsigned short h) { return (double)emu_h2f(h); }
+
+// f16x2 add / sub / mul with .rn: each 16-bit half on its own. A sum or difference of two halves, and a product,
+// is exact in double, so f16_rn rounds once, as the hardware does.
+enum F16x2Op { F16X2_ADD, F16X2_SUB, F16X2_MUL };
+inline unsigned f16x2(F16x2Op op, unsigned a, unsigned b) {
+    unsigned r = 0;
+    for (int h = 0; h < 2; ++h) {
+        const double x = f16_value((unsigned short)(a >> 16 * h)), y = f16_value((unsigned short)(b >> 16 * h));
+        const double v = op == F16X2_ADD ? x + y : op == F16X2_SUB ? x - y : x * y;
+        r |= (unsigned)f16_rn(v) << 16 * h;
+    }
+    return r;
+}
+inline void add_rn_f16x2(EMU_SITE_PARAMS, unsigned& d, unsigned a, unsigned b) { d = f16x2(F16X2_ADD, a, b); }
+inline void sub_rn_f16x2(EMU_SITE_PARAMS, unsigned& d, unsigned a, unsigned b) { d = f16x2(F16X2_SUB, a, b); }
+inline void mul_rn_f16x2(EMU_SITE_PARAMS, unsigned& d, unsigned a, unsigned b) { d = f16x2(F16X2_MUL, a, b); }
 
 #undef EMU_SITE_PARAMS
 }  // namespace emu_ptx

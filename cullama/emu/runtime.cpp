@@ -10,10 +10,19 @@
 // Hazards are made visible: shared memory is 0xFF (NaN) at every block start; a cp.async destination is 0xFF
 // from its issue until the wait_group that retires it (the copy happens then); wgmma operands are
 // snapshotted at issue and must be unchanged at the wait_group that retires them, its accumulator registers
-// read NaN in between, and its shared operands must have been fenced to the async proxy after their cp.async
-// landed. Errors (and stray memory accesses, as SIGSEGV / SIGBUS, and misaligned typed ones, through the
+// read NaN in between (and must not be written), and its shared operands must have been fenced to the async
+// proxy after their cp.async landed. The wgmma.fence rule (PTX ISA, wgmma.fence): one before a warpgroup's
+// first wgmma.mma_async, and one between any thread's write of accumulator registers and a wgmma.mma_async
+// that uses them; wgmma.mma_asyncs of one shape on the same accumulators need none between them. Each fence
+// keeps a copy of every thread's live stack (where its registers are) and each write the emulator itself
+// makes to the registers goes into that copy: an accumulator that differs from it at the next
+// wgmma.mma_async was written by its thread since, unfenced. (A read, or a write of the value it held, is
+// not seen; nor a register outside the copy, one whose frame came after the fence.)
+//
+// Errors (and stray memory accesses, as SIGSEGV / SIGBUS, and misaligned typed ones, through the
 // -fsanitize=alignment handler below) end the launch with a one-line message naming the kernel, block, thread
-// and source line.
+// and source line. ld.global.nc / __ldg loads mark the bytes they read (emu_launch's spans), which launch.py
+// checks against the launch's writes.
 //
 // Built once per process by cullama/emu/build.py into a shared library loaded with RTLD_GLOBAL; each kernel
 // library calls into it (emu_abi.h).
@@ -144,6 +153,8 @@ struct Fiber {
     std::vector<size_t> group_ends;  // committed groups: copies[0 .. group_ends[i]) for group i
     std::vector<unsigned> unfenced;  // shared 16-byte chunks its retired cp.async wrote, not yet proxy-fenced
     float** wg_acc = nullptr;        // a wgmma.mma_async's operands while it waits for its warpgroup
+    unsigned char* fence_lo = nullptr;   // at its warpgroup's last wgmma.fence: its live stack [fence_lo,
+    std::vector<unsigned char> fenced;   // stack_top), and a copy of it (updated by the emulator's writes)
     int wg_n = 0, wg_scale = 0;
     unsigned long long wg_desc[2]{};
 };
@@ -176,6 +187,7 @@ struct Chain {
     std::vector<float*> regs;   // [128 threads][n / 2] register addresses
     std::vector<float> shadow;  // their value once every pending op is done
     size_t last_seq = 0;
+    unsigned first = 0;  // the warpgroup's first thread
 };
 struct WgOp {
     std::vector<unsigned> addrs;  // shared addresses of the FP16 operand elements read
@@ -528,6 +540,21 @@ unsigned operand_address(unsigned long long d, unsigned i, unsigned k, const cha
     fail(file, line, "wgmma descriptor %#llx: swizzle mode %u (64 or 32 bytes) is not emulated", d, mode);
 }
 
+constexpr unsigned IN_FLIGHT = 0xffffffffu;  // an accumulator between its wgmma's issue and retire: a NaN
+
+// Where thread f's copy from the last wgmma.fence holds register `reg`, or nullptr if it does not cover it.
+unsigned char* fenced_copy(Fiber* f, const float* reg) {
+    const unsigned char* p = (const unsigned char*)reg;
+    if (!f->fence_lo || p < f->fence_lo || p + 4 > f->stack_top) return nullptr;
+    return f->fenced.data() + (p - f->fence_lo);
+}
+
+// The emulator writes accumulator `reg` of thread f (in the copy too: a write the fence rule allows).
+void write_accumulator(Fiber* f, float* reg, unsigned bits) {
+    __builtin_memcpy(reg, &bits, 4);
+    if (unsigned char* copy = fenced_copy(f, reg)) __builtin_memcpy(copy, &bits, 4);
+}
+
 void complete_wgmma_mma(unsigned first, const char* file, int line) {
     Warpgroup& wg = R.warpgroups[first / WARPGROUP];
     Fiber* lead = R.fibers[first];
@@ -559,9 +586,11 @@ void complete_wgmma_mma(unsigned first, const char* file, int line) {
     Chain* chain = nullptr;  // the accumulators: continue a pending chain on the same registers, or start one
     for (auto& c : wg.chains)
         if (c->regs[0] == lead->wg_acc[0]) chain = c.get();
+    const bool continued = chain != nullptr;
     if (!chain) {
         wg.chains.push_back(std::make_unique<Chain>());
         chain = wg.chains.back().get();
+        chain->first = first;
         chain->regs.resize(WARPGROUP * regs);
         chain->shadow.resize(WARPGROUP * regs);
         for (unsigned t = 0; t < WARPGROUP; ++t)
@@ -574,17 +603,26 @@ void complete_wgmma_mma(unsigned first, const char* file, int line) {
     }
     for (unsigned t = 0; t < WARPGROUP; ++t) {
         const unsigned warp = t / 32, lane = t % 32;
+        Fiber* owner = R.fibers[first + t];
         for (int j = 0; j < regs; ++j) {
-            float* reg = R.fibers[first + t]->wg_acc[j];
+            float* reg = owner->wg_acc[j];
             if (chain->regs[t * regs + j] != reg)
                 fail(file, line, "wgmma.mma_async: thread %u's accumulator %d is not the register of the pending "
                      "wgmma on the same accumulators", first + t, j);
+            const unsigned now = emu_float_bits(*reg);
+            const unsigned char* copy = continued ? nullptr : fenced_copy(owner, reg);
+            if (continued && now != IN_FLIGHT)
+                fail(file, line, "wgmma.mma_async: thread %u wrote its accumulator %d while an earlier wgmma on it "
+                     "was in flight (before the wgmma.wait_group that retires it)", first + t, j);
+            if (copy && __builtin_memcmp(copy, &now, 4) != 0)
+                fail(file, line, "wgmma.mma_async: thread %u wrote its accumulator %d after the last wgmma.fence, "
+                     "which must come between that write and this wgmma", first + t, j);
             // Accumulator fragment (PTX ISA "WGMMA .m64nNk16 register fragment layout for accumulator matrix D")
             const unsigned row = 16 * warp + lane / 4 + 8 * ((j / 2) % 2), col = 8 * (j / 4) + 2 * (lane % 4) + j % 2;
             double s = lead->wg_scale ? chain->shadow[t * regs + j] : 0.0;
             for (int k = 0; k < 16; ++k) s += (double)a[row][k] * b[col][k];
             chain->shadow[t * regs + j] = (float)s;
-            *reg = emu_bits_float(0xffffffffu);  // in flight: reads NaN until the wait_group that retires it
+            write_accumulator(owner, reg, IN_FLIGHT);  // reads NaN until the wait_group that retires it
         }
     }
     chain->last_seq = op.seq;
@@ -602,7 +640,15 @@ void retire_wgmma(Warpgroup& wg, const std::vector<WgOp>& group, const char* fil
                      op.values[i], now);
         }
         if (op.seq == op.chain->last_seq) {
-            for (size_t i = 0; i < op.chain->regs.size(); ++i) *op.chain->regs[i] = op.chain->shadow[i];
+            const size_t regs = op.chain->regs.size() / WARPGROUP;
+            for (size_t i = 0; i < op.chain->regs.size(); ++i) {
+                Fiber* owner = R.fibers[op.chain->first + i / regs];
+                if (emu_float_bits(*op.chain->regs[i]) != IN_FLIGHT)
+                    fail(file, line, "wgmma.wait_group: thread %u wrote its accumulator %zu while the "
+                         "wgmma.mma_async at %s:%d on it was in flight", owner->tid, i % regs, short_name(op.file),
+                         op.line);
+                write_accumulator(owner, op.chain->regs[i], emu_float_bits(op.chain->shadow[i]));
+            }
             for (auto it = wg.chains.begin(); it != wg.chains.end(); ++it)
                 if (it->get() == op.chain) {
                     wg.chains.erase(it);
@@ -673,6 +719,7 @@ void start_block(unsigned long long linear) {
             f->idx = {t % b.x, t / b.x % b.y, t / b.x / b.y};
             f->state = RUNNABLE;
             f->copies.clear(), f->group_ends.clear(), f->unfenced.clear();
+            f->fence_lo = nullptr;
             context_start(f->ctx, f->stack_top);
             w.lanes[w.order[k]] = f;
             w.present |= 1u << k;
@@ -947,6 +994,19 @@ EMU_API void emu_mma_m16n8k16(float* d, const unsigned* a, unsigned b0, unsigned
     for (int i = 0; i < 4; ++i) d[i] = emu_bits_float(w.frag_out[f->lane][i]);
 }
 
+EMU_API void emu_read_only_load(const void* p, unsigned long long bytes) {
+    const emu_launch* L = R.launch;
+    const unsigned char* c = (const unsigned char*)p;
+    for (int i = 0; i < L->spans; ++i) {  // a few spans: one per array argument at most
+        const unsigned char* start = L->span_start[i];
+        if (c >= start && c < start + L->span_bytes[i]) {
+            const unsigned long long offset = (unsigned long long)(c - start), left = L->span_bytes[i] - offset;
+            memset(L->span_read_only[i] + offset, 1, bytes < left ? bytes : left);
+            return;
+        }
+    }  // outside every argument: a read of the guard bytes (or a stray one), checked elsewhere
+}
+
 EMU_API void emu_fence_proxy_async(void) {
     Fiber* f = current;
     for (unsigned chunk : f->unfenced)
@@ -959,9 +1019,12 @@ EMU_API void emu_wgmma_sync(int op, int arg, const char* file, int line) {
     const unsigned first = f->tid / WARPGROUP * WARPGROUP;
     if (first + WARPGROUP > R.threads) fail(file, line, "%s in a block without whole warpgroups", OP_NAMES[OP_WGMMA + op]);
     Warpgroup& wg = warpgroup_of(f);
+    if (op == 0) f->fence_lo = (unsigned char*)__builtin_frame_address(0);  // its caller's frames lie above
     if (!arrive_warpgroup(wg, OP_WGMMA + op, file, line)) return;
-    if (op == 0) {
+    if (op == 0) {  // every thread's registers as they are now: writes before the fence are ordered
         wg.fenced = true;
+        for (unsigned t = first; t < first + WARPGROUP; ++t)
+            R.fibers[t]->fenced.assign(R.fibers[t]->fence_lo, R.fibers[t]->stack_top);
     } else if (op == 1) {
         wg.groups.push_back(std::move(wg.uncommitted));
         wg.uncommitted.clear();

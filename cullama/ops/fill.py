@@ -1,4 +1,4 @@
-"""Twin of kernels_cu/fill.cu: counter-based uniform weights, bit for bit the kernel's."""
+"""Twin of kernels_cu/fill.cu: counter-based synthetic weights, bit for bit the kernels'."""
 
 from __future__ import annotations
 
@@ -22,9 +22,25 @@ def uniforms(seed: int, n: int) -> np.ndarray:
     return (z >> np.uint64(40)).astype(np.float32) * np.float32(1.0 / (1 << 24))
 
 
+def _values(n, seed, mean, std) -> np.ndarray:
+    """float32 [n]: mean + std * sqrt(3) * (2u - 1), each step rounded in float32."""
+    half_width = np.float32(std) * np.float32(1.7320508)
+    return np.float32(mean) + half_width * (np.float32(2.0) * uniforms(seed, n) - np.float32(1.0))
+
+
 def fill_uniform(out, n, seed, mean, std):
     """out.flat[:n] = float16(mean + std * sqrt(3) * (2u - 1)), each step rounded in float32."""
-    half_width = np.float32(std) * np.float32(1.7320508)
-    u = uniforms(seed, n)
-    values = np.float32(mean) + half_width * (np.float32(2.0) * u - np.float32(1.0))
-    out.reshape(-1)[:n] = values.astype(np.float16)
+    out.reshape(-1)[:n] = _values(n, seed, mean, std).astype(np.float16)
+
+
+def fill_words(out, n, seed):
+    """out.flat[:n] (uint32) = the top 16 bits of uniform's 24 at counter 2i, then 2i + 1 in the high half."""
+    bits16 = (uniforms(seed, 2 * n) * np.float32(1 << 24)).astype(np.uint32) >> np.uint32(8)  # [2n]
+    out.reshape(-1)[:n] = bits16[0::2] | (bits16[1::2] << np.uint32(16))
+
+
+def fill_qparams(out, pairs, seed, mean, std, zero):
+    """out [.., 2] FP16 pairs: (fill_uniform's value i, zero) for the first `pairs` pairs."""
+    flat = out.reshape(-1, 2)
+    flat[:pairs, 0] = _values(pairs, seed, mean, std).astype(np.float16)
+    flat[:pairs, 1] = np.float16(zero)

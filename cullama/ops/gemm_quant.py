@@ -14,6 +14,12 @@ from .. import quant
 from . import gemm
 
 SOURCE = "gemm_quant.cu"
+VARIANTS = [(("BITS", 4),), (("BITS", 8),)]  # the tiles and threads are gemm.cu's (prefill_kernels.MMA_GEMM)
+
+
+def defines(bits: int) -> tuple:
+    """The kernel's compile-time defines for `bits`-bit weights."""
+    return (("BITS", bits),)
 
 
 def gemm_quant(A, qweight, qparams, C, workspace, tile_count, M, N, K, accumulate, group):

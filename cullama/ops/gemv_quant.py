@@ -18,10 +18,18 @@ from . import gemv
 
 SOURCE = "gemv_quant.cu"
 THREADS = 128
-# Launch geometry and compile-time variants: output rows per block and loads in flight per row, per BITS, for
-# one token row (decode) and for k + 1 token rows (verify). The plan builds its launches from these.
-DECODE = {4: (("ROWS", 4), ("UNROLL", 2)), 8: (("ROWS", 4), ("UNROLL", 2))}
+# Launch geometry and compile-time variants: output rows per block (even) and 16-byte code vectors per row and
+# thread in one batch of loads, per BITS, for one token row (decode) and for k + 1 token rows (verify). The plan
+# builds its launches from these (defines, rows_per_block); benchmarks/gemv_sweep.py times SWEEP's others too.
+# Reasoning until an H200 sweep decides (benchmarks/PREDICTIONS.md): at K = 4096 an INT4 row is 128 vectors, one
+# per thread, so only ROWS puts loads in flight (UNROLL matters from K = 11008 on: 2.7 vectors a thread); 8 rows
+# also spread the block's x-side work (RMSNorm: a load, a multiply and a square per input) over twice the weights
+# of 4. INT8 rows are twice as long: ROWS 4 with UNROLL 2 keeps 8 loads in flight and its 128 registers.
+DECODE = {4: (("ROWS", 8), ("UNROLL", 1)), 8: (("ROWS", 4), ("UNROLL", 2))}
 VERIFY = {4: (("ROWS", 4), ("UNROLL", 1)), 8: (("ROWS", 4), ("UNROLL", 1))}
+SWEEP = {4: [(("ROWS", 4), ("UNROLL", 2)), (("ROWS", 4), ("UNROLL", 1))],
+         8: [(("ROWS", 4), ("UNROLL", 1)), (("ROWS", 8), ("UNROLL", 1))]}
+MAX_TOKENS = 9  # a verify step of at most 8 drafts, as gemv.cu
 
 
 def defines(bits: int, tokens: int = 1) -> tuple:
@@ -34,6 +42,14 @@ def defines(bits: int, tokens: int = 1) -> tuple:
 def rows_per_block(bits: int, tokens: int = 1) -> int:
     """Output rows per block (even: RoPE pairs and gate/up pairs share a block), as in gemv.cu."""
     return dict(defines(bits, tokens))["ROWS"]
+
+
+# What CI compiles (and checks for spills) and `cullama kernels` lists: every launch a plan can make, then the
+# sweep's other decode candidates.
+DECODE_VARIANTS = [defines(bits) for bits in quant.BITS] + [(("BITS", bits),) + v for bits in quant.BITS
+                                                            for v in SWEEP[bits]]
+VERIFY_VARIANTS = [defines(bits, t) for bits in quant.BITS for t in range(2, MAX_TOKENS + 1)]
+VARIANTS = DECODE_VARIANTS + VERIFY_VARIANTS
 
 
 def weights(qweight: np.ndarray, qparams: np.ndarray, K: int) -> np.ndarray:

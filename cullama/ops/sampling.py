@@ -40,7 +40,8 @@ def sample(logits, seen, state, fparams, embed, x, step_rows, ids, picks, out, a
     Then n' - 1 = how many leading drafts ids[1..] equal the pick of the row before them, out = [n', ids[1..n'-1],
     picks[n'-1]], and as n' decode steps would: state[TOKEN] = picks[n'-1], state[STEP] += n', state[POS] += n',
     seen[those n' tokens] = 1, x[0] = embed[picks[n'-1]] as float32, all in place; arrivals is left at 0. Where the
-    last pick is NO_TOKEN (every logit of its row NaN or -inf), it is not marked seen and x = 0.
+    last pick is NO_TOKEN (every logit of its row NaN or -inf), it is not marked seen and x = 0. A draft outside [0, V) (which the host never writes) makes every pick
+    NO_TOKEN: n' = 1, nothing indexed by it.
     """
     n_rows = int(grid[0])
     states, fps = state.reshape(-1, STATE_LEN), fparams.reshape(-1, FPARAMS_LEN)
@@ -63,12 +64,16 @@ def _sample_rows(rows_logits, seen, state, fparams, embed, x, ids, picks, out, V
     seen [>= V], state [8], fparams [4], x [d] are that sequence's; out None: not written."""
     rows, step = len(rows_logits), int(state[STATE_STEP])
     params, seen_mask = params_from(state, fparams), seen[:V] != 0
+    drafts_are_ids = all(0 <= int(t) < V for t in ids[1:rows])
     for r, row in enumerate(rows_logits):
+        if not drafts_are_ids:
+            picks[r] = sampling.NO_TOKEN
+            continue
         before = seen_mask.copy()
         before[ids[1:r + 1]] = True  # the drafts before row r: accepted by the time its pick matters
         picks[r] = sampling.sample(row[:V], params, before, step + r, int(ids[r + 1]) if r + 1 < rows else None)
     n = 1
-    while n < rows and picks[n - 1] == ids[n]:
+    while drafts_are_ids and n < rows and picks[n - 1] == ids[n]:
         n += 1
     accepted = [int(t) for t in ids[1:n]] + [int(picks[n - 1])]
     if out is not None:

@@ -31,6 +31,7 @@ from starlette.requests import ClientDisconnect
 from ..errors import CullamaError, OptionError, PromptError
 from ..generate import GenerationOptions, check_prompt_fits
 from ..speculative import SpeculativeOptions
+from ..untrusted import shown
 from . import BODY_TIMEOUT_S
 from .engine import Busy, Engine, Failed, Finished, Job, Piece, Refused, Stopped, Unavailable
 from .logprobs import Logprobs
@@ -112,7 +113,7 @@ def model_card(settings: Settings) -> dict:
 
 def check_model(name: str | None, settings: Settings) -> None:
     if name is not None and name != settings.model_name:
-        raise ApiError(404, f"the model `{name}` does not exist: this server serves `{settings.model_name}`",
+        raise ApiError(404, f"the model `{shown(name)}` does not exist: this server serves `{settings.model_name}`",
                        param="model", code="model_not_found")
 
 

@@ -134,7 +134,7 @@ def _exit_zero(signum, frame):
 def serve(model_dir: str, host: str = "127.0.0.1", port: int = 8000, device: str = "auto",
           max_seq_len: int | None = None, served_model_name: str | None = None, max_queue: int = 64,
           api_key: str | None = None, tokenizer: str | None = None, speculative: dict | None = None,
-          draft_model: str | None = None, body_timeout: float = BODY_TIMEOUT_S,
+          draft_model: str | None = None, quantize: str | None = None, body_timeout: float = BODY_TIMEOUT_S,
           shutdown_grace: float = SHUTDOWN_GRACE_S, allowed_hosts: tuple[str, ...] = (),
           allowed_origins: tuple[str, ...] = ()) -> int:
     """Serve a checkpoint directory until SIGINT or SIGTERM; the exit status (0, or 2 / 1 when the model
@@ -142,13 +142,16 @@ def serve(model_dir: str, host: str = "127.0.0.1", port: int = 8000, device: str
 
     speculative: Llama.stream's speculative keywords (speculative, draft_tokens, adaptive_draft), every
     request's default ({} or None: plain decoding); draft_model: the draft model's directory, loaded with
-    the target before /health answers 200. allowed_hosts, allowed_origins: see sites.py."""
+    the target before /health answers 200; quantize: Llama.from_pretrained's (int8, int4 on load);
+    allowed_hosts, allowed_origins: see sites.py."""
     from ..llama import Llama, check_draft, checked_context
     from ..tokenizer import find_tokenizer, load_tokenizer
+    from ..weights import config_layout
 
     api_key = checked_api_key(api_key)
     config = read_config(model_dir)  # a wrong directory is an error now, not after the socket is up
     context = checked_context(config, max_seq_len)
+    config_layout(config, quantize)  # so is a quantize the checkpoint cannot take
     if tokenizer is None and find_tokenizer(model_dir) is None:
         raise ServeError(f"{model_dir} has no tokenizer (tokenizer.json or tokenizer.model): the server turns "
                          "text into tokens and back, so it needs one (or name one with --tokenizer)")
@@ -159,7 +162,7 @@ def serve(model_dir: str, host: str = "127.0.0.1", port: int = 8000, device: str
                         body_timeout=body_timeout, hosts=tuple(allowed_hosts),
                         allowed_origins=tuple(allowed_origins))
     return run(lambda: Llama.from_pretrained(model_dir, device=device, max_seq_len=max_seq_len,
-                                             tokenizer=tokenizer, draft_model=draft_model),
+                                             tokenizer=tokenizer, draft_model=draft_model, quantize=quantize),
                settings, host, port, max_queue, shutdown_grace)
 
 

@@ -243,6 +243,8 @@ class ChatRequest(GenerationRequest):
         return logprob_fields.library_options(True, self.logprobs, self.top_logprobs, False)
 
     def check(self) -> None:
+        """Also top_logprobs' range and its need of logprobs, and what a message asks for that the chat template
+        cannot hold, named by the message's field."""
         super().check()
         most = logprob_fields.MAX_TOP_LOGPROBS
         if self.top_logprobs is not None:
@@ -251,15 +253,6 @@ class ChatRequest(GenerationRequest):
                                param="top_logprobs")
             if not self.logprobs:
                 raise ApiError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
-
-    def token_limit(self) -> tuple[str, int] | None:
-        if self.max_completion_tokens is not None:
-            return "max_completion_tokens", self.max_completion_tokens
-        return super().token_limit()
-
-    def check(self) -> None:
-        """Also what a message asks for that the chat template cannot hold, named by the message's field."""
-        super().check()
         for i, message in enumerate(self.messages):
             for name in ("tool_calls", "function_call"):  # an assistant turn that called tools (content: null)
                 if (message.model_extra or {}).get(name) not in (None, []):
@@ -269,3 +262,8 @@ class ChatRequest(GenerationRequest):
                 raise ApiError(400, f"messages.{i}.role: a developer message (OpenAI's newer name for a system "
                                     "message) may only come first: the chat template takes one system prompt, "
                                     "before the conversation", param=f"messages.{i}.role")
+
+    def token_limit(self) -> tuple[str, int] | None:
+        if self.max_completion_tokens is not None:
+            return "max_completion_tokens", self.max_completion_tokens
+        return super().token_limit()
