@@ -25,11 +25,12 @@ Design (issue 17):
   A prompt is prefilled in the runner's own chunks (plan.PREFILL_CHUNK by default), never in chunks sized to the
   moment: a GPU prefill GEMM splits K by the chunk's shape (prefill_kernels.py), so another chunking could change a
   K or V bit and the answer with it.
-- Speculative decoding next to batching: a greedy request with speculation speculates (verify steps on its slot)
-  while it runs alone and decodes in the batch otherwise: greedy speculative tokens are plain greedy tokens, bit for
-  bit, so its answer does not change. A sampled request with speculation (temperature > 0) draws other tokens than
-  plain decoding does, so it would change with its company: it runs alone, always speculating, never batched (it
-  waits for the running requests to finish, and the requests behind it wait for it).
+- Speculative decoding next to batching: a request with speculation runs alone, always speculating (verify steps on
+  its slot, as its solo stream runs them), never batched: it waits for the running requests to finish, and the
+  requests behind it wait for it. A sampled speculative request draws other tokens than plain decoding does, so
+  batching it without its verify steps would change its answer; a greedy one could be batched (its tokens are the
+  plain greedy tokens), but its drafts would then be checked one token per step, a loss for it, and rows x (k + 1)
+  verify rows per step are left for later (the H200 decides whether they pay).
 - One row that fails (no usable logit) fails its request alone; the others go on.
 
 The session holds the model (generate.RunnerGuard) from its first step on: a solo generation started meanwhile ends
@@ -87,8 +88,8 @@ class BatchedStream(GenerationStream):
 
     @property
     def exclusive(self) -> bool:
-        """A sampled request with speculative decoding: it runs alone (see the module docstring)."""
-        return self.decoder is not None and self.options.temperature > 0
+        """A request with speculative decoding: it runs alone (see the module docstring)."""
+        return self.decoder is not None
 
     @property
     def ended(self) -> bool:
@@ -292,9 +293,8 @@ class BatchSession:
         self._collect(pieces, stream, stream.pump())
 
     def _decode(self, pieces: dict) -> None:
-        lone = self.running[0] if len(self.running) == 1 else None
-        if lone is not None and lone.decoder is not None and self.joining is None:
-            return self._speculate(lone, pieces)
+        if self.running[0].exclusive:  # alone (nothing joins while it runs)
+            return self._speculate(self.running[0], pieces)
         slots = [s.slot for s in self.running]
         if slots != self._rows:
             self.runner.set_batch(slots)
@@ -314,8 +314,6 @@ class BatchSession:
                 records = () if stream.options.logprobs is None else \
                     scoring.from_rows(scores[r:r + 1], stream.options.logprobs)
                 stream.deliver([token], records)
-                if stream.decoder is not None:
-                    stream.decoder.follow([token])
             self._collect(pieces, stream, stream.pump())
 
     def _speculate(self, stream: BatchedStream, pieces: dict) -> None:

@@ -27,13 +27,14 @@ token's), and the others are left as they are. start(..., prompt_logprobs=N) als
 
 from __future__ import annotations
 
+import contextlib
 from typing import Sequence
 
 import numpy as np
 
 from . import logprobs as scoring, memory, plan as plans
 from .config import LlamaConfig
-from .errors import PromptError
+from .errors import GenerationError, PromptError
 from .layout import Layout, as_layout
 from .prefill_kernels import PrefillKernels, default_for
 from .sampling import NO_TOKEN, Sampler, SamplingParams
@@ -147,8 +148,10 @@ class PlanRunner:
     def slot(self, slot: int) -> None:
         if not 0 <= slot < self.slots:
             raise ValueError(f"slot {slot} is not one of this runner's {self.slots}")
-        if slot != self._slot_now and self._queued is not None:
-            raise RuntimeError("a decode step is queued ahead for the current slot: drain it first")
+        if slot != self._slot_now and self._queued is not None:  # a stream ended with a step queued ahead
+            with contextlib.suppress(GenerationError):  # its token is dropped (and a NO_TOKEN with it)
+                self.backend.token(self._queued)  # ordered before anything the other slot runs
+            self.last, self._queued = None, None  # this slot's device state is a step ahead: it needs a start()
         self._slot_now = slot
 
     def _decode_of(self, slot: int) -> plans.Plan:
@@ -185,14 +188,15 @@ class PlanRunner:
         token's). `prompt_logprobs`: every chunk scores its rows against the next ids, into prompt_logprobs.
         `cached` grows chunk by chunk."""
         logits = []
-        for rows in self._prefill_chunks(ids, output, state, begin, logprobs, prompt_logprobs):
+        for rows, _ in self._prefill_chunks(ids, output, state, begin, logprobs, prompt_logprobs):
             if rows is not None:
                 logits.append(rows)
         return logits
 
     def _prefill_chunks(self, ids: Sequence[int], output: str, state: np.ndarray | None = None, begin: int = 0,
                         logprobs: int | None = None, prompt_logprobs: int | None = None):
-        """_prefill one chunk at a time: yields after each (its logits rows for "logits", else None)."""
+        """_prefill one chunk at a time: yields after each (its logits rows for "logits", else None; whether it was
+        the last)."""
         for start in range(begin, len(ids), self.prefill_chunk):
             chunk = np.asarray(ids[start:start + self.prefill_chunk], dtype=np.int32)
             n, last = len(chunk), start + len(chunk) == len(ids)
@@ -216,7 +220,7 @@ class PlanRunner:
             if prompt_logprobs is not None:
                 self.prompt_logprobs += scoring.from_rows(self.backend.read("logprob_rows")[:len(following)],
                                                           prompt_logprobs)
-            yield self.backend.read("logits_rows")[:n] if out == "logits" else None
+            yield (self.backend.read("logits_rows")[:n] if out == "logits" else None), last
 
     def _scored_prefill_plan(self, start: int, n: int, output: str, logprobs: int | None,
                              prompt_logprobs: int | None) -> plans.Plan:
@@ -280,8 +284,12 @@ class PlanRunner:
         return Prefill(self, self.slot, self._first_token(prompt, state, begin, logprobs, prompt_logprobs))
 
     def _first_token(self, prompt, state, begin, logprobs, prompt_logprobs):
-        """The generator behind a Prefill: each chunk, then the first token (its return value)."""
-        yield from self._prefill_chunks(prompt, "sample", state, begin, logprobs, prompt_logprobs)
+        """The generator behind a Prefill: each chunk, then the first token (its return value), read in the same
+        advance() as the last chunk: another sequence's step in between would overwrite logprob_step."""
+        for _, last in self._prefill_chunks(prompt, "sample", state, begin, logprobs, prompt_logprobs):
+            if last:
+                break
+            yield
         self.last = self.backend.read_token(self.slot)
         if logprobs is not None:
             self._records += scoring.from_rows(self.backend.read("logprob_step")[:1], logprobs)

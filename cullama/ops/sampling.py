@@ -113,6 +113,7 @@ def logprobs(logits, targets, out, V, stride, target_at, top, *, grid):
     they were. The kernel writes these bits exactly, but for s (its sum runs in another order).
     cullama.logprobs.from_rows turns a row into log-probabilities."""
     flat, ints = np.asarray(logits).reshape(-1), out.view(np.int32)
+    targets = np.asarray(targets).reshape(-1)  # state [slots, 8] too: a decode step's token, at slot * 8 + 1
     for r in range(int(grid[0])):
         row = flat[r * stride:r * stride + V].astype(np.float32)
         keyed = np.where(np.isnan(row), np.float32(-np.inf), row) + np.float32(0)  # NaN -> -inf, -0 -> +0
