@@ -26,20 +26,24 @@ import time
 from pathlib import Path
 
 from gemv_sweep import positive_int, positive_ints, save_json  # benchmarks/ on sys.path
-from serve_latency import CLI, SHARED, Server, percentile, synthetic_llm
+from serve_latency import CLI, SHARED, Server, percentile
 
 
 def serve_synthetic(name: str, tokenizer: str, device: str, max_batch: int) -> int:
     """The server process of --synthetic: `cullama serve`'s own code on random weights, max_batch slots."""
     from cullama import Llama
     from cullama.config import preset
+    from cullama.errors import CullamaError
     from cullama.server.app import Settings
     from cullama.server.launch import run
+    from cullama.tokenizer import Tokenizer
 
-    def load():
-        base = synthetic_llm(name, tokenizer, device)
-        batched = Llama.synthetic(name, device=device, max_batch=max_batch)  # the same seed: the same weights
-        return Llama(base.config, batched.runner, base.tokenizer, base.device)
+    def load():  # as serve_latency.synthetic_llm, with max_batch sequence slots
+        base = Llama.synthetic(name, device=device, max_batch=max_batch)
+        tok = Tokenizer(tokenizer)
+        if tok.vocab_size != base.config.vocab_size:
+            raise CullamaError(f"{tokenizer} has {tok.vocab_size} pieces, the {name} preset {base.config.vocab_size}")
+        return Llama(base.config, base.runner, tok, base.device)
 
     settings = Settings(model_name=name, context=preset(name).max_seq_len)
     return run(load, settings, "127.0.0.1", 0, max_queue=64, max_batch=max_batch)
@@ -82,7 +86,8 @@ def level(server: Server, concurrency: int, tokens: int, rounds: int) -> dict:
                         "tokens_per_s": total / wall, "tokens_per_s_per_client": total / wall / concurrency}}
 
 
-HEADER = f"{'C':>3} {'requests':>8} | {'TTFT p50':>9} {'p99':>9} | {'gap p50':>8} {'p99':>8} | {'tok/s':>8} {'/client':>8}"
+HEADER = (f"{'C':>3} {'requests':>8} | {'TTFT p50':>9} {'p99':>9} | {'gap p50':>8} {'p99':>8} | "
+          f"{'tok/s':>8} {'/client':>8}")
 
 
 def table_line(row: dict) -> str:

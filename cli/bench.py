@@ -111,7 +111,7 @@ def bench(model_dir, synthetic, device, lengths, samples, warmup, prompt_len, ma
         has_tokenizer = model_dir is not None and find_tokenizer(model_dir) is not None
         check_draft(speculative["draft_model"], config, load_tokenizer(model_dir) if has_tokenizer else None)
     bandwidth = None
-    if dev == "cuda" and not speculative["speculative"] and sizes is None:  # before the weights arrive (a few GiB on any GPU)
+    if dev == "cuda" and not speculative["speculative"] and sizes is None:  # before the weights (GiBs on any GPU)
         BenchProgress.note("measuring the read bandwidth of this GPU ...")
         bandwidth = protocol.measure_bandwidth()
     BenchProgress.note(f"loading {model_dir or 'synthetic ' + synthetic} on {dev} ...")

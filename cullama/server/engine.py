@@ -1,19 +1,19 @@
 """The engine: one thread owns the Llama and runs its generations, in arrival order.
 
 With max_batch 1 (`--max-batch 1`) it runs one generation at a time: requests wait in a FIFO queue bounded by
-`max_queue` (past it `submit` raises Busy, a 429), and the engine thread takes them one by one. With max_batch B
-> 1 it runs up to B together in a batch session (cullama/batch.py: iteration-level scheduling, each request's
-tokens exactly its solo tokens): a request joins the batch as soon as one of its slots is free, and the queue
-bounds the requests waiting past the batch. The metrics count the rows of every decode step
-(cullama_decode_batch_size) and the requests running (cullama_running_requests). The HTTP side never runs the model or waits on the device (it only tokenizes the prompt, on a
-worker thread): it submits a Job and awaits the job's events (Piece..., then one of Finished / Refused /
-Failed / Stopped), which the engine thread posts onto the job's asyncio loop.
+`max_queue` (past it `submit` raises Busy, a 429), and the engine thread takes them one by one. With max_batch B > 1
+it runs up to B together in a batch session (cullama/batch.py: iteration-level scheduling, each request's tokens
+exactly its solo tokens): a request joins the batch as soon as one of its slots is free, and the queue bounds the
+requests waiting past the batch. The metrics count the rows of every decode step (cullama_decode_batch_size) and the
+requests running (cullama_running_requests). The HTTP side never runs the model or waits on the device (it only
+tokenizes the prompt, on a worker thread): it submits a Job and awaits the job's events (Piece..., then one of
+Finished / Refused / Failed / Stopped), which the engine thread posts onto the job's asyncio loop.
 
-Cancelling (a client that went away, or the server stopping) takes a waiting job out of the queue at
-once; a running one stops before its next token (GenerationStream.cancel, checked after every token,
-its text shown or held back as a possible start of a stop string), so at most the token being computed
-is finished. Under speculative decoding the tokens arrive in bursts, one verify step each, which the
-stream hands out one token at a time: a cancel drops the rest of the burst and runs no further step.
+Cancelling (a client that went away, or the server stopping) takes a waiting job out of the queue at once; a running
+one stops before its next token (GenerationStream.cancel, checked after every token, its text shown or held back as
+a possible start of a stop string), so at most the token being computed is finished. Under speculative decoding the
+tokens arrive in bursts, one verify step each, which the stream hands out one token at a time: a cancel drops the
+rest of the burst and runs no further step.
 """
 
 from __future__ import annotations
