@@ -119,3 +119,22 @@ def test_max_batch_bad_values_are_one_line_errors(bad, tmp_path):
     assert out.exit_code == 2
     error = [line for line in out.output.splitlines() if line.startswith("Error")]
     assert len(error) == 1 and "--max-batch" in error[0], out.output
+
+
+def test_stopping_ends_the_batch_and_the_queue(llm):
+    """stop(): the waiting requests end at once and the running ones at their next step, all "shutdown"."""
+    engine = started(llm, max_batch=2)
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        jobs = [Job(p, dict(max_new_tokens=200, temperature=0.0, ignore_eos=True), loop) for p in PROMPTS[:4]]
+        for job in jobs:
+            engine.submit(job)
+        await jobs[0].next_event()  # the batch runs
+        engine.stop()
+        return await asyncio.gather(*(events_of(job) for job in jobs))
+
+    results = asyncio.run(main())
+    assert [events[-1] for events in results] == [Stopped("shutdown")] * 4
+    engine.join(30)
+    assert engine.state == "stopped" and engine.metrics.running_requests == 0
