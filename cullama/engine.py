@@ -172,7 +172,7 @@ class PlanRunner:
         self.prefill_kernels = kernels
 
     def _prefill_plan(self, start: int, n: int, output: str) -> plans.Plan:
-        key = (start, n, output, self.prefill_kernels, self.slot)
+        key = (start, n, output, self.prefill_kernels) + ((self.slot,) if self.slot else ())
         if key not in self._prefills:
             if len(self._prefills) > 64:
                 self._prefills.clear()
@@ -226,7 +226,7 @@ class PlanRunner:
                              prompt_logprobs: int | None) -> plans.Plan:
         """The prefill chunk of _prefill_plan with the logprobs kernel: the sampled token's (output "sample",
         `logprobs`) and every row's (`prompt_logprobs`)."""
-        key = (start, n, output, self.prefill_kernels, logprobs, prompt_logprobs, self.slot)
+        key = (start, n, output, self.prefill_kernels, logprobs, prompt_logprobs) + ((self.slot,) if self.slot else ())
         if key not in self._scored_prefills:
             if len(self._scored_prefills) > 64:
                 self._scored_prefills.clear()
