@@ -106,8 +106,7 @@ class PlanRunner:
         memory.check_fits(backend.device, {"KV cache": kv, "other runtime buffers": others, "weights": weight_bytes},
                           f"use a shorter context than {max_seq_len} tokens (max_seq_len, --max-seq-len; "
                           f"the KV cache takes {memory.gib(kv // max_seq_len * 1024)} per 1024 tokens"
-                          + (f" for {slots} sequences, {memory.gib(kv // slots)} each: or fewer sequences, "
-                             f"--max-batch)" if slots > 1 else ")"))
+                          + (self._fewer(backend.device, kv // slots, others + weight_bytes) if slots > 1 else ")"))
         backend.allocate(buffers)
         backend.set("rope", plans.rope_table(cfg, max_seq_len))
         backend.set("slot_rows", plans.slot_rows_table(slots))
@@ -128,6 +127,13 @@ class PlanRunner:
         # the plans with the logprobs kernel: the steps' (at most 21 alternatives' x 9 row counts), the prefills'
         self._scored_steps: dict[tuple, plans.Plan] = {}
         self._scored_prefills: dict[tuple, plans.Plan] = {}  # bounded as _prefills is
+
+    @staticmethod
+    def _fewer(device: str, per_sequence: int, rest: int) -> str:
+        """The memory check's advice on sequence slots: how many fit beside the rest at this context."""
+        free, _ = memory.free_bytes(device)
+        fit = "" if free is None else f"; {max(0, (free - rest) // per_sequence)} fit beside the weights"
+        return f" for each of the --max-batch sequences, {memory.gib(per_sequence)} each{fit}: or fewer of them)"
 
     cached = _delegated("cached")
     last = _delegated("last")

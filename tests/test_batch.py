@@ -157,15 +157,21 @@ def test_max_batch_is_checked_before_anything_loads(stories_dir):
             cullama.Llama.from_pretrained(stories_dir, device="cpu", max_batch=bad)
 
 
-def test_the_memory_check_counts_every_slot(stories_dir, monkeypatch):
+def test_the_memory_check_counts_every_slot_and_says_how_many_fit(stories_dir, monkeypatch):
     from cullama import memory
+    from cullama.errors import ResourceError
 
-    checked = {}
-    monkeypatch.setattr(memory, "check_fits", lambda device, parts, hint: checked.update(parts=parts, hint=hint))
-    one, eight = (runner_on(stories_dir, slots=s) for s in (1, 8))
-    assert checked["parts"]["KV cache"] == 8 * one.backend.arrays["k_cache"].nbytes * 2 // 1
-    assert "for 8 sequences" in checked["hint"] and "--max-batch" in checked["hint"]
-    assert eight.slots == 8
+    cfg = open_checkpoint(stories_dir).config
+    buffers = plans.runtime_buffers(cfg, cfg.max_seq_len, slots=3)
+    kv = sum(b.nbytes for b in buffers if b.kind == "cache") // 3  # one sequence's K and V
+    rest = sum(b.nbytes for b in buffers) - 3 * kv
+    monkeypatch.setattr(memory, "free_bytes", lambda device: (rest + kv * 5 // 2, "the CPU has"))  # 2 fit, not 3
+    assert runner_on(stories_dir, slots=2).slots == 2
+    with pytest.raises(ResourceError) as refused:
+        runner_on(stories_dir, slots=3)
+    message = str(refused.value)
+    assert f"KV cache {memory.gib(3 * kv)}" in message and "--max-batch" in message
+    assert f"{memory.gib(kv)} each; 2 fit beside the weights" in message, message
 
 
 def test_set_batch_refuses_a_slot_with_nothing_to_decode(stories_dir):
