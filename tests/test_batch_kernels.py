@@ -1,6 +1,7 @@
 """A batched decode step's kernels: row r of a launch over the rows of several sequence slots (the rows table,
 kernels_cu/common.cuh) equals a one-row launch of that slot at that position, bit for bit, whatever the other
-rows are: attention_decode over each row's own slot's keys, sample with each row's own slot's parameters, seen
+rows are: gemv_qkv_rope (FP16 and quantized) writing each row's K and V in its own slot at its position,
+attention_decode over each row's own slot's keys, sample with each row's own slot's parameters, seen
 flags, state and counter. Twins here; the real kernels on the CPU executor in test_batch_kernels_emu.py, and on
 a GPU (marker gpu) below."""
 
@@ -10,10 +11,13 @@ import numpy as np
 import pytest
 
 from cullama import plan as plans, sampling
-from cullama.ops import attention as attention_twin, sampling as sample_twin
+from cullama.ops import attention as attention_twin, gemv as gemv_twin, gemv_quant as gemv_quant_twin, \
+    sampling as sample_twin
+from cullama.reference import rope_tables
 from cullama.registry import KernelSpec
 from cullama.sampling import SamplingParams
 
+from test_gemv_quant import quantized
 from test_sampling_kernel import explained
 from test_verify import at_row_stride, gpu_launcher, nan, state_at
 
@@ -25,7 +29,11 @@ def twin_launcher():
     def launch(spec, grid, block, args):
         grid = tuple(grid) + (1,) * (3 - len(grid))
         twins = {"sample": sample_twin.sample, "attention_decode": attention_twin.attention_decode}
-        twins[spec.name](*(a.item() if isinstance(a, np.generic) else a for a in args), grid=grid)
+        values = [a.item() if isinstance(a, np.generic) else a for a in args]
+        if spec.name == "gemv_qkv_rope":
+            (gemv_twin if spec.source == gemv_twin.SOURCE else gemv_quant_twin).gemv_qkv_rope(*values)
+            return
+        twins[spec.name](*values, grid=grid)
     return launch
 
 
@@ -39,6 +47,65 @@ def states(positions, steps=None, seeds=None, top_ks=None) -> np.ndarray:
 def batch_rows(slots) -> np.ndarray:
     """A batched step's rows table [B, 2]: row r is slot slots[r]'s next token (offset 0)."""
     return np.array([[s, 0] for s in slots], np.int32)
+
+
+# -- gemv_qkv_rope: each row's RoPE angle and KV cache row are its slot's -----------------------------------------
+QKV_CASES = [None, 4, 8]  # FP16 (gemv.cu), INT4 and INT8 (gemv_quant.cu): the rows addressing is gemv.cuh's
+
+
+def qkv_spec(bits, tokens: int) -> KernelSpec:
+    if bits is None:
+        return plans.gemv("gemv_qkv_rope", tokens)
+    return KernelSpec(gemv_quant_twin.SOURCE, "gemv_qkv_rope", gemv_quant_twin.defines(bits, tokens))
+
+
+def check_qkv_batch(launch, bits, positions=(7, 0, 30, 12), table=((2, 0), (0, 0), (3, 0), (1, 0), (2, 1)),
+                    d=64, heads=3, kv_heads=1, hd=16, seed=0):
+    """gemv_qkv_rope over rows of several slots (the table: any order, a slot left out, the last row a second
+    row of slot 2 at offset 1) against one-row launches of each row's slot: q bit for bit, and each row's K and V in
+    its slot's cache at its position, nothing else of any cache written (caches NaN-poisoned)."""
+    rng = np.random.default_rng(seed)
+    table = np.array(table, np.int32)
+    rows, slots, max_seq = len(table), len(positions), max(positions) + 4
+    x = rng.standard_normal((rows, d)).astype(np.float32)
+    g = (1 + 0.1 * rng.standard_normal(d)).astype(np.float16)
+    M = (heads + 2 * kv_heads) * hd
+    if bits is None:
+        weights = (rng.standard_normal((M, d)).astype(np.float16) * np.float16(0.1),)
+        group, per_block, threads = (), plans.gemv_rows(rows), plans.GEMV_THREADS
+    else:
+        weights, group = quantized(rng, M, d, bits, 32), (np.int32(32),)
+        per_block, threads = gemv_quant_twin.rows_per_block(bits, rows), gemv_quant_twin.THREADS
+    rope = np.stack(rope_tables(hd, np.arange(max_seq), 10000.0), -1).astype(np.float32)
+    state = states(list(positions))
+    shape = (np.int32(d), np.int32(heads), np.int32(kv_heads), np.int32(hd), np.int32(max_seq), np.float32(1e-5))
+
+    def run(xs, rows_table, per_block):
+        n = len(rows_table)
+        q = nan(n, heads * hd)
+        caches = [nan(slots, kv_heads, max_seq, hd, dtype=np.float16) for _ in range(2)]
+        launch(qkv_spec(bits, n), (-(-M // per_block),), threads,
+               (xs.copy(), g, *weights, q, *caches, rope, state.copy(), rows_table, *shape, *group))
+        return q, caches
+
+    q, (k, v) = run(x, table, per_block)
+    one_row = plans.gemv_rows(1) if bits is None else gemv_quant_twin.rows_per_block(bits, 1)  # the decode step's
+    written = np.zeros(k.shape[:1] + k.shape[2:3], bool)  # [slots, max_seq]
+    for r, (slot, offset) in enumerate(table):
+        q1, (k1, v1) = run(x[r:r + 1], table[r:r + 1], one_row)
+        pos = positions[slot] + offset
+        np.testing.assert_array_equal(q[r], q1[0], err_msg=f"q of row {r}")
+        for name, many, single in (("k", k, k1), ("v", v, v1)):
+            np.testing.assert_array_equal(many[slot, :, pos], single[slot, :, pos], err_msg=f"{name} of row {r}")
+        written[slot, pos] = True
+    for cache in (k, v):  # no other slot or position written
+        assert np.isnan(cache.transpose(0, 2, 1, 3)[~written]).all()
+        assert not np.isnan(cache.transpose(0, 2, 1, 3)[written]).any()
+
+
+@pytest.mark.parametrize("bits", QKV_CASES, ids=["fp16", "int4", "int8"])
+def test_qkv_twin_batch_rows_are_one_row_launches(bits):
+    check_qkv_batch(twin_launcher(), bits)
 
 
 # -- attention_decode ----------------------------------------------------------------------------------------
@@ -206,3 +273,10 @@ def test_gpu_attention_batch_rows_are_one_row_launches(kernels, hd, group, kv_he
 @pytest.mark.parametrize("V", [517, 32000])
 def test_gpu_sample_batch_rows_are_one_row_steps(kernels, V):
     check_sample_batch(gpu_launcher(kernels), V, SLOT_OPTIONS, [4, 0, 5, 2, 1, 3])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("bits", QKV_CASES, ids=["fp16", "int4", "int8"])
+def test_gpu_qkv_batch_rows_are_one_row_launches(kernels, bits):
+    check_qkv_batch(gpu_launcher(kernels), bits)
+

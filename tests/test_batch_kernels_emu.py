@@ -1,6 +1,7 @@
 """A batched decode step's kernels as written, on the CPU executor (cullama.emu), in every warp schedule: row r
 of a launch over several sequence slots equals a one-row launch of its slot at its position, bit for bit
-(attention_decode over each row's own slot's keys; sample with each row's own slot's parameters, seen flags, state
+(gemv_qkv_rope, FP16 and INT4 / INT8, writing each row's K and V in its own slot; attention_decode over each row's
+own slot's keys; sample with each row's own slot's parameters, seen flags, state
 and counter). The same checks run on the twins and on a GPU in tests/test_batch_kernels.py."""
 
 import shutil
@@ -13,6 +14,12 @@ from cullama.kernels_cu import SOURCE_DIR
 from test_verify_emu import emu_launcher
 
 pytestmark = pytest.mark.emu
+
+
+@pytest.mark.parametrize("schedule", emu.SCHEDULES)
+@pytest.mark.parametrize("bits", checks.QKV_CASES, ids=["fp16", "int4", "int8"])
+def test_qkv_batch_rows_are_one_row_launches(bits, schedule):
+    checks.check_qkv_batch(emu_launcher(schedule), bits)
 
 
 @pytest.mark.parametrize("schedule", emu.SCHEDULES)
@@ -29,6 +36,12 @@ def test_sample_batch_rows_are_one_row_steps(V, order, schedule):
 
 # (id, file, original text, its replacement, the check that must fail): the checks above have teeth
 MUTATIONS = [
+    ("qkv-every-row-writes-slot-0", "gemv.cuh",
+     "const size_t slot_off = (size_t)row_slot(step_rows, t) * n_kv_heads * max_seq * hd;",
+     "const size_t slot_off = 0;", lambda launch: checks.check_qkv_batch(launch, None)),
+    ("qkv-rows-ignore-their-offset", "common.cuh",
+     "return state[row_slot(rows, r) * STATE_LEN + STATE_POS] + rows[r * ROW_FIELDS + ROW_OFFSET];",
+     "return state[row_slot(rows, r) * STATE_LEN + STATE_POS];", lambda launch: checks.check_qkv_batch(launch, 4)),
     ("attention-every-row-reads-slot-0", "attention.cu",
      "((size_t)row_slot(step_rows, row) * gridDim.x + kv)", "((size_t)0 * gridDim.x + kv)",
      lambda launch: checks.check_attention_batch(launch, *checks.ATTENTION_BATCHES[0])),
