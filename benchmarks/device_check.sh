@@ -4,7 +4,8 @@
 #   bash benchmarks/device_check.sh          (from anywhere; on the device machine $OUT is set)
 #
 # Steps, most decisive first: install the package, `cullama info`, `cullama kernels --arch sm_90`,
-# `pytest -m gpu`, `cullama bench`, `cullama bench --overlap` at 10, 100 and 500 tokens, then
+# `pytest -m gpu`, `cullama bench`, `cullama bench --quantize int4` and `int8` and `cullama bench --overlap` at 10,
+# 100 and 500 tokens, then
 # benchmarks/decode_step.py (plain vs overlapped graph), logprobs_step.py (what logprobs=N adds to a step),
 # prefill_step.py (TTFT per prefill kernel pair),
 # gemv_sweep.py, gemm_sweep.py (mma vs wgmma), the same two on INT4 / INT8 weights (gemv_quant.cu, gemm_quant.cu),
@@ -15,13 +16,14 @@
 # executor against the GPU on the tensor-core kernels (tests/test_emu_vs_gpu.py: emu_vs_gpu.json).
 # ../shared (the test data beside the repo) is used when present; a copy carried as .shared otherwise.
 # Under $OUT (the device tool returns at most 8 files): steps.log (every step's output), summary.txt,
-# report.md and results.tgz (bench.json, bench_overlap.json, decode.json, prefill.json, gemv.json, gemm.json,
-# gemv_quant.json, gemm_quant.json, compare.json, speculative.json, serve.json, emu_vs_gpu.json, logprobs.json,
-# batch.json, serve_load.json;
+# report.md and results.tgz (bench.json, bench_int4.json, bench_int8.json, bench_overlap.json, decode.json,
+# prefill.json, gemv.json, gemm.json, gemv_quant.json, gemm_quant.json, compare.json, speculative.json, serve.json,
+# emu_vs_gpu.json, logprobs.json, batch.json, serve_load.json;
 # re-packed after every step, so a run cut short
 # still returns what it finished). benchmarks/prepare_device.sh makes what to carry (.shared, .whl).
 # Environment: PYTHON (default python3), SKIP_INSTALL=1 (already installed), BENCH_SAMPLES (default 300),
-# BUDGET_S.
+# BUDGET_S, STEPS (a comma list of step names: only those run, e.g. STEPS=pytest,int4 to rerun what failed;
+# results.tgz then holds only their files, so keep the first run's).
 # Last, benchmarks/summarize.py writes $OUT/report.md (Markdown for RESULTS.md: tables, targets, decisions);
 # again by hand: python benchmarks/summarize.py "$OUT" (or results.tgz) [--markdown FILE].
 set -u
@@ -46,6 +48,9 @@ left() { echo $((BUDGET_S - (SECONDS - START))); }
 step() {
     local name=$1 cap=$2
     shift 2
+    if [ -n "${STEPS:-}" ] && [[ ",$STEPS," != *",$name,"* ]]; then
+        return  # not selected
+    fi
     local t
     t=$(left)
     ((cap < t)) && t=$cap
@@ -96,6 +101,9 @@ step kernels 100 "${CULLAMA[@]}" kernels --arch sm_90
 # no -x: one run, every failure
 CULLAMA_EMU_VS_GPU_JSON=$RESULTS/emu_vs_gpu.json step pytest 190 "$PY" -m pytest -m gpu -q -rs -p no:cacheprovider
 step bench 90 "${CULLAMA[@]}" bench --json "$RESULTS/bench.json" --samples "${BENCH_SAMPLES:-300}"
+# W4A16 / W8A16 decode end to end (issue 16: INT4 p99 <= 1.1 ms, INT8 <= 1.8 ms at every L)
+step int4 50 "${CULLAMA[@]}" bench --quantize int4 --lengths 10,100,500 --samples 300 --json "$RESULTS/bench_int4.json"
+step int8 50 "${CULLAMA[@]}" bench --quantize int8 --lengths 10,100,500 --samples 300 --json "$RESULTS/bench_int8.json"
 step overlap 40 "${CULLAMA[@]}" bench --overlap --lengths 10,100,500 --samples 300 --json "$RESULTS/bench_overlap.json"
 step decode 60 "$PY" benchmarks/decode_step.py --trials 2 --json "$RESULTS/decode.json"
 step logprobs 30 "$PY" benchmarks/logprobs_step.py --trials 2 --steps 50 --json "$RESULTS/logprobs.json"

@@ -4,6 +4,7 @@
 
 RESULTS is results.tgz, a directory holding the JSON files (or $OUT itself, holding results.tgz), or one of
 the JSON files. The files: bench.json (`cullama bench`), bench_overlap.json (`cullama bench --overlap`),
+bench_int4.json and bench_int8.json (`cullama bench --quantize int4|int8`),
 decode.json (decode_step.py), prefill.json (prefill_step.py), gemv.json (gemv_sweep.py), gemm.json
 (gemm_sweep.py), gemv_quant.json (gemv_sweep.py --bits 4,8), gemm_quant.json (gemm_sweep.py --kernels
 mma-w4,mma-w8), compare.json (compare_hf.py), speculative.json (`cullama bench --speculative replay`),
@@ -30,7 +31,8 @@ from device_report.header import header
 from device_report.kernel_sections import section_gemm, section_gemv, section_prefill
 from device_report.quant_sections import section_gemm_quant, section_gemv_quant
 from device_report.results import FILES, Results, load, missing_note
-from device_report.run_sections import section_bench, section_compare, section_decode, section_overlap
+from device_report.run_sections import (section_bench, section_compare, section_decode, section_overlap,
+                                        section_quantized_bench)
 from device_report.speculative import section_speculative
 from device_report.targets import targets
 
@@ -38,6 +40,10 @@ from device_report.targets import targets
 SECTIONS = [
     ("bench.json", "cullama bench (bench.json)", section_bench),
     ("bench_overlap.json", "Overlap: cullama bench --overlap against bench.json (bench_overlap.json)", section_overlap),
+    ("bench_int4.json", "INT4 decode: cullama bench --quantize int4 (bench_int4.json)",
+     section_quantized_bench("bench_int4.json")),
+    ("bench_int8.json", "INT8 decode: cullama bench --quantize int8 (bench_int8.json)",
+     section_quantized_bench("bench_int8.json")),
     ("decode.json", "Decode step: plain vs overlapped graph, next() vs ahead (decode.json)", section_decode),
     ("prefill.json", "Prefill: TTFT per kernel pair and chunk (prefill.json)", section_prefill),
     ("gemv.json", "GEMV sweep (gemv.json)", section_gemv),

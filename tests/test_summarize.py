@@ -112,6 +112,8 @@ def make_results(directory: Path, monkeypatch, capsys) -> Path:
         assert code == 0, script
     bench_json(directory / "bench.json")
     bench_json(directory / "bench_overlap.json", "--overlap")
+    bench_json(directory / "bench_int4.json", "--quantize", "int4")
+    bench_json(directory / "bench_int8.json", "--quantize", "int8")
     compare_json(directory / "compare.json")
     speculative_json(directory / "speculative.json")
     serve_json(directory / "serve.json")
@@ -500,6 +502,29 @@ def test_quantized_sections_target_and_decision(made, records, tmp_path, capsys)
             row["check_ok"] = False  # no correct variant left for that shape
     measured, status = target(report(write(tmp_path / "q3", r), capsys), "every W4 / W8 GEMV")
     assert status == "FAIL" and f"no correct variant: W4 {first['shape']}" in measured
+
+
+def test_quantized_bench_sections_and_targets(made, records, tmp_path, capsys):
+    """`cullama bench --quantize int4|int8`: the weights and their floor over the bench table, and the issue's
+    p99 targets (INT4 1.1 ms, INT8 1.8 ms at every L from 10 to 500) judged on their own file, not bench.json's."""
+    text = report(made, capsys)
+    for bits in (4, 8):
+        sec = section(text, f"INT{bits} decode")
+        weights = records[f"bench_int{bits}.json"]["weights"]
+        assert f"Weights: {weights['weights']}" in sec and "int" in weights["weights"]
+        assert f"reads {weights['decode_bytes'] / 1e9:.2f} GB" in sec
+        assert "| 10 |" in sec and "| 20 |" in sec
+    r = copy.deepcopy(records)
+    for name, p99 in (("bench_int4.json", 1.05), ("bench_int8.json", 1.9)):
+        r[name]["results"] = [{**row, "length": L, "p99_ms": p99} for row, L in zip(r[name]["results"], (10, 500))]
+    r["bench.json"]["results"] = [{**row, "p99_ms": 9.0} for row in r["bench.json"]["results"]]
+    out = report(write(tmp_path / "q", r), capsys)
+    assert target(out, "INT4 decode p99 <= 1.1 ms")[1] == "PASS"
+    measured, status = target(out, "INT8 decode p99 <= 1.8 ms")
+    assert status == "FAIL" and "above 1.8 at L=10,500" in measured
+    del r["bench_int4.json"]
+    measured, status = target(report(write(tmp_path / "q2", r), capsys), "INT4 decode p99")
+    assert status == "—" and "bench_int4.json missing" in measured
 
 
 # -- missing, cut and odd files --------------------------------------------------------------------

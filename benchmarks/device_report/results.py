@@ -15,6 +15,8 @@ from .values import as_dict, as_int, dicts, num
 FILES = {
     "bench.json": "cullama bench",
     "bench_overlap.json": "cullama bench --overlap --lengths 10,100,500",
+    "bench_int4.json": "cullama bench --quantize int4 --lengths 10,100,500",
+    "bench_int8.json": "cullama bench --quantize int8 --lengths 10,100,500",
     "decode.json": "benchmarks/decode_step.py",
     "prefill.json": "benchmarks/prefill_step.py",
     "gemv.json": "benchmarks/gemv_sweep.py",

@@ -31,6 +31,20 @@ def section_bench(res: Results) -> list[str]:
     return bench_table(res.records["bench.json"])
 
 
+def section_quantized_bench(name: str):
+    """The section of `cullama bench --quantize ...` (NAME): its weights, the bytes a step reads and their
+    floor on an H200, then the bench table."""
+    def section(res: Results) -> list[str]:
+        record = res.records[name]
+        w = as_dict(record.get("weights"))
+        step_bytes = num(w.get("decode_bytes"))
+        head = (f"Weights: {w.get('weights', 'not recorded')}; a decode step reads "
+                f"{fmt(step_bytes / 1e9 if step_bytes else None, 2)} GB "
+                f"(floor {fmt(w.get('floor_ms_h200'))} ms on an H200).")
+        return [head, ""] + bench_table(record)
+    return section
+
+
 def section_overlap(res: Results) -> list[str]:
     over = res.records["bench_overlap.json"]
     lines = []
