@@ -73,7 +73,8 @@ class NumpyBackend:
             self._fetched[slot] = self.read(fetch)
 
     def token(self, slot: int) -> int:
-        return drawn(self._tokens[slot])
+        """The token launch_step(..., slot) sampled (its sequence's), or slot 0's state where none was launched."""
+        return drawn(self._tokens.pop(slot)) if slot in self._tokens else self.read_token()
 
     def fetched(self, slot) -> np.ndarray:
         return self._fetched[slot]
