@@ -132,10 +132,12 @@ def node_recorder(driver):
 
 
 def launch_bytes(cfg, label: str, context: int) -> int:
-    """Bytes one launch must read: its weight matrix, or the K and V of one layer (attention)."""
+    """Bytes one launch must read: its weight matrix, or the K and V of one layer (attention: of the positions it
+    attends, all of the context or a sliding window's)."""
     d, ff = cfg.hidden_size, cfg.intermediate_size
+    attended = min(context, cfg.sliding_window or context)
     return 2 * {"qkv_rope": cfg.qkv_dim * d, "o_proj": d * cfg.q_dim, "gate_up_silu": 2 * ff * d,
-                "down": d * ff, "lm_head": cfg.vocab_size * d, "attention": 2 * cfg.kv_dim * context,
+                "down": d * ff, "lm_head": cfg.vocab_size * d, "attention": 2 * cfg.kv_dim * attended,
                 "sample": 2 * cfg.vocab_size}[label]
 
 

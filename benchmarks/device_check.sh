@@ -5,7 +5,8 @@
 #
 # Steps, most decisive first: install the package, `cullama info`, `cullama kernels --arch sm_90`,
 # `pytest -m gpu`, `cullama bench`, `cullama bench --quantize int4` and `int8` and `cullama bench --overlap` at 10,
-# 100 and 500 tokens, then
+# 100 and 500 tokens, `cullama bench` on the llama3-8b and llama3.2-1b presets (issue 18: GQA 4, head_dim 64,
+# a 128,256-id lm_head), then
 # benchmarks/decode_step.py (plain vs overlapped graph), logprobs_step.py (what logprobs=N adds to a step),
 # prefill_step.py (TTFT per prefill kernel pair),
 # gemv_sweep.py, gemm_sweep.py (mma vs wgmma), the same two on INT4 / INT8 weights (gemv_quant.cu, gemm_quant.cu),
@@ -17,8 +18,9 @@
 # ../shared (the test data beside the repo) is used when present; a copy carried as .shared otherwise.
 # Under $OUT (the device tool returns at most 8 files): steps.log (every step's output), summary.txt,
 # report.md and results.tgz (bench.json, bench_int4.json, bench_int8.json, bench_overlap.json, decode.json,
-# prefill.json, gemv.json, gemm.json, gemv_quant.json, gemm_quant.json, compare.json, speculative.json, serve.json,
-# emu_vs_gpu.json, logprobs.json, batch.json, serve_load.json;
+# prefill.json, gemv.json, gemm.json, gemv_quant.json, gemm_quant.json, compare.json, speculative.json,
+# serve.json, emu_vs_gpu.json, logprobs.json, bench_llama3-8b.json, bench_llama3.2-1b.json, batch.json,
+# serve_load.json;
 # re-packed after every step, so a run cut short
 # still returns what it finished). benchmarks/prepare_device.sh makes what to carry (.shared, .whl).
 # Environment: PYTHON (default python3), SKIP_INSTALL=1 (already installed), BENCH_SAMPLES (default 300),
@@ -105,6 +107,12 @@ step bench 90 "${CULLAMA[@]}" bench --json "$RESULTS/bench.json" --samples "${BE
 step int4 50 "${CULLAMA[@]}" bench --quantize int4 --lengths 10,100,500 --samples 300 --json "$RESULTS/bench_int4.json"
 step int8 50 "${CULLAMA[@]}" bench --quantize int8 --lengths 10,100,500 --samples 300 --json "$RESULTS/bench_int8.json"
 step overlap 40 "${CULLAMA[@]}" bench --overlap --lengths 10,100,500 --samples 300 --json "$RESULTS/bench_overlap.json"
+# LLaMA-3's shapes against their floors (15.01 GB a step, 3.38 ms; 2.47 GB, 0.56 ms; PREDICTIONS.md): a 4096-token
+# cache is enough for L <= 500 and keeps the 1B's 131,072-token default from allocating 4.3 GB
+for model in llama3-8b llama3.2-1b; do
+    step "$model" 45 "${CULLAMA[@]}" bench --synthetic "$model" --lengths 10,100,500 --samples 200 --max-seq-len 4096 \
+        --json "$RESULTS/bench_$model.json"
+done
 step decode 60 "$PY" benchmarks/decode_step.py --trials 2 --json "$RESULTS/decode.json"
 step logprobs 30 "$PY" benchmarks/logprobs_step.py --trials 2 --steps 50 --json "$RESULTS/logprobs.json"
 step prefill 45 "$PY" benchmarks/prefill_step.py --json "$RESULTS/prefill.json"

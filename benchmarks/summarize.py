@@ -8,7 +8,8 @@ bench_int4.json and bench_int8.json (`cullama bench --quantize int4|int8`),
 decode.json (decode_step.py), prefill.json (prefill_step.py), gemv.json (gemv_sweep.py), gemm.json
 (gemm_sweep.py), gemv_quant.json (gemv_sweep.py --bits 4,8), gemm_quant.json (gemm_sweep.py --kernels
 mma-w4,mma-w8), compare.json (compare_hf.py), speculative.json (`cullama bench --speculative replay`),
-serve.json (serve_latency.py) and emu_vs_gpu.json (tests/test_emu_vs_gpu.py).
+serve.json (serve_latency.py), emu_vs_gpu.json (tests/test_emu_vs_gpu.py) and bench_llama3-8b.json,
+bench_llama3.2-1b.json (`cullama bench --synthetic` on those presets, each against its own floor).
 summary.txt and steps.log beside them are read too when present (each step's status; nvidia-smi's driver
 and clocks). Prints one Markdown report, --markdown writes
 it too: a header (date, commit, GPU, driver, CUDA runtime, CuPy, NVRTC, read bandwidth), one section per
@@ -26,13 +27,14 @@ import sys
 from pathlib import Path
 
 from device_report.checks import SECTIONS as CHECK_SECTIONS
+from device_report.families import SECTIONS as FAMILY_SECTIONS
 from device_report.decisions import decisions
 from device_report.header import header
 from device_report.kernel_sections import section_gemm, section_gemv, section_prefill
 from device_report.quant_sections import section_gemm_quant, section_gemv_quant
 from device_report.results import FILES, Results, load, missing_note
 from device_report.run_sections import (section_bench, section_compare, section_decode, section_overlap,
-                                        section_quantized_bench)
+                                        section_weights_bench)
 from device_report.speculative import section_speculative
 from device_report.targets import targets
 
@@ -41,9 +43,9 @@ SECTIONS = [
     ("bench.json", "cullama bench (bench.json)", section_bench),
     ("bench_overlap.json", "Overlap: cullama bench --overlap against bench.json (bench_overlap.json)", section_overlap),
     ("bench_int4.json", "INT4 decode: cullama bench --quantize int4 (bench_int4.json)",
-     section_quantized_bench("bench_int4.json")),
+     section_weights_bench("bench_int4.json")),
     ("bench_int8.json", "INT8 decode: cullama bench --quantize int8 (bench_int8.json)",
-     section_quantized_bench("bench_int8.json")),
+     section_weights_bench("bench_int8.json")),
     ("decode.json", "Decode step: plain vs overlapped graph, next() vs ahead (decode.json)", section_decode),
     ("prefill.json", "Prefill: TTFT per kernel pair and chunk (prefill.json)", section_prefill),
     ("gemv.json", "GEMV sweep (gemv.json)", section_gemv),
@@ -54,6 +56,7 @@ SECTIONS = [
     ("speculative.json", "Speculative decoding: cullama bench --speculative replay (speculative.json)",
      section_speculative),
     *CHECK_SECTIONS,
+    *FAMILY_SECTIONS,
 ]
 
 

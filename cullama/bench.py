@@ -12,8 +12,8 @@ For each L in `lengths`, batch 1, greedy, EOS ignored (a runner never stops by i
     print(format_table(result)); write_json(result, "bench.json")
 
 Achieved GB/s = the bytes a decode step reads (all linear weights and the lm_head as the device holds them:
-FP16, or quantized codes and their (scale, zero) pairs; plus the K and V of every cached position, averaged over
-the trial's contexts) / the p50 latency.
+FP16, or quantized codes and their (scale, zero) pairs; plus the K and V of every position attended, all of the
+context or a sliding window's, averaged over the trial's steps) / the p50 latency.
 """
 
 from __future__ import annotations
@@ -181,8 +181,8 @@ def ttft(runner, prompt: Sequence[int], trials: int, warmup: int, clock: Clock =
 
 
 def step_bytes(config: LlamaConfig, context: float, layout: Layout | None = None) -> float:
-    """Bytes one decode step reads at `context` cached positions: weights (in `layout`, default FP16: what
-    Layout.decode_bytes counts), then K and V (FP16)."""
+    """Bytes one decode step reads when it attends to `context` cached positions: weights (in `layout`, default
+    FP16: what Layout.decode_bytes counts), then K and V (FP16)."""
     return (layout or fp16(config)).decode_bytes() + 2 * config.num_layers * config.kv_dim * 2 * context
 
 
@@ -205,9 +205,9 @@ def run(runner, config: LlamaConfig, lengths: Sequence[int] = DEFAULT_LENGTHS, s
             latencies, trials = decode_latencies(runner, prompt, length, samples, warmup, clock, progress)
             times = ttft(runner, prompt_ids(length, config.vocab_size, seed=length), ttft_trials, warmup, clock,
                          progress)
-            # step i (1..L) attends over prompt_len + i positions; the mean context is prompt_len + (L + 1) / 2
-            results.append(LengthResult(length, latencies, times, trials,
-                                        step_bytes(config, prompt_len + (length + 1) / 2, layout)))
+            # step i (1..L) attends over prompt_len + i positions (at most a sliding window's): their mean
+            attended = np.minimum(prompt_len + np.arange(1, length + 1), config.sliding_window or np.inf).mean()
+            results.append(LengthResult(length, latencies, times, trials, step_bytes(config, attended, layout)))
     except KeyboardInterrupt:
         raise Interrupted(BenchResult(config, device, options, results, bandwidth, interrupted=True,
                                       layout=layout)) from None

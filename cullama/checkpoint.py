@@ -92,8 +92,16 @@ class TensorInfo:
     end: int
 
 
+QKV_PARTS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")  # Qwen2's biased projections
+BIAS_STD = 0.5  # write_random's biases: as large as a projection's outputs, so that dropping one shows
+
+
 def layer_name(layer: int, part: str) -> str:
     return f"model.layers.{layer}.{part}.weight"
+
+
+def bias_name(layer: int, part: str) -> str:
+    return f"model.layers.{layer}.{part}.bias"
 
 
 def expected_shapes(config: LlamaConfig) -> dict[str, tuple[int, ...]]:
@@ -113,6 +121,8 @@ def expected_shapes(config: LlamaConfig) -> dict[str, tuple[int, ...]]:
     shapes = {EMBED: (vocab, d)}
     for i in range(config.num_layers):
         shapes.update({layer_name(i, part): shape for part, shape in per_layer.items()})
+        if config.qkv_bias:  # Qwen2: [rows] of each of q_proj, k_proj, v_proj
+            shapes.update({bias_name(i, part): per_layer[part][:1] for part in QKV_PARTS})
     shapes[FINAL_NORM] = (d,)
     if not config.tie_word_embeddings:
         shapes[LM_HEAD] = (vocab, d)
@@ -265,8 +275,10 @@ def _collect_infos(files: list[Path], weight_map: dict[str, str] | None):
 def _validate(config: LlamaConfig, infos: dict[str, TensorInfo], where: Path) -> None:
     expected = expected_shapes(config)
     for name, info in infos.items():
-        if name.endswith(".bias"):
-            raise _error(info.file, shown(name), "bias tensors are not supported (LLaMA has no biases)")
+        if name.endswith(".bias") and name not in expected:
+            which = "Qwen2's are on q_proj, k_proj and v_proj only" if config.qkv_bias else \
+                f"{config.architecture} has no biases"
+            raise _error(info.file, shown(name), f"bias tensors are not supported ({which})")
         layer = LAYER_NAME.match(name)
         if layer and int(layer.group(1)) >= config.num_layers:
             raise _error(info.file, shown(name), f"layer beyond num_hidden_layers={config.num_layers} of the config")
@@ -437,7 +449,7 @@ def open_checkpoint(path: str | os.PathLike, config: LlamaConfig | None = None) 
 def _random_tensor(name: str, shape: tuple[int, ...], seed: int, std: float) -> np.ndarray:
     # Seeded per tensor name, so values do not depend on the dtype or on how files are sharded.
     rng = np.random.default_rng([seed, zlib.crc32(name.encode())])
-    values = rng.standard_normal(shape, dtype=np.float32) * np.float32(std)
+    values = rng.standard_normal(shape, dtype=np.float32) * np.float32(BIAS_STD if name.endswith(".bias") else std)
     if name.endswith("norm.weight"):
         values += np.float32(1.0)  # RMSNorm gains sit around 1
     return values
@@ -488,7 +500,8 @@ def write_random(path: str | os.PathLike, config: LlamaConfig, seed: int = 0, dt
                  shards: int = 1, std: float = 0.02) -> Path:
     """Write config.json and random weights in the HF layout; return the directory.
 
-    Deterministic for a seed. Linear weights ~ normal(0, std), norm weights ~ 1 + normal(0, std).
+    Deterministic for a seed. Linear weights ~ normal(0, std), norm weights ~ 1 + normal(0, std), Qwen2's q/k/v
+    biases ~ normal(0, BIAS_STD).
     Files of the same names are overwritten; other files in the directory are left alone.
     """
     if dtype not in WRITE_DTYPES:

@@ -1,5 +1,9 @@
 """Model configuration: one frozen dataclass, read from HF `config.json` or taken from a preset.
 
+Three architectures, LLaMA's and two that differ from it in one thing each (config.json's model_type and
+`architectures` name it): LlamaForCausalLM (LLaMA 2 and 3.x, TinyLlama), MistralForCausalLM (a sliding attention
+window: sliding_window) and Qwen2ForCausalLM (biases on q_proj, k_proj and v_proj). Any other is refused.
+
 HF has written LLaMA configs in several spellings over the years; all of these are read:
 - LLaMA-2 era: `torch_dtype`, no `rope_theta` (10000), no `head_dim` (hidden / heads), and
   sometimes no `num_key_value_heads` (= heads, plain multi-head attention);
@@ -13,11 +17,12 @@ integer or a float, a flag is true or false (never "false"), a token id list hol
 range-checked (1 to 2**31 - 1: the kernels index with int32), rms_norm_eps and rope_theta are finite and > 0,
 BOS and EOS ids lie in the vocabulary. The HF LLaMA keys that do not change what cullama computes are
 type-checked too (pretraining_tp, attention_dropout, initializer_range, use_cache, pad_token_id). Keys that
-change what the model computes and that cullama does not run (another architecture, biases, another
-activation, partial rotary, a RoPE scaling other than linear / dynamic / llama3, a quantization other than
-AWQ's GEMM layout or GPTQ) are refused, never ignored. null means "absent" only where HF reads it so
-(num_key_value_heads, head_dim, rope_scaling, rope_parameters, bos/eos_token_id, dtype, quantization_config) or HF
-does not read it at inference (architectures, attention_dropout, initializer_range, use_cache, pad_token_id).
+change what the model computes and that cullama does not run (another architecture, biases other than Qwen2's,
+Qwen2's per-layer sliding window, another activation, partial rotary, a RoPE scaling other than linear / dynamic
+/ llama3, a quantization other than AWQ's GEMM layout or GPTQ) are refused, never ignored. null means "absent"
+only where HF reads it so (num_key_value_heads, head_dim, rope_scaling, rope_parameters, bos/eos_token_id, dtype,
+quantization_config, sliding_window, layer_types) or HF does not read it at inference (architectures,
+attention_dropout, initializer_range, use_cache, pad_token_id).
 """
 
 from __future__ import annotations
@@ -40,7 +45,10 @@ GPTQ_FORMATS = ("gptq", "gptq_v2")  # how qzeros holds a zero: minus one (v1), o
 # Older dumps keep the quantization beside config.json: AutoAWQ's quant_config.json (w_bit, q_group_size, ...) and
 # AutoGPTQ's quantize_config.json (bits, group_size, desc_act, sym, ...); config.json's quantization_config wins.
 QUANT_FILES = {"quant_config.json": "awq", "quantize_config.json": "gptq"}
-ARCHITECTURE = "LlamaForCausalLM"  # also spelt LLaMAForCausalLM by early conversions
+# The architectures cullama runs and their config.json model_type: LLaMA (also spelt LLaMAForCausalLM by early
+# conversions), Mistral (LLaMA with a sliding attention window) and Qwen2 (LLaMA with q/k/v biases).
+ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2"}
+ARCHITECTURE = "LlamaForCausalLM"  # the default, and what a config without `architectures` of model_type llama is
 # config.json's key for each size field of LlamaConfig (also how errors name the field).
 SIZE_KEYS = {"vocab_size": "vocab_size", "hidden_size": "hidden_size", "intermediate_size": "intermediate_size",
              "num_layers": "num_hidden_layers", "num_heads": "num_attention_heads",
@@ -134,6 +142,9 @@ class LlamaConfig:
     dtype: str = "float16"  # the dtype the checkpoint says it holds
     name: str = "custom"
     quantization: Quantization | None = None  # an AWQ or GPTQ checkpoint's scheme; None: plain weights
+    architecture: str = ARCHITECTURE  # one of ARCHITECTURES
+    # Mistral: a query at position p attends to the keys p - sliding_window + 1 .. p only (None: all keys 0..p)
+    sliding_window: int | None = None
 
     def __post_init__(self):
         for field, key in SIZE_KEYS.items():
@@ -159,6 +170,13 @@ class LlamaConfig:
         if bad:
             raise ConfigError(f"{self.name}: eos_token_id {bad[0]} is outside the vocabulary "
                               f"(vocab_size {self.vocab_size})")
+        if self.architecture not in ARCHITECTURES:
+            raise ConfigError(f"{self.name}: architecture {self.architecture!r} is not one of "
+                              f"{', '.join(ARCHITECTURES)}")
+        window = self.sliding_window
+        if window is not None and (type(window) is not int or not 1 <= window <= INT32_MAX):
+            raise ConfigError(f"{self.name}: sliding_window must be null or an integer from 1 to {INT32_MAX}, "
+                              f"got {window!r}")
 
     # Derived sizes, named once so that every module agrees on them.
     @property
@@ -173,6 +191,15 @@ class LlamaConfig:
     def qkv_dim(self) -> int:
         """Rows of the fused q|k|v projection."""
         return self.q_dim + 2 * self.kv_dim
+
+    @property
+    def model_type(self) -> str:
+        return ARCHITECTURES[self.architecture]
+
+    @property
+    def qkv_bias(self) -> bool:
+        """Qwen2: q_proj, k_proj and v_proj have biases, added before RoPE (its o_proj and MLP have none)."""
+        return self.model_type == "qwen2"
 
     @property
     def group_size(self) -> int:
@@ -193,9 +220,12 @@ class LlamaConfig:
 
     def to_hf_dict(self) -> dict:
         """A current-style HF config.json for this model (used by write_random)."""
+        family = {"llama": {"attention_bias": False, "mlp_bias": False},
+                  "mistral": {"sliding_window": self.sliding_window},
+                  "qwen2": {"use_sliding_window": False, "sliding_window": None}}[self.model_type]
         return {
-            "architectures": ["LlamaForCausalLM"],
-            "model_type": "llama",
+            "architectures": [self.architecture],
+            "model_type": self.model_type,
             "vocab_size": self.vocab_size,
             "hidden_size": self.hidden_size,
             "intermediate_size": self.intermediate_size,
@@ -208,8 +238,7 @@ class LlamaConfig:
             "rope_parameters": {"rope_theta": self.rope_theta,
                                 **(self.rope_scaling.to_hf_dict() if self.rope_scaling else {"rope_type": "default"})},
             "hidden_act": "silu",
-            "attention_bias": False,
-            "mlp_bias": False,
+            **family,
             "tie_word_embeddings": self.tie_word_embeddings,
             "bos_token_id": self.bos_token_id,
             "eos_token_id": self.eos_token_ids[0] if len(self.eos_token_ids) == 1 else list(self.eos_token_ids),
@@ -225,6 +254,23 @@ PRESETS: dict[str, LlamaConfig] = {
     "llama-2-13b": LlamaConfig(vocab_size=32000, hidden_size=5120, intermediate_size=13824,
                                num_layers=40, num_heads=40, num_kv_heads=40, head_dim=128,
                                max_seq_len=4096, name="llama-2-13b"),
+    # The shapes people run today (issue 18), random weights for `cullama bench --synthetic NAME`: LLaMA-3-8B
+    # (8 KV heads, a 128,256-id vocabulary), LLaMA-3.2-1B (head_dim 64, tied embeddings, llama3 RoPE), Mistral-7B
+    # v0.1 (a sliding window of 4096), Qwen2.5-7B (q/k/v biases, 7 query heads per KV head, 152,064 ids).
+    "llama3-8b": LlamaConfig(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_layers=32,
+                             num_heads=32, num_kv_heads=8, head_dim=128, max_seq_len=8192, rope_theta=500000.0,
+                             bos_token_id=128000, eos_token_ids=(128001,), name="llama3-8b"),
+    "llama3.2-1b": LlamaConfig(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_layers=16,
+                               num_heads=32, num_kv_heads=8, head_dim=64, max_seq_len=131072, rope_theta=500000.0,
+                               rope_scaling=RopeScaling("llama3", 32.0, 8192, 1.0, 4.0), tie_word_embeddings=True,
+                               bos_token_id=128000, eos_token_ids=(128001, 128008, 128009), name="llama3.2-1b"),
+    "mistral-7b": LlamaConfig(vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_layers=32,
+                              num_heads=32, num_kv_heads=8, head_dim=128, max_seq_len=32768,
+                              architecture="MistralForCausalLM", sliding_window=4096, name="mistral-7b"),
+    "qwen2.5-7b": LlamaConfig(vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_layers=28,
+                              num_heads=28, num_kv_heads=4, head_dim=128, max_seq_len=32768, rms_norm_eps=1e-6,
+                              rope_theta=1000000.0, bos_token_id=151643, eos_token_ids=(151645, 151643),
+                              architecture="Qwen2ForCausalLM", name="qwen2.5-7b"),
     # Small enough for the CPU (CI, `cullama bench --device cpu`), with GQA so both paths run.
     "tiny": LlamaConfig(vocab_size=1024, hidden_size=256, intermediate_size=688, num_layers=4,
                         num_heads=8, num_kv_heads=2, head_dim=32, max_seq_len=1024, name="tiny"),
@@ -243,7 +289,7 @@ REQUIRED = object()  # a key without a default
 # type; pretraining_tp is read: HF compares it with 1).
 NULL_IS_ABSENT = {"num_key_value_heads", "head_dim", "rope_scaling", "rope_parameters", "bos_token_id",
                   "dtype", "torch_dtype", "architectures", "attention_dropout", "initializer_range", "use_cache",
-                  "pad_token_id"}
+                  "pad_token_id", "sliding_window", "layer_types", "max_window_layers"}
 
 
 def shown(value) -> str:
@@ -330,20 +376,59 @@ class _Keys:
         return _Keys(value, self.source, f"{self.prefix}{key}.")
 
 
-def _check_supported(keys: _Keys) -> None:
-    """Keys that change the model's function: anything cullama does not run is refused, never ignored."""
-    keys.choice("model_type", REQUIRED, ("llama",))
-    # HF's Auto classes go by model_type, but vLLM, TGI and HF pipelines pick the model's code by architectures:
-    # a config that names another one (Mistral's sliding window, a classification head) was written for it.
+def _architecture(keys: _Keys) -> str:
+    """The architecture config.json describes (one of ARCHITECTURES), from model_type, which HF's Auto classes go
+    by, and `architectures`, which vLLM, TGI and HF pipelines pick the model's code by: they must agree (a config
+    naming another architecture, a classification head say, was written for it). Another one is refused."""
     architectures = keys.get("architectures", [])
     if not isinstance(architectures, list) or not all(isinstance(a, str) for a in architectures):
         raise keys.error("architectures", f"must be a list of strings, got {shown(architectures)}")
-    if architectures and ARCHITECTURE.lower() not in (a.lower() for a in architectures):
-        raise keys.error("architectures", f"{shown(architectures)} is not supported (cullama runs {ARCHITECTURE})")
+    known = {a.lower(): a for a in ARCHITECTURES}
+    named = [known[a.lower()] for a in architectures if a.lower() in known]
+    if architectures and not named:
+        raise keys.error("architectures", f"{shown(architectures)} is not supported (cullama runs "
+                                          f"{', '.join(ARCHITECTURES)})")
+    model_type = keys.choice("model_type", REQUIRED, tuple(ARCHITECTURES.values()))
+    architecture = named[0] if named else next(a for a, kind in ARCHITECTURES.items() if kind == model_type)
+    if ARCHITECTURES[architecture] != model_type:
+        raise keys.error("architectures", f"{shown(architectures)} is not model_type {shown(model_type)}'s "
+                                          f"architecture")
+    return architecture
+
+
+def _family(keys: _Keys, architecture: str, num_layers: int) -> int | None:
+    """The keys by which a family's model differs from LLaMA, checked: cullama runs what each one computes or
+    refuses it. Returns the sliding window (None: every key attended).
+    - LLaMA: attention_bias / mlp_bias (biases on every projection) are refused.
+    - Mistral: sliding_window, null (full attention, Mistral v0.2 on) or a window of 1 or more keys.
+    - Qwen2: q/k/v biases always (its o_proj and MLP have none); use_sliding_window true (a window on the layers
+      from max_window_layers on, Qwen2's own rule) is refused, false leaves sliding_window unread, as HF does.
+    layer_types (transformers 5: each layer's attention) must say the same of every layer."""
     keys.choice("hidden_act", "silu", ("silu",))
-    for key in ("attention_bias", "mlp_bias"):
-        if keys.flag(key, False):
-            raise keys.error(key, "= true is not supported (LLaMA has no biases)")
+    kind = ARCHITECTURES[architecture]
+    window = None
+    if kind == "llama":
+        for key in ("attention_bias", "mlp_bias"):
+            if keys.flag(key, False):
+                raise keys.error(key, "= true is not supported (LLaMA has no biases)")
+    elif kind == "mistral":
+        value = keys.get("sliding_window", None)
+        if value is not None and (type(value) is not int or not 1 <= value <= INT32_MAX):
+            raise keys.error("sliding_window", f"must be null (full attention) or a window of 1 to {INT32_MAX} "
+                                               f"keys, got {shown(value)}")
+        window = value
+    else:
+        if keys.flag("use_sliding_window", False):
+            raise keys.error("use_sliding_window", "= true is not supported (Qwen2's sliding window on the layers "
+                                                   "from max_window_layers on)")
+        keys.integer("max_window_layers", 0, low=0)
+    layer_types = keys.get("layer_types", None)
+    if layer_types is not None:
+        every = "sliding_attention" if window else "full_attention"
+        if layer_types != [every] * num_layers:
+            raise keys.error("layer_types", f"{shown(layer_types)} is not supported (cullama runs "
+                                            f"{shown(every)} on each of the {num_layers} layers here)")
+    return window
 
 
 def _check_unused(keys: _Keys) -> None:
@@ -435,9 +520,11 @@ def from_hf_dict(raw: dict, source: str = "config.json", quant: tuple[dict, str,
     if not isinstance(raw, dict):
         raise ConfigError(f"{source}: expected a JSON object, got {type(raw).__name__}")
     keys = _Keys(raw, source)
-    _check_supported(keys)
+    architecture = _architecture(keys)
     _check_unused(keys)
     hidden, heads = keys.integer("hidden_size"), keys.integer("num_attention_heads")
+    num_layers = keys.integer("num_hidden_layers")
+    window = _family(keys, architecture, num_layers)
     vocab, max_position = keys.integer("vocab_size"), keys.integer("max_position_embeddings", 4096)
     head_dim = keys.integer("head_dim", hidden // heads)
     theta, scaling = _rope(keys, max_position)
@@ -452,7 +539,7 @@ def from_hf_dict(raw: dict, source: str = "config.json", quant: tuple[dict, str,
         vocab_size=vocab,
         hidden_size=hidden,
         intermediate_size=keys.integer("intermediate_size"),
-        num_layers=keys.integer("num_hidden_layers"),
+        num_layers=num_layers,
         num_heads=heads,
         num_kv_heads=keys.integer("num_key_value_heads", heads),  # ranges across keys: __post_init__
         head_dim=head_dim,
@@ -466,6 +553,8 @@ def from_hf_dict(raw: dict, source: str = "config.json", quant: tuple[dict, str,
         dtype=keys.choice(dtype_key, "float16", DTYPES),
         name=source,
         quantization=quantization,
+        architecture=architecture,
+        sliding_window=window,
     )
 
 

@@ -14,9 +14,14 @@ Fields: the checkpoint's tensors fused by rows (parts()), per layer i:
     w_gate_up  [2 ff, d]                 rows gate_proj (ff) | up_proj (ff)
     w_down     [d, ff]                   down_proj
 
-and embed [vocab, d], final_norm [d], lm_head [vocab, d] (the embedding itself when tied). Embeddings, norms and
-the lm_head are FP16. Each linear (LINEARS) has a format, FP16 or a quant.QuantFormat (bits, group), and lives in
-buffers named after it:
+and, where the model has q/k/v biases (Qwen2),
+
+    bqkv       [q_dim + 2 kv_dim]        rows q_proj.bias | k_proj.bias | v_proj.bias, added before RoPE
+
+and embed [vocab, d], final_norm [d], lm_head [vocab, d] (the embedding itself when tied). Embeddings, norms,
+biases and the lm_head are FP16 (an AWQ or GPTQ checkpoint keeps its biases FP16 too). A model without biases
+runs the same kernels on NO_BIAS, one zero row of q_dim + 2 kv_dim that the plan allocates (bias_name). Each
+linear (LINEARS) has a format, FP16 or a quant.QuantFormat (bits, group), and lives in buffers named after it:
 
     FP16         layers.i.F            float16 [M, K]
     quantized    layers.i.F.qweight    uint32 [M, K bits / 32]     cullama/quant.py's format
@@ -49,7 +54,7 @@ from typing import Iterator
 import numpy as np
 
 from . import quant, quant_checkpoint
-from .checkpoint import EMBED, FINAL_NORM, LM_HEAD, expected_shapes, layer_name
+from .checkpoint import EMBED, FINAL_NORM, LM_HEAD, QKV_PARTS, bias_name as hf_bias_name, expected_shapes, layer_name
 from .config import LlamaConfig
 from .errors import ConfigError
 
@@ -63,6 +68,8 @@ LAYER_PLAN = (
     ("w_down", ("mlp.down_proj",)),
 )
 PARTS = dict(LAYER_PLAN)
+BIAS = "bqkv"  # the q|k|v bias field (Qwen2), rows as wqkv's: the biases of QKV_PARTS
+NO_BIAS = "no_bias"  # the zero q|k|v bias a model without biases runs with (a runtime buffer of the plan's)
 LINEARS = ("wqkv", "wo", "w_gate_up", "w_down")
 NORM_OF = {"wqkv": "attn_norm", "w_gate_up": "ffn_norm"}  # the RMSNorm fused into a linear's kernels
 GATHERED = ("wqkv", "wo", "w_gate_up")  # act-order linears whose input the plan gathers (w_down's is absorbed)
@@ -93,6 +100,7 @@ class LayerWeights:
     ffn_norm: np.ndarray  # [d]              fp16  post_attention_layernorm
     w_gate_up: np.ndarray  # [2*ff, d]        fp16 or f32  rows gate_proj (ff) | up_proj (ff)
     w_down: np.ndarray  # [d, ff]          fp16 or f32  down_proj
+    bqkv: np.ndarray | None = None  # [qkv_dim] fp16  q|k|v biases (Qwen2); None: none
 
 
 @dataclasses.dataclass
@@ -112,8 +120,13 @@ def fused_shapes(config: LlamaConfig) -> dict[str, tuple[int, ...]]:
     """Shape of every field of Weights / LayerWeights (the model's, unpadded)."""
     d, ff, vocab = config.hidden_size, config.intermediate_size, config.vocab_size
     return {"embed": (vocab, d), "attn_norm": (d,), "wqkv": (config.qkv_dim, d), "wo": (d, config.q_dim),
-            "ffn_norm": (d,), "w_gate_up": (2 * ff, d), "w_down": (d, ff), "final_norm": (d,),
-            "lm_head": (vocab, d)}
+            "ffn_norm": (d,), "w_gate_up": (2 * ff, d), "w_down": (d, ff), BIAS: (config.qkv_dim,),
+            "final_norm": (d,), "lm_head": (vocab, d)}
+
+
+def layer_fields(config: LlamaConfig) -> tuple[str, ...]:
+    """The fields of a layer (LayerWeights') that the model has: LAYER_PLAN's, and the bias where it has one."""
+    return tuple(field for field, _ in LAYER_PLAN) + ((BIAS,) if config.qkv_bias else ())
 
 
 def parts(config: LlamaConfig) -> Iterator[tuple[str, int | None, int, str]]:
@@ -131,6 +144,10 @@ def parts(config: LlamaConfig) -> Iterator[tuple[str, int | None, int, str]]:
                 name = layer_name(i, part)
                 yield field, i, row, name
                 row += shapes[name][0]
+        row = 0
+        for part in QKV_PARTS if config.qkv_bias else ():
+            yield BIAS, i, row, hf_bias_name(i, part)
+            row += shapes[hf_bias_name(i, part)][0]
     yield "final_norm", None, 0, FINAL_NORM
     yield "lm_head", None, 0, EMBED if config.tie_word_embeddings else LM_HEAD
 
@@ -220,6 +237,10 @@ class Layout:
         gathered = self.linear(layer, field).permuted and field in GATHERED
         return f"{buffer_name(field, layer)}.perm" if gathered else None
 
+    def bias_name(self, layer: int) -> str:
+        """The q|k|v bias buffer gemv_qkv_rope and rope_kv_rows add: the layer's own, or NO_BIAS (zeros)."""
+        return buffer_name(BIAS, layer) if self.config.qkv_bias else NO_BIAS
+
     def norm_name(self, layer: int, field: str) -> str:
         """The norm weight buffer fused into wqkv's or w_gate_up's kernels (permuted alike under act-order)."""
         name = buffer_name(NORM_OF[field], layer)
@@ -232,9 +253,9 @@ class Layout:
                Buffer("final_norm", (d,), "float16", "weight"),  # [d]
                Buffer("lm_head", (V, d), "float16", "weight")]  # [vocab, d]
         for i in range(self.config.num_layers):
-            for field, _ in LAYER_PLAN:
-                if field not in LINEARS:
-                    out.append(Buffer(buffer_name(field, i), self.shape(field), "float16", "weight"))  # [d]
+            for field in layer_fields(self.config):
+                if field not in LINEARS:  # a norm [d], the bias [qkv_dim]
+                    out.append(Buffer(buffer_name(field, i), self.shape(field), "float16", "weight"))
                     continue
                 out += self._linear_buffers(i, field)
         return out
@@ -262,7 +283,7 @@ class Layout:
 
     def decode_bytes(self) -> int:
         """Bytes of weights a decode step reads: every linear (codes and (scale, zero) pairs where quantized), the
-        lm_head and the act-order permutations (the norms and the embedding row are left out, as small)."""
+        lm_head and the act-order permutations (the norms, biases and the embedding row are left out, as small)."""
         dev = self.device
         total = 2 * dev.vocab_size * dev.hidden_size
         for i in range(self.config.num_layers):

@@ -41,7 +41,7 @@ import numpy as np
 
 from .config import LlamaConfig
 from .errors import KernelError
-from .layout import GATHERED, Buffer, Layout, as_layout
+from .layout import GATHERED, NO_BIAS, Buffer, Layout, as_layout
 from .ops import attention_mma as attention_mma_ops
 from .ops import gemv as gemv_ops
 from .ops import gemv_quant as gemv_quant_ops
@@ -129,6 +129,14 @@ def attention_splits(cfg: LlamaConfig) -> int:
     return max(1, min(32, 256 // cfg.num_kv_heads))
 
 
+def attention_window(cfg: LlamaConfig, max_seq: int) -> int:
+    """The attention kernels' `window`: the keys a query sees, counting back from its own position (Mistral's
+    sliding_window; max_seq, every key, for a model without one). The KV cache keeps every position either way:
+    the window bounds what a step reads, not what it stores (a rolling cache would save memory only, and would
+    make a verify step's rows overwrite keys that its earlier rows still read)."""
+    return min(cfg.sliding_window or max_seq, max_seq)
+
+
 ATTENTION_PREFILL_QUERIES = 4  # (row, head) queries a prefill attention block holds: <= 128 registers/thread
 
 
@@ -160,6 +168,7 @@ def runtime_buffers(model: LlamaConfig | Layout, max_seq: int, chunk: int | None
         Buffer("k_cache", kv, "float16", "cache"),  # [layers, slots, kv_heads, max_seq, hd]
         Buffer("v_cache", kv, "float16", "cache"),  # [layers, slots, kv_heads, max_seq, hd]
         Buffer("rope", (max_seq, hd // 2, 2), "float32", "constant"),  # [max_seq, hd/2, (cos, sin)]
+        Buffer(NO_BIAS, (cfg.qkv_dim,), "float16", "constant"),  # [q_dim + 2 kv_dim] zeros: layout.bias_name
         Buffer("state", (slots, STATE_LEN), "int32", "state"),  # [slots, 8] see STATE_* in kernels_cu/common.cuh
         Buffer("fparams", (slots, FPARAMS_LEN), "float32", "state"),  # [slots, 4] temperature, top_p, penalty
         Buffer("seen", (slots, seen_stride(V)), "uint8", "state"),  # [slots, V rounded up to 4] 1: in the text
@@ -347,6 +356,10 @@ class _Weights:
     def norm(self, field: str) -> Ref:
         return Ref(self.layout.norm_name(self.layer, field))
 
+    def bias(self) -> Ref:
+        """The q|k|v bias (zeros for a model without)."""
+        return Ref(self.layout.bias_name(self.layer))
+
     def gathered(self, field: str, inp: Ref, out: Ref, K: int, rows: int, spec: KernelSpec) -> tuple[list, Ref]:
         """(the launches, the input ref) for `field`: under act-order `inp` gathered into `out`, else `inp`."""
         perm = self.layout.perm_name(self.layer, field)
@@ -418,6 +431,7 @@ def _step_launches(layout: Layout, max_seq: int, rows: int, act, sample_vocab: i
     cfg = layout.device
     d, ff = cfg.hidden_size, cfg.intermediate_size
     nh, nkv, hd, eps = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, f32(cfg.rms_norm_eps)
+    window = i32(attention_window(cfg, max_seq))
     launches = []
     for i in range(cfg.num_layers):
         w = _Weights(layout, i)
@@ -430,12 +444,12 @@ def _step_launches(layout: Layout, max_seq: int, rows: int, act, sample_vocab: i
         gather_gate_up, x_gate_up = w.gathered("w_gate_up", act("x"), act("x_perm"), d, rows, GATHER_F32)
         launches += gather_qkv + [
             Launch(qkv, (cdiv(cfg.qkv_dim // 2, qkv_rows // 2), 1, 1), qkv_threads,
-                   (x_qkv, w.norm("wqkv"), *w.weights("wqkv"), act("q"), Ref("k_cache", i), Ref("v_cache", i),
-                    Ref("rope"), Ref("state"), step_rows, i32(d), i32(nh), i32(nkv), i32(hd),
+                   (x_qkv, w.norm("wqkv"), *w.weights("wqkv"), w.bias(), act("q"), Ref("k_cache", i),
+                    Ref("v_cache", i), Ref("rope"), Ref("state"), step_rows, i32(d), i32(nh), i32(nkv), i32(hd),
                     i32(max_seq), eps, *w.group("wqkv"))),
             Launch(attention("attention_decode", cfg), (nkv, attention_splits(cfg), rows), ATTENTION_THREADS,
                    (act("q"), Ref("k_cache", i), Ref("v_cache", i), act("attn_part"), act("attn_count"),
-                    act("attn_out"), Ref("state"), step_rows, i32(max_seq), f32(1.0 / np.sqrt(hd)))),
+                    act("attn_out"), Ref("state"), step_rows, i32(max_seq), f32(1.0 / np.sqrt(hd)), window)),
         ] + gather_o + [
             Launch(o, (cdiv(d, o_rows), 1, 1), o_threads,
                    (attn_out, *w.weights("wo"), act("x"), i32(d), i32(cfg.q_dim), *w.group("wo"))),
@@ -478,8 +492,8 @@ def _gemm(kernel: GemmKernel, a: Ref, w: tuple[Ref, ...], c: str, m: int, n: int
 
 def _attention_prefill(cfg: LlamaConfig, kernels: PrefillKernels, max_seq: int, i: int, start: int,
                        n: int, slot: int) -> Launch:
-    args = (Ref("q_rows"), Ref("k_cache", (i, slot)), Ref("v_cache", (i, slot)), Ref("attn_rows"), i32(start), i32(n),
-            i32(max_seq), f32(1.0 / np.sqrt(cfg.head_dim)))
+    args = (Ref("q_rows"), Ref("k_cache", (i, slot)), Ref("v_cache", (i, slot)), Ref("attn_rows"), i32(start),
+            i32(n), i32(max_seq), f32(1.0 / np.sqrt(cfg.head_dim)), i32(attention_window(cfg, max_seq)))
     if kernels.mma_attention(cfg):
         return Launch(attention_prefill_mma_spec(cfg), attention_mma_ops.grid(cfg.num_kv_heads, n, cfg.group_size),
                       attention_mma_ops.THREADS, args)
@@ -524,7 +538,7 @@ def prefill_plan(model: LlamaConfig | Layout, max_seq: int, start: int, n: int, 
         launches += gather_qkv + [
             _gemm(w.gemm("wqkv", gemm), xn_qkv, w.weights("wqkv"), "qkv_rows", n, cfg.qkv_dim, d, False,
                   w.group("wqkv")),
-            rows("rope_kv_rows", Ref("qkv_rows"), Ref("rope"), Ref("q_rows"), Ref("k_cache", (i, slot)),
+            rows("rope_kv_rows", Ref("qkv_rows"), w.bias(), Ref("rope"), Ref("q_rows"), Ref("k_cache", (i, slot)),
                  Ref("v_cache", (i, slot)), i32(start), i32(nh), i32(nkv), i32(hd), i32(max_seq)),
             _attention_prefill(cfg, kernels, max_seq, i, start, n, slot),
         ] + gather_o + [

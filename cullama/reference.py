@@ -8,11 +8,14 @@ One token or many at a time, with a KV cache:
     x = embed[ids]
     for each layer:
         h = rmsnorm(x) * attn_norm
-        q, k, v = h @ Wq.T, h @ Wk.T, h @ Wv.T          per head, RoPE (rotate-half) on q and k
-        x = x + softmax(q k^T / sqrt(hd) + causal) v @ Wo.T
+        q, k, v = h @ Wq.T + bq, h @ Wk.T + bk, h @ Wv.T + bv    per head, RoPE (rotate-half) on q and k
+        x = x + softmax(q k^T / sqrt(hd) + mask) v @ Wo.T
         h = rmsnorm(x) * ffn_norm
         x = x + (silu(h @ Wgate.T) * (h @ Wup.T)) @ Wdown.T
     logits = (rmsnorm(x) * final_norm) @ lm_head.T
+
+The biases are Qwen2's (zero elsewhere); the mask is causal, and with a sliding window W (Mistral) a query at
+position p also does not see the keys before p - W + 1, as HF masks them (a key k is seen when p - W < k <= p).
 """
 
 from __future__ import annotations
@@ -95,6 +98,7 @@ class ReferenceModel:
         self.layers = [
             dict(attn_norm=f32(lw.attn_norm),  # [d]
                  wqkv=f32(lw.wqkv),  # [q_dim + 2 kv_dim, d]
+                 bqkv=None if lw.bqkv is None else f32(lw.bqkv),  # [q_dim + 2 kv_dim] or None
                  wo=f32(lw.wo),  # [d, q_dim]
                  ffn_norm=f32(lw.ffn_norm),  # [d]
                  w_gate_up=f32(lw.w_gate_up),  # [2 ff, d]
@@ -133,6 +137,8 @@ class ReferenceModel:
         cfg = self.config
         n, hd = h.shape[0], cfg.head_dim
         qkv = h @ layer["wqkv"].T  # [n, q_dim + 2 kv_dim]
+        if layer["bqkv"] is not None:
+            qkv = qkv + layer["bqkv"]
         q = qkv[:, :cfg.q_dim].reshape(n, cfg.num_heads, hd)
         k = qkv[:, cfg.q_dim:cfg.q_dim + cfg.kv_dim].reshape(n, cfg.num_kv_heads, hd)
         v = qkv[:, cfg.q_dim + cfg.kv_dim:].reshape(n, cfg.num_kv_heads, hd)
@@ -142,8 +148,11 @@ class ReferenceModel:
         keys = np.repeat(self.k_cache[i, :end], cfg.group_size, axis=1)  # [end, heads, hd]
         values = np.repeat(self.v_cache[i, :end], cfg.group_size, axis=1)  # [end, heads, hd]
         scores = np.einsum("qhd,khd->hqk", q, keys) / np.sqrt(np.float32(hd))  # [heads, n, end]
-        future = np.arange(end)[None, :] > (self.pos + np.arange(n))[:, None]  # [n, end] causal mask
-        scores = np.where(future[None], -np.inf, scores)
+        query = (self.pos + np.arange(n))[:, None]  # [n, 1] each row's position
+        hidden = np.arange(end)[None, :] > query  # [n, end] causal mask
+        if cfg.sliding_window is not None:
+            hidden |= np.arange(end)[None, :] <= query - cfg.sliding_window  # older than the window
+        scores = np.where(hidden[None], -np.inf, scores)
         probs = np.exp(scores - scores.max(axis=-1, keepdims=True))
         probs /= probs.sum(axis=-1, keepdims=True)
         out = np.einsum("hqk,khd->qhd", probs, values).reshape(n, cfg.q_dim)  # [n, q_dim]

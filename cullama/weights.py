@@ -28,11 +28,11 @@ from typing import Callable
 import numpy as np
 
 from . import layout as layouts, plan as plans, quant, quant_checkpoint
-from .checkpoint import Checkpoint, expected_shapes, open_checkpoint, quantized_linear
+from .checkpoint import BIAS_STD, Checkpoint, expected_shapes, open_checkpoint, quantized_linear
 from .config import LlamaConfig
 from .errors import CheckpointError, OptionError
-from .layout import (LAYER_PLAN, LINEARS, NORM_OF, PARTS, LayerWeights, Layout, Weights, buffer_name, fused_shapes,
-                     linear_parts, module_name, parts)
+from .layout import (BIAS, LINEARS, NORM_OF, PARTS, LayerWeights, Layout, Weights, buffer_name, fused_shapes,
+                     layer_fields, linear_parts, module_name, parts)
 from .ops import fill as fill_twin
 from .registry import KernelSpec
 
@@ -205,7 +205,7 @@ def host_weights(ckpt: Checkpoint, progress: Progress | None = None, layout: Lay
         done += 2 * math.prod(shapes[name])
         if progress is not None:
             progress(done, total)
-    layers = [LayerWeights(**{field: arrays[field, i] for field, _ in LAYER_PLAN})
+    layers = [LayerWeights(**{field: arrays[field, i] for field in layer_fields(config)})
               for i in range(config.num_layers)]
     return Weights(config=config, embed=arrays["embed", None], layers=layers,
                    final_norm=arrays["final_norm", None], lm_head=arrays["lm_head", None])
@@ -249,7 +249,7 @@ def load_checkpoint(backend, ckpt: Checkpoint, progress: Progress | None = None,
         backend.bind("final_norm", weights.final_norm)
         backend.bind("lm_head", weights.lm_head)
         for i, layer in enumerate(weights.layers):
-            for field, _ in LAYER_PLAN:
+            for field in layer_fields(cfg):
                 backend.bind(buffer_name(field, i), getattr(layer, field))
         return
     backend.allocate(layout.buffers())  # zero-filled: padding stays zero
@@ -272,7 +272,8 @@ def load_checkpoint(backend, ckpt: Checkpoint, progress: Progress | None = None,
 def random_weights(backend, model: LlamaConfig | Layout, seed: int = 0, std: float = 0.02) -> None:
     """Synthetic weights of any shape (a config: FP16; a layout: in its formats), made where they live (on the
     GPU for `bench --synthetic`) by kernels_cu/fill.cu or its twin: the same seed gives the same weights on both
-    devices. FP16 weights are uniform with standard deviation `std` (norm weights 1 +- 0.17); quantized ones
+    devices. FP16 weights are uniform with standard deviation `std` (norm weights 1 +- 0.17, q/k/v biases 0 +-
+    0.87); quantized ones
     random codes with zero 2**(bits - 1) and scales around std / the codes' standard deviation, so that they
     spread about as much."""
     layout = layouts.as_layout(model)
@@ -289,8 +290,9 @@ def random_weights(backend, model: LlamaConfig | Layout, seed: int = 0, std: flo
             scale = std / ((1 << bits[b.name]) / math.sqrt(12))  # codes uniform in [0, 2**bits)
             spec, args = FILL_QPARAMS, (np.uint64(math.prod(b.shape[:-1])), buffer_seed, np.float32(scale),
                                         np.float32(scale / 10), np.float32(1 << (bits[b.name] - 1)))
-        else:
-            mean, spread = (1.0, 0.1) if len(b.shape) == 1 else (0.0, std)  # norm weights near 1
+        else:  # norm weights near 1; biases around 0, as write_random's
+            mean, spread = (0.0, BIAS_STD) if b.name.endswith(BIAS) else (1.0, 0.1) if len(b.shape) == 1 \
+                else (0.0, std)
             spec, args = FILL, (np.uint64(math.prod(b.shape)), buffer_seed, np.float32(mean), np.float32(spread))
         if backend.device == "cpu":
             array = np.empty(b.shape, b.dtype)

@@ -1,14 +1,19 @@
 // attention.cu — softmax(q·K^T * scale)·V over the KV cache, for the decode step and for a prompt chunk.
 //
-//   attention_decode   one new token: flash-decoding, the keys 0..pos split across gridDim.y blocks per
+//   attention_decode   one new token: flash-decoding, the keys it sees split across gridDim.y blocks per
 //                      kv head; the last block of each kv head to finish combines the splits. The token rows
 //                      are gridDim.z, each with its slot and position from the rows table (common.cuh): a
 //                      verify step's k + 1 rows of one sequence, a batched step's rows of B sequences. Row t
-//                      runs exactly the one-row computation over its own slot's keys 0..pos_t, its own
-//                      splits included, so each row is bit for bit what a decode step of that sequence at
-//                      that position computes, whatever the other rows are
-//   attention_prefill  a prompt chunk: row r (position start + r) attends causally to keys 0..start + r;
-//                      a block takes ROWS_Q rows of one kv head, so each key is loaded once per ROWS_Q rows
+//                      runs exactly the one-row computation over its own slot's keys, its own splits
+//                      included, so each row is bit for bit what a decode step of that sequence at that
+//                      position computes, whatever the other rows are
+//   attention_prefill  a prompt chunk: row r (position start + r) attends causally to its keys; a block
+//                      takes ROWS_Q rows of one kv head, so each key is loaded once per ROWS_Q rows
+//
+// The keys a query at position p sees: p - window + 1 .. p (and >= 0), `window` the sliding window (Mistral's
+// sliding_window; a window >= max_seq: every key 0..p, plain causal attention). Decode splits only those keys,
+// so a long context costs the window, not its length; prefill starts each block at its first row's first key
+// and masks the rest per row. The KV cache keeps every position (max_seq of them).
 //
 // Variants: HEAD_DIM (a power of two, 8..128), GROUP (query heads per kv head, 1..8) and, for prefill
 // only, ROWS_Q (query rows per block, 1..8), all compile-time. Launch: grid (n_kv_heads, splits) for
@@ -65,13 +70,13 @@ struct State {
 
 // Online softmax of the NQ queries in q over keys [begin, end) of one kv head, UNR keys per lane group
 // per batch. q holds this lane's 8 dimensions (sub * 8 ..) of each query. CAUSAL (prefill): query j is
-// row j / GROUP and sees only keys < first_end + j / GROUP (first_end is row 0's limit, end the last
-// row's); otherwise first_end is unused. On return (after a barrier) red holds each warp's state;
-// combine_warps() merges them.
+// row r = j / GROUP and sees only the keys [lim - window, lim), lim = min(first_end + r, end) (first_end is
+// row 0's limit, end the last row's); otherwise first_end and window are unused. On return (after a barrier)
+// red holds each warp's state; combine_warps() merges them.
 template <int NQ, int UNR, bool CAUSAL>
 __device__ __forceinline__ void attend_queries(const float (&q)[NQ][8], const half_t* __restrict__ kc,
                                                const half_t* __restrict__ vc, int begin, int end, int first_end,
-                                               float scale, State<NQ>* red) {
+                                               int window, float scale, State<NQ>* red) {
     const int lane = threadIdx.x % WARP, warp = threadIdx.x / WARP;
     const int sub = lane % LPK, grp = threadIdx.x / LPK;
     float m[NQ], l[NQ], acc[NQ][8];
@@ -103,7 +108,7 @@ __device__ __forceinline__ void attend_queries(const float (&q)[NQ][8], const ha
             unpack8(kr[u], kf);
             const int key = base + u * LANE_GROUPS + grp;
             const bool valid = key < end;
-            const int past = key - first_end;  // causal: row r sees this key iff past < r
+            const int past = key - first_end;  // causal: row r sees this key iff past < r (and key < end)
 #pragma unroll
             for (int j = 0; j < NQ; ++j) {
                 float dot = 0.f;
@@ -111,7 +116,9 @@ __device__ __forceinline__ void attend_queries(const float (&q)[NQ][8], const ha
                 for (int i = 0; i < 8; ++i) dot += q[j][i] * kf[i];
 #pragma unroll
                 for (int o = LPK / 2; o > 0; o >>= 1) dot += __shfl_xor_sync(0xffffffffu, dot, o);
-                s[u][j] = valid && (!CAUSAL || past < j / GROUP) ? dot * scale : NEG_INF;
+                // the window: past >= lim - first_end - window (block-uniform but for r: hoisted)
+                const bool seen = !CAUSAL || (past < j / GROUP && past >= min(j / GROUP, end - first_end) - window);
+                s[u][j] = valid && seen ? dot * scale : NEG_INF;
             }
         }
 #pragma unroll
@@ -185,16 +192,17 @@ __device__ __forceinline__ float combine_warps(const State<NQ>* red, int j, int 
     return a;
 }
 
-// grid (n_kv_heads, splits, rows). Row t = blockIdx.z sees its slot's keys 0..pos, n = pos + 1 of them (pos =
-// row_pos(step_rows, state, t)); split s takes keys [s c, min(n, (s + 1) c)), c = ceil(n / splits) (decided here from
-// the row's own n, so one captured graph serves every length, and the splits, fixed per config, never depend on
-// the other rows); an empty split writes acc = 0, m = -inf, l = 0. The last block of a (row, kv head) to finish
+// grid (n_kv_heads, splits, rows). Row t = blockIdx.z is position p = row_pos(step_rows, state, t) of its slot:
+// it sees that slot's keys [first, n), n = p + 1, first = max(0, n - window); split s takes [first + s c,
+// min(n, first + (s + 1) c)), c = ceil((n - first) / splits) (decided here from the row's own n, so one captured
+// graph serves every length, and the splits, fixed per config, never depend on the other rows); an empty split
+// writes acc = 0, m = -inf, l = 0. The last block of a (row, kv head) to finish
 // combines its splits in order s = 0, 1, ... into out and zeroes its count for the next launch. Rows only
 // offset the pointers: every row runs the same instructions on its own data, whatever gridDim.z is.
 extern "C" __global__ void __launch_bounds__(THREADS)
 attention_decode(const float* __restrict__ q, const half_t* __restrict__ k_cache, const half_t* __restrict__ v_cache,
                  float* part, unsigned int* count, float* __restrict__ out, const int* __restrict__ state,
-                 const int* __restrict__ step_rows, int max_seq, float scale) {
+                 const int* __restrict__ step_rows, int max_seq, float scale, int window) {
     __shared__ __align__(16) State<GROUP> red;
     __shared__ bool is_last;
     pdl_launch_dependents();  // o_proj's blocks may start streaming their weights next to this grid
@@ -206,8 +214,9 @@ attention_decode(const float* __restrict__ q, const half_t* __restrict__ k_cache
     part += (size_t)row * heads * splits * PART_STRIDE;
     count += (size_t)row * gridDim.x;
     const int n = min(row_pos(step_rows, state, row) + 1, max_seq);
-    const int chunk = (n + splits - 1) / splits;
-    const int begin = min(split * chunk, n), end = min(begin + chunk, n);
+    const int first = max(n - window, 0);  // the sliding window's oldest key (0: the whole context)
+    const int chunk = (n - first + splits - 1) / splits;
+    const int begin = min(first + split * chunk, n), end = min(begin + chunk, n);
     const int sub = (threadIdx.x % WARP) % LPK;
 
     float qr[GROUP][8];
@@ -219,7 +228,7 @@ attention_decode(const float* __restrict__ q, const half_t* __restrict__ k_cache
         qr[g][4] = b.x; qr[g][5] = b.y; qr[g][6] = b.z; qr[g][7] = b.w;
     }
     const size_t kv_off = ((size_t)row_slot(step_rows, row) * gridDim.x + kv) * max_seq * HEAD_DIM;  // the row's slot's
-    attend_queries<GROUP, UNROLL, false>(qr, k_cache + kv_off, v_cache + kv_off, begin, end, 0, scale, &red);
+    attend_queries<GROUP, UNROLL, false>(qr, k_cache + kv_off, v_cache + kv_off, begin, end, 0, 0, scale, &red);
 
     for (int e = threadIdx.x; e < GROUP * HEAD_DIM; e += THREADS) {
         const int g = e / HEAD_DIM, d = e % HEAD_DIM;
@@ -259,8 +268,8 @@ attention_decode(const float* __restrict__ q, const half_t* __restrict__ k_cache
 // -- prefill: ROWS_Q consecutive rows x GROUP heads per block ----------------------------------------
 // The same attend_queries() loop as decode, with QUERIES = ROWS_Q * GROUP queries (query j = row r * GROUP +
 // head g) sharing every K/V load: a key's 16-byte loads serve all of the block's rows instead of one, and
-// the causal mask per row. Keys [0, end), end the last row's limit, so only the last ROWS_Q - 1 keys are
-// ever masked per row.
+// the causal mask per row. Keys [begin, end), from the first row's first key to the last row's limit, so only
+// ROWS_Q - 1 keys at each end are ever masked per row.
 #define QUERIES (ROWS_Q * GROUP)
 #ifndef PREFILL_UNROLL
 #define PREFILL_UNROLL (QUERIES >= 4 ? 2 : 4)   // keys per lane group per batch; QUERIES <= 4: <= 128 registers
@@ -272,13 +281,14 @@ attention_decode(const float* __restrict__ q, const half_t* __restrict__ k_cache
 
 // grid (n_kv_heads, ceil(n_rows / ROWS_Q)). Block y takes rows row0 = y ROWS_Q .. row0 + ROWS_Q - 1 (those
 // < n_rows) of kv head x's GROUP query heads; row r is the token at position start + r and attends to keys
-// 0..start + r, already in the cache. Each K/V row is loaded once for all ROWS_Q x GROUP queries. Rows
+// max(0, start + r - window + 1)..start + r, already in the cache. Each K/V row is loaded once for all
+// ROWS_Q x GROUP queries. Rows
 // >= n_rows are neither read (their q is the last row's) nor written. Row stride of q_rows and out_rows:
 // gridDim.x * GROUP * HEAD_DIM.
 extern "C" __global__ void __launch_bounds__(THREADS)
 attention_prefill(const half_t* __restrict__ q_rows, const half_t* __restrict__ k_cache,
                   const half_t* __restrict__ v_cache, half_t* __restrict__ out_rows, int start, int n_rows,
-                  int max_seq, float scale) {
+                  int max_seq, float scale, int window) {
     __shared__ __align__(16) State<QUERIES> red;
     pdl_launch_dependents();  // the next GEMM may start streaming its weights
     pdl_wait();               // before the early return too: every block orders after the kernel before
@@ -288,6 +298,7 @@ attention_prefill(const half_t* __restrict__ q_rows, const half_t* __restrict__ 
     const size_t row_stride = (size_t)gridDim.x * GROUP * HEAD_DIM, head_off = (size_t)kv * GROUP * HEAD_DIM;
     const int first_end = min(start + row0 + 1, max_seq);      // row 0's keys: [0, first_end)
     const int end = min(start + row0 + rows, max_seq);         // the last real row's
+    const int begin = max(first_end - window, 0);              // row 0's first key
     const int sub = (threadIdx.x % WARP) % LPK;
 
     float qr[QUERIES][8];
@@ -299,8 +310,8 @@ attention_prefill(const half_t* __restrict__ q_rows, const half_t* __restrict__ 
             unpack8(*reinterpret_cast<const uint4*>(q_rows + off + g * HEAD_DIM), qr[r * GROUP + g]);
     }
     const size_t kv_off = (size_t)kv * max_seq * HEAD_DIM;
-    attend_queries<QUERIES, PREFILL_UNROLL, true>(qr, k_cache + kv_off, v_cache + kv_off, 0, end, first_end,
-                                                  scale, &red);
+    attend_queries<QUERIES, PREFILL_UNROLL, true>(qr, k_cache + kv_off, v_cache + kv_off, begin, end, first_end,
+                                                  window, scale, &red);
 
     // Query j = r * GROUP + g, dim d: element e = j * HEAD_DIM + d, written once, real rows only. A row's
     // GROUP heads are contiguous in out_rows: e goes to (row0 + r) * row_stride + head_off + g * HEAD_DIM + d.

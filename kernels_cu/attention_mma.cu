@@ -1,11 +1,12 @@
 // attention_mma.cu — the prompt (prefill) path's causal attention on the tensor cores (flash-attention 2).
 //
-//   attention_prefill_mma   a prompt chunk: row r (position start + r) attends causally to keys 0..start + r
+//   attention_prefill_mma   a prompt chunk: row r (position start + r) attends causally to its keys
 //
 // The same parameters, function and output as attention_prefill (attention.cu), whose NumPy twin is this
 // kernel's twin too (cullama/ops/attention_mma.py): out_rows[r] = softmax(q_rows[r] · K^T * scale) · V over
-// the keys 0..min(start + r, max_seq - 1) of the query head's kv head, FP16 out, for rows r < n_rows; rows
-// >= n_rows are neither read nor written. Any scale (it is applied before the row maximum).
+// the keys max(0, n - window)..n - 1, n = min(start + r + 1, max_seq), of the query head's kv head (window: the
+// sliding window; >= max_seq: every key from 0), FP16 out, for rows r < n_rows; rows >= n_rows are neither read
+// nor written. Any scale (it is applied before the row maximum).
 //
 // Shapes (as attention_prefill): q_rows, out_rows [rows >= n_rows, n_heads * HEAD_DIM] FP16, row stride
 // gridDim.x * GROUP * HEAD_DIM; k_cache, v_cache [n_kv_heads, max_seq, HEAD_DIM] FP16 (this layer's, already
@@ -25,15 +26,18 @@
 // GROUP query heads of kv head x, query j = row j / GROUP, head j % GROUP. A row's GROUP heads are contiguous
 // in q_rows, so the block's Q tile is simply rows row0.. of q_rows, columns x GROUP HEAD_DIM .., read as
 // [AM_BLOCK_Q, HEAD_DIM]; every K and V row the block loads serves all of its queries. Warp w owns queries
-// 16 w .. 16 w + 15 (one m16 tile) and all HEAD_DIM columns of their output. Row r sees keys [0, lim(r)),
+// 16 w .. 16 w + 15 (one m16 tile) and all HEAD_DIM columns of their output. Row r sees keys [first(r), lim(r)),
 // lim(r) = min(start + row0 + r + 1, end), end = min(start + row0 + rows, max_seq) (rows: the block's real
-// rows; padding queries past them use lim = end, compute junk from zero-filled q and are never stored).
+// rows; padding queries past them use lim = end, compute junk from zero-filled q and are never stored), first(r)
+// = max(lim(r) - window, 0): never empty.
 //
-// Key loop: tiles of AM_TILE_K = 64 keys, kt = 0 .. ceil(end / 64) - 1, aligned to key 0. Per tile a warp does
+// Key loop: tiles of AM_TILE_K = 64 keys, aligned to key 0, kt = first(0) / 64 .. ceil(end / 64) - 1 (a sliding
+// window skips the tiles before the block's first key). Per tile a warp does
 //   S = Q K^T      16 x 64 scores: 8 n8 tiles x HEAD_DIM / 16 k16 steps of mma.m16n8k16 (Q: A fragments
 //                  held in registers for the whole loop; K: B fragments by ldmatrix, no .trans)
-//   mask           only in tiles that reach past the warp's smallest limit (the diagonal and the end):
-//                  key >= lim(query) -> -inf. A warp skips the mma work of a tile none of its queries sees.
+//   mask           only in tiles that reach past the warp's smallest limit (the diagonal and the end), or start
+//                  before its largest first key (the window's edge): key >= lim(query) or key < first(query)
+//                  -> -inf. A warp skips the mma work of a tile none of its queries sees.
 //   softmax        FP32 online softmax on the accumulators: x = s * scale * log2(e), row max over the
 //                  quad (shfl.xor 1, 2), m_new = max(m, rowmax), O and l *= 2^(m - m_new), p = 2^(x - m_new)
 //                  (ex2.approx; -inf -> 0); l keeps this lane's partial row sums (quad-summed at the end)
@@ -46,10 +50,10 @@
 // addresses of an ldmatrix phase fall in 8 distinct 16-byte bank groups: conflict-free (the pad is never
 // read; both checked by the tests). The
 // Q tile is staged once through the V tile (AM_BLOCK_Q <= 64 rows). Loads are cp.async.cg (16 B, zero-fill
-// for keys >= end and query rows >= rows); K and V alternate in the two slots as flash-attention 2 does, so
+// for keys outside the block's [first(0), end) and query rows >= rows); K and V alternate in the two slots as flash-attention 2 does, so
 // that one tile is always landing while the other is computed on, in 2 x 17 KB at HEAD_DIM 128 (all static:
 // the plan has no dynamic shared memory; a K and V double buffer would need 68 KB and the opt-in):
-//   prologue   cp.async Q -> V slot, K_0 -> K slot; wait; barrier; Q -> A fragments (ldmatrix)
+//   prologue   cp.async Q -> V slot, K_kt0 -> K slot (kt0: the first tile); wait; barrier; Q -> A fragments
 //   tile kt    wait (K_kt landed); barrier [K_kt visible; all warps done with V_{kt-1} or Q]
 //              cp.async V_kt -> V slot;  S = Q K_kt^T, mask, softmax, P
 //              wait (V_kt landed); barrier [V_kt visible; all warps done with K_kt]
@@ -130,8 +134,15 @@ AM_FN int am_query_row(int j) { return j / GROUP; }
 AM_FN size_t am_query_offset(int j, int d, size_t row_stride) {
     return (size_t)(j / GROUP) * row_stride + (size_t)((j % GROUP) * HEAD_DIM + d);
 }
-// Keys query j sees: [0, am_limit). pos0 = start + row0, the position of the block's row 0.
+// Keys query j sees: [am_first, am_limit). pos0 = start + row0, the position of the block's row 0; window: the
+// sliding window (>= max_seq: none).
 AM_FN int am_limit(int j, int pos0, int end) { return am_min(pos0 + j / GROUP + 1, end); }
+AM_FN int am_first(int j, int pos0, int end, int window) {
+    const int first = am_limit(j, pos0, end) - window;
+    return first > 0 ? first : 0;
+}
+// The first key tile: the one holding the block's first key.
+AM_FN int am_first_tile(int pos0, int end, int window) { return am_first(0, pos0, end, window) / AM_TILE_K; }
 
 // cp.async copy i of thread tid (Q: i < AM_Q_COPIES; K, V: i < AM_KV_COPIES): tile row (query or key) and
 // 16-byte chunk. Consecutive threads copy consecutive chunks of a row.
@@ -159,10 +170,14 @@ AM_FN int am_p_tile(int kk, int r) { return 2 * kk + r / 2; }
 AM_FN int am_p_elem(int r, int h) { return (r % 2) * 2 + h; }
 
 // Warp-uniform decisions for the tile starting at key0: does any query of warp w see one of its keys (else
-// the warp skips its mma work), and does some query of the warp not see all of them (then mask)?
-AM_FN bool am_warp_active(int warp, int key0, int pos0, int end) { return key0 < am_limit(warp * 16 + 15, pos0, end); }
-AM_FN bool am_tile_masked(int warp, int key0, int pos0, int end) {
-    return key0 + AM_TILE_K > am_limit(warp * 16, pos0, end);
+// the warp skips its mma work), and does some query of the warp not see all of them (then mask)? A warp's
+// queries are consecutive, so their limits and first keys grow with j: its first query has the smallest of both,
+// its last the largest.
+AM_FN bool am_warp_active(int warp, int key0, int pos0, int end, int window) {
+    return key0 < am_limit(warp * 16 + 15, pos0, end) && key0 + AM_TILE_K > am_first(warp * 16, pos0, end, window);
+}
+AM_FN bool am_tile_masked(int warp, int key0, int pos0, int end, int window) {
+    return key0 + AM_TILE_K > am_limit(warp * 16, pos0, end) || key0 < am_first(warp * 16 + 15, pos0, end, window);
 }
 // ---- layout: end -----------------------------------------------------------------------------------------
 
@@ -187,12 +202,15 @@ struct Tiles {
     half_t v[AM_TILE_K * AM_PITCH];  // also the Q tile, before the key loop
 };
 
-// cp.async one K or V tile: keys key0 .. key0 + 63 of this kv head (`src`: its row 0), zeros for keys >= end.
-__device__ __forceinline__ void load_kv_tile(half_t* dst, const half_t* __restrict__ src, int key0, int end) {
+// cp.async one K or V tile: keys key0 .. key0 + 63 of this kv head (`src`: its row 0), zeros for keys outside
+// [begin, end) (the block's keys: its first row's first, its last row's limit), which no query sees: a cache row
+// before the window, whatever it holds, never meets a zero probability (0 x NaN would be NaN).
+__device__ __forceinline__ void load_kv_tile(half_t* dst, const half_t* __restrict__ src, int key0, int begin,
+                                             int end) {
 #pragma unroll
     for (int i = 0; i < AM_KV_COPIES; ++i) {
         const int row = am_copy_row(threadIdx.x, i), chunk = am_copy_chunk(threadIdx.x, i);
-        const bool ok = key0 + row < end;
+        const bool ok = key0 + row < end && key0 + row >= begin;
         const half_t* from = ok ? src + (size_t)(key0 + row) * HEAD_DIM + chunk * 8 : src;
         cp_async16(smem_addr(dst + am_smem(row, chunk * 8)), from, ok);
     }
@@ -201,7 +219,7 @@ __device__ __forceinline__ void load_kv_tile(half_t* dst, const half_t* __restri
 extern "C" __global__ void __launch_bounds__(AM_THREADS, 2)
 attention_prefill_mma(const half_t* __restrict__ q_rows, const half_t* __restrict__ k_cache,
                       const half_t* __restrict__ v_cache, half_t* __restrict__ out_rows, int start, int n_rows,
-                      int max_seq, float scale) {
+                      int max_seq, float scale, int window) {
     __shared__ __align__(128) Tiles s;
     pdl_launch_dependents();  // the next GEMM may start streaming its weights
     pdl_wait();               // before the early return too: every block orders after the kernel before
@@ -210,6 +228,7 @@ attention_prefill_mma(const half_t* __restrict__ q_rows, const half_t* __restric
     const int rows = am_rows(row0, n_rows);
     const int pos0 = start + row0;
     const int end = am_key_end(start, row0, rows, max_seq);
+    const int begin = am_first(0, pos0, end, window), first_tile = am_first_tile(pos0, end, window);
     const int n_tiles = am_tiles(end);
     const size_t row_stride = (size_t)gridDim.x * GROUP * HEAD_DIM;
     const size_t block_off = (size_t)row0 * row_stride + (size_t)blockIdx.x * GROUP * HEAD_DIM;
@@ -218,7 +237,7 @@ attention_prefill_mma(const half_t* __restrict__ q_rows, const half_t* __restric
     const half_t* __restrict__ vc = v_cache + kv_off;
     const int lane = threadIdx.x % WARP, warp = threadIdx.x / WARP;
 
-    // Prologue: the Q tile through the V slot and K_0, one group.
+    // Prologue: the Q tile through the V slot and the first K tile, one group.
 #pragma unroll
     for (int i = 0; i < AM_Q_COPIES; ++i) {
         const int j = am_copy_row(threadIdx.x, i), chunk = am_copy_chunk(threadIdx.x, i);
@@ -226,7 +245,7 @@ attention_prefill_mma(const half_t* __restrict__ q_rows, const half_t* __restric
         cp_async16(smem_addr(s.v + am_smem(j, chunk * 8)),
                    ok ? q_rows + block_off + am_query_offset(j, chunk * 8, row_stride) : q_rows, ok);
     }
-    load_kv_tile(s.k, kc, 0, end);
+    load_kv_tile(s.k, kc, first_tile * AM_TILE_K, begin, end);
     cp_async_commit();
     cp_async_wait<0>();
     __syncthreads();
@@ -236,10 +255,11 @@ attention_prefill_mma(const half_t* __restrict__ q_rows, const half_t* __restric
         ldmatrix_x4(qf[ks], smem_addr(s.v + am_smem(am_q_ldm_row(warp, lane), am_q_ldm_col(lane, ks))));
 
     const float scale_log2 = scale * LOG2E;
-    int lim[2];  // keys the lane's two queries (rows g, g + 8 of the warp's m16 tile) see
+    int first[2], lim[2];  // keys [first, lim) the lane's two queries (rows g, g + 8 of the warp's m16 tile) see
     float m[2], l[2];
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
+        first[h] = am_first(am_acc_query(warp, lane, 2 * h), pos0, end, window);
         lim[h] = am_limit(am_acc_query(warp, lane, 2 * h), pos0, end);
         m[h] = NEG_INF;
         l[h] = 0.f;
@@ -250,14 +270,14 @@ attention_prefill_mma(const half_t* __restrict__ q_rows, const half_t* __restric
 #pragma unroll
         for (int e = 0; e < 4; ++e) o[n][e] = 0.f;
 
-    for (int kt = 0; kt < n_tiles; ++kt) {
+    for (int kt = first_tile; kt < n_tiles; ++kt) {
         const int key0 = kt * AM_TILE_K;
         cp_async_wait<0>();
         __syncthreads();  // K_kt visible to all; every warp is done with the V slot (V_{kt-1}, or Q)
-        load_kv_tile(s.v, vc, key0, end);
+        load_kv_tile(s.v, vc, key0, begin, end);
         cp_async_commit();
 
-        const bool active = am_warp_active(warp, key0, pos0, end);  // warp-uniform
+        const bool active = am_warp_active(warp, key0, pos0, end, window);  // warp-uniform
         uint32_t pf[AM_PSTEPS][4];
         if (active) {
             float sc[AM_SN][4];
@@ -275,14 +295,15 @@ attention_prefill_mma(const half_t* __restrict__ q_rows, const half_t* __restric
                     mma_16816(sc[2 * p + 1], qf[ks], b[2], b[3]);
                 }
             // Scale (log2 units), mask, row maxima.
-            const bool masked = am_tile_masked(warp, key0, pos0, end);  // warp-uniform
+            const bool masked = am_tile_masked(warp, key0, pos0, end, window);  // warp-uniform
             float mx[2] = {m[0], m[1]};
 #pragma unroll
             for (int n = 0; n < AM_SN; ++n)
 #pragma unroll
                 for (int e = 0; e < 4; ++e) {
                     float x = sc[n][e] * scale_log2;
-                    if (masked && key0 + am_acc_col(lane, n, e) >= lim[e / 2]) x = NEG_INF;
+                    const int key = key0 + am_acc_col(lane, n, e);
+                    if (masked && (key >= lim[e / 2] || key < first[e / 2])) x = NEG_INF;
                     sc[n][e] = x;
                     mx[e / 2] = fmaxf(mx[e / 2], x);
                 }
@@ -323,7 +344,7 @@ attention_prefill_mma(const half_t* __restrict__ q_rows, const half_t* __restric
 
         cp_async_wait<0>();
         __syncthreads();  // V_kt visible to all; every warp is done with K_kt
-        if (kt + 1 < n_tiles) load_kv_tile(s.k, kc, key0 + AM_TILE_K, end);
+        if (kt + 1 < n_tiles) load_kv_tile(s.k, kc, key0 + AM_TILE_K, begin, end);
         cp_async_commit();
 
         if (active) {

@@ -1,7 +1,7 @@
 // gemv.cuh — what the decode step's matrix-vector kernels share, whatever their weights are stored as (gemv.cu:
 // FP16; gemv_quant.cu: INT4 / INT8): the token rows, the output rows a block owns, the sum of the threads' dot
 // products over the block, and the fused epilogues (RMSNorm's scale, RoPE + the KV-cache write, SiLU * up, the
-// residual add). A kernel is: its block's rows (*_rows), its first weight loads, pdl_wait(), its own dot product
+// residual add, q|k|v's bias). A kernel is: its block's rows (*_rows), its first weight loads, pdl_wait(), its own dot product
 // loop ending in block_reduce(), then the epilogue (*_store), which thread t < TOKENS runs for token row t.
 // The including .cu defines ROWS (output rows per block, even) first.
 #pragma once
@@ -97,10 +97,12 @@ __device__ __forceinline__ void gate_up_rows(int (&rows)[ROWS], int ff) {
 }
 
 // -- the epilogues: thread t < TOKENS writes token row t's outputs --------------------------------------------
-// q_out [TOKENS, n_heads * hd] float32 (after RoPE); k_cache, v_cache [slots, n_kv_heads, max_seq, hd] FP16 (this
-// layer's), token row t's written in its slot at its position (state [slots, 8], step_rows [TOKENS, 2]: common.cuh);
-// rope [max_seq, hd / 2, 2] float32 (cos, sin).
-__device__ __forceinline__ void qkv_rope_store(const RowSums& sums, int d, float eps, float* __restrict__ q_out,
+// bias [(n_heads + 2 n_kv_heads) hd] FP16, added to each q|k|v output before RoPE (Qwen2's; zeros for a model
+// without, as HF adds it: (W · rmsnorm(x)) + b); q_out [TOKENS, n_heads * hd] float32 (after RoPE); k_cache,
+// v_cache [slots, n_kv_heads, max_seq, hd] FP16 (this layer's), token row t's written in its slot at its position
+// (state [slots, 8], step_rows [TOKENS, 2]: common.cuh); rope [max_seq, hd / 2, 2] float32 (cos, sin).
+__device__ __forceinline__ void qkv_rope_store(const RowSums& sums, int d, float eps,
+                                               const half_t* __restrict__ bias, float* __restrict__ q_out,
                                                half_t* __restrict__ k_cache, half_t* __restrict__ v_cache,
                                                const float* __restrict__ rope, const int* __restrict__ state,
                                                const int* __restrict__ step_rows, int n_heads, int n_kv_heads, int hd, int max_seq) {
@@ -116,9 +118,12 @@ __device__ __forceinline__ void qkv_rope_store(const RowSums& sums, int d, float
     for (int i = 0; i < PAIRS; ++i) {
         const int p = blockIdx.x * PAIRS + i;
         if (p >= n_pairs) continue;
-        rope_store_pair(p, __fmul_rn(dot[2 * i], scale), __fmul_rn(dot[2 * i + 1], scale),
-                        rope + pos * half_hd * 2, q_out + (size_t)t * n_heads * hd, k_cache + slot_off, v_cache + slot_off, pos, n_heads,
-                        n_kv_heads, hd, max_seq);
+        const int row0 = (p / half_hd) * hd + p % half_hd;  // the pair's rows: row0, row0 + hd / 2 (qkv_rows)
+        // Rounded products and adds, never contracted: every token row scales and adds alike (verify == decode)
+        const float y0 = __fadd_rn(__fmul_rn(dot[2 * i], scale), h2f(bias[row0]));
+        const float y1 = __fadd_rn(__fmul_rn(dot[2 * i + 1], scale), h2f(bias[row0 + half_hd]));
+        rope_store_pair(p, y0, y1, rope + pos * half_hd * 2, q_out + (size_t)t * n_heads * hd, k_cache + slot_off,
+                        v_cache + slot_off, pos, n_heads, n_kv_heads, hd, max_seq);
     }
 }
 

@@ -2,7 +2,7 @@
 //
 //   embed_rows      x_rows[r] = float(embed[ids[r]])
 //   rmsnorm_rows    out_rows[r] = fp16(x_rows[r] * rsqrt(mean(x_rows[r]^2) + eps) * w)
-//   rope_kv_rows    q|k|v row -> RoPE on q and k; q_rows[r] = fp16(q), k and v into the KV cache at start + r
+//   rope_kv_rows    q|k|v row + bias -> RoPE on q and k; q_rows[r] = fp16(q), k and v into the KV cache at start + r
 //   silu_mul_rows   h_rows[r, i] = fp16(silu(gate) * up), gate|up = gu_rows[r, i], gu_rows[r, ff + i]
 //
 // Launch: grid (n) = one block per token row (the launch's row count is its grid; the NumPy twins get
@@ -11,7 +11,7 @@
 // programmatic dependent launch (overlap mode) the GEMM after it streams its weights meanwhile.
 // Shapes: rows are contiguous with the row strides given below; d % 8 == 0 and ff % 8 == 0 (16-byte
 // vectors; cullama.plan.check_supported guarantees both), hd even. The same math as gemv.cu's fused
-// decode kernels (rmsnorm in gemv_* and RoPE + cache write in gemv_qkv_rope), on whole rows.
+// decode kernels (rmsnorm in gemv_* and bias + RoPE + cache write in gemv_qkv_rope), on whole rows.
 #include "common.cuh"
 #include "rope.cuh"
 
@@ -63,11 +63,13 @@ rmsnorm_rows(const float* __restrict__ x_rows, const half_t* __restrict__ w, hal
     }
 }
 
-// qkv_rows [n, (n_heads + 2 n_kv_heads) hd] float32 = [q | k | v]; rope [max_seq, hd / 2, 2] float32 (cos,
-// sin); q_rows [n, n_heads hd] FP16; k_cache, v_cache [n_kv_heads, max_seq, hd] FP16 (this layer's).
-// Row r is position start + r; each thread takes whole RoPE pairs (rope.cuh: q and k rotate, v is copied).
+// qkv_rows [n, (n_heads + 2 n_kv_heads) hd] float32 = [q | k | v]; bias [(n_heads + 2 n_kv_heads) hd] FP16
+// (Qwen2's; zeros for a model without), added first; rope [max_seq, hd / 2, 2] float32 (cos, sin); q_rows
+// [n, n_heads hd] FP16; k_cache, v_cache [n_kv_heads, max_seq, hd] FP16 (this layer's). Row r is position
+// start + r; each thread takes whole RoPE pairs (rope.cuh: q and k rotate, v is copied).
 extern "C" __global__ void __launch_bounds__(THREADS)
-rope_kv_rows(const float* __restrict__ qkv_rows, const float* __restrict__ rope, half_t* __restrict__ q_rows,
+rope_kv_rows(const float* __restrict__ qkv_rows, const half_t* __restrict__ bias, const float* __restrict__ rope,
+             half_t* __restrict__ q_rows,
              half_t* __restrict__ k_cache, half_t* __restrict__ v_cache, int start, int n_heads, int n_kv_heads,
              int hd, int max_seq) {
     pdl_launch_dependents();  // the next kernel may start streaming its weights
@@ -78,9 +80,9 @@ rope_kv_rows(const float* __restrict__ qkv_rows, const float* __restrict__ rope,
     const float* cs = rope + (size_t)pos * half_hd * 2;
     half_t* q_out = q_rows + (size_t)r * n_heads * hd;
     for (int p = threadIdx.x; p < n_pairs; p += THREADS) {
-        const int head = p / half_hd, j = p % half_hd;
-        rope_store_pair(p, row[head * hd + j], row[head * hd + j + half_hd], cs, q_out, k_cache, v_cache, pos,
-                        n_heads, n_kv_heads, hd, max_seq);
+        const int head = p / half_hd, j = p % half_hd, at = head * hd + j;
+        rope_store_pair(p, __fadd_rn(row[at], h2f(bias[at])), __fadd_rn(row[at + half_hd], h2f(bias[at + half_hd])),
+                        cs, q_out, k_cache, v_cache, pos, n_heads, n_kv_heads, hd, max_seq);
     }
 }
 

@@ -12,7 +12,9 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 # ../shared beside the repo; CULLAMA_SHARED names another copy (the GPU machine gets one carried in).
 SHARED = Path(os.environ.get("CULLAMA_SHARED") or REPO.parent / "shared")
-GOLDEN_NAMES = ("tiny-mha", "tiny-gqa-sharded")
+# HF checkpoints with HF's own outputs (../shared/golden/README.md): LLaMA-2-era, sharded GQA, LLaMA-3 (llama3 RoPE,
+# tied embeddings), Qwen2 (q/k/v biases, a padded vocabulary), Mistral (a sliding window of 16)
+GOLDEN_NAMES = ("tiny-mha", "tiny-gqa-sharded", "tiny-llama3", "tiny-qwen2", "tiny-mistral")
 
 
 def shared_path(*parts: str) -> Path:

@@ -27,6 +27,13 @@ PREFILL_CASES = [(8, 2, 4, 0, 1, 4, 2), (32, 4, 2, 0, 33, 40, 1), (128, 1, 2, 17
                  (16, 1, 3, 5, 100, 100, 4), (128, 1, 3, 0, 37, 40, 4), (64, 2, 2, 61, 19, 24, 2),
                  (8, 8, 1, 3, 5, 8, 1), (32, 1, 2, 250, 6, 8, 4), (128, 1, 2, 9, 21, 24, 8), (32, 4, 2, 1, 11, 12, 2),
                  (16, 2, 2, 0, 13, 16, 4)]
+# Sliding windows (Mistral): (head_dim, group, kv_heads, n keys, splits, window) for decode, window 1 (the key
+# itself), shorter than a split, across splits, of the whole context, longer than it; and (head_dim, group,
+# kv_heads, start, rows, buffer rows, ROWS_Q, window) for prefill, with the window's edge inside a block of rows.
+DECODE_WINDOW_CASES = [(32, 4, 2, 100, 8, 16), (64, 4, 2, 37, 8, 1), (128, 7, 1, 1000, 32, 64), (8, 2, 2, 33, 5, 33),
+                       (32, 1, 2, 20, 4, 40), (128, 3, 2, 300, 4, 7), (16, 5, 1, 61, 8, 60)]
+PREFILL_WINDOW_CASES = [(32, 2, 2, 0, 40, 40, 2, 16), (32, 4, 2, 37, 29, 32, 1, 5), (64, 1, 1, 100, 21, 24, 4, 1),
+                        (128, 6, 1, 3, 50, 52, 1, 17), (16, 1, 2, 9, 13, 16, 8, 64), (8, 8, 1, 0, 9, 12, 1, 3)]
 
 
 def reference(q, k, v, scale):
@@ -39,10 +46,12 @@ def reference(q, k, v, scale):
     return np.einsum("hk,hkd->hd", p / p.sum(axis=1, keepdims=True), v)
 
 
-def reference_part(q, k, v, scale, s, splits, n):
-    """Split s's (acc [heads, hd], m, l), unnormalised, over keys [s c, (s + 1) c), c = ceil(n / splits)."""
-    chunk = -(-n // splits)
-    begin, end = min(s * chunk, n), min(s * chunk + chunk, n)
+def reference_part(q, k, v, scale, s, splits, n, first=0):
+    """Split s's (acc [heads, hd], m, l), unnormalised, over keys [first + s c, first + (s + 1) c) below n,
+    c = ceil((n - first) / splits)."""
+    chunk = -(-(n - first) // splits)
+    begin = min(first + s * chunk, n)
+    end = min(begin + chunk, n)
     if begin == end:
         return np.zeros(q.shape), np.full(q.shape[0], -np.inf), np.zeros(q.shape[0])
     group = q.shape[0] // k.shape[0]
@@ -75,12 +84,13 @@ def prefill_inputs(hd, group, kv_heads, start, rows, buffer_rows, seed=0):
     return q_rows, k, v, max_seq, np.float32(1 / np.sqrt(hd))
 
 
-def run_decode_twin(q, k, v, state, max_seq, scale, splits):
+def run_decode_twin(q, k, v, state, max_seq, scale, splits, window=None):
     heads, hd = q.size // k.shape[2], k.shape[2]
     part = np.full((heads, splits, hd + 2), np.nan, np.float32)
     count = np.zeros(k.shape[0], np.uint32)
     out = np.full(heads * hd, np.nan, np.float32)
-    ops.attention_decode(q, k, v, part, count, out, state, ONE_ROW, max_seq, scale, grid=(k.shape[0], splits, 1))
+    ops.attention_decode(q, k, v, part, count, out, state, ONE_ROW, max_seq, scale, window or max_seq,
+                         grid=(k.shape[0], splits, 1))
     return part, count, out
 
 
@@ -88,17 +98,18 @@ def prefill_grid(kv_heads, rows, rows_q):
     return kv_heads, -(-rows // rows_q), 1
 
 
-def run_prefill_twin(q_rows, k, v, start, rows, max_seq, scale, rows_q=1):
+def run_prefill_twin(q_rows, k, v, start, rows, max_seq, scale, rows_q=1, window=None):
     out_rows = np.full(q_rows.shape, np.nan, np.float16)
-    ops.attention_prefill(q_rows, k, v, out_rows, start, rows, max_seq, scale,
+    ops.attention_prefill(q_rows, k, v, out_rows, start, rows, max_seq, scale, window or max_seq,
                           grid=prefill_grid(k.shape[0], rows, rows_q))
     return out_rows
 
 
-def prefill_reference(q_rows, k, v, start, rows, scale):
+def prefill_reference(q_rows, k, v, start, rows, scale, window=None):
     hd = k.shape[2]
-    return np.stack([reference(q_rows[r].reshape(-1, hd), k[:, :start + r + 1], v[:, :start + r + 1], scale)
-                     .reshape(-1) for r in range(rows)])
+    first = lambda r: max(0, start + r + 1 - window) if window else 0  # noqa: E731
+    return np.stack([reference(q_rows[r].reshape(-1, hd), k[:, first(r):start + r + 1], v[:, first(r):start + r + 1],
+                               scale).reshape(-1) for r in range(rows)])
 
 
 # -- CPU: the twins are the specification ---------------------------------------------------------
@@ -115,6 +126,23 @@ def test_decode_twin(hd, group, kv_heads, n, splits):
         np.testing.assert_allclose(part[:, s, hd], m, rtol=1e-5, atol=1e-5)
         np.testing.assert_allclose(part[:, s, hd + 1], l, rtol=1e-4)
     assert (count == 0).all()
+
+
+@pytest.mark.parametrize("hd,group,kv_heads,n,splits,window", DECODE_WINDOW_CASES)
+def test_decode_twin_sliding_window(hd, group, kv_heads, n, splits, window):
+    """Only the last `window` keys, n - window .. n - 1, and the splits divide those alone (a long context costs
+    the window); a window of the whole context or longer is full attention, bit for bit."""
+    q, k, v, state, max_seq, scale = decode_inputs(hd, group, kv_heads, n, splits)
+    part, _, out = run_decode_twin(q, k, v, state, max_seq, scale, splits, window)
+    first, qh = max(0, n - window), q.reshape(-1, hd)
+    np.testing.assert_allclose(out.reshape(-1, hd), reference(qh, k[:, first:n], v[:, first:n], float(scale)),
+                               rtol=1e-4, atol=1e-5)
+    for s in range(splits):
+        acc, m, l = reference_part(qh, k, v, float(scale), s, splits, n, first)
+        np.testing.assert_allclose(part[:, s, :hd], acc, rtol=1e-4, atol=1e-4)
+        np.testing.assert_allclose(part[:, s, hd], m, rtol=1e-5, atol=1e-5)
+    if window >= n:
+        np.testing.assert_array_equal(out, run_decode_twin(q, k, v, state, max_seq, scale, splits)[2])
 
 
 def test_decode_twin_empty_splits():
@@ -160,6 +188,19 @@ def test_prefill_twin_is_causal():
     assert not np.array_equal(before[6:], after[6:])
 
 
+@pytest.mark.parametrize("hd,group,kv_heads,start,rows,buffer_rows,rows_q,window", PREFILL_WINDOW_CASES)
+def test_prefill_twin_sliding_window(hd, group, kv_heads, start, rows, buffer_rows, rows_q, window):
+    q_rows, k, v, max_seq, scale = prefill_inputs(hd, group, kv_heads, start, rows, buffer_rows)
+    out_rows = run_prefill_twin(q_rows, k, v, start, rows, max_seq, scale, rows_q, window)
+    expected = prefill_reference(q_rows, k, v, start, rows, float(scale), window)
+    np.testing.assert_allclose(out_rows[:rows].astype(np.float32), expected, rtol=2e-3, atol=2e-3)
+    assert np.isnan(out_rows[rows:].astype(np.float32)).all()
+    full = run_prefill_twin(q_rows, k, v, start, rows, max_seq, scale, rows_q)
+    seen_whole = start + np.arange(rows) < window  # rows whose window reaches back to key 0
+    np.testing.assert_array_equal(out_rows[:rows][seen_whole], full[:rows][seen_whole])
+    assert (out_rows[:rows][~seen_whole] != full[:rows][~seen_whole]).any() or seen_whole.all()
+
+
 def test_prefill_row_matches_decode():
     """Prefill row r at position start + r is the decode step at that position."""
     hd, group, kv_heads, start, rows = 32, 4, 2, 9, 6
@@ -170,6 +211,11 @@ def test_prefill_row_matches_decode():
         state[0] = start + r
         _, _, out = run_decode_twin(q_rows[r].astype(np.float32), k, v, state, max_seq, scale, 4)
         np.testing.assert_allclose(out_rows[r].astype(np.float32), out, rtol=1e-3, atol=1e-3)
+    windowed = run_prefill_twin(q_rows, k, v, start, rows, max_seq, scale, window=5)  # and with a window
+    for r in range(rows):
+        state[0] = start + r
+        _, _, out = run_decode_twin(q_rows[r].astype(np.float32), k, v, state, max_seq, scale, 4, window=5)
+        np.testing.assert_allclose(windowed[r].astype(np.float32), out, rtol=1e-3, atol=1e-3)
 
 
 @pytest.mark.parametrize("defines", ops.VARIANTS, ids=lambda d: "-".join(f"{k}{v}" for k, v in d))
@@ -186,8 +232,11 @@ def test_compiles_without_spills(defines):
 def test_variants_cover_every_head_dim_and_group():
     chosen = [dict(d) for d in ops.VARIANTS]
     assert {d["HEAD_DIM"] for d in chosen} == {8, 16, 32, 64, 128}
-    assert {d["GROUP"] for d in chosen} == {1, 2, 4, 8}
-    assert len(chosen) < 16
+    assert {d["GROUP"] for d in chosen} == set(range(1, 9))
+    assert len(chosen) < 20
+    for hd, group in ((64, 4), (128, 4), (64, 8), (128, 3), (128, 5), (128, 6), (128, 7), (128, 8)):
+        # LLaMA-3.2-1B, LLaMA-3-8B and Mistral-7B, TinyLlama, LLaMA-3.2-3B, Qwen2.5 (14B, 1.5B, 7B), LLaMA-3-70B
+        assert any((d["HEAD_DIM"], d["GROUP"]) == (hd, group) for d in chosen), (hd, group)
     for d in chosen[:11]:  # the plan's own ROWS_Q for every (HEAD_DIM, GROUP) listed
         assert d["ROWS_Q"] == max(1, plans.ATTENTION_PREFILL_QUERIES // d["GROUP"]), d
 
@@ -216,19 +265,23 @@ def _spec(name, hd, group, rows_q=None):
     return KernelSpec("attention.cu", name, defines)
 
 
+GPU_DECODE_CASES = [c + (None,) for c in DECODE_CASES + [(128, 1, 4, 4096, 8), (128, 8, 2, 3001, 32)]]
+GPU_DECODE_CASES += DECODE_WINDOW_CASES + [(128, 4, 8, 8000, 32, 4096)]  # Mistral-7B's window at 8000 tokens
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("hd,group,kv_heads,n,splits", DECODE_CASES + [(128, 1, 4, 4096, 8), (128, 8, 2, 3001, 32)])
-def test_decode_kernel(kernels, hd, group, kv_heads, n, splits):
+@pytest.mark.parametrize("hd,group,kv_heads,n,splits,window", GPU_DECODE_CASES)
+def test_decode_kernel(kernels, hd, group, kv_heads, n, splits, window):
     import cupy as cp
 
     q, k, v, state, max_seq, scale = decode_inputs(hd, group, kv_heads, n, splits, seed=n)
-    part, _, out = run_decode_twin(q, k, v, state, max_seq, scale, splits)
+    part, _, out = run_decode_twin(q, k, v, state, max_seq, scale, splits, window)
     heads = kv_heads * group
     d_part = poisoned(cp, part.shape, np.float32)
     d_out = poisoned(cp, out.shape, np.float32)
     d_count = cp.zeros(kv_heads, np.uint32)
     args = (cp.asarray(q), cp.asarray(k), cp.asarray(v), d_part, d_count, d_out, cp.asarray(state),
-            cp.asarray(ONE_ROW), np.int32(max_seq), np.float32(scale))
+            cp.asarray(ONE_ROW), np.int32(max_seq), np.float32(scale), np.int32(window or max_seq))
     fn = kernels.function(_spec("attention_decode", hd, group))
     fn((kv_heads, splits), (THREADS,), args)
     first = d_out.get()
@@ -242,7 +295,8 @@ def test_decode_kernel(kernels, hd, group, kv_heads, n, splits):
     assert (d_count.get() == 0).all()
 
 
-def _run_prefill_kernel(kernels, q_rows, k, v, start, rows, max_seq, scale, hd, group, rows_q, extra_blocks=0):
+def _run_prefill_kernel(kernels, q_rows, k, v, start, rows, max_seq, scale, hd, group, rows_q, extra_blocks=0,
+                        window=None):
     import cupy as cp
 
     kv_heads = k.shape[0]
@@ -251,16 +305,17 @@ def _run_prefill_kernel(kernels, q_rows, k, v, start, rows, max_seq, scale, hd, 
     kernels.function(_spec("attention_prefill", hd, group, rows_q))(
         (grid[0], grid[1] + extra_blocks), (THREADS,),
         (cp.asarray(q_rows), cp.asarray(k), cp.asarray(v), d_out, np.int32(start), np.int32(rows),
-         np.int32(max_seq), np.float32(scale)))
+         np.int32(max_seq), np.float32(scale), np.int32(window or max_seq)))
     return d_out.get()
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("hd,group,kv_heads,start,rows,buffer_rows,rows_q", PREFILL_CASES)
-def test_prefill_kernel(kernels, hd, group, kv_heads, start, rows, buffer_rows, rows_q):
+@pytest.mark.parametrize("hd,group,kv_heads,start,rows,buffer_rows,rows_q,window",
+                         [c + (None,) for c in PREFILL_CASES] + PREFILL_WINDOW_CASES)
+def test_prefill_kernel(kernels, hd, group, kv_heads, start, rows, buffer_rows, rows_q, window):
     q_rows, k, v, max_seq, scale = prefill_inputs(hd, group, kv_heads, start, rows, buffer_rows, seed=rows)
-    expected = run_prefill_twin(q_rows, k, v, start, rows, max_seq, scale, rows_q)
-    got = _run_prefill_kernel(kernels, q_rows, k, v, start, rows, max_seq, scale, hd, group, rows_q)
+    expected = run_prefill_twin(q_rows, k, v, start, rows, max_seq, scale, rows_q, window)
+    got = _run_prefill_kernel(kernels, q_rows, k, v, start, rows, max_seq, scale, hd, group, rows_q, window=window)
     np.testing.assert_allclose(got[:rows].astype(np.float32), expected[:rows].astype(np.float32),
                                rtol=2e-3, atol=2e-3)
     assert not np.isnan(got[:rows].astype(np.float32)).any()  # every (row, head) written

@@ -81,8 +81,8 @@ def test_twin_is_attention_prefills():
     q_rows, k, v, max_seq, scale = inputs(32, 4, 2, 9, 13, 16, seed=1)
     a = np.full(q_rows.shape, np.nan, np.float16)
     b = a.copy()
-    ops.attention_prefill_mma(q_rows, k, v, a, 9, 13, max_seq, scale, grid=ops.grid(2, 13, 4))
-    scalar_ops.attention_prefill(q_rows, k, v, b, 9, 13, max_seq, scale, grid=(2, 13, 1))
+    ops.attention_prefill_mma(q_rows, k, v, a, 9, 13, max_seq, scale, 7, grid=ops.grid(2, 13, 4))
+    scalar_ops.attention_prefill(q_rows, k, v, b, 9, 13, max_seq, scale, 7, grid=(2, 13, 1))
     np.testing.assert_array_equal(a, b)
     assert np.isnan(a[13:].astype(np.float32)).all() and not np.isnan(a[:13].astype(np.float32)).any()
 
@@ -103,9 +103,9 @@ def inputs(hd, group, kv_heads, start, rows, buffer_rows, seed=0, max_seq=None, 
     return q_rows, k, v, max_seq, np.float32(1 / np.sqrt(hd))
 
 
-def run_twin(q_rows, k, v, start, rows, max_seq, scale):
+def run_twin(q_rows, k, v, start, rows, max_seq, scale, window=None):
     out = np.full(q_rows.shape, np.nan, np.float16)
-    ops.attention_prefill_mma(q_rows, k, v, out, start, rows, max_seq, scale,
+    ops.attention_prefill_mma(q_rows, k, v, out, start, rows, max_seq, scale, window or max_seq,
                               grid=ops.grid(k.shape[0], rows, q_rows.shape[1] // (k.shape[0] * k.shape[2])))
     return out
 
@@ -176,9 +176,14 @@ void t_block(int start, int n_rows, int max_seq, int y, int* o) {  // (row0, row
     o[3] = am_tiles(o[2]);
 }
 void t_limits(int pos0, int end, int* o) { for (int j = 0; j < AM_BLOCK_Q; ++j) o[j] = am_limit(j, pos0, end); }
-void t_warps(int key0, int pos0, int end, int* o) {  // o[warp] = (active, masked)
+void t_firsts(int pos0, int end, int window, int* o) {  // o[j] = am_first, then o[AM_BLOCK_Q] = the first tile
+    for (int j = 0; j < AM_BLOCK_Q; ++j) o[j] = am_first(j, pos0, end, window);
+    o[AM_BLOCK_Q] = am_first_tile(pos0, end, window);
+}
+void t_warps(int key0, int pos0, int end, int window, int* o) {  // o[warp] = (active, masked)
     for (int w = 0; w < WARPS; ++w) {
-        o[2 * w] = am_warp_active(w, key0, pos0, end); o[2 * w + 1] = am_tile_masked(w, key0, pos0, end);
+        o[2 * w] = am_warp_active(w, key0, pos0, end, window);
+        o[2 * w + 1] = am_tile_masked(w, key0, pos0, end, window);
     }
 }
 }
@@ -226,8 +231,13 @@ class Layout:
     def limits(self, pos0, end):
         return self._table("t_limits", (self.block_q,), pos0, end)
 
-    def warp_flags(self, key0, pos0, end):
-        return self._table("t_warps", (self.warps, 2), key0, pos0, end).astype(bool)
+    def firsts(self, pos0, end, window):
+        """(each query's first key [block_q], the block's first key tile)."""
+        out = self._table("t_firsts", (self.block_q + 1,), pos0, end, window)
+        return out[:-1], int(out[-1])
+
+    def warp_flags(self, key0, pos0, end, window):
+        return self._table("t_warps", (self.warps, 2), key0, pos0, end, window).astype(bool)
 
 
 def build_layout(directory, defines) -> Layout:
@@ -390,7 +400,7 @@ class SharedTiles:
 
 
 # -- the kernel, lane by lane -----------------------------------------------------------------------------
-def emulate(lay, q_rows, k_cache, v_cache, out_rows, start, n_rows, max_seq, scale, grid):
+def emulate(lay, q_rows, k_cache, v_cache, out_rows, start, n_rows, max_seq, scale, window, grid):
     """attention_prefill_mma on NumPy arrays, as the kernel does it (see the .cu): every block of `grid`, every
     warp, the layout functions for every index. Returns the number of writes to each element of out_rows."""
     kv_heads = grid[0]
@@ -407,30 +417,32 @@ def emulate(lay, q_rows, k_cache, v_cache, out_rows, start, n_rows, max_seq, sca
             if row0 >= n_rows:
                 continue
             _emulate_block(lay, q_flat, kc, vc, out_flat, writes, row0 * row_stride + x * lay.group * lay.hd,
-                           start + row0, rows, end, n_tiles, query_row, query_off, scale_log2)
+                           start + row0, rows, end, n_tiles, query_row, query_off, scale_log2, window)
     return writes.reshape(out_rows.shape)
 
 
-def _load_kv(lay, sm, tile, src, key0, end):
+def _load_kv(lay, sm, tile, src, key0, begin, end):
     for tid in range(lay.threads):
         for i in range(lay.kv_copies):
             row, chunk = lay.copies_kv[tid, i]
-            ok = key0 + row < end
+            ok = begin <= key0 + row < end
             vals = src[(key0 + row) * lay.hd + chunk * 8:][:8] if ok else np.zeros(8, np.float16)
             sm.cp_async(tile, lay.smem[row, chunk * 8], vals)
 
 
 def _emulate_block(lay, q_flat, kc, vc, out_flat, writes, block_off, pos0, rows, end, n_tiles, query_row,
-                   query_off, scale_log2):
+                   query_off, scale_log2, window):
     sm = SharedTiles(lay.tile_k * lay.pitch)
-    # prologue: Q through the V tile, K_0; wait; barrier; Q -> A fragments
+    firsts, first_tile = lay.firsts(pos0, end, window)
+    # prologue: Q through the V tile, the first K tile; wait; barrier; Q -> A fragments
     for tid in range(lay.threads):
         for i in range(lay.q_copies):
             j, chunk = lay.copies_q[tid, i]
             ok = query_row[j] < rows
             vals = q_flat[block_off + query_off[j, chunk * 8]:][:8] if ok else np.zeros(8, np.float16)
             sm.cp_async("v", lay.smem[j, chunk * 8], vals)
-    _load_kv(lay, sm, "k", kc, 0, end)
+    begin = int(firsts[0])  # the block's first key: keys before it in the first tile are zeros, as those >= end
+    _load_kv(lay, sm, "k", kc, first_tile * lay.tile_k, begin, end)
     sm.wait_all()
     sm.barrier()
     W = lay.warps
@@ -438,15 +450,16 @@ def _emulate_block(lay, q_flat, kc, vc, out_flat, writes, block_off, pos0, rows,
            for ks in range(lay.ksteps)] for w in range(W)]
     limits = lay.limits(pos0, end)
     lim = [np.stack([limits[lay.acc[w, :, 0, 2 * h, 0]] for h in range(2)], axis=1) for w in range(W)]  # [32, 2]
+    first = [np.stack([firsts[lay.acc[w, :, 0, 2 * h, 0]] for h in range(2)], axis=1) for w in range(W)]
     m = [np.full((32, 2), -np.inf, np.float32) for _ in range(W)]
     l = [np.zeros((32, 2), np.float32) for _ in range(W)]
     o = [np.zeros((lay.on, 32, 4), np.float32) for _ in range(W)]
-    for kt in range(n_tiles):
+    for kt in range(first_tile, n_tiles):
         key0 = kt * lay.tile_k
         sm.wait_all()
         sm.barrier()
-        _load_kv(lay, sm, "v", vc, key0, end)
-        flags = lay.warp_flags(key0, pos0, end)
+        _load_kv(lay, sm, "v", vc, key0, begin, end)
+        flags = lay.warp_flags(key0, pos0, end, window)
         pf = [None] * W
         for w in range(W):
             if not flags[w, 0]:
@@ -460,7 +473,8 @@ def _emulate_block(lay, q_flat, kc, vc, out_flat, writes, block_off, pos0, rows,
             xs = sc * scale_log2
             if flags[w, 1]:
                 keys = key0 + lay.acc[w, :, :lay.sn, :, 1].transpose(1, 0, 2)  # [n, lane, e]
-                xs = np.where(keys >= lim[w][:, [0, 0, 1, 1]][None], np.float32(-np.inf), xs)
+                hidden = (keys >= lim[w][:, [0, 0, 1, 1]][None]) | (keys < first[w][:, [0, 0, 1, 1]][None])
+                xs = np.where(hidden, np.float32(-np.inf), xs)
             mx = m[w].copy()
             for h in range(2):
                 mx[:, h] = np.maximum(mx[:, h], xs[:, :, 2 * h:2 * h + 2].max(axis=(0, 2)))
@@ -477,7 +491,7 @@ def _emulate_block(lay, q_flat, kc, vc, out_flat, writes, block_off, pos0, rows,
         sm.wait_all()
         sm.barrier()
         if kt + 1 < n_tiles:
-            _load_kv(lay, sm, "k", kc, key0 + lay.tile_k, end)
+            _load_kv(lay, sm, "k", kc, key0 + lay.tile_k, begin, end)
         for w in range(W):
             if not flags[w, 0]:
                 continue
@@ -506,38 +520,47 @@ def _emulate_block(lay, q_flat, kc, vc, out_flat, writes, block_off, pos0, rows,
                     writes[off:off + 2] += 1
 
 
-# (head_dim, group, warps, kv_heads, start, rows, buffer_rows, max_seq or None): odd row counts, start > 0 with
-# the diagonal across two key tiles, GQA, one row, WARPS 2, and max_seq below start + rows (clamped keys).
+# (head_dim, group, warps, kv_heads, start, rows, buffer_rows, max_seq or None, window or None): odd row counts,
+# start > 0 with the diagonal across two key tiles, GQA, one row, WARPS 2, and max_seq below start + rows (clamped
+# keys); then sliding windows: of 1, with the window's edge inside a tile and a block's first tile past key 0, of
+# a whole tile and more, across a warp's rows.
 EMU_CASES = [
-    (32, 1, 4, 2, 0, 70, 72, None),
-    (32, 4, 4, 2, 37, 29, 32, None),
-    (64, 2, 4, 1, 100, 45, 48, None),
-    (128, 1, 4, 2, 5, 67, 70, None),
-    (16, 8, 4, 2, 3, 9, 12, None),
-    (128, 1, 2, 1, 63, 33, 40, None),
-    (32, 4, 2, 2, 130, 11, 11, None),
-    (64, 1, 4, 1, 0, 1, 1, None),
-    (32, 2, 4, 1, 60, 20, 24, 70),
-    (128, 8, 4, 1, 17, 13, 16, None),
+    (32, 1, 4, 2, 0, 70, 72, None, None),
+    (32, 4, 4, 2, 37, 29, 32, None, None),
+    (64, 2, 4, 1, 100, 45, 48, None, None),
+    (128, 1, 4, 2, 5, 67, 70, None, None),
+    (16, 8, 4, 2, 3, 9, 12, None, None),
+    (128, 1, 2, 1, 63, 33, 40, None, None),
+    (32, 4, 2, 2, 130, 11, 11, None, None),
+    (64, 1, 4, 1, 0, 1, 1, None, None),
+    (32, 2, 4, 1, 60, 20, 24, 70, None),
+    (128, 8, 4, 1, 17, 13, 16, None, None),
+    (32, 1, 4, 1, 0, 70, 72, None, 1),
+    (32, 4, 4, 2, 140, 29, 32, None, 16),
+    (64, 2, 4, 1, 100, 45, 48, None, 70),
+    (32, 1, 2, 1, 200, 40, 40, None, 9),
 ]
-EMU_IDS = ["hd{}-g{}-w{}-kv{}-s{}-r{}".format(*c[:6]) for c in EMU_CASES]
+EMU_IDS = ["hd{}-g{}-w{}-kv{}-s{}-r{}".format(*c[:6]) + (f"-win{c[8]}" if c[8] else "") for c in EMU_CASES]
 
 
-def run_emulation(lay, q_rows, k, v, start, rows, max_seq, scale, extra_blocks=0):
+def run_emulation(lay, q_rows, k, v, start, rows, max_seq, scale, extra_blocks=0, window=None):
     out = np.full(q_rows.shape, np.nan, np.float16)
     kv_heads = k.shape[0]
     g = ops.grid(kv_heads, rows, lay.group, lay.warps)
-    writes = emulate(lay, q_rows, k, v, out, start, rows, max_seq, scale, (g[0], g[1] + extra_blocks, 1))
+    writes = emulate(lay, q_rows, k, v, out, start, rows, max_seq, scale, window or max_seq,
+                     (g[0], g[1] + extra_blocks, 1))
     return out, writes
 
 
-@pytest.mark.parametrize("hd,group,warps,kv_heads,start,rows,buffer_rows,max_seq", EMU_CASES, ids=EMU_IDS)
-def test_emulation_matches_the_twin(layouts, hd, group, warps, kv_heads, start, rows, buffer_rows, max_seq):
+@pytest.mark.parametrize("hd,group,warps,kv_heads,start,rows,buffer_rows,max_seq,window", EMU_CASES, ids=EMU_IDS)
+def test_emulation_matches_the_twin(layouts, hd, group, warps, kv_heads, start, rows, buffer_rows, max_seq, window):
     lay = layouts(defines_of(hd, group, warps))
     q_rows, k, v, max_seq, scale = inputs(hd, group, kv_heads, start, rows, buffer_rows, seed=rows + start,
                                           max_seq=max_seq)
-    expected = run_twin(q_rows, k, v, start, rows, max_seq, scale)
-    got, writes = run_emulation(lay, q_rows, k, v, start, rows, max_seq, scale, extra_blocks=1)
+    if window:  # keys before the oldest window are never read either
+        k[:, :max(0, start + 1 - window)], v[:, :max(0, start + 1 - window)] = np.nan, np.nan
+    expected = run_twin(q_rows, k, v, start, rows, max_seq, scale, window)
+    got, writes = run_emulation(lay, q_rows, k, v, start, rows, max_seq, scale, extra_blocks=1, window=window)
     assert (writes[:rows] == 1).all() and (writes[rows:] == 0).all()  # every (row, head, dim) once; no more
     assert np.isnan(got[rows:].astype(np.float32)).all()
     assert np.isfinite(got[:rows].astype(np.float32)).all()
@@ -572,12 +595,20 @@ def _mutant(lay, name):
     elif name == "limit":  # off by one: the diagonal key masked
         bad.limits = lambda pos0, end: lay.limits(pos0, end) - 1
     elif name == "no_mask":  # the mask decided on the warp's last query instead of its first
-        bad.warp_flags = lambda key0, pos0, end: np.stack(
-            [lay.warp_flags(key0, pos0, end)[:, 0], key0 + lay.tile_k > lay.limits(pos0, end)[
+        bad.warp_flags = lambda key0, pos0, end, window: np.stack(
+            [lay.warp_flags(key0, pos0, end, window)[:, 0], key0 + lay.tile_k > lay.limits(pos0, end)[
                 np.arange(lay.warps) * 16 + 15]], axis=1)
     elif name == "skip_warp":  # a warp skips a tile only its last query sees
-        bad.warp_flags = lambda key0, pos0, end: np.stack(
-            [key0 < lay.limits(pos0, end)[np.arange(lay.warps) * 16], lay.warp_flags(key0, pos0, end)[:, 1]], axis=1)
+        bad.warp_flags = lambda key0, pos0, end, window: np.stack(
+            [key0 < lay.limits(pos0, end)[np.arange(lay.warps) * 16], lay.warp_flags(key0, pos0, end, window)[:, 1]],
+            axis=1)
+    elif name == "first":  # off by one: a key older than the window seen
+        bad.firsts = lambda pos0, end, window: (np.maximum(lay.firsts(pos0, end, window)[0] - 1, 0),
+                                                lay.firsts(pos0, end, window)[1])
+    elif name == "window_mask":  # the window's edge never masked: only the diagonal and the end
+        bad.warp_flags = lambda key0, pos0, end, window: lay.warp_flags(key0, pos0, end, end)
+    elif name == "first_tile":  # the key loop starts a tile late
+        bad.firsts = lambda pos0, end, window: (lay.firsts(pos0, end, window)[0], lay.firsts(pos0, end, window)[1] + 1)
     elif name == "query_off":  # row and head swapped in the Q/out offsets
         orig = lay.queries
         bad.queries = lambda rs: (orig(rs)[0], (np.arange(lay.block_q) % lay.group)[:, None] * rs
@@ -591,7 +622,8 @@ def _mutant(lay, name):
 
 
 MUTANTS = ["q_ldm_col", "k_ldm_row", "v_ldm_swap", "acc_col", "p_elem", "p_tile", "limit", "no_mask", "skip_warp",
-           "query_off", "copy_rows"]
+           "query_off", "copy_rows", "first", "window_mask", "first_tile"]
+WINDOWED = {"first": 20, "window_mask": 20, "first_tile": 90}  # the window the slips of its edge show at
 
 
 @pytest.mark.parametrize("mutant", MUTANTS)
@@ -599,9 +631,10 @@ def test_emulation_catches_index_slips(layouts, mutant):
     hd, group, warps, kv_heads, start, rows, buffer_rows = 32, 2, 4, 1, 50, 37, 40
     lay = _mutant(layouts(defines_of(hd, group, warps)), mutant)
     q_rows, k, v, max_seq, scale = inputs(hd, group, kv_heads, start, rows, buffer_rows, seed=7)
-    expected = run_twin(q_rows, k, v, start, rows, max_seq, scale)
+    window = WINDOWED.get(mutant)
+    expected = run_twin(q_rows, k, v, start, rows, max_seq, scale, window)
     try:
-        got, writes = run_emulation(lay, q_rows, k, v, start, rows, max_seq, scale)
+        got, writes = run_emulation(lay, q_rows, k, v, start, rows, max_seq, scale, window=window)
     except (HazardError, AssertionError, IndexError):
         return  # caught by a hazard, alignment or store-pairing check
     ok = (writes[:rows] == 1).all() and (writes[rows:] == 0).all() and np.allclose(
@@ -631,7 +664,8 @@ def _spec(hd, group, warps=ops.WARPS):
     return KernelSpec(ops.SOURCE, "attention_prefill_mma", defines_of(hd, group, warps))
 
 
-def _run_kernel(kernels, q_rows, k, v, start, rows, max_seq, scale, hd, group, warps=ops.WARPS, extra_blocks=0):
+def _run_kernel(kernels, q_rows, k, v, start, rows, max_seq, scale, hd, group, warps=ops.WARPS, extra_blocks=0,
+                window=None):
     import cupy as cp
 
     kv_heads = k.shape[0]
@@ -640,7 +674,7 @@ def _run_kernel(kernels, q_rows, k, v, start, rows, max_seq, scale, hd, group, w
     kernels.function(_spec(hd, group, warps))(
         (g[0], g[1] + extra_blocks), (ops.threads(warps),),
         (cp.asarray(q_rows), cp.asarray(k), cp.asarray(v), d_out, np.int32(start), np.int32(rows),
-         np.int32(max_seq), np.float32(scale)))
+         np.int32(max_seq), np.float32(scale), np.int32(window or max_seq)))
     return d_out.get()
 
 
@@ -658,6 +692,21 @@ def test_kernel_matches_twin(kernels, hd, group, start, rows):
     got = _run_kernel(kernels, q_rows, k, v, start, rows, max_seq, scale, hd, group)
     assert not np.isnan(got[:rows].astype(np.float32)).any()  # every (row, head) written
     assert np.isnan(got[rows:].astype(np.float32)).all()  # rows >= n_rows untouched
+    np.testing.assert_allclose(got[:rows].astype(np.float32), expected[:rows].astype(np.float32), rtol=2e-3,
+                               atol=2e-3)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("hd,group", [(128, 4), (64, 4)], ids=["hd128-g4", "hd64-g4"])
+@pytest.mark.parametrize("window", [1, 20, 100])
+def test_kernel_sliding_window_matches_twin(kernels, hd, group, window):
+    """Mistral's sliding window: 200 rows at position 37, keys older than every row's window NaN (never read)."""
+    start, rows = 37, 200
+    q_rows, k, v, max_seq, scale = inputs(hd, group, 2, start, rows, rows + 3, seed=window)
+    k[:, :max(0, start + 1 - window)], v[:, :max(0, start + 1 - window)] = np.nan, np.nan
+    expected = run_twin(q_rows, k, v, start, rows, max_seq, scale, window)
+    got = _run_kernel(kernels, q_rows, k, v, start, rows, max_seq, scale, hd, group, window=window)
+    assert np.isnan(got[rows:].astype(np.float32)).all()
     np.testing.assert_allclose(got[:rows].astype(np.float32), expected[:rows].astype(np.float32), rtol=2e-3,
                                atol=2e-3)
 
@@ -697,6 +746,6 @@ def test_kernel_tiling(kernels, hd, group):
                                 (("HEAD_DIM", hd), ("GROUP", group), ("ROWS_Q", rows_q))))(
         (3, -(-rows // rows_q)), (128,),
         (cp.asarray(q_rows), cp.asarray(k), cp.asarray(v), d_out, np.int32(start), np.int32(rows),
-         np.int32(max_seq), np.float32(scale)))
+         np.int32(max_seq), np.float32(scale), np.int32(max_seq)))
     np.testing.assert_allclose(d_out.get()[:rows].astype(np.float32), base[:rows].astype(np.float32), rtol=2e-3,
                                atol=2e-3)

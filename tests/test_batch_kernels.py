@@ -61,9 +61,9 @@ def qkv_spec(bits, tokens: int) -> KernelSpec:
 
 def check_qkv_batch(launch, bits, positions=(7, 0, 30, 12), table=((2, 0), (0, 0), (3, 0), (1, 0), (2, 1)),
                     d=64, heads=3, kv_heads=1, hd=16, seed=0):
-    """gemv_qkv_rope over rows of several slots (the table: any order, a slot left out, the last row a second
-    row of slot 2 at offset 1) against one-row launches of each row's slot: q bit for bit, and each row's K and V in
-    its slot's cache at its position, nothing else of any cache written (caches NaN-poisoned)."""
+    """gemv_qkv_rope (with a q|k|v bias) over rows of several slots (the table: any order, a slot left out, the last
+    row a second row of slot 2 at offset 1) against one-row launches of each row's slot: q bit for bit, and each
+    row's K and V in its slot's cache at its position, nothing else of any cache written (caches NaN-poisoned)."""
     rng = np.random.default_rng(seed)
     table = np.array(table, np.int32)
     rows, slots, max_seq = len(table), len(positions), max(positions) + 4
@@ -77,6 +77,7 @@ def check_qkv_batch(launch, bits, positions=(7, 0, 30, 12), table=((2, 0), (0, 0
         weights, group = quantized(rng, M, d, bits, 32), (np.int32(32),)
         per_block, threads = gemv_quant_twin.rows_per_block(bits, rows), gemv_quant_twin.THREADS
     rope = np.stack(rope_tables(hd, np.arange(max_seq), 10000.0), -1).astype(np.float32)
+    bias = (0.5 * rng.standard_normal(M)).astype(np.float16)  # [q|k|v rows] (Qwen2's; every row adds it alike)
     state = states(list(positions))
     shape = (np.int32(d), np.int32(heads), np.int32(kv_heads), np.int32(hd), np.int32(max_seq), np.float32(1e-5))
 
@@ -85,7 +86,7 @@ def check_qkv_batch(launch, bits, positions=(7, 0, 30, 12), table=((2, 0), (0, 0
         q = nan(n, heads * hd)
         caches = [nan(slots, kv_heads, max_seq, hd, dtype=np.float16) for _ in range(2)]
         launch(qkv_spec(bits, n), (-(-M // per_block),), threads,
-               (xs.copy(), g, *weights, q, *caches, rope, state.copy(), rows_table, *shape, *group))
+               (xs.copy(), g, *weights, bias, q, *caches, rope, state.copy(), rows_table, *shape, *group))
         return q, caches
 
     q, (k, v) = run(x, table, per_block)
@@ -131,12 +132,14 @@ def attention_batch(hd, group, kv_heads, positions, rows, seed=0):
     return q, k, v, max_seq, np.float32(1 / np.sqrt(hd))
 
 
-def check_attention_batch(launch, hd, group, kv_heads, splits, positions, table, seed=0):
+def check_attention_batch(launch, hd, group, kv_heads, splits, positions, table, seed=0, window=None):
     """attention_decode over the rows `table` of several slots against one-row launches of each row's slot and
     position (rows table [[slot, offset]]): the same bits (out and the split partials), counters left at zero;
-    and (for launchers other than the twins) close to the twin."""
+    and close to the twin and to a float32 reference over the row's own slot's keys (the last `window` of them
+    with a sliding window)."""
     table = np.array(table, np.int32)
     q, k, v, max_seq, scale = attention_batch(hd, group, kv_heads, positions, table, seed)
+    window = window or max_seq
     state, heads, rows = states(positions), kv_heads * group, len(table)
     spec = KernelSpec("attention.cu", "attention_decode", (("HEAD_DIM", hd), ("GROUP", group)))
 
@@ -144,7 +147,8 @@ def check_attention_batch(launch, hd, group, kv_heads, splits, positions, table,
         n = len(step_rows)
         out, part, count = nan(n, heads * hd), nan(n, heads, splits, hd + 2), np.zeros((n, kv_heads), np.uint32)
         launch(spec, (kv_heads, splits, n), plans.ATTENTION_THREADS,
-               (qs.copy(), k, v, part, count, out, state.copy(), step_rows, np.int32(max_seq), np.float32(scale)))
+               (qs.copy(), k, v, part, count, out, state.copy(), step_rows, np.int32(max_seq), np.float32(scale),
+                np.int32(window)))
         assert not count.any()
         return out, part
 
@@ -155,11 +159,11 @@ def check_attention_batch(launch, hd, group, kv_heads, splits, positions, table,
         np.testing.assert_array_equal(part[r:r + 1], part1, err_msg=f"row {r} {row.tolist()}")
     twin_out = nan(rows, heads * hd)
     attention_twin.attention_decode(q, k, v, nan(rows, heads, splits, hd + 2), np.zeros((rows, kv_heads), np.uint32),
-                                    twin_out, state, table, max_seq, scale, grid=(kv_heads, splits, rows))
+                                    twin_out, state, table, max_seq, scale, window, grid=(kv_heads, splits, rows))
     np.testing.assert_allclose(out, twin_out, rtol=1e-3, atol=1e-4)
-    for r, (slot, offset) in enumerate(table):  # and right: the row's slot's keys 0..pos, nobody else's
+    for r, (slot, offset) in enumerate(table):  # and right: the row's slot's keys (its window), nobody else's
         n = positions[slot] + offset + 1
-        keys, values = (c[slot, :, :n].astype(np.float32) for c in (k, v))
+        keys, values = (c[slot, :, max(0, n - window):n].astype(np.float32) for c in (k, v))
         qh = q[r].reshape(kv_heads, group, hd)
         s = np.einsum("kgd,knd->kgn", qh, keys) * scale
         p = np.exp(s - s.max(-1, keepdims=True))
@@ -170,6 +174,14 @@ def check_attention_batch(launch, hd, group, kv_heads, splits, positions, table,
 @pytest.mark.parametrize("hd,group,kv_heads,splits,positions,table", ATTENTION_BATCHES)
 def test_attention_twin_batch_rows_are_one_row_launches(hd, group, kv_heads, splits, positions, table):
     check_attention_batch(twin_launcher(), hd, group, kv_heads, splits, positions, table)
+
+
+# A sliding window (Mistral's) over slots some of whose rows see fewer keys than the window, some more
+WINDOW_BATCH = (32, 4, 2, 4, [40, 3, 0, 9, 120], [[4, 0], [1, 0], [0, 0], [3, 0]], 0, 11)
+
+
+def test_attention_twin_batch_rows_with_a_sliding_window():
+    check_attention_batch(twin_launcher(), *WINDOW_BATCH)
 
 
 # -- sample: each row its own slot's draw ----------------------------------------------------------------------
@@ -279,4 +291,9 @@ def test_gpu_sample_batch_rows_are_one_row_steps(kernels, V):
 @pytest.mark.parametrize("bits", QKV_CASES, ids=["fp16", "int4", "int8"])
 def test_gpu_qkv_batch_rows_are_one_row_launches(kernels, bits):
     check_qkv_batch(gpu_launcher(kernels), bits)
+
+
+@pytest.mark.gpu
+def test_gpu_attention_batch_rows_with_a_sliding_window(kernels):
+    check_attention_batch(gpu_launcher(kernels), *WINDOW_BATCH)
 

@@ -1,7 +1,7 @@
 """A batched decode step's kernels as written, on the CPU executor (cullama.emu), in every warp schedule: row r
 of a launch over several sequence slots equals a one-row launch of its slot at its position, bit for bit
-(gemv_qkv_rope, FP16 and INT4 / INT8, writing each row's K and V in its own slot; attention_decode over each row's
-own slot's keys; sample with each row's own slot's parameters, seen flags, state
+(gemv_qkv_rope, FP16 and INT4 / INT8 with a bias, writing each row's K and V in its own slot; attention_decode over
+each row's own slot's keys, with and without a sliding window; sample with each row's own slot's parameters, seen flags, state
 and counter). The same checks run on the twins and on a GPU in tests/test_batch_kernels.py."""
 
 import shutil
@@ -26,6 +26,11 @@ def test_qkv_batch_rows_are_one_row_launches(bits, schedule):
 @pytest.mark.parametrize("hd,group,kv_heads,splits,positions,table", checks.ATTENTION_BATCHES)
 def test_attention_batch_rows_are_one_row_launches(hd, group, kv_heads, splits, positions, table, schedule):
     checks.check_attention_batch(emu_launcher(schedule), hd, group, kv_heads, splits, positions, table)
+
+
+@pytest.mark.parametrize("schedule", emu.SCHEDULES)
+def test_attention_batch_rows_with_a_sliding_window(schedule):
+    checks.check_attention_batch(emu_launcher(schedule), *checks.WINDOW_BATCH)
 
 
 @pytest.mark.parametrize("schedule", emu.SCHEDULES)

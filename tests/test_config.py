@@ -99,7 +99,7 @@ def write_config(directory: Path, content) -> Path:
 
 
 @pytest.mark.parametrize("content, needle", [
-    (MINIMAL | {"model_type": "mistral"}, "model_type"),
+    (MINIMAL | {"model_type": "gemma"}, "model_type"),
     (MINIMAL | {"rope_scaling": {"type": "yarn", "factor": 2.0}}, "rope_scaling.type"),
     (MINIMAL | {"rope_parameters": {"rope_type": "longrope", "rope_theta": 5e5}}, "rope_parameters.rope_type"),
     (MINIMAL | {"attention_bias": True}, "attention_bias"),
@@ -176,7 +176,9 @@ def test_model_path_that_is_a_file(tmp_path):
     ({"architectures": "LlamaForCausalLM"}, 'architectures must be a list of strings, got "LlamaForCausalLM"'),
     ({"architectures": [7]}, "architectures must be a list of strings"),
     ({"architectures": ["MistralForCausalLM"]},
-     'architectures ["MistralForCausalLM"] is not supported (cullama runs LlamaForCausalLM)'),
+     'architectures ["MistralForCausalLM"] is not model_type "llama"\'s architecture'),
+    ({"architectures": ["GemmaForCausalLM"]}, 'architectures ["GemmaForCausalLM"] is not supported (cullama runs '
+                                             'LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM)'),
     ({"tie_word_embeddings": "false"}, "tie_word_embeddings must be true or false"),
     ({"tie_word_embeddings": 0}, "tie_word_embeddings"),
     ({"attention_bias": "false"}, "attention_bias must be true or false"),

@@ -126,11 +126,16 @@ def test_synthetic_tiny_equals_the_cpu_weights_and_tokens(fake):
         assert ids[0] == ids[1]
 
 
-def test_golden_logits_equal_the_cpu_path(fake):
-    directory, cases, _ = load_golden("tiny-gqa-sharded")
+@pytest.mark.parametrize("name", ["tiny-gqa-sharded", "tiny-llama3", "tiny-qwen2", "tiny-mistral"])
+def test_golden_logits_equal_the_cpu_path(fake, name):
+    """Every golden family through the CUDA backend's host code (BF16 converted on load, Qwen2's biases, Mistral's
+    window): its logits and greedy ids the numpy backend's, bit for bit."""
+    directory, cases, _ = load_golden(name)
     gpu, cpu = (Llama.from_pretrained(directory, device=d) for d in ("cuda", "cpu"))
     for case in cases:
         np.testing.assert_array_equal(gpu.logits(case["prompt_ids"]), cpu.logits(case["prompt_ids"]))
+    ids = [llm.generate(cases[0]["prompt_ids"], max_new_tokens=12, ignore_eos=True).token_ids for llm in (gpu, cpu)]
+    assert ids[0] == ids[1]
 
 
 def test_prefix_reuse_and_the_full_context_match_numpy(fake, stories_dir):

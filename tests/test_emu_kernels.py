@@ -79,16 +79,17 @@ def check_gemv(defines, schedule, source_dir=None):
     d, heads, kv, hd, max_seq, pos = 72, 3, 1, 8, 11, 5
     x, norm_w = rand(rng, d), rand(rng, d, dtype=np.float16)
     W = rand(rng, (heads + 2 * kv) * hd, d, scale=0.2, dtype=np.float16)
+    bias = rand(rng, (heads + 2 * kv) * hd, dtype=np.float16)  # Qwen2's q|k|v bias, added before RoPE
     rope = np.stack(rope_tables(hd, np.arange(max_seq), 10000.0), -1).astype(np.float32)
     state = np.array([pos, 0, 0, 0, 0, 0, 0, 0], np.int32)
     scalars = (np.int32(d), np.int32(heads), np.int32(kv), np.int32(hd), np.int32(max_seq), EPS)
     q, kc, vc = nan(heads * hd), nan(kv, max_seq, hd, dtype=np.float16), nan(kv, max_seq, hd, dtype=np.float16)
     rq, rk, rv = q.copy(), kc.copy(), vc.copy()
     one_row = np.zeros((1, 2), np.int32)  # the rows table of a decode step: slot 0, offset 0
-    gemv_twin.gemv_qkv_rope(x, norm_w, W, rq, rk, rv, rope, state, one_row, *scalars)
+    gemv_twin.gemv_qkv_rope(x, norm_w, W, bias, rq, rk, rv, rope, state, one_row, *scalars)
     pairs = (heads + 2 * kv) * hd // 2
     run(spec("gemv_qkv_rope"), -(-pairs // (rows // 2)), GEMV_THREADS,
-        (x, norm_w, W, q, kc, vc, rope, state, one_row, *scalars), schedule, source_dir)
+        (x, norm_w, W, bias, q, kc, vc, rope, state, one_row, *scalars), schedule, source_dir)
     close(q, rq, 1e-5, "gemv_qkv_rope q")
     close(kc[:, pos], rk[:, pos], 2e-3, "gemv_qkv_rope k")
     close(vc[:, pos], rv[:, pos], 2e-3, "gemv_qkv_rope v")
@@ -132,39 +133,50 @@ def test_gemv(defines, schedule):
 # -- attention.cu ---------------------------------------------------------------------------------------
 # The twins use NumPy's matmul and exp: outputs and split partials within float32 rounding. Exact: an empty
 # split's partial (acc 0, m -inf, l 0), the arrival counters back at 0, prefill rows past n_rows untouched.
-def check_attention_decode(defines, schedule, source_dir=None):
+def check_attention_decode(defines, schedule, source_dir=None, n=20, window=None):
+    """20 keys in 6 splits of 4 (the sixth empty); with a window, the splits divide the window's keys alone: keys
+    older than it are NaN (never read)."""
     d = dict(defines)
-    hd, group, kv_heads, n, splits = d["HEAD_DIM"], d["GROUP"], 2, 20, 6  # chunk 4: the sixth split is empty
+    hd, group, kv_heads, splits = d["HEAD_DIM"], d["GROUP"], 2, 6
     q, k, v, state, max_seq, scale = attention_cases.decode_inputs(hd, group, kv_heads, n, splits, seed=hd + group)
-    ref_part, _, ref_out = attention_cases.run_decode_twin(q, k, v, state, max_seq, scale, splits)
+    if window:
+        k[:, :max(0, n - window)], v[:, :max(0, n - window)] = np.nan, np.nan
+    ref_part, _, ref_out = attention_cases.run_decode_twin(q, k, v, state, max_seq, scale, splits, window)
     part, out, count = nan(*ref_part.shape), nan(*ref_out.shape), np.zeros(kv_heads, np.uint32)
     spec = KernelSpec("attention.cu", "attention_decode", (("HEAD_DIM", hd), ("GROUP", group)))
     run(spec, (kv_heads, splits), ATTENTION_THREADS,
-        (q, k, v, part, count, out, state, attention_cases.ONE_ROW, np.int32(max_seq), np.float32(scale)), schedule,
-        source_dir)
+        (q, k, v, part, count, out, state, attention_cases.ONE_ROW, np.int32(max_seq), np.float32(scale),
+         np.int32(window or max_seq)),
+        schedule, source_dir)
     close(out, ref_out, 1e-5, "attention_decode out")
-    close(part[:, :-1], ref_part[:, :-1], 1e-5, "attention_decode partials")
-    exact(part[:, -1], ref_part[:, -1], "attention_decode's empty split")
+    empty = np.isinf(ref_part[0, :, hd])  # the splits past the keys: acc 0, m -inf, l 0, exactly
+    assert empty[-1] and not empty[0]
+    close(part[:, ~empty], ref_part[:, ~empty], 1e-5, "attention_decode partials")
+    exact(part[:, empty], ref_part[:, empty], "attention_decode's empty splits")
     exact(count, np.zeros(kv_heads, np.uint32), "attention_decode arrival counters")
 
 
-def check_prefill_attention(spec, rows_per_block, threads, hd, group, start, n, schedule, source_dir):
+def check_prefill_attention(spec, rows_per_block, threads, hd, group, start, n, schedule, source_dir, window=None):
     """attention_prefill's contract, which attention_prefill_mma shares: rows < n within 2e-3 of the twin (FP16
-    out), rows past n untouched, a grid one block taller than needed harmless. Keys past the chunk are NaN."""
+    out), rows past n untouched, a grid one block taller than needed harmless. Keys past the chunk are NaN, and
+    with a sliding window the keys older than every row's window too."""
     kv_heads = 2
     q_rows, k, v, max_seq, scale = mma_cases.inputs(hd, group, kv_heads, start, n, n + 3, seed=hd + group)
-    ref = mma_cases.run_twin(q_rows, k, v, start, n, max_seq, scale)
+    if window:
+        k[:, :max(0, start + 1 - window)], v[:, :max(0, start + 1 - window)] = np.nan, np.nan
+    ref = mma_cases.run_twin(q_rows, k, v, start, n, max_seq, scale, window)
     out = nan(*q_rows.shape, dtype=np.float16)
     run(spec, (kv_heads, -(-n // rows_per_block) + 1), threads,
-        (q_rows, k, v, out, np.int32(start), np.int32(n), np.int32(max_seq), np.float32(scale)), schedule, source_dir)
+        (q_rows, k, v, out, np.int32(start), np.int32(n), np.int32(max_seq), np.float32(scale),
+         np.int32(window or max_seq)), schedule, source_dir)
     close(out[:n], ref[:n], 2e-3, spec.name)
     exact(out[n:], ref[n:], f"{spec.name} rows past n_rows")
 
 
-def check_attention_prefill(defines, schedule, source_dir=None):
+def check_attention_prefill(defines, schedule, source_dir=None, window=None):
     d = dict(defines)
     check_prefill_attention(KernelSpec("attention.cu", "attention_prefill", tuple(defines)), d["ROWS_Q"],
-                            ATTENTION_THREADS, d["HEAD_DIM"], d["GROUP"], 9, 13, schedule, source_dir)
+                            ATTENTION_THREADS, d["HEAD_DIM"], d["GROUP"], 9, 13, schedule, source_dir, window)
 
 
 @pytest.mark.parametrize("schedule", SCHEDULES)
@@ -174,19 +186,40 @@ def test_attention(defines, schedule):
     check_attention_prefill(defines, schedule)
 
 
+# A sliding window (Mistral): decode over 50 keys, a window of 13 (splits of 3, 3, 3, 3, 1 and an empty sixth)
+# and of 1; prefill rows 9..21 with windows of 4 (the edge inside every block) and 1 (each row its own key).
+@pytest.mark.parametrize("schedule", SCHEDULES)
+@pytest.mark.parametrize("defines", attention_twin.VARIANTS[:3] + attention_twin.VARIANTS[-2:],
+                         ids=ids(attention_twin.VARIANTS[:3] + attention_twin.VARIANTS[-2:]))
+def test_attention_sliding_window(defines, schedule):
+    for window in (13, 1):
+        check_attention_decode(defines, schedule, n=50, window=window)
+    for window in (4, 1):
+        check_attention_prefill(defines, schedule, window=window)
+
+
 # -- attention_mma.cu: P is rounded to FP16 for the tensor cores, the twin keeps float32: within 2e-3 ------
-def check_attention_mma(defines, schedule, source_dir=None):
+def check_attention_mma(defines, schedule, source_dir=None, window=None):
     d = dict(defines)
     hd, group, warps = d["HEAD_DIM"], d["GROUP"], d["WARPS"]
     check_prefill_attention(KernelSpec("attention_mma.cu", "attention_prefill_mma", tuple(defines)),
                             attention_mma_ops.rows_per_block(group, warps), attention_mma_ops.threads(warps), hd, group,
-                            70, 75, schedule, source_dir)  # keys 0..144: three 64-key tiles
+                            70, 75, schedule, source_dir, window)  # keys 0..144: three 64-key tiles
 
 
 @pytest.mark.parametrize("schedule", SCHEDULES)
 @pytest.mark.parametrize("defines", attention_mma_ops.VARIANTS, ids=ids(attention_mma_ops.VARIANTS))
 def test_attention_mma(defines, schedule):
     check_attention_mma(defines, schedule)
+
+
+# Windows of 20 (the first key tile past key 0 for the later rows' blocks, the edge inside a tile) and 1.
+@pytest.mark.parametrize("schedule", SCHEDULES)
+@pytest.mark.parametrize("defines", attention_mma_ops.VARIANTS[:2] + attention_mma_ops.VARIANTS[-1:],
+                         ids=ids(attention_mma_ops.VARIANTS[:2] + attention_mma_ops.VARIANTS[-1:]))
+def test_attention_mma_sliding_window(defines, schedule):
+    for window in (20, 1):
+        check_attention_mma(defines, schedule, window=window)
 
 
 # -- gemm.cu and gemm_wgmma.cu: C = A W^T (+ C) -------------------------------------------------------------
@@ -259,13 +292,14 @@ def check_prefill(schedule, source_dir=None):
     hd, heads, kv, start = 8, 3, 1, 4
     max_seq = start + n + 2
     qkv = rand(rng, chunk, (heads + 2 * kv) * hd)
+    bias = rand(rng, (heads + 2 * kv) * hd, dtype=np.float16)  # Qwen2's q|k|v bias, added before RoPE
     rope = np.stack(rope_tables(hd, np.arange(max_seq), 10000.0), -1).astype(np.float32)
     outs = [nan(chunk, heads * hd, dtype=np.float16), nan(kv, max_seq, hd, dtype=np.float16),
             nan(kv, max_seq, hd, dtype=np.float16)]
     refs = [o.copy() for o in outs]
     scalars = (np.int32(start), np.int32(heads), np.int32(kv), np.int32(hd), np.int32(max_seq))
-    prefill_twin.rope_kv_rows(qkv, rope, *refs, *scalars, grid=(n, 1, 1))
-    run(spec("rope_kv_rows"), n, ROW_THREADS, (qkv, rope, *outs, *scalars), schedule, source_dir)
+    prefill_twin.rope_kv_rows(qkv, bias, rope, *refs, *scalars, grid=(n, 1, 1))
+    run(spec("rope_kv_rows"), n, ROW_THREADS, (qkv, bias, rope, *outs, *scalars), schedule, source_dir)
     for out, ref, what in zip(outs, refs, ("q_rows", "k_cache", "v_cache")):
         exact(out, ref, f"rope_kv_rows {what}")
     ff = 40
@@ -280,6 +314,46 @@ def check_prefill(schedule, source_dir=None):
 @pytest.mark.parametrize("schedule", SCHEDULES)
 def test_prefill_rows(schedule):
     check_prefill(schedule)
+
+
+# The QKV epilogue (the bias, RoPE, the cache write) at the head widths and groups of LLaMA-3.2-1B (64 x GQA 4),
+# LLaMA-3-8B and Mistral-7B (128 x 4) and Qwen2.5-7B (128 x 7), where the checks above use hd 8: in decode
+# (gemv_qkv_rope, the plan's variant) and in the prefill (rope_kv_rows), the same tolerances as there.
+@pytest.mark.parametrize("schedule", SCHEDULES)
+@pytest.mark.parametrize("hd,group", [(64, 4), (128, 4), (128, 7)], ids=["hd64-gqa4", "hd128-gqa4", "hd128-gqa7"])
+def test_qkv_epilogue_at_llama3_and_qwen2_head_dims(hd, group, schedule):
+    from cullama import plan
+
+    rng = np.random.default_rng(hd + group)
+    kv, d, pos, n, chunk = 2, 72, 5, 3, 4
+    heads, max_seq = kv * group, pos + n + 2
+    rows = (heads + 2 * kv) * hd
+    bias = rand(rng, rows, dtype=np.float16)  # [q|k|v rows]
+    rope = np.stack(rope_tables(hd, np.arange(max_seq), 500000.0), -1).astype(np.float32)  # [max_seq, hd / 2, 2]
+    x, norm_w, W = rand(rng, d), rand(rng, d, dtype=np.float16), rand(rng, rows, d, scale=0.2, dtype=np.float16)
+    state = np.array([pos, 0, 0, 0, 0, 0, 0, 0], np.int32)
+    scalars = (np.int32(d), np.int32(heads), np.int32(kv), np.int32(hd), np.int32(max_seq), EPS)
+    q, kc, vc = nan(heads * hd), nan(kv, max_seq, hd, dtype=np.float16), nan(kv, max_seq, hd, dtype=np.float16)
+    rq, rk, rv = q.copy(), kc.copy(), vc.copy()
+    one_row = np.zeros((1, 2), np.int32)  # the rows table of a decode step: slot 0, offset 0
+    gemv_twin.gemv_qkv_rope(x, norm_w, W, bias, rq, rk, rv, rope, state, one_row, *scalars)
+    run(plan.gemv("gemv_qkv_rope"), -(-rows // plan.gemv_rows()), GEMV_THREADS,
+        (x, norm_w, W, bias, q, kc, vc, rope, state, one_row, *scalars), schedule)
+    close(q, rq, 1e-5, "gemv_qkv_rope q")
+    close(kc[:, pos], rk[:, pos], 2e-3, "gemv_qkv_rope k")
+    close(vc[:, pos], rv[:, pos], 2e-3, "gemv_qkv_rope v")
+    exact(np.delete(kc, pos, axis=1), np.delete(rk, pos, axis=1), "k_cache outside the position")
+    exact(np.delete(vc, pos, axis=1), np.delete(rv, pos, axis=1), "v_cache outside the position")
+
+    qkv = rand(rng, chunk, rows)  # [chunk, q|k|v rows] f32: the prefill GEMM's output
+    outs = [nan(chunk, heads * hd, dtype=np.float16), nan(kv, max_seq, hd, dtype=np.float16),
+            nan(kv, max_seq, hd, dtype=np.float16)]
+    refs = [o.copy() for o in outs]
+    row_scalars = (np.int32(pos), np.int32(heads), np.int32(kv), np.int32(hd), np.int32(max_seq))
+    prefill_twin.rope_kv_rows(qkv, bias, rope, *refs, *row_scalars, grid=(n, 1, 1))
+    run(KernelSpec("prefill.cu", "rope_kv_rows"), n, ROW_THREADS, (qkv, bias, rope, *outs, *row_scalars), schedule)
+    for out, ref, what in zip(outs, refs, ("q_rows", "k_cache", "v_cache")):
+        exact(out, ref, f"rope_kv_rows {what}")
 
 
 # -- sampling.cu --------------------------------------------------------------------------------------------
@@ -322,10 +396,14 @@ def test_sample(options, schedule):
     check_sample(options, 1000, schedule)
 
 
-@pytest.mark.parametrize("options", [SAMPLE_OPTIONS[1], SAMPLE_OPTIONS[5]], ids=["greedy", "sampled"])
-def test_sample_past_the_on_chip_ids(options):
-    """V = 33001 > 1024 x 32: each thread re-reads the ids past its registers and shared memory at every pass."""
-    check_sample(options, 33001, "shuffled", draws=1)
+@pytest.mark.parametrize("V", [33001, 152065], ids=["33001", "qwen2.5-152065"])
+@pytest.mark.parametrize("options", [SAMPLE_OPTIONS[1], SAMPLE_OPTIONS[5], SAMPLE_OPTIONS[3]],
+                         ids=["greedy", "sampled-both-cuts", "sampled-top-k"])
+def test_sample_past_the_on_chip_ids(options, V):
+    """V > 1024 x 32: each thread re-reads the ids past its registers and shared memory at every pass; at 152,065
+    (Qwen2.5's 152,064 and one: odd) 120 of its 152 ids, in every top-k and top-p pass. Exact as at any V: the
+    greedy token, and the sampled one within rounding of a bucket edge."""
+    check_sample(options, V, "shuffled", draws=1)
 
 
 @pytest.mark.parametrize("schedule", SCHEDULES)

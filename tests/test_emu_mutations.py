@@ -82,6 +82,21 @@ MUTATIONS = [
      "pf[kk][r] = pack_f16x2(sc[am_p_tile(kk, r)][am_p_elem(r, 1)],\n                                           "
      "sc[am_p_tile(kk, r)][am_p_elem(r, 0)]);",
      lambda s, d: checks.check_attention_mma((("HEAD_DIM", 32), ("GROUP", 1), ("WARPS", 4)), s, d)),
+    ("attention-prefill-window-one-key-long", "attention.cu", "min(j / GROUP, end - first_end) - window);",
+     "min(j / GROUP, end - first_end) - window - 1);",
+     # 4 rows a block: the rows after the first see keys the block loads for the first, masked for them
+     lambda s, d: checks.check_attention_prefill((("HEAD_DIM", 32), ("GROUP", 1), ("ROWS_Q", 4)), s, d, window=4)),
+    ("attention-decode-splits-the-whole-context", "attention.cu", "const int first = max(n - window, 0);",
+     "const int first = 0 * max(n - window, 0);",
+     lambda s, d: checks.check_attention_decode((("HEAD_DIM", 32), ("GROUP", 4)), s, d, n=50, window=13)),
+    ("attention-mma-window-edge-unmasked", "attention_mma.cu", " || key < first[e / 2])", ")",
+     lambda s, d: checks.check_attention_mma((("HEAD_DIM", 32), ("GROUP", 4), ("WARPS", 4)), s, d, window=20)),
+    ("rope-kv-rows-bias-dropped", "prefill.cu", "__fadd_rn(row[at], h2f(bias[at]))", "row[at]",
+     lambda s, d: checks.check_prefill(s, d)),
+    # the ids past the 32 a thread holds on chip never re-read: seen only past V = 32768 (LLaMA-3's, Qwen2's)
+    ("sample-ids-past-the-chip-dropped", "sampling.cu", "for (int j = ITEMS; j < n; ++j) {",
+     "for (int j = ITEMS; j < 0; ++j) {",
+     lambda s, d: checks.check_sample(checks.SAMPLE_OPTIONS[5], 152065, s, d, draws=1)),
     ("sample-block-reduce-barrier-removed", "sampling.cu",
      "    if (threadIdx.x % WARP == 0) buf[threadIdx.x / WARP] = v;\n    __syncthreads();",
      "    if (threadIdx.x % WARP == 0) buf[threadIdx.x / WARP] = v;",

@@ -121,9 +121,15 @@ def test_mma_attention_on_the_executor_equals_the_gpu(kernels, defines):
     spec = KernelSpec("attention_mma.cu", "attention_prefill_mma", tuple(defines))
     grid = (kv_heads, -(-n // attention_mma_ops.rows_per_block(group, warps)))
     gpu, cpu = both(kernels, spec, grid, attention_mma_ops.threads(warps),
-                    (q_rows, k, v, out, np.int32(start), np.int32(n), np.int32(max_seq), np.float32(scale)))
+                    (q_rows, k, v, out, np.int32(start), np.int32(n), np.int32(max_seq), np.float32(scale),
+                     np.int32(max_seq)))
     bound = np.maximum(np.abs(cpu[3].astype(np.float64)), 1.0)  # an FP16 rounding or two of the output
     agree(f"attention_prefill_mma {d}", gpu[3], cpu[3], bound, 2e-3)
+    gpu, cpu = both(kernels, spec, grid, attention_mma_ops.threads(warps),  # a sliding window of 50 keys
+                    (q_rows, k, v, out, np.int32(start), np.int32(n), np.int32(max_seq), np.float32(scale),
+                     np.int32(50)))
+    agree(f"attention_prefill_mma {d}, window 50", gpu[3], cpu[3], np.maximum(np.abs(cpu[3].astype(np.float64)),
+                                                                              1.0), 2e-3)
 
 
 def same_bits(what: str, gpu: np.ndarray, cpu: np.ndarray) -> None:
@@ -139,8 +145,8 @@ def same_bits(what: str, gpu: np.ndarray, cpu: np.ndarray) -> None:
 
 def test_nan_conversions_on_the_executor_equal_the_gpu(kernels):
     """A NaN of any sign and payload through cvt.f32.f16 (embed_rows widens every FP16 NaN) and cvt.rn.f16.f32
-    (rope_kv_rows stores v unrotated, q and k after arithmetic on NaNs): the executor gives the canonical NaN
-    (0x7FFFFFFF, 0x7FFF), which must be the GPU's bit for bit (cullama/emu/emu_abi.h)."""
+    (rope_kv_rows stores v unrotated after the bias's add.rn, q and k after more arithmetic on NaNs): the executor
+    gives the canonical NaN (0x7FFFFFFF, 0x7FFF), which must be the GPU's bit for bit (cullama/emu/emu_abi.h)."""
     halves = np.concatenate([np.arange(0x7C01, 0x8000), np.arange(0xFC01, 0x10000), [0x7C00, 0x3C00]])
     embed = halves.astype(np.uint16).view(np.float16).reshape(1, -1)  # [1, 2048]: every FP16 NaN
     d = embed.shape[1]
@@ -158,9 +164,10 @@ def test_nan_conversions_on_the_executor_equal_the_gpu(kernels):
                                                                           (kv_heads, n, hd)))
     with np.errstate(invalid="ignore"):  # the fake GPU's twin multiplies NaNs
         gpu, cpu = both(kernels, KernelSpec("prefill.cu", "rope_kv_rows"), (n,), 256,
-                        (qkv, rope, q_rows, k_cache, v_cache, np.int32(0), np.int32(heads), np.int32(kv_heads),
+                        (qkv, np.zeros(qkv.shape[1], np.float16), rope, q_rows, k_cache, v_cache, np.int32(0),
+                         np.int32(heads), np.int32(kv_heads),
                          np.int32(hd), np.int32(n)))
-    for i, what in ((2, "q_rows"), (3, "k_cache"), (4, "v_cache")):
+    for i, what in ((3, "q_rows"), (4, "k_cache"), (5, "v_cache")):
         same_bits(f"rope_kv_rows {what} (cvt.rn.f16.f32)", gpu[i], cpu[i])
 
 

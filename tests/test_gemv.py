@@ -16,9 +16,11 @@ def rand(rng, *shape, scale=1.0, dtype=np.float16):
     return (scale * rng.standard_normal(shape)).astype(dtype)
 
 
-def qkv_case(rng, d=72, heads=3, kv_heads=1, hd=8, max_seq=11, pos=5):
+def qkv_case(rng, d=72, heads=3, kv_heads=1, hd=8, max_seq=11, pos=5, bias=True):
+    """A q|k|v case; with `bias`, Qwen2's q|k|v bias (else zeros: a model without one)."""
     rows = (heads + 2 * kv_heads) * hd
     return dict(x=rand(rng, d, dtype=np.float32), norm_w=rand(rng, d), W=rand(rng, rows, d, scale=0.2),
+                bias=rand(rng, rows) if bias else np.zeros(rows, np.float16),
                 rope=np.stack(rope_tables(hd, np.arange(max_seq), 10000.0), -1).astype(np.float32),
                 state=np.array([pos, 0, 0, 0, 0, 0, 0, 0], np.int32), d=d, heads=heads, kv_heads=kv_heads,
                 hd=hd, max_seq=max_seq)
@@ -26,7 +28,7 @@ def qkv_case(rng, d=72, heads=3, kv_heads=1, hd=8, max_seq=11, pos=5):
 
 def expected_qkv(c):
     h = rmsnorm(c["x"][None].astype(np.float32), c["norm_w"].astype(np.float32), EPS)
-    y = (h @ c["W"].astype(np.float32).T)[0]
+    y = (h @ c["W"].astype(np.float32).T)[0] + c["bias"].astype(np.float32)
     hd, nh, nkv, pos = c["hd"], c["heads"], c["kv_heads"], int(c["state"][0])
     cos, sin = rope_tables(hd, np.array([pos]), 10000.0)
     q = apply_rope(y[:nh * hd].reshape(1, nh, hd), cos, sin).reshape(-1)
@@ -34,13 +36,15 @@ def expected_qkv(c):
     return q, k, y[(nh + nkv) * hd:].reshape(nkv, hd)
 
 
+@pytest.mark.parametrize("bias", [True, False], ids=["bias", "no-bias"])
 @pytest.mark.parametrize("hd,heads,kv_heads", [(8, 3, 1), (32, 4, 2), (128, 2, 2)])
-def test_qkv_rope_twin_matches_reference(hd, heads, kv_heads):
-    c = qkv_case(np.random.default_rng(hd), d=88, heads=heads, kv_heads=kv_heads, hd=hd)
+def test_qkv_rope_twin_matches_reference(hd, heads, kv_heads, bias):
+    c = qkv_case(np.random.default_rng(hd), d=88, heads=heads, kv_heads=kv_heads, hd=hd, bias=bias)
     q = np.full(heads * hd, np.nan, np.float32)
     k_cache = np.zeros((kv_heads, c["max_seq"], hd), np.float16)
     v_cache = np.zeros_like(k_cache)
-    twin.gemv_qkv_rope(c["x"], c["norm_w"], c["W"], q, k_cache, v_cache, c["rope"], c["state"], ONE_ROW, c["d"],
+    twin.gemv_qkv_rope(c["x"], c["norm_w"], c["W"], c["bias"], q, k_cache, v_cache, c["rope"], c["state"], ONE_ROW,
+                       c["d"],
                        heads, kv_heads, hd, c["max_seq"], EPS)
     q_ref, k_ref, v_ref = expected_qkv(c)
     np.testing.assert_allclose(q, q_ref, rtol=1e-4, atol=1e-4)
@@ -69,7 +73,8 @@ def test_gate_up_residual_and_logits_twins():
 
 # -- GPU: every kernel against its twin, fresh random data, odd sizes, outputs poisoned ------------
 @pytest.mark.gpu
-@pytest.mark.parametrize("hd,heads,kv_heads,d", [(8, 8, 4, 64), (32, 5, 1, 136), (128, 32, 32, 4096)])
+@pytest.mark.parametrize("hd,heads,kv_heads,d", [(8, 8, 4, 64), (32, 5, 1, 136), (128, 32, 32, 4096),
+                                                (64, 32, 8, 2048), (128, 28, 4, 3584)])  # LLaMA-3.2-1B, Qwen2.5-7B
 def test_gpu_qkv_rope(kernels, hd, heads, kv_heads, d):
     import cupy as cp
 
@@ -77,14 +82,16 @@ def test_gpu_qkv_rope(kernels, hd, heads, kv_heads, d):
     q = np.empty(heads * hd, np.float32)
     k_cache, v_cache = (np.zeros((kv_heads, 40, hd), np.float16) for _ in range(2))
     args = (c["d"], heads, kv_heads, hd, c["max_seq"], EPS)
-    twin.gemv_qkv_rope(c["x"], c["norm_w"], c["W"], q, k_cache, v_cache, c["rope"], c["state"], ONE_ROW, *args)
+    twin.gemv_qkv_rope(c["x"], c["norm_w"], c["W"], c["bias"], q, k_cache, v_cache, c["rope"], c["state"], ONE_ROW,
+                       *args)
     dq = poisoned(cp, q.shape, np.float32)
     dk, dv = (poisoned(cp, k_cache.shape, np.float16) for _ in range(2))
     rows = (heads + 2 * kv_heads) * hd
     kernels.function(gemv("gemv_qkv_rope"))(
         (cdiv(rows // 2, GEMV_ROWS // 2),), (GEMV_THREADS,),
-        (cp.asarray(c["x"]), cp.asarray(c["norm_w"]), cp.asarray(c["W"]), dq, dk, dv, cp.asarray(c["rope"]),
-         cp.asarray(c["state"]), cp.asarray(ONE_ROW), *[np.int32(a) for a in args[:5]], np.float32(EPS)))
+        (cp.asarray(c["x"]), cp.asarray(c["norm_w"]), cp.asarray(c["W"]), cp.asarray(c["bias"]), dq, dk, dv,
+         cp.asarray(c["rope"]), cp.asarray(c["state"]), cp.asarray(ONE_ROW), *[np.int32(a) for a in args[:5]],
+         np.float32(EPS)))
     np.testing.assert_allclose(dq.get(), q, rtol=2e-3, atol=2e-3)
     np.testing.assert_allclose(dk.get()[:, 37], k_cache[:, 37], rtol=2e-3, atol=2e-3)
     np.testing.assert_allclose(dv.get()[:, 37], v_cache[:, 37], rtol=2e-3, atol=2e-3)

@@ -62,8 +62,9 @@ def exact(out, ref, what):
 
 
 # -- one launch of each kernel -----------------------------------------------------------------------------------
-def run_qkv(launch, defines, x, norm_w, qw, qp, rope, pos, heads, kv_heads, hd, max_seq, group):
-    """gemv_qkv_rope on token rows x [T, d] (T = the defines' TOKENS): (q [T, heads hd], k_cache, v_cache), all
+def run_qkv(launch, defines, x, norm_w, qw, qp, bias, rope, pos, heads, kv_heads, hd, max_seq, group):
+    """gemv_qkv_rope (with a q|k|v bias, FP16 beside the codes as AWQ and GPTQ keep Qwen2's) on token rows x [T, d]
+    (T = the defines' TOKENS): (q [T, heads hd], k_cache, v_cache), all
     NaN before the launch (q's rows at a stride of heads hd: no room for a guard; the caches are checked outside
     the positions written)."""
     T, d = x.shape
@@ -71,7 +72,7 @@ def run_qkv(launch, defines, x, norm_w, qw, qp, rope, pos, heads, kv_heads, hd, 
     caches = [nan(kv_heads, max_seq, hd, dtype=np.float16) for _ in range(2)]
     pairs = (heads + 2 * kv_heads) * hd // 2
     launch(spec("gemv_qkv_rope", defines), (-(-pairs // (dict(defines)["ROWS"] // 2)),), twin.THREADS,
-           (x, norm_w, qw, qp, q, *caches, rope, state_at(pos), verify_rows(T), np.int32(d), np.int32(heads),
+           (x, norm_w, qw, qp, bias, q, *caches, rope, state_at(pos), verify_rows(T), np.int32(d), np.int32(heads),
             np.int32(kv_heads), np.int32(hd), np.int32(max_seq), EPS, np.int32(group)))
     return q, caches[0], caches[1]
 
@@ -126,12 +127,13 @@ def check_gemv_quant(launch, defines, cases=None, seed=0):
         max_seq = pos + 3
         x, norm_w = rand(rng, 1, K), rand(rng, K, dtype=np.float16)
         qw, qp = quantized(rng, (heads + 2 * kv_heads) * hd, K, bits, group)
+        bias = rand(rng, (heads + 2 * kv_heads) * hd, dtype=np.float16)
         rope = np.stack(rope_tables(hd, np.arange(max_seq), 10000.0), -1).astype(np.float32)
-        q, kc, vc = run_qkv(launch, defines, x, norm_w, qw, qp, rope, pos, heads, kv_heads, hd, max_seq, group)
+        q, kc, vc = run_qkv(launch, defines, x, norm_w, qw, qp, bias, rope, pos, heads, kv_heads, hd, max_seq, group)
         rq, rk, rv = nan(1, heads * hd), nan(kv_heads, max_seq, hd, dtype=np.float16), \
             nan(kv_heads, max_seq, hd, dtype=np.float16)
-        twin.gemv_qkv_rope(x, norm_w, qw, qp, rq, rk, rv, rope, state_at(pos), verify_rows(1), K, heads, kv_heads, hd,
-                           max_seq, EPS, group)
+        twin.gemv_qkv_rope(x, norm_w, qw, qp, bias, rq, rk, rv, rope, state_at(pos), verify_rows(1), K, heads,
+                           kv_heads, hd, max_seq, EPS, group)
         close(q, rq, 2e-5, f"gemv_qkv_rope q, {where}")
         close(kc[:, pos], rk[:, pos], 2e-3, f"gemv_qkv_rope k, {where}")
         close(vc[:, pos], rv[:, pos], 2e-3, f"gemv_qkv_rope v, {where}")
@@ -164,7 +166,8 @@ def check_gemv_quant_rows(launch, bits, rows, K=192, group=64, heads=3, kv_heads
     max_seq = pos + rows + 2
     x, norm_w, inp = rand(rng, rows, K), rand(rng, K, dtype=np.float16), rand(rng, rows, K)
     x0 = rand(rng, rows, M)
-    w_qkv = quantized(rng, (heads + 2 * kv_heads) * hd, K, bits, group)
+    w_qkv = (*quantized(rng, (heads + 2 * kv_heads) * hd, K, bits, group),
+             rand(rng, (heads + 2 * kv_heads) * hd, dtype=np.float16))  # codes, (scale, zero)s, the q|k|v bias
     w_res, w_gu = quantized(rng, M, K, bits, group), quantized(rng, 2 * ff, K, bits, group)
     rope = np.stack(rope_tables(hd, np.arange(max_seq), 10000.0), -1).astype(np.float32)
 
@@ -205,9 +208,10 @@ def test_twins_match_the_reference_on_the_dequantized_weights(bits):
     rope = np.stack(rope_tables(hd, np.arange(pos + 1), 10000.0), -1).astype(np.float32)
     q = np.full(heads * hd, np.nan, np.float32)
     caches = [np.zeros((kv_heads, pos + 1, hd), np.float16) for _ in range(2)]
-    twin.gemv_qkv_rope(x, norm_w, *qkv, q, *caches, rope, state_at(pos), verify_rows(1), d, heads, kv_heads, hd, pos + 1,
-                       EPS, group)
-    y = w @ n
+    bias = rand(rng, (heads + 2 * kv_heads) * hd, dtype=np.float16)
+    twin.gemv_qkv_rope(x, norm_w, *qkv, bias, q, *caches, rope, state_at(pos), verify_rows(1), d, heads, kv_heads, hd,
+                       pos + 1, EPS, group)
+    y = w @ n + bias.astype(np.float32)
     cos, sin = rope_tables(hd, np.array([pos]), 10000.0)
     np.testing.assert_allclose(q, apply_rope(y[:heads * hd].reshape(1, heads, hd), cos, sin).reshape(-1),
                                rtol=1e-4, atol=1e-4)
@@ -304,12 +308,14 @@ def test_gpu_llama2_7b_shapes(kernels, bits, kernel, M, K):
         rope = np.stack(rope_tables(hd, np.arange(max_seq), 10000.0), -1).astype(np.float32)
         q, caches = np.empty(heads * hd, np.float32), [np.zeros((heads, max_seq, hd), np.float16) for _ in range(2)]
         args = (K, heads, heads, hd, max_seq, EPS)
-        twin.gemv_qkv_rope(x, norm_w, qw, qp, q, *caches, rope, state_at(pos), verify_rows(1), *args, group)
+        bias = rand(rng, M, dtype=np.float16)
+        twin.gemv_qkv_rope(x, norm_w, qw, qp, bias, q, *caches, rope, state_at(pos), verify_rows(1), *args, group)
         dq = poisoned(cp, q.shape, np.float32)
         dk, dv = (poisoned(cp, caches[0].shape, np.float16) for _ in range(2))
         kernels.function(spec("gemv_qkv_rope", defines))(
             (-(-M // rows),), (twin.THREADS,),
-            (dev(x), dev(norm_w), dev(qw), dev(qp), dq, dk, dv, dev(rope), dev(state_at(pos)), dev(verify_rows(1)),
+            (dev(x), dev(norm_w), dev(qw), dev(qp), dev(bias), dq, dk, dv, dev(rope), dev(state_at(pos)),
+             dev(verify_rows(1)),
              *[np.int32(a) for a in args[:5]], EPS, np.int32(group)))
         np.testing.assert_allclose(dq.get(), q, rtol=2e-3, atol=2e-3)
         np.testing.assert_allclose(dk.get()[:, pos], caches[0][:, pos], rtol=2e-3, atol=2e-3)

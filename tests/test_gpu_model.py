@@ -16,7 +16,7 @@ from cullama.weights import load_checkpoint, load_weights
 from cullama.checkpoint import open_checkpoint
 from cullama.reference import ReferenceModel
 from cullama.sampling import SamplingParams
-from conftest import FAKE_GPU, load_golden
+from conftest import FAKE_GPU, GOLDEN_NAMES, load_golden
 
 pytestmark = pytest.mark.gpu
 GREEDY = SamplingParams(seed=0)
@@ -28,7 +28,7 @@ def runner_on(backend, directory, max_seq=None):
     return PlanRunner(ckpt.config, backend, max_seq or ckpt.config.max_seq_len)
 
 
-@pytest.mark.parametrize("name", ["tiny-mha", "tiny-gqa-sharded"])
+@pytest.mark.parametrize("name", GOLDEN_NAMES)
 def test_logits_within_fp16_tolerance_of_huggingface(name):
     directory, cases, logits = load_golden(name)
     llm = cullama.Llama.from_pretrained(directory, device="cuda")
@@ -37,13 +37,17 @@ def test_logits_within_fp16_tolerance_of_huggingface(name):
         assert np.max(np.abs(ours - theirs)) <= 2e-2 * max(1.0, np.abs(theirs).max())
 
 
-@pytest.mark.parametrize("name", ["tiny-mha", "tiny-gqa-sharded"])
+@pytest.mark.parametrize("name", GOLDEN_NAMES)
 def test_greedy_ids_where_the_margin_is_safe(name):
     directory, cases, _ = load_golden(name)
     llm = cullama.Llama.from_pretrained(directory, device="cuda")
+    pieces = llm.tokenizer.vocab_size if llm.tokenizer else llm.config.vocab_size
     for case in cases:
         ids = llm.generate(case["prompt_ids"], max_new_tokens=24, ignore_eos=True).token_ids
         for ours, theirs, margin in zip(ids, case["greedy_ids"], case["greedy_top1_margins"]):
+            if theirs >= pieces:  # tiny-qwen2's padded vocabulary: HF's pick has no text, cullama never picks it
+                assert ours < pieces
+                break
             if ours != theirs:  # a flip is acceptable only where FP32's own margin is tiny
                 assert margin < 0.05
                 break

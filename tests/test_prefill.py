@@ -51,13 +51,15 @@ def test_rope_kv_rows_matches_reference(hd, heads, kv_heads):
     rng = np.random.default_rng(hd)
     n, start, max_seq, q_dim, kv_dim = 6, 4, 12, heads * hd, kv_heads * hd
     qkv, rope = rand(rng, CHUNK, q_dim + 2 * kv_dim), rope_buffer(hd, max_seq)
+    bias = rand(rng, q_dim + 2 * kv_dim, dtype=np.float16)  # Qwen2's q|k|v bias, added before RoPE
     q_rows = nan(CHUNK, q_dim, dtype=np.float16)
     k_cache, v_cache = nan(kv_heads, max_seq, hd, dtype=np.float16), nan(kv_heads, max_seq, hd, dtype=np.float16)
-    twin.rope_kv_rows(qkv, rope, q_rows, k_cache, v_cache, start, heads, kv_heads, hd, max_seq, grid=(n, 1, 1))
+    twin.rope_kv_rows(qkv, bias, rope, q_rows, k_cache, v_cache, start, heads, kv_heads, hd, max_seq, grid=(n, 1, 1))
     cos, sin = rope_tables(hd, np.arange(start, start + n), 10000.0)
-    q = apply_rope(qkv[:n, :q_dim].reshape(n, heads, hd), cos, sin).reshape(n, q_dim)
-    k = apply_rope(qkv[:n, q_dim:q_dim + kv_dim].reshape(n, kv_heads, hd), cos, sin)
-    v = qkv[:n, q_dim + kv_dim:].reshape(n, kv_heads, hd)
+    y = qkv[:n] + bias.astype(np.float32)
+    q = apply_rope(y[:, :q_dim].reshape(n, heads, hd), cos, sin).reshape(n, q_dim)
+    k = apply_rope(y[:, q_dim:q_dim + kv_dim].reshape(n, kv_heads, hd), cos, sin)
+    v = y[:, q_dim + kv_dim:].reshape(n, kv_heads, hd)
     tol = dict(rtol=1e-3, atol=1e-3)
     np.testing.assert_allclose(q_rows[:n].astype(np.float32), q, **tol)
     np.testing.assert_allclose(k_cache[:, start:start + n].astype(np.float32), k.transpose(1, 0, 2), **tol)
@@ -119,20 +121,22 @@ def test_gpu_embed_and_rmsnorm_rows(kernels, n, d):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("hd,heads,kv_heads,n,start", [(8, 3, 1, 5, 0), (32, 8, 2, 17, 9), (64, 6, 6, 1, 30),
-                                                        (128, 32, 32, 256, 100), (128, 32, 8, 33, 0)])
+                                                        (128, 32, 32, 256, 100), (128, 32, 8, 33, 0),
+                                                        (128, 28, 4, 70, 3)])
 def test_gpu_rope_kv_rows(kernels, hd, heads, kv_heads, n, start):
     import cupy as cp
 
     rng = np.random.default_rng()
     max_seq, chunk, q_dim = start + n + 3, n + 2, heads * hd
     qkv, rope = rand(rng, chunk, (heads + 2 * kv_heads) * hd), rope_buffer(hd, start + n + 3)
+    bias = rand(rng, (heads + 2 * kv_heads) * hd, dtype=np.float16)
     q_rows = nan(chunk, q_dim, dtype=np.float16)
     k_cache, v_cache = nan(kv_heads, max_seq, hd, dtype=np.float16), nan(kv_heads, max_seq, hd, dtype=np.float16)
     args = (start, heads, kv_heads, hd, max_seq)
-    twin.rope_kv_rows(qkv, rope, q_rows, k_cache, v_cache, *args, grid=(n, 1, 1))
+    twin.rope_kv_rows(qkv, bias, rope, q_rows, k_cache, v_cache, *args, grid=(n, 1, 1))
     dq = poisoned(cp, q_rows.shape, np.float16)
     dk, dv = poisoned(cp, k_cache.shape, np.float16), poisoned(cp, v_cache.shape, np.float16)
-    launch(kernels, cp, "rope_kv_rows", n, cp.asarray(qkv), cp.asarray(rope), dq, dk, dv, *args)
+    launch(kernels, cp, "rope_kv_rows", n, cp.asarray(qkv), cp.asarray(bias), cp.asarray(rope), dq, dk, dv, *args)
     for device, host in ((dq, q_rows), (dk, k_cache), (dv, v_cache)):
         check(device, host, rtol=2e-3, atol=2e-3)
 

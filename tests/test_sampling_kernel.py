@@ -17,7 +17,8 @@ from test_sampling import LOGITS, assert_distribution, softmax
 THREADS, D = 1024, 40
 SPEC = KernelSpec("sampling.cu", "sample")
 SEEDS = [0, 1, 2**32 - 1, 2**32, 0xDEADBEEFCAFEF00D, 2**63, 2**64 - 1]
-VOCABS = [32000, 1000, 517, 33001]  # 33001 > 1024 * 32: ids past the on-chip cache are re-read
+# 33001 > 1024 * 32: ids past the on-chip cache are re-read; LLaMA-3's 128,256 and Qwen2.5's 152,064 (+ 1: odd)
+VOCABS = [32000, 1000, 517, 33001, 128256, 152065]
 # (temperature, top_k, top_p, repetition penalty)
 SAMPLED = [(1.0, 0, 1.0, 1.0), (0.7, 40, 1.0, 1.0), (0.9, 0, 0.9, 1.0), (1.3, 50, 0.8, 1.2), (0.6, 3, 0.95, 0.7)]
 

@@ -114,6 +114,8 @@ def make_results(directory: Path, monkeypatch, capsys) -> Path:
     bench_json(directory / "bench_overlap.json", "--overlap")
     bench_json(directory / "bench_int4.json", "--quantize", "int4")
     bench_json(directory / "bench_int8.json", "--quantize", "int8")
+    for name in ("bench_llama3-8b.json", "bench_llama3.2-1b.json"):  # the tiny preset's: those presets need a GPU
+        bench_json(directory / name)
     compare_json(directory / "compare.json")
     speculative_json(directory / "speculative.json")
     serve_json(directory / "serve.json")
@@ -364,6 +366,29 @@ def test_serving_and_executor_checks(records, tmp_path, capsys):
     assert target(text, "the CPU executor")[1] == "FAIL"
     r["serve.json"]["device"] = "cpu"  # the CPU smoke run is never judged
     assert target(report(write(tmp_path / "cpu", r), capsys), "cullama serve adds")[1] == "—"
+
+
+def test_family_presets_against_their_floors(records, tmp_path, capsys):
+    """bench_llama3-8b.json and bench_llama3.2-1b.json: each p99 against 1.1 x its own record's floor, on a GPU only."""
+    text = report(write(tmp_path / "cpu", records), capsys)
+    assert target(text, "llama3-8b: p99 within 10 %") == ("bench_llama3-8b.json ran on cpu, not a GPU", "—")
+    floor = records["bench_llama3-8b.json"]["weights"]["floor_ms_h200"]
+    assert f"floor {floor:.3f} ms" in section(text, "Model families: cullama bench --synthetic llama3-8b")
+    r = copy.deepcopy(records)
+    for name, floor, p99s in (("bench_llama3-8b.json", 3.38, {10: 3.70, 20: 3.60}),
+                              ("bench_llama3.2-1b.json", 0.557, {10: 0.60, 20: 0.62})):
+        r[name]["device"], r[name]["weights"]["floor_ms_h200"] = "cuda", floor
+        for row in r[name]["results"]:
+            row["p99_ms"] = p99s[row["length"]]
+    text = report(write(tmp_path / "gpu", r), capsys)
+    assert target(text, "llama3-8b: p99 within 10 %") == ("worst p99 3.700 ms at L=10, 1.09x the floor 3.380 ms",
+                                                         "PASS")
+    assert target(text, "llama3.2-1b: p99 within 10 %") == ("worst p99 0.620 ms at L=20, 1.11x the floor 0.557 ms",
+                                                           "FAIL")
+    del r["bench_llama3.2-1b.json"]
+    text = report(write(tmp_path / "missing", r), capsys)
+    assert target(text, "llama3.2-1b: p99 within 10 %")[1] == "—"
+    assert "bench_llama3.2-1b.json missing" in section(text, "Model families: cullama bench --synthetic llama3.2-1b")
 
 
 # -- decisions follow their rules -----------------------------------------------------------------

@@ -58,12 +58,13 @@ def test_gemv_twin_rows_are_one_row_launches(rows):
     x, g = rand(rng, rows, d, dtype=np.float32), rand(rng, d)
     wqkv, wo = rand(rng, (heads + 2 * kv_heads) * hd, d, scale=0.2), rand(rng, d, heads * hd, scale=0.2)
     w_gu, w_down, w_lm = rand(rng, 2 * ff, d, scale=0.2), rand(rng, d, ff, scale=0.2), rand(rng, V, d)
+    bias = rand(rng, (heads + 2 * kv_heads) * hd)  # Qwen2's q|k|v bias
     rope = np.stack(rope_tables(hd, np.arange(max_seq), 10000.0), -1).astype(np.float32)
     shape = (heads, kv_heads, hd, max_seq, EPS)
 
     q, caches = np.full((rows, heads * hd), np.nan, np.float32), [np.zeros((kv_heads, max_seq, hd), np.float16)
                                                                   for _ in range(2)]
-    gemv_twin.gemv_qkv_rope(x, g, wqkv, q, *caches, rope, state_at(pos), verify_rows(rows), d, *shape)
+    gemv_twin.gemv_qkv_rope(x, g, wqkv, bias, q, *caches, rope, state_at(pos), verify_rows(rows), d, *shape)
     inp, x_res = rand(rng, rows, heads * hd, dtype=np.float32), x.copy()
     gemv_twin.gemv_residual(inp, wo, x_res, d, heads * hd)
     h, logits = np.full((rows, ff), np.nan, np.float32), np.full((rows, LD), np.nan, np.float32)
@@ -71,7 +72,7 @@ def test_gemv_twin_rows_are_one_row_launches(rows):
     gemv_twin.gemv_logits(x, g, w_lm, logits, V, d, EPS)
     for t in range(rows):
         q1, caches1 = np.full(heads * hd, np.nan, np.float32), [np.zeros_like(caches[0]) for _ in range(2)]
-        gemv_twin.gemv_qkv_rope(x[t].copy(), g, wqkv, q1, *caches1, rope, state_at(pos + t), verify_rows(1), d,
+        gemv_twin.gemv_qkv_rope(x[t].copy(), g, wqkv, bias, q1, *caches1, rope, state_at(pos + t), verify_rows(1), d,
                                 *shape)
         np.testing.assert_array_equal(q[t], q1)
         for cache, one in zip(caches, caches1):
@@ -93,6 +94,9 @@ def test_gemv_twin_rows_are_one_row_launches(rows):
 # (head_dim, group, kv_heads, pos, rows, splits): rows whose keys fill fewer splits than there are, and long ones
 ATTENTION_CASES = [(8, 2, 4, 0, 3, 8), (32, 4, 2, 5, 9, 8), (128, 1, 3, 40, 5, 4), (16, 8, 1, 100, 2, 3),
                    (64, 1, 2, 517, 9, 32)]
+# (head_dim, group, kv_heads, pos, rows, splits, window): each row its own sliding window (Mistral), of 1, shorter
+# than the rows, across the splits, as long as the first rows' context
+WINDOW_CASES = [(32, 4, 2, 5, 9, 8, 1), (64, 4, 2, 40, 9, 8, 7), (128, 7, 1, 300, 5, 32, 100), (8, 2, 2, 3, 6, 4, 5)]
 
 
 def attention_rows(hd, group, kv_heads, pos, rows, splits, seed=0):
@@ -104,20 +108,21 @@ def attention_rows(hd, group, kv_heads, pos, rows, splits, seed=0):
     return q, k, v, max_seq, np.float32(1 / np.sqrt(hd))
 
 
-@pytest.mark.parametrize("hd,group,kv_heads,pos,rows,splits", ATTENTION_CASES)
-def test_attention_twin_rows_are_one_row_launches(hd, group, kv_heads, pos, rows, splits):
+@pytest.mark.parametrize("hd,group,kv_heads,pos,rows,splits,window", [c + (None,) for c in ATTENTION_CASES]
+                         + WINDOW_CASES)
+def test_attention_twin_rows_are_one_row_launches(hd, group, kv_heads, pos, rows, splits, window):
     q, k, v, max_seq, scale = attention_rows(hd, group, kv_heads, pos, rows, splits)
-    heads = kv_heads * group
+    heads, window = kv_heads * group, window or max_seq
     part = np.full((rows, heads, splits, hd + 2), np.nan, np.float32)
     count, out = np.ones((rows, kv_heads), np.uint32), np.full((rows, heads * hd), np.nan, np.float32)
-    attention_twin.attention_decode(q, k, v, part, count, out, state_at(pos), verify_rows(rows), max_seq, scale,
+    attention_twin.attention_decode(q, k, v, part, count, out, state_at(pos), verify_rows(rows), max_seq, scale, window,
                                     grid=(kv_heads, splits, rows))
     assert not count.any()
     for t in range(rows):
         part1, count1 = np.full((heads, splits, hd + 2), np.nan, np.float32), np.ones(kv_heads, np.uint32)
         out1 = np.full(heads * hd, np.nan, np.float32)
         attention_twin.attention_decode(q[t].copy(), k, v, part1, count1, out1, state_at(pos + t), verify_rows(1),
-                                        max_seq, scale, grid=(kv_heads, splits, 1))
+                                        max_seq, scale, window, grid=(kv_heads, splits, 1))
         np.testing.assert_array_equal(out[t], out1)
         np.testing.assert_array_equal(part[t], part1)
 
@@ -556,6 +561,7 @@ def check_gemv_rows(launch, rows, d=136, ff=184, V=1001, heads=5, kv_heads=1, hd
     x, g = rand(rng, rows, d, dtype=np.float32), rand(rng, d)
     wqkv, wo = rand(rng, (heads + 2 * kv_heads) * hd, d, scale=0.1), rand(rng, d, heads * hd, scale=0.1)
     w_gu, w_down, w_lm = rand(rng, 2 * ff, d, scale=0.1), rand(rng, d, ff, scale=0.1), rand(rng, V, d, scale=0.1)
+    bias = rand(rng, (heads + 2 * kv_heads) * hd)  # Qwen2's q|k|v bias: every row adds it alike
     inp, hin = rand(rng, rows, heads * hd, dtype=np.float32), rand(rng, rows, ff, dtype=np.float32)
     rope = np.stack(rope_tables(hd, np.arange(max_seq), 10000.0), -1).astype(np.float32)
     shape = (np.int32(d), np.int32(heads), np.int32(kv_heads), np.int32(hd), np.int32(max_seq), np.float32(EPS))
@@ -566,7 +572,7 @@ def check_gemv_rows(launch, rows, d=136, ff=184, V=1001, heads=5, kv_heads=1, hd
         spec = lambda name: plans.gemv(name, tokens)  # noqa: E731
         q, caches = nan(n, heads * hd), [nan(kv_heads, max_seq, hd, dtype=np.float16) for _ in range(2)]
         launch(spec("gemv_qkv_rope"), (-(-(heads + 2 * kv_heads) * hd // per_block),), plans.GEMV_THREADS,
-               (x[sl].copy(), g, wqkv, q, *caches, rope, state_at(pos_now), verify_rows(n), *shape))
+               (x[sl].copy(), g, wqkv, bias, q, *caches, rope, state_at(pos_now), verify_rows(n), *shape))
         xo, xd = x[sl].copy(), x[sl].copy()
         launch(spec("gemv_residual"), (-(-d // per_block),), plans.GEMV_THREADS,
                (inp[sl].copy(), wo, xo, np.int32(d), np.int32(heads * hd)))
@@ -587,8 +593,8 @@ def check_gemv_rows(launch, rows, d=136, ff=184, V=1001, heads=5, kv_heads=1, hd
             np.testing.assert_array_equal(row, value, err_msg=f"{name}, row {t} of {rows}")
     twin_q = np.empty((rows, heads * hd), np.float32)
     caches = [np.zeros((kv_heads, max_seq, hd), np.float16) for _ in range(2)]
-    gemv_twin.gemv_qkv_rope(x, g, wqkv, twin_q, *caches, rope, state_at(pos), verify_rows(rows), d, heads, kv_heads,
-                            hd, max_seq, EPS)
+    gemv_twin.gemv_qkv_rope(x, g, wqkv, bias, twin_q, *caches, rope, state_at(pos), verify_rows(rows), d, heads,
+                            kv_heads, hd, max_seq, EPS)
     np.testing.assert_allclose(many["q"], twin_q, rtol=2e-3, atol=2e-3)  # and right, not only consistent
     twin_logits = np.empty((rows, gemv_twin.logits_stride(V)), np.float32)
     gemv_twin.gemv_logits(x, g, w_lm, twin_logits, V, d, EPS)
@@ -596,18 +602,19 @@ def check_gemv_rows(launch, rows, d=136, ff=184, V=1001, heads=5, kv_heads=1, hd
     assert np.isnan(many["logits"][:, V:]).all()  # the rows' padding is never written
 
 
-def check_attention_rows(launch, hd, group, kv_heads, pos, rows, splits):
+def check_attention_rows(launch, hd, group, kv_heads, pos, rows, splits, window=None):
     """attention_decode over `rows` token rows (gridDim.z) against one-row launches at pos + t: the same bits,
-    counters left at zero; and close to the twin."""
+    counters left at zero; and close to the twin. With a sliding window, each row its own."""
     q, k, v, max_seq, scale = attention_rows(hd, group, kv_heads, pos, rows, splits, seed=pos)
-    heads = kv_heads * group
+    heads, window = kv_heads * group, window or max_seq
     spec = KernelSpec("attention.cu", "attention_decode", (("HEAD_DIM", hd), ("GROUP", group)))
 
     def run(sl, n, pos_now):
         out, part, count = nan(n, heads * hd), nan(n, heads, splits, hd + 2), np.zeros((n, kv_heads), np.uint32)
         launch(spec, (kv_heads, splits, n), plans.ATTENTION_THREADS,
                (q[sl].copy(), k, v, part, count, out, state_at(pos_now), verify_rows(n), np.int32(max_seq),
-                np.float32(scale)))
+                np.float32(scale),
+                np.int32(window)))
         assert not count.any()
         return out, part
 
@@ -618,7 +625,7 @@ def check_attention_rows(launch, hd, group, kv_heads, pos, rows, splits):
         np.testing.assert_array_equal(part[t:t + 1], part1)
     twin_out = np.empty_like(out)
     attention_twin.attention_decode(q, k, v, np.empty(part.shape, np.float32), np.zeros((rows, kv_heads), np.uint32),
-                                    twin_out, state_at(pos), verify_rows(rows), max_seq, scale,
+                                    twin_out, state_at(pos), verify_rows(rows), max_seq, scale, window,
                                     grid=(kv_heads, splits, rows))
     np.testing.assert_allclose(out, twin_out, rtol=1e-3, atol=1e-4)
 
@@ -652,8 +659,8 @@ def check_greedy_sample_rows(launch, V, penalty, D=40):
         arrivals = np.zeros(1, np.uint32)
         kernel_logits = at_row_stride(rows_logits)
         launch(plans.SAMPLE, (5,), plans.SAMPLE_THREADS, (kernel_logits, kernel_seen, state, fp, embed, x,
-                                                           verify_rows(5), np.array(ids, np.int32), picks, out, arrivals,
-                                                           *verify_sizes(V, D)))
+                                                           verify_rows(5), np.array(ids, np.int32), picks, out,
+                                                           arrivals, *verify_sizes(V, D)))
         twin_seen, twin_state = seen.copy(), state_at(11, step=3)
         twin_out, twin_picks, twin_x = run_sample_twin(rows_logits, twin_seen, twin_state, fp, embed, ids)
         n = int(twin_out[0])
@@ -744,9 +751,10 @@ def test_gpu_gemv_rows_are_one_row_launches(kernels, rows):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("hd,group,kv_heads,pos,rows,splits", ATTENTION_CASES + [(128, 1, 32, 500, 9, 8)])
-def test_gpu_attention_rows_are_one_row_launches(kernels, hd, group, kv_heads, pos, rows, splits):
-    check_attention_rows(gpu_launcher(kernels), hd, group, kv_heads, pos, rows, splits)
+@pytest.mark.parametrize("hd,group,kv_heads,pos,rows,splits,window", [c + (None,) for c in ATTENTION_CASES]
+                         + [(128, 1, 32, 500, 9, 8, None)] + WINDOW_CASES + [(128, 4, 8, 5000, 9, 32, 4096)])
+def test_gpu_attention_rows_are_one_row_launches(kernels, hd, group, kv_heads, pos, rows, splits, window):
+    check_attention_rows(gpu_launcher(kernels), hd, group, kv_heads, pos, rows, splits, window)
 
 
 @pytest.mark.gpu

@@ -52,6 +52,14 @@ def test_attention_rows_are_one_row_launches(hd, group, kv_heads, pos, rows, spl
     checks.check_attention_rows(emu_launcher(schedule), hd, group, kv_heads, pos, rows, splits)
 
 
+# Sliding windows (Mistral): each row its own window, its own splits of it; and ATTENTION_LONG's 1000 keys in a
+# window of 300 (several batches a split, the window's start moving with the row).
+@pytest.mark.parametrize("schedule", emu.SCHEDULES)
+@pytest.mark.parametrize("hd,group,kv_heads,pos,rows,splits,window", checks.WINDOW_CASES + [ATTENTION_LONG + (300,)])
+def test_windowed_attention_rows_are_one_row_launches(hd, group, kv_heads, pos, rows, splits, window, schedule):
+    checks.check_attention_rows(emu_launcher(schedule), hd, group, kv_heads, pos, rows, splits, window)
+
+
 @pytest.mark.parametrize("schedule", emu.SCHEDULES)
 @pytest.mark.parametrize("V,penalty", [(517, 1.0), (517, 1.3), (33001, 1.3)])
 def test_greedy_verify_sample_equals_its_twin(V, penalty, schedule):
@@ -77,6 +85,11 @@ MUTATIONS = [
     ("attention-rows-see-the-first-row's-keys", "attention.cu", "min(row_pos(step_rows, state, row) + 1, max_seq)",
      "min(row_pos(step_rows, state, 0) + 1, max_seq)",
      lambda launch: checks.check_attention_rows(launch, 8, 2, 2, 5, 3, 4)),
+    ("attention-rows-share-the-first-row's-window", "attention.cu", "const int first = max(n - window, 0);",
+     "const int first = max(n - row - window, 0);",
+     lambda launch: checks.check_attention_rows(launch, *checks.WINDOW_CASES[1])),
+    ("gemv-bias-on-the-first-row-only", "gemv.cuh", "h2f(bias[row0]));", "h2f(bias[row0]) * (t == 0));",
+     lambda launch: checks.check_gemv_rows(launch, 3, d=72, ff=56, V=37, heads=3, kv_heads=1, hd=8, pos=5)),
     # each batch's vectors added last to first: a thread's order then depends on UNROLL (decode 4, verify 2),
     # seen only where a thread has two vectors in one batch (the d = 4104 case, not d = 72)
     ("gemv-order-depends-on-unroll", "gemv.cu",

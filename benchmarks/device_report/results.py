@@ -27,6 +27,8 @@ FILES = {
     "speculative.json": "cullama bench --speculative replay --draft-tokens 4",
     "serve.json": "benchmarks/serve_latency.py --synthetic llama-2-7b",
     "emu_vs_gpu.json": "pytest -m gpu (tests/test_emu_vs_gpu.py)",
+    "bench_llama3-8b.json": "cullama bench --synthetic llama3-8b",  # device_report/families.py
+    "bench_llama3.2-1b.json": "cullama bench --synthetic llama3.2-1b",
 }
 SIDE_FILES = ("summary.txt", "steps.log")
 

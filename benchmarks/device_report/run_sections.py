@@ -31,16 +31,18 @@ def section_bench(res: Results) -> list[str]:
     return bench_table(res.records["bench.json"])
 
 
-def section_quantized_bench(name: str):
-    """The section of `cullama bench --quantize ...` (NAME): its weights, the bytes a step reads and their
-    floor on an H200, then the bench table."""
+def section_weights_bench(name: str, target_ms=None):
+    """The section of a `cullama bench` record on other weights than the plain 7B's (NAME: --quantize, a family
+    preset): its weights, the bytes a step reads and their floor on an H200 (the record's own), then the bench
+    table. target_ms(floor) gives the p99 target to show beside them (None: none shown)."""
     def section(res: Results) -> list[str]:
         record = res.records[name]
         w = as_dict(record.get("weights"))
-        step_bytes = num(w.get("decode_bytes"))
+        step_bytes, floor = num(w.get("decode_bytes")), num(w.get("floor_ms_h200"))
+        target = f" (target p99 <= {fmt(target_ms(floor) if floor else None)} ms)" if target_ms else ""
         head = (f"Weights: {w.get('weights', 'not recorded')}; a decode step reads "
-                f"{fmt(step_bytes / 1e9 if step_bytes else None, 2)} GB "
-                f"(floor {fmt(w.get('floor_ms_h200'))} ms on an H200).")
+                f"{fmt(step_bytes / 1e9 if step_bytes else None, 2)} GB, floor {fmt(floor)} ms at 4.44 TB/s"
+                f"{target}.")
         return [head, ""] + bench_table(record)
     return section
 

@@ -8,6 +8,7 @@ from .kernel_sections import fastest_prefill, gemv_best, gemv_shapes
 from .checks import TARGETS as CHECK_TARGETS
 from .speculative import TARGETS as SPECULATIVE_TARGETS
 from .quant_sections import TARGETS as QUANT_TARGETS
+from .families import TARGETS as FAMILY_TARGETS
 
 
 # The issues' targets (benchmarks/RESULTS.md).
@@ -164,6 +165,7 @@ TARGETS = [
     *QUANT_TARGETS,
     *SPECULATIVE_TARGETS,
     *CHECK_TARGETS,
+    *FAMILY_TARGETS,
 ]
 
 

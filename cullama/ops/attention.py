@@ -1,12 +1,13 @@
 """Twins of kernels_cu/attention.cu: softmax(q·K^T * scale)·V over the KV cache, decode and prefill.
 
-Convention for twins whose kernel reads its extent from the launch grid: the twin declares a
-keyword-only parameter `grid`, and the numpy backend passes the launch's grid (a 3-tuple) as `grid=`
-to every twin that declares it. attention_decode takes its token rows from grid[2] (a verify step's
-k + 1 rows, a batched step's B; 1 for a decode step), as the kernel does from gridDim.z. attention_prefill takes its kv-head
-count (the row stride) from grid[0], as the kernel does from gridDim.x; its row count is the argument
-n_rows (grid[1] counts blocks of ROWS_Q rows, a compile-time define the twin never needs). HEAD_DIM and
-GROUP are never arguments: they follow from the arrays' shapes.
+Convention for twins whose kernel reads its extent from the launch grid: the twin declares a keyword-only parameter
+`grid`, and the numpy backend passes the launch's grid (a 3-tuple) as `grid=` to every twin that declares it.
+attention_decode takes its token rows from grid[2] (a verify step's k + 1 rows, a batched step's B; 1 for a decode
+step), as the kernel does from gridDim.z. attention_prefill takes its kv-head count (the row stride) from grid[0],
+as the kernel does from gridDim.x; its row count is the argument n_rows (grid[1] counts blocks of ROWS_Q rows, a
+compile-time define the twin never needs). HEAD_DIM and GROUP are never arguments: they follow from the arrays'
+shapes. `window` (the last argument of both) is the sliding window: a query at position p sees the keys
+max(0, p - window + 1)..p (window >= max_seq: all of 0..p).
 """
 
 from __future__ import annotations
@@ -19,10 +20,13 @@ SOURCE = "attention.cu"
 # (HEAD_DIM, GROUP, ROWS_Q): the shipped configs first (llama-2-7b, tiny-gqa, tiny-mha, stories260K), then
 # enough others that every HEAD_DIM and every GROUP compiles at least once, each with the ROWS_Q that
 # cullama.plan.attention_rows_q gives its GROUP (max(1, 4 // GROUP); attention_decode ignores ROWS_Q);
-# then two that tile more rows than the plan does (8 queries a block: ~215 registers, still no spills).
+# then two that tile more rows than the plan does (8 queries a block: ~215 registers, still no spills); then the
+# shapes of issue 18's families (LLaMA-3.2-1B: 64 x 4; LLaMA-3.2-3B: 128 x 3; Qwen2.5 14B / 32B, 1.5B, 7B and
+# 0.5B: 128 x 5, 6, 7; TinyLlama 64 x 8 and LLaMA-3-8B / Mistral-7B 128 x 4 are above).
 VARIANTS = [(("HEAD_DIM", hd), ("GROUP", g), ("ROWS_Q", r)) for hd, g, r in
             ((128, 1, 4), (32, 4, 1), (32, 1, 4), (8, 2, 2), (128, 8, 1), (128, 4, 1), (64, 8, 1), (64, 2, 2),
-             (16, 4, 1), (16, 1, 4), (8, 8, 1), (128, 1, 8), (32, 4, 2))]
+             (16, 4, 1), (16, 1, 4), (8, 8, 1), (128, 1, 8), (32, 4, 2),
+             (64, 4, 1), (128, 3, 1), (128, 5, 1), (128, 6, 1), (128, 7, 1))]
 
 
 def _split_state(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float):
@@ -34,13 +38,14 @@ def _split_state(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float):
     return p @ v, m, p.sum(axis=1)
 
 
-def attention_decode(q, k_cache, v_cache, part, count, out, state, step_rows, max_seq, scale, *, grid):
+def attention_decode(q, k_cache, v_cache, part, count, out, state, step_rows, max_seq, scale, window, *, grid):
     """Per token row t < grid[2] (1 for a decode step): out[t] [heads*hd] f32 = attention of q[t] [heads*hd]
-    over keys 0..pos of its slot's k_cache/v_cache [slots, kv_heads, max_seq, hd] f16, where step_rows [>= grid[2], 2]
-    int32 gives the row's (slot, offset) and pos = state[slot, POS] + offset (state [slots, 8]); part[t] [heads,
-    splits, hd+2] gets each split's (acc, m, l) as the kernel writes it, the splits are combined in order,
-    count[t] [kv_heads] is left at 0. A decode step's arrays are one row (q [heads*hd], part [heads, splits,
-    hd+2], ...). Each row is the one-row computation at its own slot and position, as on the GPU."""
+    over keys max(0, p - window + 1)..p of its slot's k_cache/v_cache [slots, kv_heads, max_seq, hd] f16, where
+    step_rows [>= grid[2], 2] int32 gives the row's (slot, offset) and p = state[slot, POS] + offset (state [slots,
+    8]); part[t] [heads, splits, hd+2] gets each split's (acc, m, l) as the kernel writes it (the splits divide
+    those keys only), the splits are combined in order, count[t] [kv_heads] is left at 0. A decode step's arrays
+    are one row (q [heads*hd], part [heads, splits, hd+2], ...). Each row is the one-row computation at its own
+    slot and position, as on the GPU."""
     n_rows = int(grid[2])
     parts = part.reshape(n_rows, *part.shape[-3:])
     kv_heads, hd = int(grid[0]), parts.shape[-1] - 2
@@ -48,22 +53,24 @@ def attention_decode(q, k_cache, v_cache, part, count, out, state, step_rows, ma
     for t, (qt, pt, ct, ot) in enumerate(zip(q.reshape(n_rows, -1), parts, count.reshape(n_rows, -1),
                                              out.reshape(n_rows, -1))):
         slot, pos = row_position(step_rows, state, t)
-        _attention_decode_row(qt, keys[slot], values[slot], pt, ct, ot, pos, int(max_seq), scale)
+        _attention_decode_row(qt, keys[slot], values[slot], pt, ct, ot, pos, int(max_seq), scale, int(window))
 
 
-def _attention_decode_row(q, k_cache, v_cache, part, count, out, pos: int, max_seq: int, scale):
+def _attention_decode_row(q, k_cache, v_cache, part, count, out, pos: int, max_seq: int, scale, window: int):
     heads, splits, stride = part.shape
     kv_heads, hd = k_cache.shape[0], stride - 2
     group = heads // kv_heads
     n = min(pos + 1, max_seq)
-    chunk = -(-n // splits)
+    first = max(n - window, 0)  # the window's oldest key
+    chunk = -(-(n - first) // splits)
     qh = q[: heads * hd].astype(np.float32).reshape(kv_heads, group, hd)
     for kv in range(kv_heads):
         keys = k_cache[kv, :n].astype(np.float32)  # [n, hd]
         values = v_cache[kv, :n].astype(np.float32)
         heads_of = slice(kv * group, (kv + 1) * group)
         for s in range(splits):
-            begin, end = min(s * chunk, n), min(s * chunk + chunk, n)
+            begin = min(first + s * chunk, n)
+            end = min(begin + chunk, n)
             if begin == end:  # an empty split
                 part[heads_of, s, :hd], part[heads_of, s, hd], part[heads_of, s, hd + 1] = 0, -np.inf, 0
                 continue
@@ -81,10 +88,11 @@ def _attention_decode_row(q, k_cache, v_cache, part, count, out, pos: int, max_s
     count[:kv_heads] = 0
 
 
-def attention_prefill(q_rows, k_cache, v_cache, out_rows, start, n_rows, max_seq, scale, *, grid):
-    """out_rows[r] (f16) = attention of q_rows[r] [heads*hd] f16 over keys 0..start+r, for rows
-    r < n_rows (rows beyond are left as they are); k_cache/v_cache [kv_heads, max_seq, hd] f16 already
-    hold the chunk. grid[0] is the kv-head count; grid[1] (blocks of ROWS_Q rows) does not matter here."""
+def attention_prefill(q_rows, k_cache, v_cache, out_rows, start, n_rows, max_seq, scale, window, *, grid):
+    """out_rows[r] (f16) = attention of q_rows[r] [heads*hd] f16 over keys max(0, n - window)..n - 1, n = min(start
+    + r + 1, max_seq), for rows r < n_rows (rows beyond are left as they are); k_cache/v_cache [kv_heads, max_seq,
+    hd] f16 already hold the chunk. grid[0] is the kv-head count; grid[1] (blocks of ROWS_Q rows) does not matter
+    here."""
     kv_heads, rows = int(grid[0]), int(n_rows)
     hd = k_cache.shape[2]
     group = q_rows.shape[1] // (kv_heads * hd)
@@ -95,8 +103,9 @@ def attention_prefill(q_rows, k_cache, v_cache, out_rows, start, n_rows, max_seq
         # Row by row over exactly the keys a row sees: a row's numbers then depend on its position alone, not on
         # which rows share its prefill chunk (a masked [rows, end] product sums each row in an order that does).
         for r in range(rows):
-            n = int(start) + r + 1  # keys 0..start+r
-            s = (q[r, kv] @ keys[:n].T) * np.float32(scale)  # [group, n]
+            n = min(int(start) + r + 1, end)  # keys up to start+r (those in the cache)
+            first = max(n - int(window), 0)  # and from the window's oldest
+            s = (q[r, kv] @ keys[first:n].T) * np.float32(scale)  # [group, n - first]
             p = np.exp(s - s.max(axis=1, keepdims=True))
-            o = (p @ values[:n]) / p.sum(axis=1, keepdims=True)  # [group, hd]
+            o = (p @ values[first:n]) / p.sum(axis=1, keepdims=True)  # [group, hd]
             out_rows[r, kv * group * hd: (kv + 1) * group * hd] = o.reshape(-1).astype(np.float16)

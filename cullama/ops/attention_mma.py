@@ -23,10 +23,11 @@ THREADS = 32 * WARPS  # block size at the default: 128
 
 # (HEAD_DIM, GROUP, WARPS) compiled by CI and the tests: the shipped configs first (llama-2-7b, tiny-gqa,
 # tiny-mha; stories260K has head_dim 8: scalar kernel), then every HEAD_DIM and GROUP at least once, then
-# two at WARPS 2.
+# two at WARPS 2, then TinyLlama's (64 x 8; LLaMA-3.2-1B's 64 x 4 and LLaMA-3-8B's 128 x 4 are above; the groups
+# of 3, 5, 6 and 7 of LLaMA-3.2-3B and Qwen2.5 have no tensor-core variant: the scalar attention_prefill).
 VARIANTS = [(("HEAD_DIM", hd), ("GROUP", g), ("WARPS", w)) for hd, g, w in
             ((128, 1, 4), (32, 4, 4), (32, 1, 4), (64, 1, 4), (64, 4, 4), (128, 4, 4), (16, 2, 4), (128, 8, 4),
-             (64, 2, 4), (16, 8, 4), (128, 1, 2), (32, 4, 2))]
+             (64, 2, 4), (16, 8, 4), (128, 1, 2), (32, 4, 2), (64, 8, 4))]
 
 
 def supports(head_dim: int, group: int) -> bool:
@@ -49,7 +50,9 @@ def grid(n_kv_heads: int, n_rows: int, group: int, warps: int = WARPS) -> tuple[
     return n_kv_heads, -(-n_rows // rows_per_block(group, warps)), 1
 
 
-def attention_prefill_mma(q_rows, k_cache, v_cache, out_rows, start, n_rows, max_seq, scale, *, grid):
-    """out_rows[r] (f16) = attention of q_rows[r] [heads*hd] f16 over keys 0..start+r, for rows r < n_rows
-    (rows beyond are left as they are): attention_prefill's twin (grid[0] is the kv-head count)."""
-    _attention.attention_prefill(q_rows, k_cache, v_cache, out_rows, start, n_rows, max_seq, scale, grid=grid)
+def attention_prefill_mma(q_rows, k_cache, v_cache, out_rows, start, n_rows, max_seq, scale, window, *, grid):
+    """out_rows[r] (f16) = attention of q_rows[r] [heads*hd] f16 over keys max(0, n - window)..n - 1, n = min(start
+    + r + 1, max_seq), for rows r < n_rows (rows beyond are left as they are): attention_prefill's twin (grid[0] is
+    the kv-head count)."""
+    _attention.attention_prefill(q_rows, k_cache, v_cache, out_rows, start, n_rows, max_seq, scale, window,
+                                 grid=grid)

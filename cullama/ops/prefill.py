@@ -29,15 +29,16 @@ def rmsnorm_rows(x_rows, w, out_rows, d, eps, *, grid):
     out_rows[:n, :d] = ((x * scale) * w[:d].astype(np.float32)).astype(np.float16)
 
 
-def rope_kv_rows(qkv_rows, rope, q_rows, k_cache, v_cache, start, n_heads, n_kv_heads, hd, max_seq, *, grid):
-    """Row r (position p = start + r) of qkv_rows [chunk, (heads + 2 kv_heads) hd] f32 = [q | k | v]:
-    rotate-half RoPE on q and k with rope [max_seq, hd/2, (cos, sin)]; q_rows[r] = fp16(q) [chunk, heads hd];
+def rope_kv_rows(qkv_rows, bias, rope, q_rows, k_cache, v_cache, start, n_heads, n_kv_heads, hd, max_seq, *, grid):
+    """Row r (position p = start + r) of qkv_rows [chunk, (heads + 2 kv_heads) hd] f32 = [q | k | v], plus bias
+    [(heads + 2 kv_heads) hd] f16: rotate-half RoPE on q and k with rope [max_seq, hd/2, (cos, sin)]; q_rows[r] =
+    fp16(q) [chunk, heads hd];
     k_cache[:, p], v_cache[:, p] = fp16(k), fp16(v) in this layer's caches [kv_heads, max_seq, hd].
     """
     n, half = grid[0], hd // 2
     heads = n_heads + 2 * n_kv_heads
     pos = start + np.arange(n)
-    y = qkv_rows[:n, :heads * hd].astype(np.float32).reshape(n, heads, hd)  # [n, all heads, hd]
+    y = (qkv_rows[:n, :heads * hd].astype(np.float32) + bias[:heads * hd].astype(np.float32)).reshape(n, heads, hd)
     cos, sin = rope[pos, :half, 0][:, None, :], rope[pos, :half, 1][:, None, :]  # [n, 1, hd/2]
     qk = y[:, :n_heads + n_kv_heads]
     first, second = qk[..., :half], qk[..., half:]

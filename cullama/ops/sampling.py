@@ -40,8 +40,8 @@ def sample(logits, seen, state, fparams, embed, x, step_rows, ids, picks, out, a
     Then n' - 1 = how many leading drafts ids[1..] equal the pick of the row before them, out = [n', ids[1..n'-1],
     picks[n'-1]], and as n' decode steps would: state[TOKEN] = picks[n'-1], state[STEP] += n', state[POS] += n',
     seen[those n' tokens] = 1, x[0] = embed[picks[n'-1]] as float32, all in place; arrivals is left at 0. Where the
-    last pick is NO_TOKEN (every logit of its row NaN or -inf), it is not marked seen and x = 0. A draft outside [0, V) (which the host never writes) makes every pick
-    NO_TOKEN: n' = 1, nothing indexed by it.
+    last pick is NO_TOKEN (every logit of its row NaN or -inf), it is not marked seen and x = 0. A draft outside
+    [0, V) (which the host never writes) makes every pick NO_TOKEN: n' = 1, nothing indexed by it.
     """
     n_rows = int(grid[0])
     states, fps = state.reshape(-1, STATE_LEN), fparams.reshape(-1, FPARAMS_LEN)
