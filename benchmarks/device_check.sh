@@ -11,14 +11,16 @@
 # prefill_step.py (TTFT per prefill kernel pair),
 # gemv_sweep.py, gemm_sweep.py (mma vs wgmma), the same two on INT4 / INT8 weights (gemv_quant.cu, gemm_quant.cu),
 # `cullama bench --speculative replay`, serve_latency.py (what
-# `cullama serve` adds per token) and compare_hf.py --quick. Each step runs under `timeout` inside one overall
+# `cullama serve` adds per token), `cullama bench --batch` and serve_load.py (batched decode) and
+# compare_hf.py --quick. Each step runs under `timeout` inside one overall
 # budget (BUDGET_S, default 500 s), and a failing step does not stop the next. `pytest -m gpu` also runs the CPU
 # executor against the GPU on the tensor-core kernels (tests/test_emu_vs_gpu.py: emu_vs_gpu.json).
 # ../shared (the test data beside the repo) is used when present; a copy carried as .shared otherwise.
 # Under $OUT (the device tool returns at most 8 files): steps.log (every step's output), summary.txt,
 # report.md and results.tgz (bench.json, bench_int4.json, bench_int8.json, bench_overlap.json, decode.json,
 # prefill.json, gemv.json, gemm.json, gemv_quant.json, gemm_quant.json, compare.json, speculative.json,
-# serve.json, emu_vs_gpu.json, logprobs.json, bench_llama3-8b.json, bench_llama3.2-1b.json;
+# serve.json, emu_vs_gpu.json, logprobs.json, bench_llama3-8b.json, bench_llama3.2-1b.json, batch.json,
+# serve_load.json;
 # re-packed after every step, so a run cut short
 # still returns what it finished). benchmarks/prepare_device.sh makes what to carry (.shared, .whl).
 # Environment: PYTHON (default python3), SKIP_INSTALL=1 (already installed), BENCH_SAMPLES (default 300),
@@ -130,6 +132,10 @@ step spec 40 "${CULLAMA[@]}" bench --speculative replay --draft-tokens 4 --lengt
 TOKENIZER=${CULLAMA_SHARED:-../shared}/tokenizers/llama2/tokenizer.model
 step serve 45 "$PY" benchmarks/serve_latency.py --synthetic llama-2-7b --tokenizer "$TOKENIZER" --device cuda \
     --lengths 64,256 --requests 3 --json "$RESULTS/serve.json"
+# Batched decode (issue 17): the step per batch size, then 1..16 streaming clients through serve --max-batch 8
+step batch 40 "${CULLAMA[@]}" bench --batch 1,2,4,8,16 --samples 200 --json "$RESULTS/batch.json"
+step load 60 "$PY" benchmarks/serve_load.py --synthetic llama-2-7b --tokenizer "$TOKENIZER" --device cuda \
+    --concurrency 1,2,4,8,16 --tokens 64 --rounds 1 --max-batch 8 --json "$RESULTS/serve_load.json"
 budget=$(($(left) - 30))  # compare_hf starts no new engine or length after this; it saves after each engine
 ((budget < 1)) && budget=1
 step compare 300 "$PY" benchmarks/compare_hf.py --quick --json "$RESULTS/compare.json" --budget-s "$budget"

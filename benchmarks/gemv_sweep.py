@@ -129,8 +129,8 @@ def case(kernel: str, cfg, M: int, K: int, rng, max_seq: int = 64):
         state[0] = max_seq - 1  # the position written in the KV cache
         cache = lambda: np.zeros((cfg.num_kv_heads, max_seq, cfg.head_dim), np.float16)  # noqa: E731
         return ([("x", vec(K)), ("norm_w", norm_w), ("W", None), ("bias", np.zeros(M, np.float16)),
-                 ("q", poison(cfg.q_dim)), ("k", cache()),
-                 ("v", cache()), ("rope", plans.rope_table(cfg, max_seq)), ("state", state), ("d", i32(K)),
+                 ("q", poison(cfg.q_dim)), ("k", cache()), ("v", cache()), ("rope", plans.rope_table(cfg, max_seq)),
+                 ("state", state), ("rows", np.zeros((1, 2), np.int32)), ("d", i32(K)),
                  ("heads", i32(cfg.num_heads)), ("kv_heads", i32(cfg.num_kv_heads)), ("hd", i32(cfg.head_dim)),
                  ("max_seq", i32(max_seq)), ("eps", eps)], ["q", "k", "v"])
     if kernel == "gemv_residual":

@@ -48,8 +48,15 @@ def state_and_params(option) -> tuple[np.ndarray, np.ndarray]:
 
 
 def one_row(xp):
-    """A decode step's verify arguments (ids, picks, out, arrivals): one token row, no drafts."""
-    return xp.zeros(1, np.int32), xp.zeros(1, np.int32), xp.zeros(2, np.int32), xp.zeros(1, np.uint32)
+    """A decode step's rows table and verify arguments (rows, ids, picks, out, arrivals): one token row of slot 0,
+    no drafts."""
+    return (xp.zeros((1, 2), np.int32), xp.zeros(1, np.int32), xp.zeros(1, np.int32), xp.zeros(2, np.int32),
+            xp.zeros(1, np.uint32))
+
+
+def sizes(V: int) -> tuple:
+    """The sample kernel's last arguments for one slot's seen [V]: V, d, seen_stride, verify (1: a decode step)."""
+    return np.int32(V), np.int32(D), np.int32(V), np.int32(1)
 
 
 def cpu_ms(V: int, option, reps: int) -> float:
@@ -60,7 +67,7 @@ def cpu_ms(V: int, option, reps: int) -> float:
     times = []
     for _ in range(reps):
         start = time.perf_counter()
-        twin.sample(logits, seen, state, fparams, embed, x, *rows, V, D, grid=(1, 1, 1))
+        twin.sample(logits, seen, state, fparams, embed, x, *rows, *sizes(V), grid=(1, 1, 1))
         times.append((time.perf_counter() - start) * 1e3)
     return statistics.median(times)
 
@@ -69,7 +76,7 @@ def gpu_us(cp, fn, V: int, option, reps: int) -> float:
     """us per launch of the sample kernel, by events around `reps` launches (after one untimed)."""
     logits, seen, embed = (cp.asarray(a) for a in inputs(V))
     state, fparams = (cp.asarray(a) for a in state_and_params(option))
-    args = (logits, seen, state, fparams, embed, cp.zeros(D, np.float32), *one_row(cp), np.int32(V), np.int32(D))
+    args = (logits, seen, state, fparams, embed, cp.zeros(D, np.float32), *one_row(cp), *sizes(V))
     stream = cp.cuda.get_current_stream()
     launch = lambda: fn((1,), (1024,), args)  # noqa: E731
     launch()

@@ -45,6 +45,9 @@ class BenchProgress:
 @click.option("--overlap/--no-overlap", default=None,
               help="Link the decode graph's kernels by programmatic dependent launch (sm_90+) "
                    "[default: CULLAMA_OVERLAP=1 turns it on; off otherwise].")
+@click.option("--batch", "batch_sizes", metavar="SIZES",
+              help="Benchmark batched decoding instead: the step's p50/p99 and tokens/s per batch size (e.g. 1,2,4,8; "
+                   "--samples steps each after --warmup).")
 @click.option("--speculative", type=click.Choice(["ngram", "draft", "replay"]),
               help="Benchmark speculative decoding instead: latency between tokens (bursts included), tokens per "
                    "step, and the verify step's time per k against the plain step (replay: drafts the target's own "
@@ -58,7 +61,7 @@ class BenchProgress:
               help="--speculative: a real checkpoint (e.g. stories260K) on which ngram's tokens per step is measured "
                    "for the derived per-token figures.")
 def bench(model_dir, synthetic, device, lengths, samples, warmup, prompt_len, max_seq_len, json_path, quantize,
-          overlap, **speculative):
+          overlap, batch_sizes, **speculative):
     """Per-token decode latency (p50/p90/p99/max), tokens/s, GB/s and TTFT at each length."""
     require_stdout()
     from .. import bench as protocol
@@ -76,6 +79,14 @@ def bench(model_dir, synthetic, device, lengths, samples, warmup, prompt_len, ma
     if model_dir is not None and synthetic is not None:
         raise PromptError("give either --model or --synthetic, not both")
     speculative_options(speculative)
+    sizes = None
+    if batch_sizes is not None:
+        from .. import batch_bench
+        from ..plan import MAX_SLOTS
+
+        if speculative["speculative"]:
+            raise PromptError("give either --batch or --speculative, not both")
+        sizes = batch_bench.parse_sizes(batch_sizes, MAX_SLOTS)
     lengths = protocol.parse_lengths(lengths)
     if json_path is not None:
         protocol.check_writable(json_path)  # before the run, not after it
@@ -89,7 +100,10 @@ def bench(model_dir, synthetic, device, lengths, samples, warmup, prompt_len, ma
     config = read_config(model_dir) if model_dir is not None else preset(synthetic)
     check_supported(config_layout(config, quantize).device)
     context = checked_context(config, max_seq_len)
-    protocol.check_options(lengths, samples, warmup, prompt_len, context)
+    if sizes is not None:
+        batch_bench.check_options(sizes, samples, warmup, prompt_len, context)
+    else:
+        protocol.check_options(lengths, samples, warmup, prompt_len, context)
 
     if speculative["speculative"]:
         check_speculative(speculative, context)
@@ -97,14 +111,15 @@ def bench(model_dir, synthetic, device, lengths, samples, warmup, prompt_len, ma
         has_tokenizer = model_dir is not None and find_tokenizer(model_dir) is not None
         check_draft(speculative["draft_model"], config, load_tokenizer(model_dir) if has_tokenizer else None)
     bandwidth = None
-    if dev == "cuda" and not speculative["speculative"]:  # before the weights arrive (a few GiB on any GPU)
+    if dev == "cuda" and not speculative["speculative"] and sizes is None:  # before the weights (GiBs on any GPU)
         BenchProgress.note("measuring the read bandwidth of this GPU ...")
         bandwidth = protocol.measure_bandwidth()
     BenchProgress.note(f"loading {model_dir or 'synthetic ' + synthetic} on {dev} ...")
+    slots = max(sizes) if sizes else 1
     if model_dir is not None:
-        llm = Llama.from_pretrained(model_dir, device=dev, max_seq_len=max_seq_len, quantize=quantize)
+        llm = Llama.from_pretrained(model_dir, device=dev, max_seq_len=max_seq_len, quantize=quantize, max_batch=slots)
     else:
-        llm = Llama.synthetic(synthetic, device=dev, max_seq_len=max_seq_len, quantize=quantize)
+        llm = Llama.synthetic(synthetic, device=dev, max_seq_len=max_seq_len, quantize=quantize, max_batch=slots)
 
     overlapped = False
     if dev == "cuda":
@@ -114,6 +129,8 @@ def bench(model_dir, synthetic, device, lengths, samples, warmup, prompt_len, ma
     elif overlap:
         BenchProgress.note("--overlap: the CPU has no kernel overlap; ignored")
     label = model_dir or f"{synthetic} (synthetic)"
+    if sizes is not None:
+        return batch_report(llm, label, dev, overlapped, sizes, samples, warmup, prompt_len, json_path, command)
     if speculative["speculative"]:
         return speculative_bench(llm, label, dev, lengths, samples, warmup, prompt_len, json_path,
                                  {"command": command, "overlap": overlapped}, **speculative_defaults(speculative))
@@ -125,6 +142,21 @@ def bench(model_dir, synthetic, device, lengths, samples, warmup, prompt_len, ma
         report(stop.result, label, dev, overlapped, json_path)
         raise
     report(result, label, dev, overlapped, json_path)
+
+
+def batch_report(llm, label, dev, overlapped, sizes, steps, warmup, prompt_len, json_path, command) -> None:
+    """`cullama bench --batch`: cullama.batch_bench's run, its table to stdout and its record to --json."""
+    from .. import batch_bench, bench as protocol
+    from ..device import environment
+
+    records = batch_bench.run(llm.runner, llm.config.vocab_size, sizes, steps, warmup, prompt_len, BenchProgress.note)
+    overlap = ", overlap on" if overlapped else ""
+    out(batch_bench.format_table(records, f"cullama bench --batch: {label}, {dev}{overlap}, prompt {prompt_len}, "
+                                          f"{steps} steps per size"))
+    if json_path:
+        protocol.write_record({"kind": "batch", "model": label, "device": dev, "environment": environment(),
+                               "options": {"command": command, "overlap": overlapped}, "sizes": records}, json_path)
+        BenchProgress.note(f"wrote {json_path}")
 
 
 def report(result, label: str, dev: str, overlapped: bool, json_path: str | None) -> None:

@@ -457,7 +457,10 @@ def chat(model_dir, system, device, max_seq_len, tokenizer, quantize, as_json, *
               "one) to use instead of the checkpoint's.")
 @click.option("--served-model-name", help="The model's name in the API [default: the directory's name].")
 @click.option("--max-queue", default=64, show_default=True, type=click.IntRange(min=0),
-              help="Requests that may wait behind the running one; past it, 429.")
+              help="Requests that may wait behind the running ones; past it, 429.")
+@click.option("--max-batch", default=8, show_default=True, type=click.IntRange(1, 64),
+              help="Requests decoded together, each getting exactly its solo tokens (1: one at a time); each "
+              "holds a KV cache of the context.")
 @click.option("--api-key", envvar="CULLAMA_API_KEY", help="Require `Authorization: Bearer KEY` on /v1/* "
               "[env: CULLAMA_API_KEY, which keeps the key out of `ps`].")
 @click.option("--allowed-hosts", multiple=True, metavar="NAMES", help="Host names requests may give besides "
@@ -470,11 +473,12 @@ def chat(model_dir, system, device, max_seq_len, tokenizer, quantize, as_json, *
               help="Seconds open connections get to finish after SIGINT/SIGTERM before they are closed.")
 @QUANTIZE
 @speculative_flags
-def serve(model_dir, host, port, device, max_seq_len, tokenizer, served_model_name, max_queue, api_key,
+def serve(model_dir, host, port, device, max_seq_len, tokenizer, served_model_name, max_queue, max_batch, api_key,
           allowed_hosts, allowed_origins, body_timeout, shutdown_grace, quantize, **flags):
     """An OpenAI-compatible HTTP server: /v1/completions, /v1/chat/completions, /v1/models, /health, /metrics.
 
-    One generation at a time, the others wait in a FIFO queue. The speculative options are every request's
+    Up to --max-batch generations decode together (each request's tokens are the ones it gets alone), the others
+    wait in a FIFO queue. The speculative options are every request's
     default; a request may change them with its own `speculative` ("ngram", "draft", "off") and `draft_tokens`
     fields. Needs the serve extra: pip install 'cullama[serve]'."""
     if threading.current_thread() is threading.main_thread():  # SIGTERM while starting up: a clean exit too
@@ -490,7 +494,7 @@ def serve(model_dir, host, port, device, max_seq_len, tokenizer, served_model_na
                         tokenizer=tokenizer, speculative=spec, draft_model=flags["draft_model"],
                         body_timeout=body_timeout, shutdown_grace=shutdown_grace,
                         allowed_hosts=listed(allowed_hosts), allowed_origins=listed(allowed_origins),
-                        quantize=quantize))
+                        quantize=quantize, max_batch=max_batch))
 
 
 def listed(values: tuple[str, ...]) -> tuple[str, ...]:

@@ -9,6 +9,15 @@
     verify(drafts):        one pass over [last, *drafts] (speculative decoding): the accepted tokens
     max_draft():           how many drafts verify() takes now
 
+Sequence slots (issue 17; cullama/batch.py runs many generations at once on them): a runner made with `slots`
+S > 1 holds S sequences, each its own KV cache, device state (position, token, step counter, sampling parameters,
+seen flags) and host record (cached, last, log-probabilities). `slot` selects the one that start / next / verify /
+score / logits act on, exactly as on a one-slot runner (slot 0 is that runner, bit for bit). Batched decoding:
+set_batch(slots) when the batch's composition changes, then batch_step() per step: one decode step for each of
+those sequences at once (plan.batch_plan: rows of up to VERIFY_ROWS sequences per launch), each row exactly its
+sequence's one-row decode step; begin() is start() one prefill chunk at a time (Prefill.advance), so that a joining
+prompt's chunks can run between batched steps.
+
 Log-probabilities (cullama/logprobs.py): start(..., logprobs=N) makes every token of that generation (start's,
 next's, verify's) come with its TokenLogprob, handed out in order by take_logprobs(); the steps then run the
 plans with the logprobs kernel (one more launch in the decode graph, and a copy of a few hundred bytes beside the
@@ -18,63 +27,146 @@ token's), and the others are left as they are. start(..., prompt_logprobs=N) als
 
 from __future__ import annotations
 
+import contextlib
 from typing import Sequence
 
 import numpy as np
 
 from . import logprobs as scoring, memory, plan as plans
 from .config import LlamaConfig
-from .errors import PromptError
+from .errors import GenerationError, PromptError
 from .layout import Layout, as_layout
 from .prefill_kernels import PrefillKernels, default_for
-from .sampling import Sampler, SamplingParams
+from .sampling import NO_TOKEN, Sampler, SamplingParams
 # kernels_cu/common.cuh: STATE_POS, STATE_TOKEN, STATE_STEP, STATE_TOP_K, STATE_SEED_LO, STATE_SEED_HI
 POS, TOKEN, STEP, TOP_K, SEED_LO, SEED_HI = range(6)
 
 
+class _Sequence:
+    """One slot's host record: the ids its KV cache holds, its last sampled token, its log-probability settings."""
+
+    def __init__(self):
+        self.cached: list[int] = []  # the ids whose K and V are in the cache, at positions 0..len - 1
+        self.last: int | None = None  # the last sampled token: the next decode step's input
+        self.logprobs: int | None = None  # this generation's alternatives per token; None: no log-probabilities
+        self.records: list[scoring.TokenLogprob] = []  # the log-probabilities of tokens returned, not taken yet
+        self.prompt_logprobs: list[scoring.TokenLogprob] = []  # the last scored prompt's (start or score): ids[1:]
+
+
+def _delegated(field: str) -> property:
+    """A PlanRunner attribute that is its current slot's (_Sequence.field)."""
+    return property(lambda self: getattr(self._seq, field), lambda self, v: setattr(self._seq, field, v))
+
+
+class Prefill:
+    """A prompt on its way into the cache (PlanRunner.begin): advance() runs one chunk and returns None, or on the
+    last chunk the first sampled token. The runner's slot must be this prompt's at each call."""
+
+    def __init__(self, runner: "PlanRunner", slot: int, chunks):
+        self.runner, self.slot, self._chunks = runner, slot, chunks
+
+    def advance(self) -> int | None:
+        if self.runner.slot != self.slot:
+            raise RuntimeError(f"the prefill of slot {self.slot} advanced with slot {self.runner.slot} selected")
+        try:
+            next(self._chunks)
+            return None
+        except StopIteration as done:
+            return done.value
+
+
 class PlanRunner:
-    """Runs one sequence at a time. `cached` only ever names the ids whose K and V rows were completely
-    written (queued in full, on the GPU): it is cut back before a prefill or a step writes and extended after,
-    so work cut short (a KeyboardInterrupt, an error) never leaves it claiming rows it overwrote. A start()
-    or decode step cut short also drops `last`: decoding then needs a start()."""
+    """Runs one sequence at a time (per slot: see the module docstring). `cached` only ever names the ids whose K
+    and V rows were completely written (queued in full, on the GPU): it is cut back before a prefill or a step
+    writes and extended after, so work cut short (a KeyboardInterrupt, an error) never leaves it claiming rows it
+    overwrote. A start() or decode step cut short also drops `last`: decoding then needs a start()."""
 
     def __init__(self, model: LlamaConfig | Layout, backend, max_seq_len: int, prefill_chunk: int | None = None,
-                 weight_bytes: int = 0, sample_vocab: int | None = None):
+                 weight_bytes: int = 0, sample_vocab: int | None = None, slots: int = 1):
         """`model`: the device layout of the weights (layout.Layout; a config stands for its FP16 layout).
         `prefill_chunk`: prompt rows per prefill pass (default plan.PREFILL_CHUNK); it sizes the prefill
         buffers, and any prompt length works. `weight_bytes`: what the weights will still take on this device
         once the runner is made: the KV cache, the runtime buffers and they must fit in what it has free, or
         a ResourceError says so before anything is allocated (make the runner before loading the weights).
         `sample_vocab`: only the ids below it are ever sampled (default: the whole vocabulary; a tokenizer
-        with fewer pieces than a padded vocabulary has no text for the others)."""
+        with fewer pieces than a padded vocabulary has no text for the others). `slots`: sequences held at once
+        (each its own KV cache of max_seq_len; the memory check counts them all)."""
         self.layout = as_layout(model)
         cfg = self.layout.device
         plans.check_supported(cfg)
         self.cfg, self.backend, self.max_seq_len = cfg, backend, max_seq_len
         self.sample_vocab = min(sample_vocab or cfg.vocab_size, cfg.vocab_size)
         self.prefill_chunk = prefill_chunk or plans.PREFILL_CHUNK
-        buffers = plans.runtime_buffers(self.layout, max_seq_len, self.prefill_chunk)
+        if not 1 <= slots <= plans.MAX_SLOTS:
+            raise ValueError(f"slots must be 1 to {plans.MAX_SLOTS}, got {slots}")
+        self.slots = slots
+        buffers = plans.runtime_buffers(self.layout, max_seq_len, self.prefill_chunk, slots)
         kv = sum(b.nbytes for b in buffers if b.kind == "cache")
         others = sum(b.nbytes for b in buffers) - kv
         memory.check_fits(backend.device, {"KV cache": kv, "other runtime buffers": others, "weights": weight_bytes},
                           f"use a shorter context than {max_seq_len} tokens (max_seq_len, --max-seq-len; "
-                          f"the KV cache takes {memory.gib(kv // max_seq_len * 1024)} per 1024 tokens)")
+                          f"the KV cache takes {memory.gib(kv // max_seq_len * 1024)} per 1024 tokens"
+                          + (self._fewer(backend.device, kv // slots, others + weight_bytes) if slots > 1 else ")"))
         backend.allocate(buffers)
         backend.set("rope", plans.rope_table(cfg, max_seq_len))
-        self.decode = plans.decode_plan(self.layout, max_seq_len, self.sample_vocab)
+        backend.set("slot_rows", plans.slot_rows_table(slots))
+        self._seqs = [_Sequence() for _ in range(slots)]
+        self._slot_now = 0  # the slot start / next / verify act on
+        self._x_of: int | None = None  # the slot whose next input the decode step's x holds (None: nobody's)
+        self._decodes: dict[int, plans.Plan] = {}
+        self.decode = self._decode_of(0)
+        self._embed_x = plans.embed_x_plan(self.cfg)
+        self._batch: list[int] = []  # set_batch's slots, in row order
+        self._batch_plans: dict[tuple, plans.Plan] = {}
+        self._batch_scores: np.ndarray | None = None
         self._prefills: dict[tuple, plans.Plan] = {}
         self.prefill_kernels = default_for(getattr(backend, "arch", None))  # the prompt path's GEMM and attention
-        self.cached: list[int] = []  # the ids whose K and V are in the cache, at positions 0..len - 1
-        self.last: int | None = None  # the last sampled token: the next decode step's input
         self._queued: int | None = None  # the token slot of a decode step already queued for `last`
         self._slot = 0  # the token slot the next queued step uses (two alternate)
-        self._verify_plans: dict[int, plans.Plan] = {}  # k -> the verify step of k drafts
+        self._verify_plans: dict[tuple, plans.Plan] = {}  # (k, slot) -> the verify step of k drafts
         # the plans with the logprobs kernel: the steps' (at most 21 alternatives' x 9 row counts), the prefills'
         self._scored_steps: dict[tuple, plans.Plan] = {}
         self._scored_prefills: dict[tuple, plans.Plan] = {}  # bounded as _prefills is
-        self._logprobs: int | None = None  # this generation's alternatives per token; None: no log-probabilities
-        self._records: list[scoring.TokenLogprob] = []  # the log-probabilities of tokens returned, not taken yet
-        self.prompt_logprobs: list[scoring.TokenLogprob] = []  # the last scored prompt's (start or score): ids[1:]
+
+    @staticmethod
+    def _fewer(device: str, per_sequence: int, rest: int) -> str:
+        """The memory check's advice on sequence slots: how many fit beside the rest at this context."""
+        free, _ = memory.free_bytes(device)
+        fit = "" if free is None else f"; {max(0, (free - rest) // per_sequence)} fit beside the weights"
+        return f" for each of the --max-batch sequences, {memory.gib(per_sequence)} each{fit}: or fewer of them)"
+
+    cached = _delegated("cached")
+    last = _delegated("last")
+    _logprobs = _delegated("logprobs")
+    _records = _delegated("records")
+    prompt_logprobs = _delegated("prompt_logprobs")
+
+    @property
+    def _seq(self) -> _Sequence:
+        return self._seqs[self._slot_now]
+
+    @property
+    def slot(self) -> int:
+        """The sequence slot that start / next / verify / score / logits act on (0 unless set)."""
+        return self._slot_now
+
+    @slot.setter
+    def slot(self, slot: int) -> None:
+        if not 0 <= slot < self.slots:
+            raise ValueError(f"slot {slot} is not one of this runner's {self.slots}")
+        if slot != self._slot_now and self._queued is not None:  # a stream ended with a step queued ahead
+            with contextlib.suppress(GenerationError):  # its token is dropped (and a NO_TOKEN with it)
+                self.backend.token(self._queued)  # ordered before anything the other slot runs
+            self.last, self._queued = None, None  # this slot's device state is a step ahead: it needs a start()
+        self._slot_now = slot
+
+    def _decode_of(self, slot: int) -> plans.Plan:
+        """The decode step of the sequence in `slot` (slot 0's is `decode`)."""
+        if slot == 0 and hasattr(self, "decode"):
+            return self.decode
+        if slot not in self._decodes:
+            self._decodes[slot] = plans.decode_plan(self.layout, self.max_seq_len, self.sample_vocab, slot)
+        return self._decodes[slot]
 
     @property
     def device(self) -> str:
@@ -86,12 +178,13 @@ class PlanRunner:
         self.prefill_kernels = kernels
 
     def _prefill_plan(self, start: int, n: int, output: str) -> plans.Plan:
-        key = (start, n, output, self.prefill_kernels)
+        key = (start, n, output, self.prefill_kernels) + ((self.slot,) if self.slot else ())
         if key not in self._prefills:
             if len(self._prefills) > 64:
                 self._prefills.clear()
             self._prefills[key] = plans.prefill_plan(self.layout, self.max_seq_len, start, n, output,
-                                                     self.prefill_kernels, self.prefill_chunk, self.sample_vocab)
+                                                     self.prefill_kernels, self.prefill_chunk, self.sample_vocab,
+                                                     self.slot)
         return self._prefills[key]
 
     def _prefill(self, ids: Sequence[int], output: str, state: np.ndarray | None = None, begin: int = 0,
@@ -101,6 +194,15 @@ class PlanRunner:
         token's). `prompt_logprobs`: every chunk scores its rows against the next ids, into prompt_logprobs.
         `cached` grows chunk by chunk."""
         logits = []
+        for rows, _ in self._prefill_chunks(ids, output, state, begin, logprobs, prompt_logprobs):
+            if rows is not None:
+                logits.append(rows)
+        return logits
+
+    def _prefill_chunks(self, ids: Sequence[int], output: str, state: np.ndarray | None = None, begin: int = 0,
+                        logprobs: int | None = None, prompt_logprobs: int | None = None):
+        """_prefill one chunk at a time: yields after each (its logits rows for "logits", else None; whether it was
+        the last)."""
         for start in range(begin, len(ids), self.prefill_chunk):
             chunk = np.asarray(ids[start:start + self.prefill_chunk], dtype=np.int32)
             n, last = len(chunk), start + len(chunk) == len(ids)
@@ -108,7 +210,8 @@ class PlanRunner:
             out = output if output == "logits" or last else "none"
             if out == "sample":
                 state[POS] = start + n - 1  # the sample kernel advances it to start + n
-                self.backend.set("state", state)
+                self.backend.set("state", state[None], self.slot)
+                self._x_of = self.slot  # the sample kernel writes this sequence's next input
             if prompt_logprobs is not None:
                 targets = np.full(n, scoring.NO_TARGET, np.int32)  # [n] row r predicts ids[start + r + 1]
                 following = ids[start + 1:start + n + 1]  # n ids, or n - 1 in the last chunk
@@ -120,30 +223,28 @@ class PlanRunner:
             else:
                 self.backend.run(self._scored_prefill_plan(start, n, out, sampled, prompt_logprobs))
             self.cached = list(ids[:start + n])  # this chunk's rows are written (queued in full, on the GPU)
-            if out == "logits":
-                logits.append(self.backend.read("logits_rows")[:n])
             if prompt_logprobs is not None:
                 self.prompt_logprobs += scoring.from_rows(self.backend.read("logprob_rows")[:len(following)],
                                                           prompt_logprobs)
-        return logits
+            yield (self.backend.read("logits_rows")[:n] if out == "logits" else None), last
 
     def _scored_prefill_plan(self, start: int, n: int, output: str, logprobs: int | None,
                              prompt_logprobs: int | None) -> plans.Plan:
         """The prefill chunk of _prefill_plan with the logprobs kernel: the sampled token's (output "sample",
         `logprobs`) and every row's (`prompt_logprobs`)."""
-        key = (start, n, output, self.prefill_kernels, logprobs, prompt_logprobs)
+        key = (start, n, output, self.prefill_kernels, logprobs, prompt_logprobs) + ((self.slot,) if self.slot else ())
         if key not in self._scored_prefills:
             if len(self._scored_prefills) > 64:
                 self._scored_prefills.clear()
             V = self.sample_vocab
             base = self._prefill_plan(start, n, output)
             if prompt_logprobs is None:  # output "sample": the first token's
-                plan = plans.with_logprobs(base, logprobs, [plans.token_logprobs(V, 1, logprobs)])
+                plan = plans.with_logprobs(base, logprobs, [plans.token_logprobs(V, 1, logprobs, self.slot)])
             else:
                 plan = plans.scored_prefill_plan(self._prefill_plan(start, n, "none"),
                                                  self._prefill_plan(start, n, "logits"),
                                                  base if output == "sample" else None, V, self.cfg.vocab_size, n,
-                                                 prompt_logprobs, logprobs)
+                                                 prompt_logprobs, logprobs, self.slot)
             self._scored_prefills[key] = plan
         return self._scored_prefills[key]
 
@@ -156,6 +257,16 @@ class PlanRunner:
         logprobs: every token of this generation comes with its log-probabilities and that many alternatives
         (take_logprobs); prompt_logprobs: the prompt is scored too, into `prompt_logprobs` (its ids[1:]; the
         whole prompt is then prefilled, whatever `reuse` says). None: off (0..20 alternatives: on)."""
+        prefill = self.begin(prompt_ids, params, reuse, logprobs, prompt_logprobs)
+        first = prefill.advance()
+        while first is None:
+            first = prefill.advance()
+        return first
+
+    def begin(self, prompt_ids: Sequence[int], params: SamplingParams, reuse: bool = False,
+              logprobs: int | None = None, prompt_logprobs: int | None = None) -> Prefill:
+        """start() one prefill chunk at a time: the Prefill whose advance() runs the next chunk (the prompt is
+        checked and the slot's sampling state set here; nothing runs on the device before the first advance)."""
         if not 0 < len(prompt_ids) < self.max_seq_len:
             raise PromptError(f"a prompt of {len(prompt_ids)} tokens needs 1 to {self.max_seq_len - 1} tokens "
                               f"(the context is {self.max_seq_len})")
@@ -173,32 +284,47 @@ class PlanRunner:
         self.last, self._queued = None, None  # a step still queued is ordered before this prefill; dropped
         self.cached = prompt[:begin]
         self._logprobs, self._records, self.prompt_logprobs = logprobs, [], []
-        self.backend.set("fparams", np.array([p.temperature, p.top_p, p.repetition_penalty, 0], np.float32))
-        self.backend.set("seen", sampler.seen.astype(np.uint8))
-        self._prefill(prompt, "sample", state, begin, logprobs, prompt_logprobs)
-        self.last = self.backend.read_token()
+        self.backend.set("fparams", np.array([[p.temperature, p.top_p, p.repetition_penalty, 0]], np.float32),
+                         self.slot)
+        self.backend.set("seen", seen_row(sampler.seen, plans.seen_stride(self.cfg.vocab_size))[None], self.slot)
+        return Prefill(self, self.slot, self._first_token(prompt, state, begin, logprobs, prompt_logprobs))
+
+    def _first_token(self, prompt, state, begin, logprobs, prompt_logprobs):
+        """The generator behind a Prefill: each chunk, then the first token (its return value), read in the same
+        advance() as the last chunk: another sequence's step in between would overwrite logprob_step."""
+        for _, last in self._prefill_chunks(prompt, "sample", state, begin, logprobs, prompt_logprobs):
+            if last:
+                break
+            yield
+        self.last = self.backend.read_token(self.slot)
         if logprobs is not None:
             self._records += scoring.from_rows(self.backend.read("logprob_step")[:1], logprobs)
         return self.last
 
     def _queue_step(self) -> int:
         slot, self._slot = self._slot, self._slot ^ 1
+        if self._x_of != self.slot:  # another sequence's step or prefill wrote x since: this one's input again
+            self.backend.set("verify_ids", np.array([self.last], np.int32))
+            self.backend.run(self._embed_x)
+            self._x_of = self.slot
         # writes the K and V of `last` at position len(cached)
         if self._logprobs is None:
-            self.backend.launch_step(self.decode, slot)
+            self.backend.launch_step(self._decode_of(self.slot), slot, seq=self.slot)
         else:  # the token's log-probabilities are copied out beside it: the next step overwrites logprob_step
-            self.backend.launch_step(self.decode_plan(self._logprobs), slot, "logprob_step")
+            self.backend.launch_step(self.decode_plan(self._logprobs), slot, "logprob_step", seq=self.slot)
         return slot
 
     def decode_plan(self, logprobs: int | None = None) -> plans.Plan:
         """The decode step (`decode`), or with the logprobs kernel for `logprobs` alternatives: made once each, so
         the CUDA backend captures each as its own graph (for benchmarks: backend.replay(plan) times one)."""
         if logprobs is None:
-            return self.decode
-        if (1, logprobs) not in self._scored_steps:
-            self._scored_steps[1, logprobs] = plans.with_logprobs(
-                self.decode, logprobs, [plans.token_logprobs(self.sample_vocab, 1, logprobs)])
-        return self._scored_steps[1, logprobs]
+            return self._decode_of(self.slot)
+        key = (1, logprobs, self.slot)
+        if key not in self._scored_steps:
+            self._scored_steps[key] = plans.with_logprobs(
+                self._decode_of(self.slot), logprobs,
+                [plans.token_logprobs(self.sample_vocab, 1, logprobs, self.slot)])
+        return self._scored_steps[key]
 
     def take_logprobs(self) -> list[scoring.TokenLogprob]:
         """The log-probabilities of the tokens start(), next() and verify() returned since the last call, in
@@ -246,16 +372,18 @@ class PlanRunner:
         """The verify step of k drafts (1..plan.MAX_DRAFT), made once: the CUDA backend captures it as its own
         graph (by its name, verify[k]). For benchmarks: backend.replay(plan) times one verify step; each
         replay advances the position by the tokens it accepts (1..k + 1), like a decode step's by one."""
-        if k not in self._verify_plans:
-            self._verify_plans[k] = plans.verify_plan(self.layout, self.max_seq_len, k, self.sample_vocab)
-        return self._verify_plans[k]
+        if (k, self.slot) not in self._verify_plans:
+            self._verify_plans[k, self.slot] = plans.verify_plan(self.layout, self.max_seq_len, k, self.sample_vocab,
+                                                                 self.slot)
+        return self._verify_plans[k, self.slot]
 
     def _scored_verify_plan(self, k: int, logprobs: int) -> plans.Plan:
         """verify_plan(k) with the logprobs kernel over its rows (row r: its pick, accepted token r)."""
-        if (k + 1, logprobs) not in self._scored_steps:  # keyed by rows: a decode step's is 1
-            self._scored_steps[k + 1, logprobs] = plans.with_logprobs(
+        key = (k + 1, logprobs, self.slot)  # keyed by rows: a decode step's is 1
+        if key not in self._scored_steps:
+            self._scored_steps[key] = plans.with_logprobs(
                 self.verify_plan(k), logprobs, [plans.token_logprobs(self.sample_vocab, k + 1, logprobs)])
-        return self._scored_steps[k + 1, logprobs]
+        return self._scored_steps[key]
 
     def verify(self, drafts: Sequence[int]) -> list[int]:
         """Check k = len(drafts) drafted tokens in ONE pass over the rows [last, *drafts] at positions
@@ -306,7 +434,66 @@ class PlanRunner:
             raise
         self.cached += [self.last, *accepted[:-1]]
         self.last = accepted[-1]
+        self._x_of = self.slot  # the sample kernel wrote its next input
         return accepted
+
+    # -- batched decoding (cullama/batch.py) ------------------------------------------------------------------
+    def set_batch(self, slots: Sequence[int]) -> None:
+        """The sequences the next batch_step()s decode, in row order: each must have a sampled token to decode
+        from (a start() or a finished Prefill). Call it when the batch's composition changes, not per step: it
+        writes each row's slot and last token to the device, and the batched steps carry on from there."""
+        slots = [int(s) for s in slots]
+        if not slots or len(set(slots)) != len(slots) or not all(0 <= s < self.slots for s in slots):
+            raise ValueError(f"a batch is distinct slots of 0..{self.slots - 1}, got {slots}")
+        idle = [s for s in slots if self._seqs[s].last is None]
+        if idle:
+            raise PromptError(f"slot {idle[0]} has nothing to decode from: start it first")
+        groups = plans.batch_groups(self.slots)
+        table = np.zeros((groups, plans.VERIFY_ROWS, 2), np.int32)  # [groups, rows, (slot, offset 0)]
+        ids = np.zeros((groups, plans.VERIFY_ROWS), np.int32)  # [groups, rows] each row's last token
+        for r, s in enumerate(slots):
+            table[r // plans.VERIFY_ROWS, r % plans.VERIFY_ROWS, 0] = s
+            ids[r // plans.VERIFY_ROWS, r % plans.VERIFY_ROWS] = self._seqs[s].last
+        self.backend.set("batch_rows", table)
+        self.backend.set("batch_ids", ids)
+        self._batch = slots
+
+    def _batch_plan(self, rows: int, group: int, logprobs: int | None) -> plans.Plan:
+        key = (rows, group, logprobs)
+        if key not in self._batch_plans:
+            plan = plans.batch_plan(self.layout, self.max_seq_len, rows, group, self.sample_vocab)
+            if logprobs is not None:
+                plan = plans.with_logprobs(plan, logprobs, [plans.batch_logprobs(self.sample_vocab, rows, group,
+                                                                                 logprobs)])
+            self._batch_plans[key] = plan
+        return self._batch_plans[key]
+
+    def batch_step(self, logprobs: int | None = None) -> list[int]:
+        """One decode step of every sequence of set_batch(), at once: each row's next token, in row order
+        (NO_TOKEN where a row's logits had nothing to draw: that sequence cannot go on). Each row computes exactly
+        what next() on its slot would. `logprobs`: also each row's log-probabilities with that many alternatives
+        (batch_scores())."""
+        full = [s for s in self._batch if len(self._seqs[s].cached) >= self.max_seq_len]
+        if full:
+            raise PromptError(f"the context of {self.max_seq_len} tokens of slot {full[0]} is full")
+        scores = []
+        for group, first in enumerate(range(0, len(self._batch), plans.VERIFY_ROWS)):
+            rows = min(plans.VERIFY_ROWS, len(self._batch) - first)
+            self.backend.replay(self._batch_plan(rows, group, logprobs))
+            if logprobs is not None:  # the next group overwrites logprob_step
+                scores.append(self.backend.read("logprob_step")[:rows])
+        ids = self.backend.read("batch_ids").reshape(-1, plans.VERIFY_ROWS)
+        tokens = [int(ids[r // plans.VERIFY_ROWS, r % plans.VERIFY_ROWS]) for r in range(len(self._batch))]
+        for s, token in zip(self._batch, tokens):
+            seq = self._seqs[s]
+            seq.cached.append(seq.last)
+            seq.last = token if token != NO_TOKEN else None  # a sequence with nothing drawn needs a start()
+        self._batch_scores = np.concatenate(scores) if scores else None
+        return tokens
+
+    def batch_scores(self) -> np.ndarray | None:
+        """The last batch_step's rows of the logprobs kernel (cullama.logprobs.from_rows), if it asked for them."""
+        return self._batch_scores
 
     def logits(self, token_ids: Sequence[int]) -> np.ndarray:
         if not 0 < len(token_ids) <= self.max_seq_len:
@@ -324,6 +511,13 @@ class PlanRunner:
         self._logprobs, self._records, self.prompt_logprobs = None, [], []
         self._prefill(list(token_ids), "none", prompt_logprobs=top)
         return self.prompt_logprobs
+
+
+def seen_row(seen: np.ndarray, stride: int) -> np.ndarray:
+    """A sequence's seen flags (bool [vocab]) as its row of the `seen` buffer: uint8 [stride], 0 past the vocabulary."""
+    row = np.zeros(stride, np.uint8)
+    row[:len(seen)] = seen
+    return row
 
 
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:

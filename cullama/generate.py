@@ -53,6 +53,9 @@ class Runner(Protocol):
     def logits(self, token_ids: Sequence[int]) -> np.ndarray: ...
 
 
+WAITING = object()  # what a stream yields while its next token is not there yet (cullama/batch.py's streams only)
+
+
 class RunnerGuard:
     """One generation at a time on one runner (see the module docstring): a lock for every runner call,
     and the ticket of the generation that owns the runner now."""
@@ -284,6 +287,10 @@ class GenerationStream:
             return {}
         return {"logprobs": o.logprobs, "prompt_logprobs": o.prompt_logprobs}
 
+    def _has_token(self, i: int) -> bool:
+        """Whether token i can be had now (always, from the runner; a batched stream waits for its session)."""
+        return True
+
     def _score_prompt(self) -> None:
         """prompt_logprobs with nothing to generate: one prefill that scores the prompt, nothing sampled."""
         started = time.perf_counter()
@@ -335,6 +342,13 @@ class GenerationStream:
             self._score_prompt()
         last = time.perf_counter()
         for i in range(budget):
+            if self._cancelled:
+                finish = "cancelled"
+                break
+            while not self._has_token(i):  # a batched stream: its session delivers the token later
+                yield WAITING
+                if self._cancelled:
+                    break
             if self._cancelled:
                 finish = "cancelled"
                 break

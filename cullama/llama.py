@@ -22,7 +22,8 @@ from .generate import Generation, GenerationOptions, GenerationStream, Runner, R
 from .backends import make_backend
 from .engine import PlanRunner
 from .sampling import INT32_MAX, is_int
-from .speculative import SpeculativeOptions, SpeculativeStream
+from .speculative import SpeculativeDecoder, SpeculativeOptions, SpeculativeStream
+from .batch import BatchedStream, BatchSession
 from .weights import check_quantize, checkpoint_layout, config_layout, load_checkpoint, random_weights
 from .tokenizer import TokenizerBase, find_tokenizer, load_tokenizer
 
@@ -58,7 +59,7 @@ class Llama:
     def from_pretrained(cls, path: str | os.PathLike, device: str = "auto", max_seq_len: int | None = None,
                         tokenizer: str | os.PathLike | None = None, progress: Progress | None = None,
                         check: Check | None = None, draft_model: str | os.PathLike | None = None,
-                        quantize: str | None = None) -> "Llama":
+                        quantize: str | None = None, max_batch: int = 1) -> "Llama":
         """Load an HF-format LLaMA checkpoint directory (safetensors) onto `device` ("auto", "cpu", "cuda").
 
         Plain checkpoints (FP16, BF16, FP32) run in FP16, or with quantize="int8" | "int4" quantized on load
@@ -74,8 +75,12 @@ class Llama:
 
         draft_model: a smaller LLaMA checkpoint with the same tokenizer, loaded after this one on the same
         device with the same context, for speculative="draft" (as it is stored: quantize applies to this model
-        only); one with another vocabulary size or other pieces is refused before any weight loads."""
+        only); one with another vocabulary size or other pieces is refused before any weight loads.
+
+        max_batch: sequences decoded at once (1 to plan.MAX_SLOTS; a KV cache of the context each, counted in the
+        memory check): generate(list_of_prompts) and batch() run that many together (cullama/batch.py)."""
         notes: list[str] = []
+        max_batch = checked_max_batch(max_batch)
         path, tokenizer = checked_path(path, "path"), checked_path(tokenizer, "tokenizer")
         draft_model = checked_path(draft_model, "draft_model")
         check_quantize(quantize)
@@ -99,25 +104,26 @@ class Llama:
         backend = make_backend(device)
         # fits, or says so; the ids past a smaller tokenizer's pieces (a padded vocabulary) are never sampled
         runner = PlanRunner(layout, backend, seq_len, weight_bytes=layout.weight_bytes(),
-                            sample_vocab=tok.vocab_size if tok else None)
+                            sample_vocab=tok.vocab_size if tok else None, slots=max_batch)
         load_checkpoint(backend, ckpt, progress, layout)
         draft = None if draft_model is None else cls.from_pretrained(draft_model, device, seq_len, progress=progress)
         return cls(config, runner, tok, device, notes + (draft.notes if draft else []), draft)
 
     @classmethod
     def synthetic(cls, config: LlamaConfig | str, device: str = "auto", max_seq_len: int | None = None,
-                  seed: int = 0, quantize: str | None = None) -> "Llama":
+                  seed: int = 0, quantize: str | None = None, max_batch: int = 1) -> "Llama":
         """Random weights of a preset's (or any config's) shape, made on the device: no download. quantize
         ("int8" | "int4"): random codes and (scale, zero) pairs in the layout on-load quantization gives.
         For benchmarks; there is no tokenizer, so prompts are token ids."""
         check_quantize(quantize)
+        max_batch = checked_max_batch(max_batch)
         config = preset(config) if isinstance(config, str) else config
         device = devices.resolve(device)
         layout = config_layout(config, quantize)
         plans.check_supported(layout.device)
         backend = make_backend(device)
         runner = PlanRunner(layout, backend, checked_context(config, max_seq_len),
-                            weight_bytes=layout.weight_bytes())
+                            weight_bytes=layout.weight_bytes(), slots=max_batch)
         random_weights(backend, layout, seed)
         return cls(config, runner, None, device)
 
@@ -196,21 +202,57 @@ class Llama:
 
         The stream starts computing at its first read, and from then on it owns the model until it ends:
         another generation started before that ends it (see the class docstring)."""
+        args, spec, reuse_cache = self._stream_args(prompt, max_new_tokens, temperature, top_k, top_p,
+                                                    repetition_penalty, seed, stop, ignore_eos, reuse_cache,
+                                                    speculative, draft_tokens, adaptive_draft, logprobs,
+                                                    prompt_logprobs)
+        if spec is None:
+            return GenerationStream(*args)
+        return SpeculativeStream(*args, drafter=spec.drafter(self.draft.runner if self.draft else None, reuse_cache),
+                                 length=spec.length())
+
+    def _stream_args(self, prompt, max_new_tokens=256, temperature=0.0, top_k=0, top_p=1.0, repetition_penalty=1.0,
+                     seed=None, stop=(), ignore_eos=False, reuse_cache=False, speculative=None, draft_tokens=None,
+                     adaptive_draft=False, logprobs=None, prompt_logprobs=None):
+        """stream()'s options checked and its prompt encoded: (the stream's arguments, the speculative options or
+        None, reuse_cache)."""
         options = GenerationOptions.checked(
             max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
             repetition_penalty=repetition_penalty, seed=seed, stop=stop, ignore_eos=ignore_eos,
             reuse_cache=reuse_cache, logprobs=logprobs, prompt_logprobs=prompt_logprobs)
         spec = SpeculativeOptions.checked(speculative, draft_tokens, adaptive_draft)
         detok = self.tokenizer.stream_decoder() if self.tokenizer else None
-        args = (self.runner, detok, self.encode(prompt), options, self.eos_ids, self.guard)
-        if spec is None:
-            return GenerationStream(*args)
-        return SpeculativeStream(*args, drafter=spec.drafter(self.draft.runner if self.draft else None, reuse_cache),
-                                 length=spec.length())
+        return (self.runner, detok, self.encode(prompt), options, self.eos_ids, self.guard), spec, reuse_cache
 
-    def generate(self, prompt: str | Sequence[int], **options) -> Generation:
+    def batch(self) -> BatchSession:
+        """A session that decodes many generations at once, up to the model's max_batch (cullama/batch.py): its
+        submit(prompt, **options) takes stream()'s options, and each request's tokens are the ones it gets alone
+        (the same seed, the same tokens), whoever it runs with. reuse_cache is ignored there (every prompt is
+        prefilled in full, into its own slot)."""
+        return BatchSession(self.runner, self.guard, self._batched_stream)
+
+    def _batched_stream(self, prompt, **options) -> BatchedStream:
+        args, spec, _ = self._stream_args(prompt, **options)
+        decoder = None
+        if spec is not None:
+            decoder = SpeculativeDecoder(self.runner, spec.drafter(self.draft.runner if self.draft else None),
+                                         spec.length())
+        return BatchedStream(*args, decoder=decoder)
+
+    def generate(self, prompt: str | Sequence[int] | list, **options) -> Generation | list[Generation]:
         """Generate to the end; same options as `stream`. Holds the model throughout: concurrent calls from
-        other threads wait their turn."""
+        other threads wait their turn.
+
+        A list of prompts (texts, or id lists) runs them together, max_batch at a time (batch()), and returns
+        their Generations in order, each equal to its own generate(prompt, **options): the same tokens, the same
+        seed (a seed of None draws one per prompt). Every prompt's options are checked before any runs. A
+        request that fails on the way (no token to draw) ends with finish_reason "error" and the others go on."""
+        if is_prompt_list(prompt):
+            session = self.batch()
+            with self.guard.lock:
+                streams = [session.submit(p, **options) for p in prompt]
+                session.run()
+            return [s.result for s in streams]
         stream = self.stream(prompt, **options)
         with self.guard.lock:
             for _ in stream:
@@ -327,3 +369,16 @@ def checked_context(config: LlamaConfig, max_seq_len: int | None) -> int:
     if not is_int(max_seq_len) or not 2 <= max_seq_len <= INT32_MAX:
         raise OptionError("max_seq_len", f"must be an integer from 2 to {INT32_MAX}, got {max_seq_len!r}")
     return int(max_seq_len)
+
+
+def is_prompt_list(prompt) -> bool:
+    """A list (or tuple) of prompts, each a text or a sequence of ids: not one prompt of ids."""
+    return isinstance(prompt, (list, tuple)) and len(prompt) > 0 and \
+        all(isinstance(p, (str, list, tuple, np.ndarray)) for p in prompt)
+
+
+def checked_max_batch(max_batch) -> int:
+    """max_batch as an int of 1..plan.MAX_SLOTS, or an OptionError naming it."""
+    if not is_int(max_batch) or not 1 <= max_batch <= plans.MAX_SLOTS:
+        raise OptionError("max_batch", f"must be an integer from 1 to {plans.MAX_SLOTS}, got {max_batch!r}")
+    return int(max_batch)

@@ -49,6 +49,7 @@ from .prefill_kernels import GemmKernel, PrefillKernels, cdiv, quant_gemm, tile_
 from .reference import rope_tables
 from .registry import KernelSpec
 from .ops import sampling as sampling_ops  # the logprobs kernel's
+from .ops.rows import FPARAMS_LEN, STATE_LEN
 
 GEMV_ROWS, GEMV_UNROLL, GEMV_THREADS = 4, 4, 128
 # A verify step's GEMVs (TOKENS = k + 1 rows): fewer loads in flight per thread leave registers for the
@@ -73,11 +74,12 @@ OVERLAP_SAFE = frozenset({"gemv_qkv_rope", "attention_decode", "gemv_residual", 
 
 @dataclasses.dataclass(frozen=True)
 class Ref:
-    """A buffer argument; `index` selects one slice along the first axis (a layer, a row), `rows` the first
-    `rows` slices (a verify step's token rows: the kernels get their address, the twins that shape)."""
+    """A buffer argument; `index` selects one slice along the first axis (a layer, a row), or along the first
+    axes (a tuple: a layer's slot of the KV cache), `rows` the first `rows` slices (a verify step's token rows:
+    the kernels get their address, the twins that shape)."""
 
     name: str
-    index: int | None = None
+    index: int | tuple[int, ...] | None = None
     rows: int | None = None
 
     def of(self, array):
@@ -152,22 +154,30 @@ def weight_buffers(model: LlamaConfig | Layout) -> list[Buffer]:
     return as_layout(model).buffers()
 
 
-def runtime_buffers(model: LlamaConfig | Layout, max_seq: int, chunk: int | None = None) -> list[Buffer]:
+def runtime_buffers(model: LlamaConfig | Layout, max_seq: int, chunk: int | None = None,
+                    slots: int = 1) -> list[Buffer]:
     """Everything but the weights: KV cache, state, and the decode and prefill activations (prefill chunks
-    of up to `chunk` rows, default PREFILL_CHUNK), and under act-order the gathered inputs."""
+    of up to `chunk` rows, default PREFILL_CHUNK), and under act-order the gathered inputs, for
+    `slots` sequences (each its own KV cache and state)."""
     chunk = chunk or PREFILL_CHUNK
     layout = as_layout(model)
     cfg = layout.device
     d, ff, V, hd = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size, cfg.head_dim
-    kv = (cfg.num_layers, cfg.num_kv_heads, max_seq, hd)
+    kv = (cfg.num_layers, slots, cfg.num_kv_heads, max_seq, hd)
     return [
-        Buffer("k_cache", kv, "float16", "cache"),  # [layers, kv_heads, max_seq, hd]
-        Buffer("v_cache", kv, "float16", "cache"),  # [layers, kv_heads, max_seq, hd]
+        Buffer("k_cache", kv, "float16", "cache"),  # [layers, slots, kv_heads, max_seq, hd]
+        Buffer("v_cache", kv, "float16", "cache"),  # [layers, slots, kv_heads, max_seq, hd]
         Buffer("rope", (max_seq, hd // 2, 2), "float32", "constant"),  # [max_seq, hd/2, (cos, sin)]
         Buffer(NO_BIAS, (cfg.qkv_dim,), "float16", "constant"),  # [q_dim + 2 kv_dim] zeros: layout.bias_name
-        Buffer("state", (8,), "int32", "state"),  # see STATE_* in kernels_cu/common.cuh
-        Buffer("fparams", (4,), "float32", "state"),  # temperature, top_p, repetition penalty
-        Buffer("seen", (V,), "uint8", "state"),  # 1 where a token is in the prompt or was generated
+        Buffer("state", (slots, STATE_LEN), "int32", "state"),  # [slots, 8] see STATE_* in kernels_cu/common.cuh
+        Buffer("fparams", (slots, FPARAMS_LEN), "float32", "state"),  # [slots, 4] temperature, top_p, penalty
+        Buffer("seen", (slots, seen_stride(V)), "uint8", "state"),  # [slots, V rounded up to 4] 1: in the text
+        # [slots, VERIFY_ROWS, (slot, offset)]: slot s's rows table for a decode or verify step (slot_rows_table)
+        Buffer("slot_rows", (slots, VERIFY_ROWS, 2), "int32", "constant"),
+        # batched decode (batch_plan): group g of up to VERIFY_ROWS rows, its rows table and each row's token (the
+        # host writes both when the batch changes; sample writes the tokens step after step)
+        Buffer("batch_rows", (batch_groups(slots), VERIFY_ROWS, 2), "int32", "state"),  # [groups, rows, 2]
+        Buffer("batch_ids", (batch_groups(slots), VERIFY_ROWS), "int32", "state"),  # [groups, rows] their tokens
         # decode step
         Buffer("x", (d,), "float32", "activation"),  # [d] the residual stream
         Buffer("q", (cfg.q_dim,), "float32", "activation"),  # [heads * hd] after RoPE
@@ -228,6 +238,36 @@ def _gathered_buffers(cfg: LlamaConfig, chunk: int) -> list[Buffer]:
             Buffer("verify_attn_out_perm", (VERIFY_ROWS, q), "float32", "activation"),  # [rows, heads * hd]
             Buffer("xn_rows_perm", (chunk, d), "float16", "activation"),  # [n, d] rmsnorm(x) in the input order
             Buffer("attn_rows_perm", (chunk, q), "float16", "activation")]  # [n, heads * hd]
+
+
+def seen_stride(V: int) -> int:
+    """The row stride of `seen` [slots, V]: V rounded up to 4, so that every slot's row is 4-byte aligned (the sample
+    kernel reads a word of 4 flags at once)."""
+    return gemv_ops.logits_stride(V)
+
+
+MAX_SLOTS = 64  # sequences a runner holds at most (--max-batch)
+
+
+def embed_x_plan(cfg: LlamaConfig) -> Plan:
+    """x = embed[verify_ids[0]] as float32: a sequence's next input for a decode step, written again when another
+    sequence's step wrote x in between (the sample kernel writes it at every step of its own)."""
+    return Plan("embed_x", [Launch(prefill("embed_rows"), (1, 1, 1), ROW_THREADS,
+                                   (Ref("verify_ids"), Ref("embed"), Ref("x"), i32(cfg.hidden_size)))])
+
+
+def batch_groups(slots: int) -> int:
+    """The groups of at most VERIFY_ROWS rows (a GEMV's TOKENS at most) a batched step of `slots` rows runs in."""
+    return -(-slots // VERIFY_ROWS)
+
+
+def slot_rows_table(slots: int) -> np.ndarray:
+    """slot_rows [slots, VERIFY_ROWS, 2] int32: slot s's rows (s, 0), (s, 1), ...: its decode step is the first row,
+    a verify step of k drafts the first k + 1 (common.cuh's rows table)."""
+    table = np.zeros((slots, VERIFY_ROWS, 2), np.int32)
+    table[:, :, 0] = np.arange(slots)[:, None]
+    table[:, :, 1] = np.arange(VERIFY_ROWS)[None, :]
+    return table
 
 
 def rope_table(cfg: LlamaConfig, max_seq: int) -> np.ndarray:
@@ -328,13 +368,42 @@ class _Weights:
         return [Launch(spec, (rows, 1, 1), ROW_THREADS, (inp, Ref(perm), out, i32(K)))], out
 
 
-def decode_plan(model: LlamaConfig | Layout, max_seq: int, sample_vocab: int | None = None) -> Plan:
+def decode_plan(model: LlamaConfig | Layout, max_seq: int, sample_vocab: int | None = None, slot: int = 0) -> Plan:
+    """One decode step of the sequence in `slot` (its rows table slot_rows[slot]: one row (slot, 0))."""
     layout = as_layout(model)
     check_supported(layout.device)
-    return Plan("decode", _step_launches(layout, max_seq, 1, Ref, sample_vocab))
+    return Plan("decode" + _at(slot), _step_launches(layout, max_seq, 1, Ref, sample_vocab, Ref("slot_rows", slot)))
 
 
-def verify_plan(model: LlamaConfig | Layout, max_seq: int, k: int, sample_vocab: int | None = None) -> Plan:
+def _at(slot: int) -> str:
+    """A plan's name suffix for its slot (none for slot 0): the CUDA backend captures a graph per name."""
+    return f"@{slot}" if slot else ""
+
+
+def batch_plan(model: LlamaConfig | Layout, max_seq: int, rows: int, group: int = 0,
+               sample_vocab: int | None = None) -> Plan:
+    """A batched decode step of group `group`: `rows` (1..VERIFY_ROWS) sequences, row r the one-row decode step of
+    slot batch_rows[group][r] at its position (offset 0), each independent of the others: embed_rows turns each
+    row's last token batch_ids[group][r] into its input, then the decode step's launches over the rows, and sample
+    in batch mode (verify 0) writes each row's next token back into batch_ids[group][r] and advances its slot."""
+    layout = as_layout(model)
+    cfg = layout.device
+    check_supported(cfg)
+    if not 1 <= rows <= VERIFY_ROWS:
+        raise KernelError(f"a batched step's group has 1 to {VERIFY_ROWS} rows, not {rows}")
+
+    def act(name: str) -> Ref:  # the verify buffers' first `rows` token rows (a step runs one group at a time)
+        return Ref(f"verify_{name}", rows=rows)
+
+    ids = Ref("batch_ids", group)
+    embed = Launch(prefill("embed_rows"), (rows, 1, 1), ROW_THREADS,
+                   (ids, Ref("embed"), act("x"), i32(cfg.hidden_size)))
+    return Plan(f"batch[{rows}]#{group}", [embed] + _step_launches(layout, max_seq, rows, act, sample_vocab,
+                                                                  Ref("batch_rows", group), ids))
+
+
+def verify_plan(model: LlamaConfig | Layout, max_seq: int, k: int, sample_vocab: int | None = None,
+                slot: int = 0) -> Plan:
     """A verify step of k drafts (1..MAX_DRAFT): the token rows verify_ids[:k + 1] at positions pos..pos + k
     (the host keeps pos + k < max_seq); the decode step's launches with k + 1 rows, sample accepting."""
     layout = as_layout(model)
@@ -349,13 +418,16 @@ def verify_plan(model: LlamaConfig | Layout, max_seq: int, k: int, sample_vocab:
 
     embed = Launch(prefill("embed_rows"), (rows, 1, 1), ROW_THREADS,
                    (act("ids"), Ref("embed"), act("x"), i32(cfg.hidden_size)))
-    return Plan(f"verify[{k}]", [embed] + _step_launches(layout, max_seq, rows, act, sample_vocab))
+    return Plan(f"verify[{k}]" + _at(slot),
+                [embed] + _step_launches(layout, max_seq, rows, act, sample_vocab, Ref("slot_rows", slot)))
 
 
-def _step_launches(layout: Layout, max_seq: int, rows: int, act, sample_vocab: int | None) -> list[Launch]:
+def _step_launches(layout: Layout, max_seq: int, rows: int, act, sample_vocab: int | None, step_rows: Ref,
+                   batch: Ref | None = None) -> list[Launch]:
     """Every layer, the logits and the sample kernel over `rows` token rows (1: a decode step); act(name) is
     the activation buffer `name` (x, q, attn_part, attn_count, attn_out, h, logits, and the gathered x_perm and
-    attn_out_perm) as the kernels take it."""
+    attn_out_perm) as the kernels take it; step_rows the rows table (slot, offset per row). `batch`: a batched
+    step's tokens (sample in batch mode writes each row's pick there), else a decode or verify step."""
     cfg = layout.device
     d, ff = cfg.hidden_size, cfg.intermediate_size
     nh, nkv, hd, eps = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, f32(cfg.rms_norm_eps)
@@ -373,11 +445,11 @@ def _step_launches(layout: Layout, max_seq: int, rows: int, act, sample_vocab: i
         launches += gather_qkv + [
             Launch(qkv, (cdiv(cfg.qkv_dim // 2, qkv_rows // 2), 1, 1), qkv_threads,
                    (x_qkv, w.norm("wqkv"), *w.weights("wqkv"), w.bias(), act("q"), Ref("k_cache", i),
-                    Ref("v_cache", i), Ref("rope"), Ref("state"), i32(d), i32(nh), i32(nkv), i32(hd), i32(max_seq),
-                    eps, *w.group("wqkv"))),
+                    Ref("v_cache", i), Ref("rope"), Ref("state"), step_rows, i32(d), i32(nh), i32(nkv), i32(hd),
+                    i32(max_seq), eps, *w.group("wqkv"))),
             Launch(attention("attention_decode", cfg), (nkv, attention_splits(cfg), rows), ATTENTION_THREADS,
                    (act("q"), Ref("k_cache", i), Ref("v_cache", i), act("attn_part"), act("attn_count"),
-                    act("attn_out"), Ref("state"), i32(max_seq), f32(1.0 / np.sqrt(hd)), window)),
+                    act("attn_out"), Ref("state"), step_rows, i32(max_seq), f32(1.0 / np.sqrt(hd)), window)),
         ] + gather_o + [
             Launch(o, (cdiv(d, o_rows), 1, 1), o_threads,
                    (attn_out, *w.weights("wo"), act("x"), i32(d), i32(cfg.q_dim), *w.group("wo"))),
@@ -388,23 +460,26 @@ def _step_launches(layout: Layout, max_seq: int, rows: int, act, sample_vocab: i
             Launch(down, (cdiv(d, down_rows), 1, 1), down_threads,
                    (act("h"), *w.weights("w_down"), act("x"), i32(d), i32(ff), *w.group("w_down"))),
         ]
-    return launches + _logits_and_sample(cfg, act("x"), act("logits"), rows, sample_vocab)
+    return launches + _logits_and_sample(cfg, act("x"), act("logits"), rows, sample_vocab, step_rows, batch)
 
 
 def _logits_and_sample(cfg: LlamaConfig, x: Ref, logits: Ref = Ref("logits"), rows: int = 1,
-                       sample_vocab: int | None = None) -> list[Launch]:
+                       sample_vocab: int | None = None, step_rows: Ref = Ref("slot_rows", 0),
+                       batch: Ref | None = None) -> list[Launch]:
     """logits = lm_head · rmsnorm(x) for `rows` token rows, then the sample kernel over them (1 row: the next
     token; more: a verify step's acceptance). Either way it sets up the next decode step (state, seen, x).
     Only the first sample_vocab ids (default: all) get a logit and can be drawn."""
     d, V = cfg.hidden_size, sample_vocab or cfg.vocab_size
     lm_head = Ref("lm_head") if V == cfg.vocab_size else Ref("lm_head", rows=V)  # its first V rows: the twin's W
-    verify = [Ref("verify_ids", rows=rows), Ref("verify_picks", rows=rows), Ref("verify_out", rows=rows + 1),
-              Ref("verify_arrivals")]
+    picks = Ref("verify_picks", rows=rows) if batch is None else batch
+    verify = [Ref("verify_ids", rows=rows), picks, Ref("verify_out", rows=rows + 1), Ref("verify_arrivals")]
+    next_x = Ref("x") if batch is None else x  # a batched step: each row's next input in its own row
     return [
         Launch(gemv("gemv_logits", rows), (cdiv(V, gemv_rows(rows)), 1, 1), GEMV_THREADS,
                (x, Ref("final_norm"), lm_head, logits, i32(V), i32(d), f32(cfg.rms_norm_eps))),
         Launch(SAMPLE, (rows, 1, 1), SAMPLE_THREADS,
-               (logits, Ref("seen"), Ref("state"), Ref("fparams"), Ref("embed"), Ref("x"), *verify, i32(V), i32(d))),
+               (logits, Ref("seen"), Ref("state"), Ref("fparams"), Ref("embed"), next_x, step_rows,
+                *verify, i32(V), i32(d), i32(seen_stride(cfg.vocab_size)), i32(batch is None))),
     ]
 
 
@@ -416,9 +491,9 @@ def _gemm(kernel: GemmKernel, a: Ref, w: tuple[Ref, ...], c: str, m: int, n: int
 
 
 def _attention_prefill(cfg: LlamaConfig, kernels: PrefillKernels, max_seq: int, i: int, start: int,
-                       n: int) -> Launch:
-    args = (Ref("q_rows"), Ref("k_cache", i), Ref("v_cache", i), Ref("attn_rows"), i32(start), i32(n),
-            i32(max_seq), f32(1.0 / np.sqrt(cfg.head_dim)), i32(attention_window(cfg, max_seq)))
+                       n: int, slot: int) -> Launch:
+    args = (Ref("q_rows"), Ref("k_cache", (i, slot)), Ref("v_cache", (i, slot)), Ref("attn_rows"), i32(start),
+            i32(n), i32(max_seq), f32(1.0 / np.sqrt(cfg.head_dim)), i32(attention_window(cfg, max_seq)))
     if kernels.mma_attention(cfg):
         return Launch(attention_prefill_mma_spec(cfg), attention_mma_ops.grid(cfg.num_kv_heads, n, cfg.group_size),
                       attention_mma_ops.THREADS, args)
@@ -431,10 +506,10 @@ PREFILL_OUTPUTS = ("sample", "logits", "none")
 
 def prefill_plan(model: LlamaConfig | Layout, max_seq: int, start: int, n: int, output: str = "sample",
                  kernels: PrefillKernels = PrefillKernels(), chunk: int | None = None,
-                 sample_vocab: int | None = None) -> Plan:
-    """Prompt tokens prefill_ids[:n] at positions start..start+n-1 (n <= chunk: the rows runtime_buffers
-    made, default PREFILL_CHUNK), with the GEMM and attention kernels `kernels` names (prefill_kernels.py;
-    a quantized linear runs gemm_quant with the mma GEMM's tiles whatever `kernels` says).
+                 sample_vocab: int | None = None, slot: int = 0) -> Plan:
+    """Prompt tokens prefill_ids[:n] at positions start..start+n-1 of the sequence in `slot` (n <= chunk: the
+    rows runtime_buffers made, default PREFILL_CHUNK), with the GEMM and attention kernels `kernels` names
+    (prefill_kernels.py; a quantized linear runs gemm_quant with the mma GEMM's tiles whatever `kernels` says).
 
     output "sample": the last row's logits go through the decode step's gemv_logits + sample (which
     sets pos = start + n, so the host sets state[POS] = start + n - 1 first); "logits":
@@ -463,9 +538,9 @@ def prefill_plan(model: LlamaConfig | Layout, max_seq: int, start: int, n: int, 
         launches += gather_qkv + [
             _gemm(w.gemm("wqkv", gemm), xn_qkv, w.weights("wqkv"), "qkv_rows", n, cfg.qkv_dim, d, False,
                   w.group("wqkv")),
-            rows("rope_kv_rows", Ref("qkv_rows"), w.bias(), Ref("rope"), Ref("q_rows"), Ref("k_cache", i),
-                 Ref("v_cache", i), i32(start), i32(nh), i32(nkv), i32(hd), i32(max_seq)),
-            _attention_prefill(cfg, kernels, max_seq, i, start, n),
+            rows("rope_kv_rows", Ref("qkv_rows"), w.bias(), Ref("rope"), Ref("q_rows"), Ref("k_cache", (i, slot)),
+                 Ref("v_cache", (i, slot)), i32(start), i32(nh), i32(nkv), i32(hd), i32(max_seq)),
+            _attention_prefill(cfg, kernels, max_seq, i, start, n, slot),
         ] + gather_o + [
             _gemm(w.gemm("wo", gemm), attn, w.weights("wo"), "x_rows", n, d, cfg.q_dim, True, w.group("wo")),
             rows("rmsnorm_rows", Ref("x_rows"), _layer(i, "ffn_norm"), Ref("xn_rows"), i32(d), eps),
@@ -480,22 +555,30 @@ def prefill_plan(model: LlamaConfig | Layout, max_seq: int, start: int, n: int, 
         launches += [rows("rmsnorm_rows", Ref("x_rows"), Ref("final_norm"), Ref("xn_rows"), i32(d), eps),
                      _gemm(gemm, Ref("xn_rows"), (Ref("lm_head"),), "logits_rows", n, V, d, False)]
     elif output == "sample":
-        launches += _logits_and_sample(cfg, Ref("x_rows", n - 1), sample_vocab=sample_vocab)
-    return Plan(f"prefill[{start}:{start + n}]", launches)
+        launches += _logits_and_sample(cfg, Ref("x_rows", n - 1), sample_vocab=sample_vocab,
+                                       step_rows=Ref("slot_rows", slot))
+    return Plan(f"prefill[{start}:{start + n}]" + _at(slot), launches)
 
 
 # -- log-probabilities (cullama/logprobs.py) ------------------------------------------------------------
 LOGPROBS = KernelSpec("sampling.cu", "logprobs")
 
 
-def token_logprobs(V: int, rows: int, top: int) -> Launch:
+def token_logprobs(V: int, rows: int, top: int, slot: int = 0) -> Launch:
     """The logprobs kernel after a step's sample, into logprob_step, with `top` alternatives over the first V ids
     (sample_vocab): 1 row, a decode step's (or a prefill's last row's) logits against the token sample wrote into
     state; k + 1 rows, a verify step's rows against their picks (row r's pick is accepted token r)."""
     if rows == 1:
-        return _logprobs(Ref("logits"), V, V, Ref("state"), sampling_ops.STATE_TOKEN, 1, top, Ref("logprob_step"))
+        return _logprobs(Ref("logits"), V, V, Ref("state"), slot * STATE_LEN + sampling_ops.STATE_TOKEN, 1, top,
+                         Ref("logprob_step"))
     return _logprobs(Ref("verify_logits", rows=rows), V, gemv_ops.logits_stride(V), Ref("verify_picks", rows=rows),
                      0, rows, top, Ref("logprob_step"))
+
+
+def batch_logprobs(V: int, rows: int, group: int, top: int) -> Launch:
+    """The logprobs kernel after a batched step's sample: each row's logits against its pick (batch_ids[group])."""
+    return _logprobs(Ref("verify_logits", rows=rows), V, gemv_ops.logits_stride(V), Ref("batch_ids", group), 0, rows,
+                     top, Ref("logprob_step"))
 
 
 def prompt_logprobs(V: int, vocab: int, n: int, top: int) -> Launch:
@@ -516,14 +599,14 @@ def with_logprobs(plan: Plan, top: int, launches: list[Launch]) -> Plan:
 
 
 def scored_prefill_plan(none: Plan, logits: Plan, sample: Plan | None, V: int, vocab: int, n: int, top: int,
-                        logprobs: int | None) -> Plan:
-    """A prefill chunk whose every row is scored, from the plans of the same chunk with each output: the "logits"
-    output's launches (every row's logits), the logprobs kernel over them, then for the prompt's last chunk
-    (`sample`) the "sample" output's own launches (those after the ones it shares with "none") and, with
-    `logprobs`, the sampled token's."""
+                        logprobs: int | None, slot: int = 0) -> Plan:
+    """A prefill chunk (of the sequence in `slot`) whose every row is scored, from the plans of the same chunk with
+    each output: the "logits" output's launches (every row's logits), the logprobs kernel over them, then for the
+    prompt's last chunk (`sample`) the "sample" output's own launches (those after the ones it shares with "none")
+    and, with `logprobs`, the sampled token's."""
     launches = logits.launches + [prompt_logprobs(V, vocab, n, top)]
     if sample is not None:
         launches += sample.launches[len(none.launches):]
         if logprobs is not None:
-            launches.append(token_logprobs(V, 1, logprobs))
+            launches.append(token_logprobs(V, 1, logprobs, slot))
     return Plan(f"{(sample or logits).name}+prompt_logprobs[{top}]", launches)

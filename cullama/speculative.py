@@ -167,12 +167,16 @@ class SpeculativeDecoder:
     def start(self, prompt_ids: Sequence[int], params: SamplingParams, reuse: bool = False, **scoring) -> int:
         """The prefill and the first token; `scoring`: the runner's log-probability keywords, if any (its verify
         steps then return each accepted token's, from the verify rows)."""
+        first = self.runner.start(prompt_ids, params, reuse, **scoring)
+        self.begin(prompt_ids, first)
+        return first
+
+    def begin(self, prompt_ids: Sequence[int], first: int) -> None:
+        """Set up for a prompt whose prefill already sampled `first` (start() without the runner's part)."""
         self.drafter.reset(prompt_ids)
         self._burst.clear()
-        first = self.runner.start(prompt_ids, params, reuse, **scoring)
         self.drafter.extend([first])
         self.produced = 1
-        return first
 
     def step(self, budget: int) -> list[int]:
         """One verify step: the accepted drafts and the target's own token (1 to k + 1 ids)."""

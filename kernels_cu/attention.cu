@@ -1,10 +1,12 @@
 // attention.cu — softmax(q·K^T * scale)·V over the KV cache, for the decode step and for a prompt chunk.
 //
 //   attention_decode   one new token: flash-decoding, the keys it sees split across gridDim.y blocks per
-//                      kv head; the last block of each kv head to finish combines the splits. A verify
-//                      step's k + 1 token rows are gridDim.z: row t (position pos + t) runs exactly the
-//                      one-row computation over its own keys, its own splits included, so each row is
-//                      bit for bit what a decode step at that position computes
+//                      kv head; the last block of each kv head to finish combines the splits. The token rows
+//                      are gridDim.z, each with its slot and position from the rows table (common.cuh): a
+//                      verify step's k + 1 rows of one sequence, a batched step's rows of B sequences. Row t
+//                      runs exactly the one-row computation over its own slot's keys, its own splits
+//                      included, so each row is bit for bit what a decode step of that sequence at that
+//                      position computes, whatever the other rows are
 //   attention_prefill  a prompt chunk: row r (position start + r) attends causally to its keys; a block
 //                      takes ROWS_Q rows of one kv head, so each key is loaded once per ROWS_Q rows
 //
@@ -22,9 +24,11 @@
 // lane group keeps an online softmax (m, l, acc) per query for its keys, UNROLL keys per batch with all
 // their loads issued first; lane groups merge through shuffles, warps through shared memory.
 // Shapes: q [rows, n_heads * HD] float32 (decode: rows = gridDim.z, 1 for a decode step); q_rows, out_rows
-// [rows, n_heads * HD] FP16; k_cache, v_cache [n_kv_heads, max_seq, HD] FP16 (this layer's); part [rows,
-// n_heads, splits, HD + 2] float32 (acc[HD], m, l: unnormalised sums of one split); count [rows, n_kv_heads]
-// uint32, zero between launches; out [rows, n_heads * HD] float32. Query head h uses kv head h / GROUP.
+// [rows, n_heads * HD] FP16; k_cache, v_cache: decode [slots, n_kv_heads, max_seq, HD] FP16 (this layer's, every
+// slot's), prefill [n_kv_heads, max_seq, HD] (this layer's, the prompt's slot's); state [slots, STATE_LEN], rows
+// [rows, ROW_FIELDS] int32 (decode); part [rows, n_heads, splits, HD + 2] float32 (acc[HD], m, l: unnormalised
+// sums of one split); count [rows, n_kv_heads] uint32, zero between launches; out [rows, n_heads * HD] float32.
+// Query head h uses kv head h / GROUP.
 #include "common.cuh"
 
 #ifndef HEAD_DIM
@@ -188,16 +192,17 @@ __device__ __forceinline__ float combine_warps(const State<NQ>* red, int j, int 
     return a;
 }
 
-// grid (n_kv_heads, splits, rows). Row t = blockIdx.z is position p = state[STATE_POS] + t: it sees the keys
-// [first, n), n = p + 1, first = max(0, n - window); split s takes [first + s c, min(n, first + (s + 1) c)),
-// c = ceil((n - first) / splits) (decided here, so one captured graph serves every length); an empty split
+// grid (n_kv_heads, splits, rows). Row t = blockIdx.z is position p = row_pos(step_rows, state, t) of its slot:
+// it sees that slot's keys [first, n), n = p + 1, first = max(0, n - window); split s takes [first + s c,
+// min(n, first + (s + 1) c)), c = ceil((n - first) / splits) (decided here from the row's own n, so one captured
+// graph serves every length, and the splits, fixed per config, never depend on the other rows); an empty split
 // writes acc = 0, m = -inf, l = 0. The last block of a (row, kv head) to finish
 // combines its splits in order s = 0, 1, ... into out and zeroes its count for the next launch. Rows only
 // offset the pointers: every row runs the same instructions on its own data, whatever gridDim.z is.
 extern "C" __global__ void __launch_bounds__(THREADS)
 attention_decode(const float* __restrict__ q, const half_t* __restrict__ k_cache, const half_t* __restrict__ v_cache,
                  float* part, unsigned int* count, float* __restrict__ out, const int* __restrict__ state,
-                 int max_seq, float scale, int window) {
+                 const int* __restrict__ step_rows, int max_seq, float scale, int window) {
     __shared__ __align__(16) State<GROUP> red;
     __shared__ bool is_last;
     pdl_launch_dependents();  // o_proj's blocks may start streaming their weights next to this grid
@@ -208,7 +213,7 @@ attention_decode(const float* __restrict__ q, const half_t* __restrict__ k_cache
     out += (size_t)row * heads * HEAD_DIM;
     part += (size_t)row * heads * splits * PART_STRIDE;
     count += (size_t)row * gridDim.x;
-    const int n = min(state[STATE_POS] + row + 1, max_seq);
+    const int n = min(row_pos(step_rows, state, row) + 1, max_seq);
     const int first = max(n - window, 0);  // the sliding window's oldest key (0: the whole context)
     const int chunk = (n - first + splits - 1) / splits;
     const int begin = min(first + split * chunk, n), end = min(begin + chunk, n);
@@ -222,7 +227,7 @@ attention_decode(const float* __restrict__ q, const half_t* __restrict__ k_cache
         qr[g][0] = a.x; qr[g][1] = a.y; qr[g][2] = a.z; qr[g][3] = a.w;
         qr[g][4] = b.x; qr[g][5] = b.y; qr[g][6] = b.z; qr[g][7] = b.w;
     }
-    const size_t kv_off = (size_t)kv * max_seq * HEAD_DIM;
+    const size_t kv_off = ((size_t)row_slot(step_rows, row) * gridDim.x + kv) * max_seq * HEAD_DIM;  // the row's slot's
     attend_queries<GROUP, UNROLL, false>(qr, k_cache + kv_off, v_cache + kv_off, begin, end, 0, 0, scale, &red);
 
     for (int e = threadIdx.x; e < GROUP * HEAD_DIM; e += THREADS) {

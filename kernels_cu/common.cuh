@@ -141,3 +141,20 @@ __device__ __forceinline__ float uniform(uint64_t seed, uint64_t counter) {
 #define FP_TOP_P 1        // 1 = off
 #define FP_REP_PENALTY 2  // 1 = off
 #define FPARAMS_LEN 4
+// Every buffer above is per sequence slot: state [slots, STATE_LEN], fparams [slots, FPARAMS_LEN], seen [slots,
+// seen_stride] (one slot: a plain decode step's), and the KV cache [layers, slots, kv_heads, max_seq, hd].
+
+// A step's token rows, int32 rows[R][ROW_FIELDS]: the slot of the sequence a row belongs to, and the row's offset
+// from that slot's position. A decode step is one row (slot, 0); a verify step k + 1 rows of one slot (offsets
+// 0..k); a batched decode step B rows of B slots (offset 0 each). Kernels that read a position or a slot take
+// the table and change only their addressing with it: a row's arithmetic is the one-row launch's.
+#define ROW_SLOT 0
+#define ROW_OFFSET 1
+#define ROW_FIELDS 2
+
+__device__ __forceinline__ int row_slot(const int* __restrict__ rows, int r) { return rows[r * ROW_FIELDS + ROW_SLOT]; }
+
+// Row r's position: its slot's position plus its offset.
+__device__ __forceinline__ int row_pos(const int* __restrict__ rows, const int* __restrict__ state, int r) {
+    return state[row_slot(rows, r) * STATE_LEN + STATE_POS] + rows[r * ROW_FIELDS + ROW_OFFSET];
+}

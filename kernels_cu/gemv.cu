@@ -11,16 +11,20 @@
 // with UNROLL x ROWS streaming loads in flight per thread. RMSNorm is free here: the block reads
 // all of x for the dot product anyway, so it sums x^2 on the way and scales the result.
 // Shapes: W [M, K] FP16 row-major, K % 8 == 0, any M; x, in: [TOKENS, K] float32 (row t at t * K), outputs
-// [TOKENS, M] likewise, except logits: row t at t * logits_stride(V) (V rounded up to 4, common.cuh); token
-// row t is at position state[STATE_POS] + t; 16-byte aligned rows.
+// [TOKENS, M] likewise, except logits: row t at t * logits_stride(V) (V rounded up to 4, common.cuh); 16-byte
+// aligned rows. Token row t's sequence slot and position come from the step's rows table (common.cuh: a decode
+// step's one row, a verify step's k + 1 rows of one slot, a batched step's rows of B slots); only gemv_qkv_rope
+// reads them (RoPE's angle, the KV cache row it writes).
 // Rows that need each other share a block: RoPE pairs (j, j + hd/2) of one head, and the gate
 // and up rows (r, ff + r) of one SwiGLU unit.
 // Token rows: each weight vector a thread loads is multiplied with all TOKENS rows of x, so W is read once
 // for all of them. Row t's arithmetic is exactly the 1-row kernel's on that row, whatever TOKENS, ROWS and
 // UNROLL are: thread i always adds the products of its vectors i, i + THREADS, i + 2 THREADS, ... in that
 // order, with explicit fmaf (NVRTC would contract a*b + c on its own, and could decide differently when the
-// code around it differs), then the same warp butterfly and the same sum over warps in order. So a verify
-// step's logits equal the plain steps' bit for bit (tests/test_verify.py).
+// code around it differs), then the same warp butterfly and the same sum over warps in order; the epilogues'
+// arithmetic is explicit too (__fadd_rn, __fmul_rn, __fdiv_rn: nothing left to contract). So a verify step's and a
+// batched step's logits equal the plain steps' bit for bit (tests/test_verify.py, tests/test_batch_kernels.py;
+// tests/test_sass_dataflow.py compares the variants' machine code).
 // Overlap: each kernel lets the next one launch at once (pdl_launch_dependents) and issues its first
 // batch of weight loads before pdl_wait(), so under programmatic dependent launch (the decode graph's
 // `overlap` mode) a block streams its weights while the previous kernel's tail runs.
@@ -118,9 +122,9 @@ __device__ __forceinline__ void block_dot_rows(RowLoads& b, int K, const float* 
 // outputs as qkv_rope_store (gemv.cuh) says.
 extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS)
 gemv_qkv_rope(const float* __restrict__ x, const half_t* __restrict__ norm_w, const half_t* __restrict__ W,
-              const half_t* __restrict__ bias, float* __restrict__ q_out, half_t* __restrict__ k_cache, half_t* __restrict__ v_cache,
-              const float* __restrict__ rope, const int* __restrict__ state, int d, int n_heads, int n_kv_heads,
-              int hd, int max_seq, float eps) {
+              const half_t* __restrict__ bias, float* __restrict__ q_out, half_t* __restrict__ k_cache,
+              half_t* __restrict__ v_cache, const float* __restrict__ rope, const int* __restrict__ state,
+              const int* __restrict__ step_rows, int d, int n_heads, int n_kv_heads, int hd, int max_seq, float eps) {
     __shared__ RowSums sums;
     pdl_launch_dependents();  // the next kernel may start streaming its weights
     int rows[ROWS];
@@ -129,7 +133,8 @@ gemv_qkv_rope(const float* __restrict__ x, const half_t* __restrict__ norm_w, co
     first_batch(loads, W, rows, d);
     pdl_wait();  // everything below may read what the previous kernel wrote
     block_dot_rows<true>(loads, d, x, norm_w, sums);
-    qkv_rope_store(sums, d, eps, bias, q_out, k_cache, v_cache, rope, state, n_heads, n_kv_heads, hd, max_seq);
+    qkv_rope_store(sums, d, eps, bias, q_out, k_cache, v_cache, rope, state, step_rows, n_heads, n_kv_heads, hd,
+                   max_seq);
 }
 
 // grid: ceil(M / ROWS). x [TOKENS, M] float32 += W [M, K] · in [TOKENS, K].
@@ -181,6 +186,6 @@ gemv_logits(const float* __restrict__ x, const half_t* __restrict__ norm_w, cons
 #pragma unroll
     for (int r = 0; r < ROWS; ++r) {
         const int row = blockIdx.x * ROWS + r;
-        if (row < V) logits[(size_t)t * logits_stride(V) + row] = dot[r] * scale;
+        if (row < V) logits[(size_t)t * logits_stride(V) + row] = __fmul_rn(dot[r], scale);
     }
 }

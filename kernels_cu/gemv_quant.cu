@@ -174,9 +174,10 @@ __device__ __forceinline__ void block_dot_rows(QuantLoads& b, int K, const float
 // the bias and outputs as qkv_rope_store (gemv.cuh) says.
 extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS)
 gemv_qkv_rope(const float* __restrict__ x, const half_t* __restrict__ norm_w, const unsigned int* __restrict__ qweight,
-              const half_t* __restrict__ qparams, const half_t* __restrict__ bias, float* __restrict__ q_out, half_t* __restrict__ k_cache,
-              half_t* __restrict__ v_cache, const float* __restrict__ rope, const int* __restrict__ state, int d,
-              int n_heads, int n_kv_heads, int hd, int max_seq, float eps, int group) {
+              const half_t* __restrict__ qparams, const half_t* __restrict__ bias, float* __restrict__ q_out,
+              half_t* __restrict__ k_cache, half_t* __restrict__ v_cache, const float* __restrict__ rope,
+              const int* __restrict__ state, const int* __restrict__ step_rows, int d, int n_heads, int n_kv_heads,
+              int hd, int max_seq, float eps, int group) {
     __shared__ RowSums sums;
     pdl_launch_dependents();  // the next kernel may start streaming its weights
     int rows[ROWS];
@@ -185,7 +186,8 @@ gemv_qkv_rope(const float* __restrict__ x, const half_t* __restrict__ norm_w, co
     first_batch(loads, qweight, qparams, rows, d, group);
     pdl_wait();  // everything below may read what the previous kernel wrote
     block_dot_rows<true>(loads, d, x, norm_w, sums);
-    qkv_rope_store(sums, d, eps, bias, q_out, k_cache, v_cache, rope, state, n_heads, n_kv_heads, hd, max_seq);
+    qkv_rope_store(sums, d, eps, bias, q_out, k_cache, v_cache, rope, state, step_rows, n_heads, n_kv_heads, hd,
+                   max_seq);
 }
 
 // grid: ceil(M / ROWS). x [TOKENS, M] float32 += W [M, K] · in [TOKENS, K].

@@ -2,7 +2,8 @@
 // cullama.sampling.sample (the NumPy specification) picks it, then the next step set up.
 //
 //   sample         token = sample(logits, params, seen, step); state[TOKEN] = token; state[STEP] += 1;
-//                  state[POS] += 1; seen[token] = 1; x[0:d] = embed[token] as float32 (the next input).
+//                  state[POS] += 1; seen[token] = 1; x[0:d] = embed[token] as float32 (the next input),
+//                  for the slot of each token row (rows table, common.cuh): its own params, seen and state.
 //                  Where no token can be drawn (every logit NaN or -inf): state[TOKEN] = NO_TOKEN (-1),
 //                  seen untouched, x = 0; the host raises when it reads the token. Never an index out of
 //                  bounds: a verify's draft ids are bounded here too (the host refuses any outside [0, V)
@@ -14,9 +15,17 @@
 //
 // Launch: sample is ONE block of THREADS (1024) threads per token row, inside the decode CUDA graph after
 // gemv_logits, so every parameter is read from device memory: temperature, top_p, repetition penalty from
-// fparams, top_k, seed (two words) and step from state (layouts in common.cuh). Shapes: logits [rows, V]
-// float32 (row r at r * logits_stride(V): V rounded up to 4, so every row is 16-byte aligned), seen [V] uint8 (nonzero = seen), embed [V, d] FP16, x [d] float32, state [8] int32, fparams [4]
-// f32, ids [rows] int32, picks [rows] int32, out [1 + rows] int32, arrivals [1] uint32 (zero between launches).
+// fparams, top_k, seed (two words) and step from state (layouts in common.cuh), each of the row's slot. Shapes:
+// logits [rows, V] float32 (row r at r * logits_stride(V): V rounded up to 4, so every row is 16-byte aligned),
+// seen [slots, seen_stride] uint8 (nonzero = seen; seen_stride >= V, a multiple of 4), embed [V, d] FP16, x [rows,
+// d] float32, state [slots, 8] int32, fparams [slots, 4] f32, rows [rows, ROW_FIELDS] int32, ids [rows] int32,
+// picks [rows] int32, out [1 + rows] int32, arrivals [1] uint32 (zero between launches).
+//
+// Two modes, by `verify`. 1: the rows are one sequence's, at offsets 0..rows - 1 (one row: a decode step; k + 1:
+// a speculative verify step, below), and the step ends as that many decode steps would (x: row 0). 0: a batched
+// decode step, row r the next token of its own slot (offset 0), each row exactly a one-row decode step of that
+// slot and independent of the others: picks[r] = its token, its slot's state and seen advanced, x row r its
+// embedding (no drafts, no acceptance; ids, out and arrivals are not used).
 //
 // Speculative verify (grid = rows = k + 1 > 1): row r's logits follow ids[r] (ids[0] the last sampled token,
 // ids[1..k] the drafts). Block r picks row r's token exactly as a decode step would there, with the drafts
@@ -96,13 +105,21 @@ __device__ __forceinline__ float penalised(float v, float penalty) {
     return v > 0.f ? __fdiv_rn(v, penalty) : __fmul_rn(v, penalty);
 }
 
-// This block's row of logits (a verify step's row blockIdx.x), set once by sample(). Read from shared memory
-// where needed: a row pointer held in registers through the sampled path's passes spills on sm_100 / sm_120.
+// This block's row of logits (a verify step's row blockIdx.x) and its slot's state, set once by sample(). Read
+// from shared memory where needed: a pointer held in registers through the sampled path's passes spills on
+// sm_100 / sm_120 (so the draw reads its seed and counter from row_state where it needs them).
 __shared__ const float* row_logits;
+__shared__ int* row_state;
+
+// The slot's seed (two words of its state).
+__device__ __forceinline__ uint64_t state_seed(const int* st) {
+    return (uint64_t)(uint32_t)st[STATE_SEED_LO] | (uint64_t)(uint32_t)st[STATE_SEED_HI] << 32;
+}
 #define MAX_DRAFTS 8  // drafts before a row at most: cullama.plan.MAX_DRAFT
 
 struct Transform {  // logit -> key: HF repetition penalty on seen ids, then / temperature (IEEE, as NumPy)
-    const unsigned char* seen;
+    const unsigned char* seen;  // the kernel's argument, every slot's
+    int seen_at;  // where the row's slot's seen flags begin in it (an offset, not a pointer: fewer registers)
     int V;
     bool penalise, scale;  // scale: divide by the temperature (not on the greedy path)
     float penalty, temperature;
@@ -110,7 +127,7 @@ struct Transform {  // logit -> key: HF repetition penalty on seen ids, then / t
     // The key of id i < V.
     __device__ __forceinline__ uint32_t key1(int i) const {
         float v = row_logits[i];
-        if (penalise && seen[i]) v = penalised(v, penalty);
+        if (penalise && seen[seen_at + i]) v = penalised(v, penalty);
         if (scale) v = __fdiv_rn(v, temperature);
         return float_key(v);
     }
@@ -122,13 +139,13 @@ struct Transform {  // logit -> key: HF repetition penalty on seen ids, then / t
         if (i + 3 < V) {
             const float4 v = *reinterpret_cast<const float4*>(row_logits + i);
             l[0] = v.x; l[1] = v.y; l[2] = v.z; l[3] = v.w;
-            if (penalise) s = *reinterpret_cast<const uint32_t*>(seen + i);
+            if (penalise) s = *reinterpret_cast<const uint32_t*>(seen + seen_at + i);
         } else {
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
                 if (i + e < V) {
                     l[e] = row_logits[i + e];
-                    if (penalise) s |= (uint32_t)seen[i + e] << (8 * e);
+                    if (penalise) s |= (uint32_t)seen[seen_at + i + e] << (8 * e);
                 }
             }
         }
@@ -214,15 +231,14 @@ __device__ __forceinline__ float block_exclusive_scan(float v, float* buf, float
 __device__ __forceinline__ int greedy_token(const Transform& tf, uint64_t* scratch) {
     uint64_t best = 0;
     for (int base = 4 * threadIdx.x; base < tf.V; base += 4 * THREADS * GREEDY_UNROLL) {
-        uint32_t k[GREEDY_UNROLL][4];
 #pragma unroll
-        for (int u = 0; u < GREEDY_UNROLL; ++u) tf.keys4(base + 4 * THREADS * u, k[u]);
-#pragma unroll
-        for (int u = 0; u < GREEDY_UNROLL; ++u) {
+        for (int u = 0; u < GREEDY_UNROLL; ++u) {  // ptxas still issues the loads of every u first
+            uint32_t k[4];
+            tf.keys4(base + 4 * THREADS * u, k);
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
                 const uint32_t id = base + 4 * THREADS * u + e;
-                const uint64_t packed = (uint64_t)k[u][e] << 32 | (FULL - id);
+                const uint64_t packed = (uint64_t)k[e] << 32 | (FULL - id);
                 best = packed > best ? packed : best;
             }
         }
@@ -255,7 +271,8 @@ __device__ __forceinline__ void for_each(const uint32_t (&v)[REG_ITEMS], const u
 }
 
 // front >= 0 (a draft): its bucket comes first in the inverse CDF (see the header); -1: plain id order.
-__device__ __forceinline__ int sampled_token(const Transform& tf, int top_k, float top_p, uint64_t seed, int step,
+// The draw is uniform(seed, step + offset), the slot's seed and step counter.
+__device__ __forceinline__ int sampled_token(const Transform& tf, int top_k, float top_p, int offset,
                                              int front) {
     __shared__ uint32_t su[2][WARPS];
     __shared__ float sf[2][WARPS];
@@ -330,7 +347,8 @@ __device__ __forceinline__ int sampled_token(const Transform& tf, int top_k, flo
     float z_rest;
     float c = block_exclusive_scan(total, sf[1], z_rest);
     const float p_front = front < 0 ? 0.f : block_sum_f(mine, sf[0]);  // block-uniform branch
-    float target = __fmul_rn(uniform(seed, step), z_rest + p_front);  // without a front: u * z_rest, exactly
+    const float u = uniform(state_seed(row_state), row_state[STATE_STEP] + offset);
+    float target = __fmul_rn(u, z_rest + p_front);  // without a front: u * z_rest, exactly
     if (target < p_front) return front;
     target = __fsub_rn(target, p_front);
     int hit = NO_HIT, last = -1;
@@ -348,20 +366,28 @@ __device__ __forceinline__ int sampled_token(const Transform& tf, int top_k, flo
     return last >= 0 ? last : front;    // nothing kept but the front (front >= 0 then: the max is kept)
 }
 
-// grid (rows): block r samples token row r (1 row: a decode step; k + 1: a verify step, see the header).
+// grid (rows): block r samples token row r (verify 1: a decode step's one row or a verify step's k + 1; 0: one
+// row per sequence of a batched step; see the header).
 extern "C" __global__ void __launch_bounds__(THREADS)
 sample(float* logits, unsigned char* __restrict__ seen, int* __restrict__ state,
        const float* __restrict__ fparams, const half_t* __restrict__ embed, float* __restrict__ x,
-       const int* __restrict__ ids, int* picks, int* __restrict__ out, unsigned int* arrivals, int V, int d) {
+       const int* __restrict__ step_rows, const int* __restrict__ ids, int* picks, int* __restrict__ out,
+       unsigned int* arrivals, int V, int d, int seen_stride, int verify) {
     __shared__ uint64_t scratch[WARPS];
     __shared__ int accepted[2];  // the last block's verdict: n, and the token that ends the accepted run
     __shared__ bool is_last;
     pdl_wait();  // the logits come from the kernel before
-    const int row = blockIdx.x, rows = gridDim.x;
-    const float temperature = fparams[FP_TEMPERATURE], top_p = fparams[FP_TOP_P];
-    const float penalty = fparams[FP_REP_PENALTY];
-    const int step = state[STATE_STEP], top_k = state[STATE_TOP_K];
-    const uint64_t seed = (uint64_t)(uint32_t)state[STATE_SEED_LO] | (uint64_t)(uint32_t)state[STATE_SEED_HI] << 32;
+    // rows: this row's sequence's in the step; offset: the row's among them (its drafts before it, its counter)
+    const int row = blockIdx.x, rows = verify ? gridDim.x : 1, offset = verify ? row : 0;
+    // The row's slot's state, parameters and seen flags: only addressing changes with the slot (seen by an offset
+    // from the argument, not a pointer of its own: registers are short on the greedy path).
+    const int slot = row_slot(step_rows, row);
+    int* const st = state + slot * STATE_LEN;
+    const float* const fp = fparams + slot * FPARAMS_LEN;
+    const int seen_at = slot * seen_stride;
+    const float temperature = fp[FP_TEMPERATURE], top_p = fp[FP_TOP_P];
+    const float penalty = fp[FP_REP_PENALTY];
+    const int top_k = st[STATE_TOP_K];
     const bool greedy = temperature == 0.f;
     // The drafts before this row count as seen: each one not seen yet (its first occurrence) is penalised in
     // this block's own row, in place, and put back once the token is picked (thread e: draft e + 1; the ids
@@ -370,29 +396,32 @@ sample(float* logits, unsigned char* __restrict__ seen, int* __restrict__ state,
     __shared__ float raw[MAX_DRAFTS];   // its logit before
     float* const own = logits + (size_t)row * logits_stride(V);  // 16-byte aligned: keys4 reads float4s
     if (threadIdx.x < MAX_DRAFTS) {  // thread e checks draft e + 1 of the step, and marks it if before this row
-        const int e = threadIdx.x, id = e + 1 < rows ? ids[1 + e] : 0, draft = e < row ? id : -1;
+        const int e = threadIdx.x, id = e + 1 < rows ? ids[1 + e] : 0, draft = e < offset ? id : -1;
         bool repeated = false;
         for (int f = 0; f < e && draft >= 0; ++f) repeated |= ids[1 + f] == draft;  // ids[1..row] only
         if (id < 0 || id >= V) marked[e] = NOT_AN_ID;
-        else marked[e] = draft >= 0 && penalty != 1.f && !seen[draft] && !repeated ? draft : -1;
+        else marked[e] = draft >= 0 && penalty != 1.f && !seen[seen_at + draft] && !repeated ? draft : -1;
         if (marked[e] >= 0) {
             raw[e] = own[draft];
             own[draft] = penalised(raw[e], penalty);
         }
     }
-    if (threadIdx.x == 0) row_logits = own;
+    if (threadIdx.x == 0) {
+        row_logits = own;
+        row_state = st;
+    }
     __syncthreads();
     bool drafts_are_ids = true;  // the same in every thread and every block: the branches below are uniform
 #pragma unroll
     for (int e = 0; e < MAX_DRAFTS; ++e) drafts_are_ids &= marked[e] != NOT_AN_ID;
-    const Transform tf{seen, V, penalty != 1.f, !greedy, penalty, temperature};
-    const int front = row + 1 < rows ? ids[row + 1] : -1;  // this row's draft, if any
+    const Transform tf{seen, seen_at, V, penalty != 1.f, !greedy, penalty, temperature};
+    const int front = offset + 1 < rows ? ids[offset + 1] : -1;  // this row's draft, if any
     // Every thread gets the token from the block reductions; those barriers also order every read of
     // state and seen above before the writes below (in a verify, the other blocks' reads come before their
     // arrival, so before the last block writes).
     int token = !drafts_are_ids ? NO_TOKEN
                 : greedy        ? greedy_token(tf, scratch)
-                                : sampled_token(tf, top_k, top_p, seed, step + row, front);
+                                : sampled_token(tf, top_k, top_p, offset, front);
     if (threadIdx.x < MAX_DRAFTS && marked[threadIdx.x] >= 0)  // every read of the row is behind the reductions
         const_cast<float*>(row_logits)[marked[threadIdx.x]] = raw[threadIdx.x];
     int n = 1;
@@ -416,20 +445,25 @@ sample(float* logits, unsigned char* __restrict__ seen, int* __restrict__ state,
         n = accepted[0];
         token = accepted[1];
     }
+    unsigned char* const slot_seen = seen + (size_t)row_slot(step_rows, row) * seen_stride;
+    int* const slot_state = row_state;
     if (threadIdx.x == 0) {
-        out[0] = n;
-        for (int i = 1; i < n; ++i) {
-            out[i] = ids[i];
-            seen[ids[i]] = 1;
+        if (verify) {
+            out[0] = n;
+            for (int i = 1; i < n; ++i) {
+                out[i] = ids[i];
+                slot_seen[ids[i]] = 1;
+            }
+            out[n] = token;
         }
-        out[n] = token;
-        if (token != NO_TOKEN) seen[token] = 1;
-        state[STATE_TOKEN] = token;
-        state[STATE_STEP] = step + n;
-        state[STATE_POS] += n;
+        if (token != NO_TOKEN) slot_seen[token] = 1;
+        slot_state[STATE_TOKEN] = token;
+        slot_state[STATE_STEP] += n;
+        slot_state[STATE_POS] += n;
     }
     const half_t* embedded = embed + (size_t)max(token, 0) * d;
-    for (int i = threadIdx.x; i < d; i += THREADS) x[i] = token != NO_TOKEN ? h2f(embedded[i]) : 0.f;
+    float* const next = x + (verify ? 0 : (size_t)row * d);  // the row's next input
+    for (int i = threadIdx.x; i < d; i += THREADS) next[i] = token != NO_TOKEN ? h2f(embedded[i]) : 0.f;
 }
 
 // One thread: out[0] = uniform(seed, step).

@@ -15,6 +15,7 @@ from cullama.registry import KernelSpec, compile_module
 from conftest import poisoned
 
 THREADS = 128
+ONE_ROW = np.zeros((1, 2), np.int32)  # a decode step's rows table: one row, slot 0, offset 0
 
 # (head_dim, group, kv_heads, n keys, splits): n = 1 and n < splits leave splits empty.
 DECODE_CASES = [(8, 2, 4, 1, 8), (32, 4, 2, 7, 8), (128, 1, 3, 33, 4), (128, 2, 2, 100, 32), (32, 1, 2, 100, 1),
@@ -88,7 +89,7 @@ def run_decode_twin(q, k, v, state, max_seq, scale, splits, window=None):
     part = np.full((heads, splits, hd + 2), np.nan, np.float32)
     count = np.zeros(k.shape[0], np.uint32)
     out = np.full(heads * hd, np.nan, np.float32)
-    ops.attention_decode(q, k, v, part, count, out, state, max_seq, scale, window or max_seq,
+    ops.attention_decode(q, k, v, part, count, out, state, ONE_ROW, max_seq, scale, window or max_seq,
                          grid=(k.shape[0], splits, 1))
     return part, count, out
 
@@ -280,7 +281,7 @@ def test_decode_kernel(kernels, hd, group, kv_heads, n, splits, window):
     d_out = poisoned(cp, out.shape, np.float32)
     d_count = cp.zeros(kv_heads, np.uint32)
     args = (cp.asarray(q), cp.asarray(k), cp.asarray(v), d_part, d_count, d_out, cp.asarray(state),
-            np.int32(max_seq), np.float32(scale), np.int32(window or max_seq))
+            cp.asarray(ONE_ROW), np.int32(max_seq), np.float32(scale), np.int32(window or max_seq))
     fn = kernels.function(_spec("attention_decode", hd, group))
     fn((kv_heads, splits), (THREADS,), args)
     first = d_out.get()

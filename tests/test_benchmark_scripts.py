@@ -518,3 +518,20 @@ def test_a_sweep_cut_short_leaves_what_it_measured(fake, monkeypatch, tmp_path, 
     assert run_main("gemv_sweep", ["--model", "tiny", "--trials", "1", "--launches", "1", "--l2-multiple", "0",
                                    "--json", str(out)], capsys)[0] == 0
     assert json.loads(out.read_text())["complete"] is True
+
+
+def test_serve_load_smoke_run_on_the_cpu(stories_dir, tmp_path, capsys):
+    """benchmarks/serve_load.py end to end on the CPU with stories260K: a server with --max-batch 2, two levels of
+    concurrency, every sample in the record. Its figures are not checked (a test is no benchmark)."""
+    pytest.importorskip("fastapi", reason="the serve extra is not installed (pip install -e '.[test]')")
+    import serve_load
+
+    out = tmp_path / "load.json"
+    assert serve_load.main(["--model", str(stories_dir), "--device", "cpu", "--concurrency", "1,3", "--tokens", "4",
+                            "--rounds", "1", "--max-batch", "2", "--json", str(out)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    header = next(i for i, line in enumerate(lines) if line.split()[:2] == ["C", "requests"])
+    assert [line.split()[:2] for line in lines[header + 1:header + 3]] == [["1", "1"], ["3", "3"]]
+    record = json.loads(out.read_text())
+    assert record["complete"] and record["max_batch"] == 2 and [r["concurrency"] for r in record["rows"]] == [1, 3]
+    assert all(r["tokens"] == [4] * r["concurrency"] and len(r["ttft_ms"]) == r["concurrency"] for r in record["rows"])

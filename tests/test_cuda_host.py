@@ -86,7 +86,7 @@ def test_decode_graph_is_captured_once_and_replayed_per_token(fake, stories_dir)
     assert len(replayed) == 6 * n
     for i in range(6):  # each replay ran the captured launches, the same argument objects, in order
         assert all(ran is captured for ran, captured in zip(replayed[i * n:(i + 1) * n], graph.launches))
-    assert int(runner.backend.read("state")[0]) == 2 + 6  # the position advanced on the device
+    assert int(runner.backend.read("state")[0, 0]) == 2 + 6  # the position advanced on the device
     cpu = runner_on(NumpyBackend(), stories_dir)
     assert [first] + tokens == [cpu.start([1, 403], GREEDY)] + [cpu.next() for _ in range(6)]
 

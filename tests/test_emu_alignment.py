@@ -136,8 +136,8 @@ def check_sample_rows(V, rows, options, schedule, source_dir=None, D=24):
     x, picks, out = verify.nan(D), np.full(rows, -7, np.int32), np.full(rows + 1, -7, np.int32)
     arrivals = np.zeros(1, np.uint32)
     emu.launch(plans.SAMPLE, (rows,), plans.SAMPLE_THREADS,
-               (kernel_logits, kernel_seen, kernel_state, fp, embed, x, np.array(ids, np.int32), picks, out,
-                arrivals, np.int32(V), np.int32(D)), schedule=schedule, seed=7, source_dir=source_dir)
+               (kernel_logits, kernel_seen, kernel_state, fp, embed, x, verify.verify_rows(rows), np.array(ids, np.int32),
+                picks, out, arrivals, *verify.verify_sizes(V, D)), schedule=schedule, seed=7, source_dir=source_dir)
     twin_seen, twin_state = seen.copy(), state.copy()
     twin_out, twin_picks, twin_x = verify.run_sample_twin(logits, twin_seen, twin_state, fp, embed, ids)
     np.testing.assert_array_equal(kernel_logits[:, :V], logits)  # the drafts' logits, penalised in place, put back

@@ -3,8 +3,8 @@ kernels are kernels_cu compiled for the CPU by cullama.emu, so these GPU tests r
 the CUDA backend, its captured graphs and all, on the CPU, in the fastest schedule (forward). CI runs those it can
 afford (about two and a half minutes of CPU): stories260K's 256 greedy ids (its documented output), the golden
 checkpoints' logits against HuggingFace's, graph replay against eager launches and the NumPy backend, prefix
-reuse, a two-layer model against the reference, verify steps against plain steps (bit for bit, through their
-graphs), and the kernel tests at their GPU shapes (LLaMA-2-7B's among them) but the sampling ones that draw
+reuse, a two-layer model against the reference, verify steps and batched steps against plain steps (bit for bit,
+through their graphs), and the kernel tests at their GPU shapes (LLaMA-2-7B's among them) but the sampling ones that draw
 thousands of times and the 7B-sized GEMMs. The others need a GPU's speed (tens of minutes here). They skip, with the GPU tests' own reason, where ../shared is absent."""
 
 import os
@@ -24,7 +24,8 @@ SELECTED = [f"{MODEL}test_stories260k_greedy_ids", f"{MODEL}test_logits_within_f
             "tests/test_gemv.py", "tests/test_bench.py", "tests/test_sampling_kernel.py::test_greedy_kernel_is_exact",
             "tests/test_sampling_kernel.py::test_non_finite_logits_as_the_twin",
             "tests/test_sampling_kernel.py::test_uniform_probe_is_bit_exact",
-            "tests/test_verify.py::test_gpu_stories260k_verify_is_the_plain_steps_bit_for_bit[penalty]"]
+            "tests/test_verify.py::test_gpu_stories260k_verify_is_the_plain_steps_bit_for_bit[penalty]",
+            "tests/test_batch_cuda_host.py::test_gpu_batched_steps_equal_solo_steps"]
 DESELECTED = ["tests/test_gemv.py::test_gpu_gate_up_and_logits[11008-4096-32000]"]  # 20 s of a 32000 x 4096 GEMV
 
 

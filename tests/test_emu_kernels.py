@@ -85,10 +85,11 @@ def check_gemv(defines, schedule, source_dir=None):
     scalars = (np.int32(d), np.int32(heads), np.int32(kv), np.int32(hd), np.int32(max_seq), EPS)
     q, kc, vc = nan(heads * hd), nan(kv, max_seq, hd, dtype=np.float16), nan(kv, max_seq, hd, dtype=np.float16)
     rq, rk, rv = q.copy(), kc.copy(), vc.copy()
-    gemv_twin.gemv_qkv_rope(x, norm_w, W, bias, rq, rk, rv, rope, state, *scalars)
+    one_row = np.zeros((1, 2), np.int32)  # the rows table of a decode step: slot 0, offset 0
+    gemv_twin.gemv_qkv_rope(x, norm_w, W, bias, rq, rk, rv, rope, state, one_row, *scalars)
     pairs = (heads + 2 * kv) * hd // 2
     run(spec("gemv_qkv_rope"), -(-pairs // (rows // 2)), GEMV_THREADS,
-        (x, norm_w, W, bias, q, kc, vc, rope, state, *scalars), schedule, source_dir)
+        (x, norm_w, W, bias, q, kc, vc, rope, state, one_row, *scalars), schedule, source_dir)
     close(q, rq, 1e-5, "gemv_qkv_rope q")
     close(kc[:, pos], rk[:, pos], 2e-3, "gemv_qkv_rope k")
     close(vc[:, pos], rv[:, pos], 2e-3, "gemv_qkv_rope v")
@@ -144,7 +145,8 @@ def check_attention_decode(defines, schedule, source_dir=None, n=20, window=None
     part, out, count = nan(*ref_part.shape), nan(*ref_out.shape), np.zeros(kv_heads, np.uint32)
     spec = KernelSpec("attention.cu", "attention_decode", (("HEAD_DIM", hd), ("GROUP", group)))
     run(spec, (kv_heads, splits), ATTENTION_THREADS,
-        (q, k, v, part, count, out, state, np.int32(max_seq), np.float32(scale), np.int32(window or max_seq)),
+        (q, k, v, part, count, out, state, attention_cases.ONE_ROW, np.int32(max_seq), np.float32(scale),
+         np.int32(window or max_seq)),
         schedule, source_dir)
     close(out, ref_out, 1e-5, "attention_decode out")
     empty = np.isinf(ref_part[0, :, hd])  # the splits past the keys: acc 0, m -inf, l 0, exactly
@@ -333,9 +335,10 @@ def test_qkv_epilogue_at_llama3_and_qwen2_head_dims(hd, group, schedule):
     scalars = (np.int32(d), np.int32(heads), np.int32(kv), np.int32(hd), np.int32(max_seq), EPS)
     q, kc, vc = nan(heads * hd), nan(kv, max_seq, hd, dtype=np.float16), nan(kv, max_seq, hd, dtype=np.float16)
     rq, rk, rv = q.copy(), kc.copy(), vc.copy()
-    gemv_twin.gemv_qkv_rope(x, norm_w, W, bias, rq, rk, rv, rope, state, *scalars)
+    one_row = np.zeros((1, 2), np.int32)  # the rows table of a decode step: slot 0, offset 0
+    gemv_twin.gemv_qkv_rope(x, norm_w, W, bias, rq, rk, rv, rope, state, one_row, *scalars)
     run(plan.gemv("gemv_qkv_rope"), -(-rows // plan.gemv_rows()), GEMV_THREADS,
-        (x, norm_w, W, bias, q, kc, vc, rope, state, *scalars), schedule)
+        (x, norm_w, W, bias, q, kc, vc, rope, state, one_row, *scalars), schedule)
     close(q, rq, 1e-5, "gemv_qkv_rope q")
     close(kc[:, pos], rk[:, pos], 2e-3, "gemv_qkv_rope k")
     close(vc[:, pos], rv[:, pos], 2e-3, "gemv_qkv_rope v")
@@ -373,7 +376,7 @@ def check_sample(options, V, schedule, source_dir=None, draws=3, nonfinite=None)
         x, before = nan(sample_cases.D), seen.copy()
         state[sample_cases.ops.STATE_TOKEN] = -2
         run(KernelSpec("sampling.cu", "sample"), 1, SAMPLE_THREADS,
-            (logits, seen, state, fp, embed, x, *sample_cases.one_row(), np.int32(V), np.int32(sample_cases.D)),
+            (logits, seen, state, fp, embed, x, *sample_cases.one_row(), *sample_cases.one_row_sizes(V, sample_cases.D)),
             schedule, source_dir)
         token, expected = int(state[sample_cases.ops.STATE_TOKEN]), int(ref_state[sample_cases.ops.STATE_TOKEN])
         where = f"sample {options} {nonfinite or ''} draw {draw}"

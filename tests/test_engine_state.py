@@ -40,12 +40,14 @@ def flat(stories_dir):
 
 
 def recorded(runner, monkeypatch, names=("state", "fparams")) -> dict:
-    """Copies of what the runner hands the backend for `names`, as it hands it over."""
+    """Copies of what the runner hands the backend for `names`, as it hands it over (state and fparams: the slot's
+    row it writes, [8] and [4])."""
     seen, real_set = {}, runner.backend.set
 
     def set(name, array, row=0):
         if name in names:
-            seen[name] = np.array(array, copy=True)
+            copy = np.array(array, copy=True)
+            seen[name] = copy[0] if name in ("state", "fparams") and copy.ndim == 2 else copy
         real_set(name, array, row)
 
     monkeypatch.setattr(runner.backend, "set", set)
@@ -58,7 +60,8 @@ def effective_top_k(top_k: int, V: int) -> int:
 
 
 def device_state(runner) -> np.ndarray:
-    return runner.backend.read("state")
+    """The runner's current slot's state [8] on the device."""
+    return runner.backend.read("state")[runner.slot]
 
 
 def flat_draws(params: SamplingParams, steps, V: int) -> list[int]:
@@ -148,7 +151,8 @@ def test_the_kernel_reads_the_seed_that_start_wrote(llm, monkeypatch):
         tokens = []
         for _ in range(3):
             emu.launch(KernelSpec("sampling.cu", "sample"), 1, SAMPLE_THREADS,
-                       (logits, seen, state, fparams, embed, x, np.zeros(1, np.int32), np.zeros(1, np.int32),
-                        np.zeros(2, np.int32), np.zeros(1, np.uint32), np.int32(V), np.int32(D)), schedule="shuffled")
+                       (logits, seen, state, fparams, embed, x, np.zeros((1, 2), np.int32), np.zeros(1, np.int32),
+                        np.zeros(1, np.int32), np.zeros(2, np.int32), np.zeros(1, np.uint32), np.int32(V), np.int32(D),
+                        np.int32(V), np.int32(1)), schedule="shuffled")
             tokens.append(int(state[engine.TOKEN]))
         assert tokens == flat_draws(SamplingParams(1.0, seed=seed), range(start, start + 3), V), hex(seed)

@@ -9,6 +9,7 @@ from cullama.reference import apply_rope, rmsnorm, rope_tables, silu
 from conftest import poisoned
 
 EPS = 1e-5
+ONE_ROW = np.zeros((1, 2), np.int32)  # a decode step's rows table: slot 0, offset 0
 
 
 def rand(rng, *shape, scale=1.0, dtype=np.float16):
@@ -42,7 +43,8 @@ def test_qkv_rope_twin_matches_reference(hd, heads, kv_heads, bias):
     q = np.full(heads * hd, np.nan, np.float32)
     k_cache = np.zeros((kv_heads, c["max_seq"], hd), np.float16)
     v_cache = np.zeros_like(k_cache)
-    twin.gemv_qkv_rope(c["x"], c["norm_w"], c["W"], c["bias"], q, k_cache, v_cache, c["rope"], c["state"], c["d"],
+    twin.gemv_qkv_rope(c["x"], c["norm_w"], c["W"], c["bias"], q, k_cache, v_cache, c["rope"], c["state"], ONE_ROW,
+                       c["d"],
                        heads, kv_heads, hd, c["max_seq"], EPS)
     q_ref, k_ref, v_ref = expected_qkv(c)
     np.testing.assert_allclose(q, q_ref, rtol=1e-4, atol=1e-4)
@@ -80,15 +82,16 @@ def test_gpu_qkv_rope(kernels, hd, heads, kv_heads, d):
     q = np.empty(heads * hd, np.float32)
     k_cache, v_cache = (np.zeros((kv_heads, 40, hd), np.float16) for _ in range(2))
     args = (c["d"], heads, kv_heads, hd, c["max_seq"], EPS)
-    twin.gemv_qkv_rope(c["x"], c["norm_w"], c["W"], c["bias"], q, k_cache, v_cache, c["rope"], c["state"], *args)
+    twin.gemv_qkv_rope(c["x"], c["norm_w"], c["W"], c["bias"], q, k_cache, v_cache, c["rope"], c["state"], ONE_ROW,
+                       *args)
     dq = poisoned(cp, q.shape, np.float32)
     dk, dv = (poisoned(cp, k_cache.shape, np.float16) for _ in range(2))
     rows = (heads + 2 * kv_heads) * hd
     kernels.function(gemv("gemv_qkv_rope"))(
         (cdiv(rows // 2, GEMV_ROWS // 2),), (GEMV_THREADS,),
         (cp.asarray(c["x"]), cp.asarray(c["norm_w"]), cp.asarray(c["W"]), cp.asarray(c["bias"]), dq, dk, dv,
-         cp.asarray(c["rope"]),
-         cp.asarray(c["state"]), *[np.int32(a) for a in args[:5]], np.float32(EPS)))
+         cp.asarray(c["rope"]), cp.asarray(c["state"]), cp.asarray(ONE_ROW), *[np.int32(a) for a in args[:5]],
+         np.float32(EPS)))
     np.testing.assert_allclose(dq.get(), q, rtol=2e-3, atol=2e-3)
     np.testing.assert_allclose(dk.get()[:, 37], k_cache[:, 37], rtol=2e-3, atol=2e-3)
     np.testing.assert_allclose(dv.get()[:, 37], v_cache[:, 37], rtol=2e-3, atol=2e-3)

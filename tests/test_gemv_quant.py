@@ -14,7 +14,7 @@ from cullama.ops import gemv_quant as twin
 from cullama.reference import apply_rope, rmsnorm, rope_tables, silu
 from cullama.registry import KernelSpec
 from conftest import poisoned
-from test_verify import gpu_launcher, nan, state_at
+from test_verify import gpu_launcher, nan, state_at, verify_rows
 
 EPS = np.float32(1e-5)
 
@@ -72,8 +72,8 @@ def run_qkv(launch, defines, x, norm_w, qw, qp, bias, rope, pos, heads, kv_heads
     caches = [nan(kv_heads, max_seq, hd, dtype=np.float16) for _ in range(2)]
     pairs = (heads + 2 * kv_heads) * hd // 2
     launch(spec("gemv_qkv_rope", defines), (-(-pairs // (dict(defines)["ROWS"] // 2)),), twin.THREADS,
-           (x, norm_w, qw, qp, bias, q, *caches, rope, state_at(pos), np.int32(d), np.int32(heads), np.int32(kv_heads),
-            np.int32(hd), np.int32(max_seq), EPS, np.int32(group)))
+           (x, norm_w, qw, qp, bias, q, *caches, rope, state_at(pos), verify_rows(T), np.int32(d), np.int32(heads),
+            np.int32(kv_heads), np.int32(hd), np.int32(max_seq), EPS, np.int32(group)))
     return q, caches[0], caches[1]
 
 
@@ -132,8 +132,8 @@ def check_gemv_quant(launch, defines, cases=None, seed=0):
         q, kc, vc = run_qkv(launch, defines, x, norm_w, qw, qp, bias, rope, pos, heads, kv_heads, hd, max_seq, group)
         rq, rk, rv = nan(1, heads * hd), nan(kv_heads, max_seq, hd, dtype=np.float16), \
             nan(kv_heads, max_seq, hd, dtype=np.float16)
-        twin.gemv_qkv_rope(x, norm_w, qw, qp, bias, rq, rk, rv, rope, state_at(pos), K, heads, kv_heads, hd, max_seq,
-                           EPS, group)
+        twin.gemv_qkv_rope(x, norm_w, qw, qp, bias, rq, rk, rv, rope, state_at(pos), verify_rows(1), K, heads,
+                           kv_heads, hd, max_seq, EPS, group)
         close(q, rq, 2e-5, f"gemv_qkv_rope q, {where}")
         close(kc[:, pos], rk[:, pos], 2e-3, f"gemv_qkv_rope k, {where}")
         close(vc[:, pos], rv[:, pos], 2e-3, f"gemv_qkv_rope v, {where}")
@@ -186,8 +186,8 @@ def check_gemv_quant_rows(launch, bits, rows, K=192, group=64, heads=3, kv_heads
             exact(row, value, f"{bits}-bit {name}, row {t} of {rows}")
     rq = nan(rows, heads * hd)
     caches = [nan(kv_heads, max_seq, hd, dtype=np.float16) for _ in range(2)]
-    twin.gemv_qkv_rope(x, norm_w, *w_qkv, rq, *caches, rope, state_at(pos), K, heads, kv_heads, hd, max_seq, EPS,
-                       group)
+    twin.gemv_qkv_rope(x, norm_w, *w_qkv, rq, *caches, rope, state_at(pos), verify_rows(rows), K, heads, kv_heads, hd,
+                       max_seq, EPS, group)
     close(together["q"], rq, 2e-5, "verify q against the twin")  # and right, not only consistent
     rh = nan(rows, ff)
     twin.gemv_gate_up_silu(x, norm_w, *w_gu, rh, ff, K, EPS, group)
@@ -209,8 +209,8 @@ def test_twins_match_the_reference_on_the_dequantized_weights(bits):
     q = np.full(heads * hd, np.nan, np.float32)
     caches = [np.zeros((kv_heads, pos + 1, hd), np.float16) for _ in range(2)]
     bias = rand(rng, (heads + 2 * kv_heads) * hd, dtype=np.float16)
-    twin.gemv_qkv_rope(x, norm_w, *qkv, bias, q, *caches, rope, state_at(pos), d, heads, kv_heads, hd, pos + 1, EPS,
-                       group)
+    twin.gemv_qkv_rope(x, norm_w, *qkv, bias, q, *caches, rope, state_at(pos), verify_rows(1), d, heads, kv_heads, hd,
+                       pos + 1, EPS, group)
     y = w @ n + bias.astype(np.float32)
     cos, sin = rope_tables(hd, np.array([pos]), 10000.0)
     np.testing.assert_allclose(q, apply_rope(y[:heads * hd].reshape(1, heads, hd), cos, sin).reshape(-1),
@@ -309,12 +309,13 @@ def test_gpu_llama2_7b_shapes(kernels, bits, kernel, M, K):
         q, caches = np.empty(heads * hd, np.float32), [np.zeros((heads, max_seq, hd), np.float16) for _ in range(2)]
         args = (K, heads, heads, hd, max_seq, EPS)
         bias = rand(rng, M, dtype=np.float16)
-        twin.gemv_qkv_rope(x, norm_w, qw, qp, bias, q, *caches, rope, state_at(pos), *args, group)
+        twin.gemv_qkv_rope(x, norm_w, qw, qp, bias, q, *caches, rope, state_at(pos), verify_rows(1), *args, group)
         dq = poisoned(cp, q.shape, np.float32)
         dk, dv = (poisoned(cp, caches[0].shape, np.float16) for _ in range(2))
         kernels.function(spec("gemv_qkv_rope", defines))(
             (-(-M // rows),), (twin.THREADS,),
             (dev(x), dev(norm_w), dev(qw), dev(qp), dev(bias), dq, dk, dv, dev(rope), dev(state_at(pos)),
+             dev(verify_rows(1)),
              *[np.int32(a) for a in args[:5]], EPS, np.int32(group)))
         np.testing.assert_allclose(dq.get(), q, rtol=2e-3, atol=2e-3)
         np.testing.assert_allclose(dk.get()[:, pos], caches[0][:, pos], rtol=2e-3, atol=2e-3)

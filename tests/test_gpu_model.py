@@ -109,7 +109,7 @@ def test_long_runs_do_not_grow_device_memory(stories_dir):
     runner.start([1], GREEDY)
     for _ in range(tokens):  # 2,000 consecutive tokens in one generation (on a GPU)
         runner.next()
-    assert int(runner.backend.read("state")[0]) == tokens + 1
+    assert int(runner.backend.read("state")[0, 0]) == tokens + 1
     assert pool.used_bytes() == before
 
 

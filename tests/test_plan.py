@@ -73,9 +73,9 @@ def test_stories260k_greedy_ids_through_the_plans(stories_dir, stories_expected)
 def test_state_advances_one_position_per_step(stories_dir):
     runner, _ = numpy_runner(stories_dir)
     runner.start([1, 403, 407], GREEDY)
-    assert runner.backend.read("state")[0] == 3  # the first sampled token sits at position 3
+    assert runner.backend.read("state")[0, 0] == 3  # the first sampled token sits at position 3
     runner.next()
-    assert runner.backend.read("state")[0] == 4 and runner.backend.read("state")[2] == 2
+    assert runner.backend.read("state")[0, 0] == 4 and runner.backend.read("state")[0, 2] == 2
 
 
 def test_seeded_sampling_equals_the_reference_sampler(stories_dir):

@@ -60,13 +60,20 @@ def fparams(temperature, top_p=1.0, penalty=1.0):
 
 
 def one_row(xp=np):
-    """A decode step's verify arguments (ids, picks, out, arrivals): one token row, no drafts."""
-    return (xp.zeros(1, np.int32), xp.zeros(1, np.int32), xp.zeros(2, np.int32), xp.zeros(1, np.uint32))
+    """A decode step's rows table and verify arguments (rows, ids, picks, out, arrivals): one token row of slot
+    0, no drafts."""
+    return (xp.zeros((1, 2), np.int32), xp.zeros(1, np.int32), xp.zeros(1, np.int32), xp.zeros(2, np.int32),
+            xp.zeros(1, np.uint32))
+
+
+def one_row_sizes(V, d):
+    """A decode step's last arguments (V, d, seen_stride, verify) over a seen [V] of one slot."""
+    return np.int32(V), np.int32(d), np.int32(V), np.int32(1)
 
 
 def run_twin(logits, seen, state, fp, embed):
     x = np.full(D, np.nan, np.float32)
-    ops.sample(logits, seen, state, fp, embed, x, *one_row(), logits.size, D, grid=(1, 1, 1))
+    ops.sample(logits, seen, state, fp, embed, x, *one_row(), *one_row_sizes(logits.size, D), grid=(1, 1, 1))
     return x
 
 
@@ -155,8 +162,8 @@ def kernel_vs_twin(kernels, V, options, draws, seed, ties=False, nonfinite=None)
             d_logits, d_embed = cp.asarray(logits), cp.asarray(embed)
         d_seen, d_state, d_x = cp.asarray(seen), cp.asarray(state), poisoned(cp, D, np.float32)
         d_state[ops.STATE_TOKEN] = -1
-        fn((1,), (THREADS,), (d_logits, d_seen, d_state, cp.asarray(fp), d_embed, d_x, *one_row(cp), np.int32(V),
-                              np.int32(D)))
+        fn((1,), (THREADS,), (d_logits, d_seen, d_state, cp.asarray(fp), d_embed, d_x, *one_row(cp),
+                              *one_row_sizes(V, D)))
         dev_state, dev_seen, dev_x = d_state.get(), d_seen.get(), d_x.get()
         token, step, before = int(dev_state[ops.STATE_TOKEN]), int(state[ops.STATE_STEP]), seen.copy()
         params = ops.params_from(state, fp)
@@ -213,7 +220,7 @@ def test_kernel_distribution(kernels):
     fn = kernels.function(SPEC)
     d_state = cp.asarray(make_state(2**63 + 5, top_k=3))  # a seed >= 2**63: the high word negative
     args = (cp.asarray(logits), cp.zeros(8, np.uint8), d_state, cp.asarray(fparams(1.0)),
-            cp.zeros((8, D), np.float16), cp.zeros(D, np.float32), *one_row(cp), np.int32(8), np.int32(D))
+            cp.zeros((8, D), np.float16), cp.zeros(D, np.float32), *one_row(cp), *one_row_sizes(8, D))
     tokens = []
     for _ in range(n):  # the kernel advances the step itself
         fn((1,), (THREADS,), args)

@@ -29,8 +29,9 @@ AUTH = {"Authorization": f"Bearer {KEY}"}
 
 @pytest.fixture(scope="module")
 def server(stories_dir, tmp_path_factory):
+    # --max-batch 1: one request runs, the others queue (the queue past a batch: tests/test_server_batch.py)
     proc = ServerProcess(stories_dir, tmp_path_factory.mktemp("serve") / "server.log", "--api-key", KEY,
-                         "--max-queue", "2")
+                         "--max-queue", "2", "--max-batch", "1")
     try:
         proc.wait_ready()
         yield proc
@@ -115,7 +116,7 @@ def half_upload(server) -> socket.socket:
 def test_a_signal_stops_accepting_ends_the_running_and_waiting_requests_and_exits_0(stories_dir, tmp_path, sig):
     # The key comes from CULLAMA_API_KEY here. A client also holds an unfinished body: uvicorn would wait for it
     # for ever, so after the grace its connection is closed.
-    proc = ServerProcess(stories_dir, tmp_path / "server.log", "--shutdown-grace", "1",
+    proc = ServerProcess(stories_dir, tmp_path / "server.log", "--shutdown-grace", "1", "--max-batch", "1",
                          env={**os.environ, "CULLAMA_API_KEY": KEY})
     try:
         proc.wait_ready()

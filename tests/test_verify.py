@@ -35,6 +35,11 @@ def rand(rng, *shape, scale=1.0, dtype=np.float16):
     return (scale * rng.standard_normal(shape)).astype(dtype)
 
 
+def verify_rows(rows: int, slot: int = 0) -> np.ndarray:
+    """A verify step's rows table [rows, 2]: the rows of one slot at offsets 0..rows - 1 (plan.slot_rows_table)."""
+    return plans.slot_rows_table(slot + 1)[slot, :rows].copy()
+
+
 def state_at(pos: int, step: int = 0, seed: int = 0, top_k: int = 0) -> np.ndarray:
     state = np.zeros(8, np.int32)
     state[[sample_twin.STATE_POS, sample_twin.STATE_STEP, sample_twin.STATE_TOP_K]] = pos, step, top_k
@@ -59,7 +64,7 @@ def test_gemv_twin_rows_are_one_row_launches(rows):
 
     q, caches = np.full((rows, heads * hd), np.nan, np.float32), [np.zeros((kv_heads, max_seq, hd), np.float16)
                                                                   for _ in range(2)]
-    gemv_twin.gemv_qkv_rope(x, g, wqkv, bias, q, *caches, rope, state_at(pos), d, *shape)
+    gemv_twin.gemv_qkv_rope(x, g, wqkv, bias, q, *caches, rope, state_at(pos), verify_rows(rows), d, *shape)
     inp, x_res = rand(rng, rows, heads * hd, dtype=np.float32), x.copy()
     gemv_twin.gemv_residual(inp, wo, x_res, d, heads * hd)
     h, logits = np.full((rows, ff), np.nan, np.float32), np.full((rows, LD), np.nan, np.float32)
@@ -67,7 +72,8 @@ def test_gemv_twin_rows_are_one_row_launches(rows):
     gemv_twin.gemv_logits(x, g, w_lm, logits, V, d, EPS)
     for t in range(rows):
         q1, caches1 = np.full(heads * hd, np.nan, np.float32), [np.zeros_like(caches[0]) for _ in range(2)]
-        gemv_twin.gemv_qkv_rope(x[t].copy(), g, wqkv, bias, q1, *caches1, rope, state_at(pos + t), d, *shape)
+        gemv_twin.gemv_qkv_rope(x[t].copy(), g, wqkv, bias, q1, *caches1, rope, state_at(pos + t), verify_rows(1), d,
+                                *shape)
         np.testing.assert_array_equal(q[t], q1)
         for cache, one in zip(caches, caches1):
             np.testing.assert_array_equal(cache[:, pos + t], one[:, pos + t])
@@ -109,14 +115,14 @@ def test_attention_twin_rows_are_one_row_launches(hd, group, kv_heads, pos, rows
     heads, window = kv_heads * group, window or max_seq
     part = np.full((rows, heads, splits, hd + 2), np.nan, np.float32)
     count, out = np.ones((rows, kv_heads), np.uint32), np.full((rows, heads * hd), np.nan, np.float32)
-    attention_twin.attention_decode(q, k, v, part, count, out, state_at(pos), max_seq, scale, window,
+    attention_twin.attention_decode(q, k, v, part, count, out, state_at(pos), verify_rows(rows), max_seq, scale, window,
                                     grid=(kv_heads, splits, rows))
     assert not count.any()
     for t in range(rows):
         part1, count1 = np.full((heads, splits, hd + 2), np.nan, np.float32), np.ones(kv_heads, np.uint32)
         out1 = np.full(heads * hd, np.nan, np.float32)
-        attention_twin.attention_decode(q[t].copy(), k, v, part1, count1, out1, state_at(pos + t), max_seq, scale,
-                                        window, grid=(kv_heads, splits, 1))
+        attention_twin.attention_decode(q[t].copy(), k, v, part1, count1, out1, state_at(pos + t), verify_rows(1),
+                                        max_seq, scale, window, grid=(kv_heads, splits, 1))
         np.testing.assert_array_equal(out[t], out1)
         np.testing.assert_array_equal(part[t], part1)
 
@@ -145,8 +151,9 @@ def run_sample_twin(logits, seen, state, fp, embed, ids):
     rows = len(ids)
     x, out = np.full(embed.shape[1], np.nan, np.float32), np.full(rows + 1, -7, np.int32)
     picks, arrivals = np.full(rows, -7, np.int32), np.zeros(1, np.uint32)
-    sample_twin.sample(at_row_stride(logits[:rows]), seen, state, fp, embed, x, np.asarray(ids, np.int32), picks, out, arrivals,
-                       logits.shape[1], embed.shape[1], grid=(rows, 1, 1))
+    V = logits.shape[1]
+    sample_twin.sample(at_row_stride(logits[:rows]), seen, state, fp, embed, x, verify_rows(rows),
+                       np.asarray(ids, np.int32), picks, out, arrivals, V, embed.shape[1], V, 1, grid=(rows, 1, 1))
     return out, picks, x
 
 
@@ -304,7 +311,7 @@ def test_stories260k_256_greedy_ids_through_verify(stories_dir, stories_expected
     runner, expected = numpy_runner(stories_dir), stories_expected["ids"]
     assert speculative_ids(runner, stories_expected["prompt_ids"], GREEDY, expected, k, 256) == expected
     assert runner.cached == stories_expected["prompt_ids"] + expected[:-1] and runner.last == expected[-1]
-    state = runner.backend.read("state")
+    state = runner.backend.read("state")[0]
     assert state[0] == len(runner.cached) and state[1] == expected[-1] and state[2] == 256
 
 
@@ -335,8 +342,8 @@ def test_verify_rows_are_the_plain_steps_bit_for_bit(stories_dir):
             np.testing.assert_array_equal(spec.backend.read(name), value, err_msg=name)
         cached = len(spec.cached)
         for name in ("k_cache", "v_cache"):
-            np.testing.assert_array_equal(spec.backend.read(name)[:, :, :cached],
-                                          plain.backend.read(name)[:, :, :cached])
+            np.testing.assert_array_equal(spec.backend.read(name)[:, :, :, :cached],
+                                          plain.backend.read(name)[:, :, :, :cached])
     assert done == 5 + 2 + 9 + 1 + 4  # every verdict above
 
 
@@ -565,7 +572,7 @@ def check_gemv_rows(launch, rows, d=136, ff=184, V=1001, heads=5, kv_heads=1, hd
         spec = lambda name: plans.gemv(name, tokens)  # noqa: E731
         q, caches = nan(n, heads * hd), [nan(kv_heads, max_seq, hd, dtype=np.float16) for _ in range(2)]
         launch(spec("gemv_qkv_rope"), (-(-(heads + 2 * kv_heads) * hd // per_block),), plans.GEMV_THREADS,
-               (x[sl].copy(), g, wqkv, bias, q, *caches, rope, state_at(pos_now), *shape))
+               (x[sl].copy(), g, wqkv, bias, q, *caches, rope, state_at(pos_now), verify_rows(n), *shape))
         xo, xd = x[sl].copy(), x[sl].copy()
         launch(spec("gemv_residual"), (-(-d // per_block),), plans.GEMV_THREADS,
                (inp[sl].copy(), wo, xo, np.int32(d), np.int32(heads * hd)))
@@ -586,8 +593,8 @@ def check_gemv_rows(launch, rows, d=136, ff=184, V=1001, heads=5, kv_heads=1, hd
             np.testing.assert_array_equal(row, value, err_msg=f"{name}, row {t} of {rows}")
     twin_q = np.empty((rows, heads * hd), np.float32)
     caches = [np.zeros((kv_heads, max_seq, hd), np.float16) for _ in range(2)]
-    gemv_twin.gemv_qkv_rope(x, g, wqkv, bias, twin_q, *caches, rope, state_at(pos), d, heads, kv_heads, hd, max_seq,
-                            EPS)
+    gemv_twin.gemv_qkv_rope(x, g, wqkv, bias, twin_q, *caches, rope, state_at(pos), verify_rows(rows), d, heads,
+                            kv_heads, hd, max_seq, EPS)
     np.testing.assert_allclose(many["q"], twin_q, rtol=2e-3, atol=2e-3)  # and right, not only consistent
     twin_logits = np.empty((rows, gemv_twin.logits_stride(V)), np.float32)
     gemv_twin.gemv_logits(x, g, w_lm, twin_logits, V, d, EPS)
@@ -605,7 +612,8 @@ def check_attention_rows(launch, hd, group, kv_heads, pos, rows, splits, window=
     def run(sl, n, pos_now):
         out, part, count = nan(n, heads * hd), nan(n, heads, splits, hd + 2), np.zeros((n, kv_heads), np.uint32)
         launch(spec, (kv_heads, splits, n), plans.ATTENTION_THREADS,
-               (q[sl].copy(), k, v, part, count, out, state_at(pos_now), np.int32(max_seq), np.float32(scale),
+               (q[sl].copy(), k, v, part, count, out, state_at(pos_now), verify_rows(n), np.int32(max_seq),
+                np.float32(scale),
                 np.int32(window)))
         assert not count.any()
         return out, part
@@ -617,8 +625,14 @@ def check_attention_rows(launch, hd, group, kv_heads, pos, rows, splits, window=
         np.testing.assert_array_equal(part[t:t + 1], part1)
     twin_out = np.empty_like(out)
     attention_twin.attention_decode(q, k, v, np.empty(part.shape, np.float32), np.zeros((rows, kv_heads), np.uint32),
-                                    twin_out, state_at(pos), max_seq, scale, window, grid=(kv_heads, splits, rows))
+                                    twin_out, state_at(pos), verify_rows(rows), max_seq, scale, window,
+                                    grid=(kv_heads, splits, rows))
     np.testing.assert_allclose(out, twin_out, rtol=1e-3, atol=1e-4)
+
+
+def verify_sizes(V, D):
+    """The sample kernel's last arguments for a verify step over a seen [V] of one slot: V, d, seen_stride, verify."""
+    return np.int32(V), np.int32(D), np.int32(V), np.int32(1)
 
 
 def check_greedy_sample_rows(launch, V, penalty, D=40):
@@ -645,8 +659,8 @@ def check_greedy_sample_rows(launch, V, penalty, D=40):
         arrivals = np.zeros(1, np.uint32)
         kernel_logits = at_row_stride(rows_logits)
         launch(plans.SAMPLE, (5,), plans.SAMPLE_THREADS, (kernel_logits, kernel_seen, state, fp, embed, x,
-                                                           np.array(ids, np.int32), picks, out, arrivals,
-                                                           np.int32(V), np.int32(D)))
+                                                           verify_rows(5), np.array(ids, np.int32), picks, out,
+                                                           arrivals, *verify_sizes(V, D)))
         twin_seen, twin_state = seen.copy(), state_at(11, step=3)
         twin_out, twin_picks, twin_x = run_sample_twin(rows_logits, twin_seen, twin_state, fp, embed, ids)
         n = int(twin_out[0])
@@ -673,9 +687,9 @@ def check_drafts_outside_the_vocabulary(launch, V=517):
             kernel_logits, state, kernel_seen = at_row_stride(logits), state_at(11, step=3, seed=5), seen.copy()
             x, picks, out = nan(embed.shape[1]), np.full(5, -7, np.int32), np.full(6, -7, np.int32)
             arrivals = np.zeros(1, np.uint32)
-            launch(plans.SAMPLE, (5,), plans.SAMPLE_THREADS, (kernel_logits, kernel_seen, state, fp, embed, x, ids,
-                                                               picks, out, arrivals, np.int32(V),
-                                                               np.int32(embed.shape[1])))
+            launch(plans.SAMPLE, (5,), plans.SAMPLE_THREADS, (kernel_logits, kernel_seen, state, fp, embed, x,
+                                                               verify_rows(5), ids, picks, out, arrivals,
+                                                               *verify_sizes(V, embed.shape[1])))
             case = f"draft {bad} at {where}, temperature {fp[0]}"
             assert out[:2].tolist() == [1, sampling.NO_TOKEN] and (picks == sampling.NO_TOKEN).all(), case
             expected = state_at(12, step=4, seed=5)
@@ -715,8 +729,8 @@ def check_sampled_sample_rows(launch, V, trials, D=8):
         state, kernel_seen = state_at(11, step=7 * trial, seed=99, top_k=50), seen.copy()
         picks, out = np.full(5, -7, np.int32), np.full(6, -7, np.int32)
         launch(plans.SAMPLE, (5,), plans.SAMPLE_THREADS, (at_row_stride(logits), kernel_seen, state, fp, embed, nan(D),
-                                                           np.array(ids, np.int32), picks, out, np.zeros(1, np.uint32),
-                                                           np.int32(V), np.int32(D)))
+                                                           verify_rows(5), np.array(ids, np.int32), picks, out,
+                                                           np.zeros(1, np.uint32), *verify_sizes(V, D)))
         params = sample_twin.params_from(state_at(11, step=7 * trial, seed=99, top_k=50), fp)
         for r in range(5):
             before = seen.astype(bool) | np.isin(np.arange(V), ids[1:r + 1])
@@ -774,8 +788,8 @@ def test_gpu_sampled_verify_row_is_distributed_as_p(kernels, draft):
     state = cp.asarray(state_at(0, seed=2**63 + 9))
     ids, picks, out = cp.asarray(np.array([0, draft], np.int32)), cp.zeros(2, np.int32), cp.zeros(3, np.int32)
     args = (logits, cp.zeros(V, np.uint8), state, cp.asarray(np.array([1.0, 1.0, 1.0, 0.0], np.float32)),
-            cp.zeros((V, 8), np.float16), cp.zeros(8, np.float32), ids, picks, out, cp.zeros(1, np.uint32),
-            np.int32(V), np.int32(8))
+            cp.zeros((V, 8), np.float16), cp.zeros(8, np.float32), cp.asarray(verify_rows(2)), ids, picks, out,
+            cp.zeros(1, np.uint32), *verify_sizes(V, 8))
     firsts, steps = [], 0
     for _ in range(n):
         fn((2,), (1024,), args)

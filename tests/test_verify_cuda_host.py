@@ -89,7 +89,7 @@ def test_a_step_queued_ahead_is_the_first_verdict(fake, stories_dir):
     got.append(gpu.next(ahead=True))
     got += gpu.verify([])
     assert got == expected[:11] and gpu._queued is None
-    np.testing.assert_array_equal(gpu.backend.read("state")[:3], [2 + 10, expected[10], 11])
+    np.testing.assert_array_equal(gpu.backend.read("state")[0, :3], [2 + 10, expected[10], 11])
 
 
 def test_the_overlapped_verify_graph_links_every_kernel_but_the_first(fake, stories_dir, monkeypatch):

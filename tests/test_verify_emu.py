@@ -79,10 +79,12 @@ def test_verify_sample_bounds_its_drafts(schedule):
 
 # (id, file, original text, its replacement, the check that must fail): the checks above have teeth
 MUTATIONS = [
-    ("gemv-rows-at-one-position", "gemv.cuh", "const int pos = state[STATE_POS] + t;", "const int pos = state[STATE_POS];",
+    ("gemv-rows-at-one-position", "gemv.cuh", "const int pos = row_pos(step_rows, state, t);",
+     "const int pos = row_pos(step_rows, state, 0);",
      lambda launch: checks.check_gemv_rows(launch, 3, d=72, ff=56, V=37, heads=3, kv_heads=1, hd=8, pos=5)),
-    ("attention-rows-see-the-first-row's-keys", "attention.cu", "min(state[STATE_POS] + row + 1, max_seq)",
-     "min(state[STATE_POS] + 1, max_seq)", lambda launch: checks.check_attention_rows(launch, 8, 2, 2, 5, 3, 4)),
+    ("attention-rows-see-the-first-row's-keys", "attention.cu", "min(row_pos(step_rows, state, row) + 1, max_seq)",
+     "min(row_pos(step_rows, state, 0) + 1, max_seq)",
+     lambda launch: checks.check_attention_rows(launch, 8, 2, 2, 5, 3, 4)),
     ("attention-rows-share-the-first-row's-window", "attention.cu", "const int first = max(n - window, 0);",
      "const int first = max(n - row - window, 0);",
      lambda launch: checks.check_attention_rows(launch, *checks.WINDOW_CASES[1])),

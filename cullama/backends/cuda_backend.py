@@ -21,7 +21,7 @@ from ..plan import OVERLAP_SAFE, VERIFY_ROWS, Buffer, Plan, Ref
 from ..registry import KernelLoader
 from ..sampling import drawn
 
-STATE_TOKEN = 1  # kernels_cu/common.cuh
+STATE_TOKEN, STATE_LEN = 1, 8  # kernels_cu/common.cuh
 
 
 class CudaBackend:
@@ -171,23 +171,24 @@ class CudaBackend:
         except Exception:
             pass
 
-    def _copy_token(self, slot: int) -> None:
-        """Queue the copy of state[TOKEN] into pinned slot `slot` on the stream."""
+    def _copy_token(self, slot: int, seq: int = 0) -> None:
+        """Queue the copy of state[seq][TOKEN] (the sequence in slot `seq`) into pinned slot `slot` on the stream."""
         state = self.arrays["state"]
-        self.cp.cuda.runtime.memcpyAsync(self._tokens.ctypes.data + 4 * slot, state.data.ptr + 4 * STATE_TOKEN, 4,
+        at = 4 * (seq * STATE_LEN + STATE_TOKEN)
+        self.cp.cuda.runtime.memcpyAsync(self._tokens.ctypes.data + 4 * slot, state.data.ptr + at, 4,
                                          self.cp.cuda.runtime.memcpyDeviceToHost, self.stream.ptr)
 
-    def read_token(self) -> int:
-        self._copy_token(2)
+    def read_token(self, seq: int = 0) -> int:
+        self._copy_token(2, seq)
         self.stream.synchronize()
         return drawn(int(self._tokens[2]))
 
-    def launch_step(self, plan: Plan, slot: int, fetch: str | None = None) -> None:
+    def launch_step(self, plan: Plan, slot: int, fetch: str | None = None, seq: int = 0) -> None:
         """Replay the step and queue the copy of its sampled id into slot `slot` (0 or 1); returns at once.
         `fetch`: also queue the copy of that (small) buffer, read by fetched(slot) once token(slot) returned:
         a step queued behind this one overwrites the buffer, not this step's copy."""
         self.replay(plan)
-        self._copy_token(slot)
+        self._copy_token(slot, seq)
         if fetch is not None:
             self._queue_fetch(slot, fetch)
         self._token_ready[slot].record(self.stream)

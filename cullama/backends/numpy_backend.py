@@ -10,7 +10,7 @@ from .. import ops
 from ..plan import Buffer, Launch, Plan, Ref
 from ..sampling import drawn
 
-STATE_TOKEN = 1  # kernels_cu/common.cuh
+STATE_TOKEN, STATE_LEN = 1, 8  # kernels_cu/common.cuh
 
 
 class NumpyBackend:
@@ -21,6 +21,7 @@ class NumpyBackend:
     def __init__(self):
         self.arrays: dict[str, np.ndarray] = {}
         self._twins: dict = {}
+        self._tokens: dict = {}  # slot -> the token launch_step(..., slot) sampled
         self._fetched: dict = {}  # slot -> the copy of the buffer a step fetched (see CudaBackend.fetched)
 
     def allocate(self, buffers: list[Buffer]) -> None:
@@ -58,16 +59,22 @@ class NumpyBackend:
 
     replay = run  # no graphs on the CPU: a decode step is just run
 
-    def read_token(self) -> int:
-        return drawn(int(self.arrays["state"][STATE_TOKEN]))
+    def read_token(self, seq: int = 0) -> int:
+        """The token sampled last for the sequence in slot `seq` (its state[TOKEN])."""
+        return drawn(self._state_token(seq))
 
-    def launch_step(self, plan: Plan, slot: int, fetch: str | None = None) -> None:
+    def _state_token(self, seq: int) -> int:
+        return int(self.arrays["state"].reshape(-1, STATE_LEN)[seq, STATE_TOKEN])
+
+    def launch_step(self, plan: Plan, slot: int, fetch: str | None = None, seq: int = 0) -> None:
         self.run(plan)
+        self._tokens[slot] = self._state_token(seq)
         if fetch is not None:
             self._fetched[slot] = self.read(fetch)
 
     def token(self, slot: int) -> int:
-        return self.read_token()
+        """The token launch_step(..., slot) sampled (its sequence's), or slot 0's state where none was launched."""
+        return drawn(self._tokens.pop(slot)) if slot in self._tokens else self.read_token()
 
     def fetched(self, slot) -> np.ndarray:
         return self._fetched[slot]

@@ -1,18 +1,20 @@
 """Twins of kernels_cu/attention.cu: softmax(q·K^T * scale)·V over the KV cache, decode and prefill.
 
-Convention for twins whose kernel reads its extent from the launch grid: the twin declares a
-keyword-only parameter `grid`, and the numpy backend passes the launch's grid (a 3-tuple) as `grid=`
-to every twin that declares it. attention_decode takes its token rows from grid[2] (a verify step's
-k + 1 rows; 1 for a decode step), as the kernel does from gridDim.z. attention_prefill takes its kv-head
-count (the row stride) from grid[0], as the kernel does from gridDim.x; its row count is the argument
-n_rows (grid[1] counts blocks of ROWS_Q rows, a compile-time define the twin never needs). HEAD_DIM and
-GROUP are never arguments: they follow from the arrays' shapes. `window` (the last argument of both) is the
-sliding window: a query at position p sees the keys max(0, p - window + 1)..p (window >= max_seq: all of 0..p).
+Convention for twins whose kernel reads its extent from the launch grid: the twin declares a keyword-only parameter
+`grid`, and the numpy backend passes the launch's grid (a 3-tuple) as `grid=` to every twin that declares it.
+attention_decode takes its token rows from grid[2] (a verify step's k + 1 rows, a batched step's B; 1 for a decode
+step), as the kernel does from gridDim.z. attention_prefill takes its kv-head count (the row stride) from grid[0],
+as the kernel does from gridDim.x; its row count is the argument n_rows (grid[1] counts blocks of ROWS_Q rows, a
+compile-time define the twin never needs). HEAD_DIM and GROUP are never arguments: they follow from the arrays'
+shapes. `window` (the last argument of both) is the sliding window: a query at position p sees the keys
+max(0, p - window + 1)..p (window >= max_seq: all of 0..p).
 """
 
 from __future__ import annotations
 
 import numpy as np
+
+from .rows import row_position
 
 SOURCE = "attention.cu"
 # (HEAD_DIM, GROUP, ROWS_Q): the shipped configs first (llama-2-7b, tiny-gqa, tiny-mha, stories260K), then
@@ -36,19 +38,22 @@ def _split_state(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float):
     return p @ v, m, p.sum(axis=1)
 
 
-def attention_decode(q, k_cache, v_cache, part, count, out, state, max_seq, scale, window, *, grid):
+def attention_decode(q, k_cache, v_cache, part, count, out, state, step_rows, max_seq, scale, window, *, grid):
     """Per token row t < grid[2] (1 for a decode step): out[t] [heads*hd] f32 = attention of q[t] [heads*hd]
-    over keys max(0, p - window + 1)..p, p = state[0] + t, of k_cache/v_cache [kv_heads, max_seq, hd] f16;
-    part[t] [heads, splits, hd+2] gets each split's (acc, m, l) as the kernel writes it (the splits divide those
-    keys only), the splits are combined in order, count[t] [kv_heads] is left at 0. A decode step's arrays are
-    one row (q [heads*hd], part [heads, splits, hd+2], ...). Each row is the one-row computation at its own
-    position, as on the GPU."""
-    rows = int(grid[2])
-    parts = part.reshape(rows, *part.shape[-3:])
-    for t, (qt, pt, ct, ot) in enumerate(zip(q.reshape(rows, -1), parts, count.reshape(rows, -1),
-                                             out.reshape(rows, -1))):
-        _attention_decode_row(qt, k_cache, v_cache, pt, ct, ot, int(state[0]) + t, int(max_seq), scale,
-                              int(window))
+    over keys max(0, p - window + 1)..p of its slot's k_cache/v_cache [slots, kv_heads, max_seq, hd] f16, where
+    step_rows [>= grid[2], 2] int32 gives the row's (slot, offset) and p = state[slot, POS] + offset (state [slots,
+    8]); part[t] [heads, splits, hd+2] gets each split's (acc, m, l) as the kernel writes it (the splits divide
+    those keys only), the splits are combined in order, count[t] [kv_heads] is left at 0. A decode step's arrays
+    are one row (q [heads*hd], part [heads, splits, hd+2], ...). Each row is the one-row computation at its own
+    slot and position, as on the GPU."""
+    n_rows = int(grid[2])
+    parts = part.reshape(n_rows, *part.shape[-3:])
+    kv_heads, hd = int(grid[0]), parts.shape[-1] - 2
+    keys, values = (c.reshape(-1, kv_heads, int(max_seq), hd) for c in (k_cache, v_cache))  # [slots, ...]
+    for t, (qt, pt, ct, ot) in enumerate(zip(q.reshape(n_rows, -1), parts, count.reshape(n_rows, -1),
+                                             out.reshape(n_rows, -1))):
+        slot, pos = row_position(step_rows, state, t)
+        _attention_decode_row(qt, keys[slot], values[slot], pt, ct, ot, pos, int(max_seq), scale, int(window))
 
 
 def _attention_decode_row(q, k_cache, v_cache, part, count, out, pos: int, max_seq: int, scale, window: int):

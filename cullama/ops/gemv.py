@@ -1,14 +1,17 @@
 """Twins of kernels_cu/gemv.cu: the decode step's matrix-vector products with their fusions.
 
-Token rows: a kernel compiled with TOKENS = T takes x, in and its outputs as [T, width] rows (token row t at
-position state[0] + t); the plan hands the twin exactly those rows (Ref(..., rows=T)), 1-D arrays for a
-decode step. Each multi-row twin is the one-row twin applied row by row (one converted copy of W shared by
-the rows), so a verify step on the numpy backend is bit for bit its plain steps, as on the GPU.
+Token rows: a kernel compiled with TOKENS = T takes x, in and its outputs as [T, width] rows (token row t of the
+slot and at the position the step's rows table gives it: ops/rows.py); the plan hands the twin exactly those rows
+(Ref(..., rows=T)), 1-D arrays for a decode step. Each multi-row twin is the one-row twin applied row by row (one
+converted copy of W shared by the rows), so a verify step on the numpy backend is bit for bit its plain steps, as on
+the GPU.
 """
 
 from __future__ import annotations
 
 import numpy as np
+
+from .rows import row_position
 
 SOURCE = "gemv.cu"
 # (ROWS, UNROLL) of a decode step (one token row): the plan's choice first; the others are the benchmark
@@ -66,12 +69,13 @@ def _rope_store(y: np.ndarray, q_out, k_cache, v_cache, rope, pos: int, n_heads:
     v_cache[:, pos] = y[n_heads + n_kv_heads:].astype(np.float16)
 
 
-def gemv_qkv_rope(x, norm_w, W, bias, q_out, k_cache, v_cache, rope, state, d, n_heads, n_kv_heads, hd, max_seq,
-                  eps):
+def gemv_qkv_rope(x, norm_w, W, bias, q_out, k_cache, v_cache, rope, state, step_rows, d, n_heads, n_kv_heads, hd,
+                  max_seq, eps):
     """Per token row t of x [T, d] (or [d]): q|k|v = W · rmsnorm(x[t]) + bias [(heads + 2 kv_heads) hd] f16, then
-    RoPE: q_out[t] [heads*hd] f32; k_cache/v_cache [kv_heads, max_seq, hd] f16 written at position state[0] + t."""
-    qkv_rope(W.astype(np.float32), x, norm_w, bias, q_out, k_cache, v_cache, rope, state, d, n_heads, n_kv_heads,
-             hd, eps)
+    RoPE: q_out[t] [heads*hd] f32; k_cache/v_cache [slots, kv_heads, max_seq, hd] f16 written in row t's slot at its
+    position (step_rows [>= T, 2], state [slots, 8])."""
+    qkv_rope(W.astype(np.float32), x, norm_w, bias, q_out, k_cache, v_cache, rope, state, step_rows, d, n_heads,
+             n_kv_heads, hd, max_seq, eps)
 
 
 def gemv_residual(inp, W, x, M, K):
@@ -94,11 +98,14 @@ def gemv_logits(x, norm_w, W, logits, V, d, eps):
 
 # The functions of the kernels on float32 weights w32 [M, K], whatever they are stored as (ops/gemv_quant.py
 # dequantizes its weights and calls these).
-def qkv_rope(w32, x, norm_w, bias, q_out, k_cache, v_cache, rope, state, d, n_heads, n_kv_heads, hd, eps):
+def qkv_rope(w32, x, norm_w, bias, q_out, k_cache, v_cache, rope, state, step_rows, d, n_heads, n_kv_heads, hd,
+             max_seq, eps):
     b32 = bias[:w32.shape[0]].astype(np.float32)  # [all heads * hd]
+    keys, values = (c.reshape(-1, n_kv_heads, max_seq, hd) for c in (k_cache, v_cache))  # [slots, ...]
     for t, (xt, qt) in enumerate(zip(token_rows(x), token_rows(q_out))):
         y = (_norm_dot(w32, xt[:d], norm_w, eps) + b32).reshape(n_heads + 2 * n_kv_heads, hd)  # [all heads, hd]
-        _rope_store(y, qt, k_cache, v_cache, rope, int(state[0]) + t, n_heads, n_kv_heads, hd)
+        slot, pos = row_position(step_rows, state, t)
+        _rope_store(y, qt, keys[slot], values[slot], rope, pos, n_heads, n_kv_heads, hd)
 
 
 def residual(w32, inp, x, M, K):

@@ -57,11 +57,11 @@ def weights(qweight: np.ndarray, qparams: np.ndarray, K: int) -> np.ndarray:
     return quant.dequantize(qweight, qparams, 32 * qweight.shape[1] // K)
 
 
-def gemv_qkv_rope(x, norm_w, qweight, qparams, bias, q_out, k_cache, v_cache, rope, state, d, n_heads, n_kv_heads,
-                  hd, max_seq, eps, group):
+def gemv_qkv_rope(x, norm_w, qweight, qparams, bias, q_out, k_cache, v_cache, rope, state, step_rows, d, n_heads,
+                  n_kv_heads, hd, max_seq, eps, group):
     """gemv.gemv_qkv_rope on the dequantized W_qkv [(heads + 2 kv_heads) hd, d] (the bias FP16)."""
-    gemv.qkv_rope(weights(qweight, qparams, d), x, norm_w, bias, q_out, k_cache, v_cache, rope, state, d, n_heads,
-                  n_kv_heads, hd, eps)
+    gemv.qkv_rope(weights(qweight, qparams, d), x, norm_w, bias, q_out, k_cache, v_cache, rope, state, step_rows, d,
+                  n_heads, n_kv_heads, hd, max_seq, eps)
 
 
 def gemv_residual(inp, qweight, qparams, x, M, K, group):

@@ -18,7 +18,7 @@ VARIANTS = [()]
 def embed_rows(ids, embed, x_rows, d, *, grid):
     """x_rows[:n, :d] = float32(embed[ids[:n]]); ids [chunk] int32, embed [vocab, d] FP16."""
     n = grid[0]
-    x_rows[:n, :d] = embed[ids[:n], :d].astype(np.float32)
+    x_rows.reshape(-1, x_rows.shape[-1])[:n, :d] = embed[ids[:n], :d].astype(np.float32)  # x [d]: one row
 
 
 def rmsnorm_rows(x_rows, w, out_rows, d, eps, *, grid):

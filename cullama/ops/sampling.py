@@ -10,9 +10,8 @@ from .gemv import logit_rows
 SOURCE = "sampling.cu"
 VARIANTS = [()]
 
-# kernels_cu/common.cuh
-STATE_POS, STATE_TOKEN, STATE_STEP, STATE_TOP_K, STATE_SEED_LO, STATE_SEED_HI = range(6)
-FP_TEMPERATURE, FP_TOP_P, FP_REP_PENALTY = range(3)
+from .rows import (FP_REP_PENALTY, FP_TEMPERATURE, FP_TOP_P, FPARAMS_LEN, ROW_SLOT, STATE_LEN,  # noqa: F401
+                   STATE_POS, STATE_SEED_HI, STATE_SEED_LO, STATE_STEP, STATE_TOKEN, STATE_TOP_K)
 
 
 def params_from(state: np.ndarray, fparams: np.ndarray) -> sampling.SamplingParams:
@@ -24,23 +23,49 @@ def params_from(state: np.ndarray, fparams: np.ndarray) -> sampling.SamplingPara
         seed=int(words[STATE_SEED_LO]) | int(words[STATE_SEED_HI]) << 32)
 
 
-def sample(logits, seen, state, fparams, embed, x, ids, picks, out, arrivals, V, d, *, grid):
-    """logits [rows, V] f32 at row stride ops.gemv.logits_stride(V) (a decode step's: [V]), seen [V] uint8, state [8] int32, fparams [4] f32,
-    embed [V, d] f16, x [d] f32, ids [rows] int32, picks [rows] int32, out [1 + rows] int32, arrivals [1];
-    rows = grid[0] (1 for a decode step).
+def sample(logits, seen, state, fparams, embed, x, step_rows, ids, picks, out, arrivals, V, d, seen_stride, verify, *,
+           grid):
+    """logits [n, V] f32 at row stride ops.gemv.logits_stride(V) (a decode step's: [V]), seen [slots, seen_stride]
+    uint8, state [slots, 8] int32, fparams [slots, 4] f32, embed [V, d] f16, x [n, d] f32, step_rows [>= n, 2] int32
+    (slot, offset), ids [n] int32, picks [n] int32, out [1 + n] int32, arrivals [1]; n = grid[0] rows. A row's
+    params, seen and state are its slot's (rows[r, 0]).
 
-    Row r: picks[r] = cullama.sampling.sample(logits[r], params, seen | ids[1..r], state[STEP] + r,
-    draft=ids[r + 1] if r + 1 < rows). Then n - 1 = how many leading drafts ids[1..] equal the pick of the row
-    before them, out = [n, ids[1..n-1], picks[n-1]], and as n decode steps would: state[TOKEN] = picks[n-1],
-    state[STEP] += n, state[POS] += n, seen[those n tokens] = 1, x = embed[picks[n-1]] as float32, all in
-    place; arrivals is left at 0. Where the last pick is NO_TOKEN (every logit of its row NaN or -inf), it is
-    not marked seen and x = 0. A draft outside [0, V) (which the host never writes) makes every pick NO_TOKEN:
-    n = 1, nothing indexed by it.
+    verify 0 (a batched decode step, one row per slot): picks[r] = cullama.sampling.sample(logits[r], params,
+    seen, state[STEP]) of row r's slot, and as one decode step of that slot would: state[TOKEN] = picks[r],
+    state[STEP] += 1, state[POS] += 1, seen[picks[r]] = 1, x[r] = embed[picks[r]] as float32 (0 and not seen
+    where the pick is NO_TOKEN). ids, out and arrivals are not used.
+
+    verify 1 (n rows of one slot, rows[0]'s: a decode step, n = 1, or a verify step): row r: picks[r] =
+    cullama.sampling.sample(logits[r], params, seen | ids[1..r], state[STEP] + r, draft=ids[r + 1] if r + 1 < n).
+    Then n' - 1 = how many leading drafts ids[1..] equal the pick of the row before them, out = [n', ids[1..n'-1],
+    picks[n'-1]], and as n' decode steps would: state[TOKEN] = picks[n'-1], state[STEP] += n', state[POS] += n',
+    seen[those n' tokens] = 1, x[0] = embed[picks[n'-1]] as float32, all in place; arrivals is left at 0. Where the
+    last pick is NO_TOKEN (every logit of its row NaN or -inf), it is not marked seen and x = 0. A draft outside
+    [0, V) (which the host never writes) makes every pick NO_TOKEN: n' = 1, nothing indexed by it.
     """
-    rows, step = int(grid[0]), int(state[STATE_STEP])
+    n_rows = int(grid[0])
+    states, fps = state.reshape(-1, STATE_LEN), fparams.reshape(-1, FPARAMS_LEN)
+    seens, xs = seen.reshape(-1, int(seen_stride)), x.reshape(-1, int(d))
+    table = np.asarray(step_rows).reshape(-1, 2)
+    rows_logits = logit_rows(logits, V, n_rows)
+    if not verify:
+        for r in range(n_rows):
+            slot = int(table[r, ROW_SLOT])
+            _sample_rows(rows_logits[r:r + 1], seens[slot], states[slot], fps[slot], embed, xs[r], ids[:1], picks[r:],
+                         None, V, d)
+        return
+    slot = int(table[0, ROW_SLOT])
+    _sample_rows(rows_logits, seens[slot], states[slot], fps[slot], embed, xs[0], ids, picks, out, V, d)
+    arrivals[0] = 0
+
+
+def _sample_rows(rows_logits, seen, state, fparams, embed, x, ids, picks, out, V, d) -> None:
+    """One sequence's step over its rows (1: a decode step; k + 1: a verify step), as `sample` says for verify 1;
+    seen [>= V], state [8], fparams [4], x [d] are that sequence's; out None: not written."""
+    rows, step = len(rows_logits), int(state[STATE_STEP])
     params, seen_mask = params_from(state, fparams), seen[:V] != 0
     drafts_are_ids = all(0 <= int(t) < V for t in ids[1:rows])
-    for r, row in enumerate(logit_rows(logits, V, rows)):
+    for r, row in enumerate(rows_logits):
         if not drafts_are_ids:
             picks[r] = sampling.NO_TOKEN
             continue
@@ -51,11 +76,11 @@ def sample(logits, seen, state, fparams, embed, x, ids, picks, out, arrivals, V,
     while drafts_are_ids and n < rows and picks[n - 1] == ids[n]:
         n += 1
     accepted = [int(t) for t in ids[1:n]] + [int(picks[n - 1])]
-    out[0], out[1:n + 1] = n, accepted
+    if out is not None:
+        out[0], out[1:n + 1] = n, accepted
     state[STATE_TOKEN] = accepted[-1]
     state[STATE_STEP] = step + n
     state[STATE_POS] += n
-    arrivals[0] = 0
     if accepted[-1] == sampling.NO_TOKEN:
         seen[accepted[:-1]] = 1
         x[:d] = 0
@@ -88,6 +113,7 @@ def logprobs(logits, targets, out, V, stride, target_at, top, *, grid):
     they were. The kernel writes these bits exactly, but for s (its sum runs in another order).
     cullama.logprobs.from_rows turns a row into log-probabilities."""
     flat, ints = np.asarray(logits).reshape(-1), out.view(np.int32)
+    targets = np.asarray(targets).reshape(-1)  # state [slots, 8] too: a decode step's token, at slot * 8 + 1
     for r in range(int(grid[0])):
         row = flat[r * stride:r * stride + V].astype(np.float32)
         keyed = np.where(np.isnan(row), np.float32(-np.inf), row) + np.float32(0)  # NaN -> -inf, -0 -> +0

@@ -1,16 +1,19 @@
-"""The engine: one thread owns the Llama and runs one generation at a time, in arrival order.
+"""The engine: one thread owns the Llama and runs its generations, in arrival order.
 
-Batch 1 is the point of cullama, so there is no batching to schedule: requests wait in a FIFO queue
-bounded by `max_queue` (past it `submit` raises Busy, a 429), and the engine thread takes them one by
-one. The HTTP side never runs the model or waits on the device (it only tokenizes the prompt, on a
-worker thread): it submits a Job and awaits the job's events (Piece..., then one of Finished / Refused /
-Failed / Stopped), which the engine thread posts onto the job's asyncio loop.
+With max_batch 1 (`--max-batch 1`) it runs one generation at a time: requests wait in a FIFO queue bounded by
+`max_queue` (past it `submit` raises Busy, a 429), and the engine thread takes them one by one. With max_batch B > 1
+it runs up to B together in a batch session (cullama/batch.py: iteration-level scheduling, each request's tokens
+exactly its solo tokens): a request joins the batch as soon as one of its slots is free, and the queue bounds the
+requests waiting past the batch. The metrics count the rows of every decode step (cullama_decode_batch_size) and the
+requests running (cullama_running_requests). The HTTP side never runs the model or waits on the device (it only
+tokenizes the prompt, on a worker thread): it submits a Job and awaits the job's events (Piece..., then one of
+Finished / Refused / Failed / Stopped), which the engine thread posts onto the job's asyncio loop.
 
-Cancelling (a client that went away, or the server stopping) takes a waiting job out of the queue at
-once; a running one stops before its next token (GenerationStream.cancel, checked after every token,
-its text shown or held back as a possible start of a stop string), so at most the token being computed
-is finished. Under speculative decoding the tokens arrive in bursts, one verify step each, which the
-stream hands out one token at a time: a cancel drops the rest of the burst and runs no further step.
+Cancelling (a client that went away, or the server stopping) takes a waiting job out of the queue at once; a running
+one stops before its next token (GenerationStream.cancel, checked after every token, its text shown or held back as
+a possible start of a stop string), so at most the token being computed is finished. Under speculative decoding the
+tokens arrive in bursts, one verify step each, which the stream hands out one token at a time: a cancel drops the
+rest of the burst and runs no further step.
 """
 
 from __future__ import annotations
@@ -99,10 +102,13 @@ class Job:
 class Engine:
     """Owns the model: `load()` runs on the engine thread, then the thread serves the queue."""
 
-    def __init__(self, load: Callable[[], object], max_queue: int, metrics: Metrics):
+    def __init__(self, load: Callable[[], object], max_queue: int, metrics: Metrics, max_batch: int = 1):
         if max_queue < 0:
             raise ValueError(f"max_queue must be >= 0, got {max_queue}")
-        self.max_queue, self.metrics = max_queue, metrics
+        if max_batch < 1:
+            raise ValueError(f"max_batch must be >= 1, got {max_batch}")
+        self.max_queue, self.metrics, self.max_batch = max_queue, metrics, max_batch
+        self._batched: set[Job] = set()  # the jobs in the batch session (max_batch > 1)
         self.llm = None  # the Llama, once loaded
         self.state = "loading"  # loading -> ready -> stopped, or loading -> failed
         self.load_error: BaseException | None = None
@@ -129,8 +135,8 @@ class Engine:
             if self.state != "ready":
                 raise Unavailable("the model is still loading; GET /health answers 200 once it is ready"
                                   if self.state == "loading" else "the model failed to load")
-            # max_queue counts the jobs waiting behind the running one (an idle engine takes one at once).
-            if len(self._waiting) + (self._running is not None) > self.max_queue:
+            # max_queue counts the jobs waiting behind the running ones (an idle engine takes max_batch at once).
+            if len(self._waiting) + self._held() > self.max_queue + self.max_batch - 1:
                 raise Busy(f"the server is busy: {len(self._waiting)} requests are waiting (--max-queue "
                            f"{self.max_queue}); retry later")
             job.state = "waiting"
@@ -155,8 +161,9 @@ class Engine:
             self._stopping = True
             while self._waiting:
                 self._end(self._waiting.popleft(), Stopped("shutdown"))
-            if self._running is not None and self._running.stop_reason is None:
-                self._stop_running(self._running, "shutdown")
+            for job in [self._running, *self._batched]:
+                if job is not None and job.stop_reason is None:
+                    self._stop_running(job, "shutdown")
             self._publish_load()
             self._lock.notify_all()
 
@@ -177,7 +184,9 @@ class Engine:
             return
         with self._lock:
             self.llm, self.state = llm, "ready"
-        while (job := self._take()) is not None:
+        if self.max_batch > 1:
+            self._serve_batched()
+        while self.max_batch == 1 and (job := self._take()) is not None:
             self._run(job)
         with self._lock:
             self.state = "stopped"
@@ -235,6 +244,8 @@ class Engine:
         self.metrics.generated(len(result.token_ids), first_token_s, result.timings.token_s)
         if result.speculative is not None:
             self.metrics.speculated(result.speculative)
+        elif self.max_batch == 1:  # each token after the first: a decode step of one row
+            self.metrics.decode_steps(1, len(result.timings.token_s))
 
     def _finish(self, job: Job, event: Event) -> None:
         with self._lock:
@@ -249,5 +260,84 @@ class Engine:
                             Refused: "invalid"}[type(event)])
         job.post(event)
 
+    def _held(self) -> int:
+        """Jobs the model holds now (running, or joining the batch)."""
+        return (self._running is not None) + len(self._batched)
+
     def _publish_load(self) -> None:
-        self.metrics.set_load(len(self._waiting), int(self._running is not None))
+        self.metrics.set_load(len(self._waiting), int(self._held() > 0))
+        self.metrics.set_running(self._held())
+
+    # -- batched (max_batch > 1) ----------------------------------------------------------------------
+    def _serve_batched(self) -> None:
+        """Serve the queue through one batch session until stopped: admit what fits, step, hand out the pieces."""
+        session = self.llm.batch()
+        jobs: dict[int, tuple] = {}  # id(stream) -> (job, its logprobs cursor or None, when it started)
+        while True:
+            with self._lock:
+                while not self._waiting and session.idle and not self._stopping:
+                    self._lock.wait()
+                if self._stopping and session.idle:
+                    return
+                while self._waiting and session.holding < self.max_batch and not self._stopping:
+                    self._join(session, self._waiting.popleft(), jobs)
+                self._publish_load()
+            try:
+                updates = session.step()
+            except Exception as exc:  # a fault of the session itself: its requests fail, the server goes on
+                print(f"cullama serve: a batched step failed ({type(exc).__name__}):", file=sys.stderr)
+                traceback.print_exc(file=sys.stderr)
+                for job, _, _ in jobs.values():
+                    self._close(job, Failed(f"the generation failed ({type(exc).__name__}); the server logged "
+                                            "the details"))
+                jobs.clear()
+                session = self.llm.batch()
+                continue
+            if session.last_batch:
+                self.metrics.decode_steps(session.last_batch)
+            for update in updates:
+                entry = jobs.get(id(update.stream))
+                if entry is None:
+                    continue
+                job, scores, started = entry
+                for piece in update.pieces:
+                    if job.stop_reason is None:
+                        job.post(Piece(piece, **scores.take()) if scores else Piece(piece))
+                if update.done:
+                    del jobs[id(update.stream)]
+                    self._ended(job, update.stream, scores, started)
+
+    def _join(self, session, job: Job, jobs: dict) -> None:
+        """A waiting job into the session (the lock held): its options are checked here, before it joins."""
+        job.state = "running"
+        if job.stop_reason is not None:
+            return self._end(job, Stopped(job.stop_reason))
+        try:
+            stream = session.submit(job.prompt_ids, **job.options)
+        except CullamaError as exc:
+            return self._end(job, Refused(str(exc)))
+        job.stream = stream
+        self._batched.add(job)
+        jobs[id(stream)] = (job, logprob_fields.cursor(stream, job.options), time.perf_counter())
+        self.metrics.prompt(len(job.prompt_ids))
+
+    def _ended(self, job: Job, stream, scores, started: float) -> None:
+        """A batched job's last event, from how its stream ended."""
+        result = stream.result
+        self._measure(job, started, result)
+        if job.stop_reason is not None:
+            return self._close(job, Stopped(job.stop_reason))
+        if isinstance(stream.error, CullamaError):
+            return self._close(job, Refused(str(stream.error)))
+        if stream.error is not None or result.finish_reason not in ("eos", "stop", "length"):
+            what = type(stream.error).__name__ if stream.error is not None else result.finish_reason
+            return self._close(job, Failed(f"the generation ended early ({what})"))
+        self._close(job, Finished(result.finish_reason, len(job.prompt_ids), len(result.token_ids),
+                                  **(scores.take() if scores else {})))
+
+    def _close(self, job: Job, event: Event) -> None:
+        with self._lock:
+            self._batched.discard(job)
+            job.stream = None
+            self._publish_load()
+            self._end(job, event)

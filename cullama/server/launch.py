@@ -136,19 +136,22 @@ def serve(model_dir: str, host: str = "127.0.0.1", port: int = 8000, device: str
           api_key: str | None = None, tokenizer: str | None = None, speculative: dict | None = None,
           draft_model: str | None = None, quantize: str | None = None, body_timeout: float = BODY_TIMEOUT_S,
           shutdown_grace: float = SHUTDOWN_GRACE_S, allowed_hosts: tuple[str, ...] = (),
-          allowed_origins: tuple[str, ...] = ()) -> int:
+          allowed_origins: tuple[str, ...] = (), max_batch: int = 8) -> int:
     """Serve a checkpoint directory until SIGINT or SIGTERM; the exit status (0, or 2 / 1 when the model
     failed to load).
 
     speculative: Llama.stream's speculative keywords (speculative, draft_tokens, adaptive_draft), every
     request's default ({} or None: plain decoding); draft_model: the draft model's directory, loaded with
     the target before /health answers 200; quantize: Llama.from_pretrained's (int8, int4 on load);
-    allowed_hosts, allowed_origins: see sites.py."""
-    from ..llama import Llama, check_draft, checked_context
+    allowed_hosts, allowed_origins: see sites.py; max_batch: requests decoded together (1: one at a time; each
+    request's tokens are its solo tokens either way), a KV cache of the context each (checked before the weights
+    load: a max_batch that does not fit is refused with the numbers)."""
+    from ..llama import Llama, check_draft, checked_context, checked_max_batch
     from ..tokenizer import find_tokenizer, load_tokenizer
     from ..weights import config_layout
 
     api_key = checked_api_key(api_key)
+    max_batch = checked_max_batch(max_batch)
     config = read_config(model_dir)  # a wrong directory is an error now, not after the socket is up
     context = checked_context(config, max_seq_len)
     config_layout(config, quantize)  # so is a quantize the checkpoint cannot take
@@ -162,8 +165,9 @@ def serve(model_dir: str, host: str = "127.0.0.1", port: int = 8000, device: str
                         body_timeout=body_timeout, hosts=tuple(allowed_hosts),
                         allowed_origins=tuple(allowed_origins))
     return run(lambda: Llama.from_pretrained(model_dir, device=device, max_seq_len=max_seq_len,
-                                             tokenizer=tokenizer, draft_model=draft_model, quantize=quantize),
-               settings, host, port, max_queue, shutdown_grace)
+                                             tokenizer=tokenizer, draft_model=draft_model, quantize=quantize,
+                                             max_batch=max_batch),
+               settings, host, port, max_queue, shutdown_grace, max_batch)
 
 
 def describe_speculation(default: dict) -> str:
@@ -175,7 +179,7 @@ def describe_speculation(default: dict) -> str:
 
 
 def run(load: Callable[[], object], settings: Settings, host: str, port: int, max_queue: int,
-        shutdown_grace: float = SHUTDOWN_GRACE_S) -> int:
+        shutdown_grace: float = SHUTDOWN_GRACE_S, max_batch: int = 1) -> int:
     """Listen, then load the model with `load()` on the engine thread, and serve until SIGINT or SIGTERM."""
     metrics = Metrics()
 
@@ -187,7 +191,7 @@ def run(load: Callable[[], object], settings: Settings, host: str, port: int, ma
         print(f"cullama serve: {settings.model_name} is ready on {llm.device}{decoding}", file=sys.stderr, flush=True)
         return llm
 
-    engine = Engine(load_and_say, max_queue, metrics)
+    engine = Engine(load_and_say, max_queue, metrics, max_batch)
     sock = listen(host, port)
     if not settings.api_key and not is_loopback(host):
         print(f"warning: cullama serve listens on {host} without an API key: anyone who can reach this port "

@@ -13,6 +13,7 @@ import threading
 # Seconds. Time to first token spans a tiny model's prefill to a long queue; a decode step on a GPU is
 # a few ms, on the CPU's NumPy twins tens of ms.
 TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+BATCH_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)  # rows of a batched decode step (--max-batch <= 64)
 TOKEN_BUCKETS = (0.001, 0.002, 0.003, 0.004, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.05, 0.1, 0.25, 1.0)
 
 
@@ -62,6 +63,8 @@ class Metrics:
         self.running = 0
         self.ttft = Histogram(TTFT_BUCKETS)
         self.token_time = Histogram(TOKEN_BUCKETS)
+        self.batch_size = Histogram(BATCH_BUCKETS)
+        self.running_requests = 0
         # {method: {"steps", "drafted", "accepted"}}: every generation's speculative statistics, summed
         self.speculative = {method: _speculative_zeros() for method in SPECULATIVE_METHODS}
 
@@ -72,6 +75,17 @@ class Metrics:
     def set_load(self, queue_depth: int, running: int) -> None:
         with self._lock:
             self.queue_depth, self.running = queue_depth, running
+
+    def decode_steps(self, rows: int, steps: int = 1) -> None:
+        """`steps` decode steps of `rows` sequences each (a batched step; 1: a step of one)."""
+        with self._lock:
+            for _ in range(steps):
+                self.batch_size.observe(rows)
+
+    def set_running(self, requests: int) -> None:
+        """Requests holding a sequence slot now (prefilling or decoding)."""
+        with self._lock:
+            self.running_requests = requests
 
     def prompt(self, tokens: int) -> None:
         with self._lock:
@@ -106,6 +120,11 @@ class Metrics:
                         [f"cullama_queue_depth {self.queue_depth}"]),
                 _metric("cullama_generation_running", "gauge", "1 while the engine runs a generation.",
                         [f"cullama_generation_running {self.running}"]),
+                _metric("cullama_running_requests", "gauge",
+                        "Requests the engine runs now (prefilling or decoding; up to --max-batch).",
+                        [f"cullama_running_requests {self.running_requests}"]),
+                _metric("cullama_decode_batch_size", "histogram", "Sequences (rows) per decode step.",
+                        self.batch_size.lines("cullama_decode_batch_size")),
                 _metric("cullama_time_to_first_token_seconds", "histogram",
                         "Arrival to first token (queue wait and prefill).",
                         self.ttft.lines("cullama_time_to_first_token_seconds")),

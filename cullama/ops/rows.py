@@ -1,0 +1,23 @@
+"""The decode state's layout and a step's rows table (kernels_cu/common.cuh), as the twins read them.
+
+state [slots, STATE_LEN] int32 and fparams [slots, FPARAMS_LEN] float32 hold each sequence slot's position, last
+token, step counter and sampling parameters; a step's rows table [R, 2] int32 gives each token row's slot and its
+offset from that slot's position (a decode step: one row (s, 0); a verify step: (s, 0..k); a batched step: (s_r, 0)).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+STATE_POS, STATE_TOKEN, STATE_STEP, STATE_TOP_K, STATE_SEED_LO, STATE_SEED_HI = range(6)
+STATE_LEN = 8
+FP_TEMPERATURE, FP_TOP_P, FP_REP_PENALTY = range(3)
+FPARAMS_LEN = 4
+ROW_SLOT, ROW_OFFSET = range(2)
+
+
+def row_position(step_rows, state, t: int) -> tuple[int, int]:
+    """(slot, position) of token row t: step_rows [R, 2] (slot, offset) and state [slots, 8] as the kernels take
+    them (common.cuh row_pos)."""
+    slot, offset = (int(v) for v in np.asarray(step_rows).reshape(-1, 2)[t])
+    return slot, int(np.asarray(state).reshape(-1, STATE_LEN)[slot, STATE_POS]) + offset

@@ -1,0 +1,195 @@
+"""Batched decoding end to end (cullama/batch.py, the runner's slots): every request gets exactly the tokens it gets
+alone, greedy and seeded sampling alike, with requests joining and leaving mid-run; on the numpy backend here, on
+the CUDA backend (a GPU, or the fake one: CULLAMA_FAKE_GPU=emu runs the real kernels) in test_batch_cuda_host."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import cullama
+from cullama import plan as plans
+from cullama.backends.numpy_backend import NumpyBackend
+from cullama.batch import BatchedStream, BatchSession
+from cullama.checkpoint import open_checkpoint
+from cullama.engine import PlanRunner
+from cullama.errors import OptionError, PromptError
+from cullama.generate import GenerationOptions, RunnerGuard
+from cullama.sampling import NO_TOKEN, SamplingParams
+from cullama.weights import load_checkpoint
+
+# Prompts of several lengths, and options that make the requests end at different steps (max_new_tokens), so
+# requests join and leave while others run; more prompts than slots, so some wait for a slot and reuse one.
+PROMPTS = [[1, 403, 407], [1, 29, 4, 13, 99, 250, 7], [1], [1, 500, 2, 17], [1, 77, 78], [1, 300, 301, 302, 3]]
+OPTIONS = [dict(max_new_tokens=n, **o) for n, o in zip(
+    (24, 9, 31, 5, 17, 12),
+    (dict(), dict(temperature=0.8, top_p=0.9, seed=3), dict(temperature=1.1, top_k=20, seed=4),
+     dict(repetition_penalty=1.3), dict(temperature=0.7, repetition_penalty=1.2, seed=5), dict()))]
+
+
+@pytest.fixture(scope="module")
+def batched(stories_dir):
+    return cullama.Llama.from_pretrained(stories_dir, device="cpu", max_batch=4)
+
+
+@pytest.fixture(scope="module")
+def solo(stories_dir):
+    return cullama.Llama.from_pretrained(stories_dir, device="cpu")
+
+
+def same(a, b) -> None:
+    """The same answer (greedy requests draw a seed of their own, unused)."""
+    assert (a.token_ids, a.text, a.finish_reason) == (b.token_ids, b.text, b.finish_reason)
+
+
+def test_a_batch_gives_every_request_its_solo_tokens(batched, solo):
+    """Six requests over four slots, mixed options: each equals its own generate() on a one-slot model."""
+    session = batched.batch()
+    streams = [session.submit(p, **o) for p, o in zip(PROMPTS, OPTIONS)]
+    sizes = []
+    while not session.idle:
+        session.step()
+        sizes.append(session.last_batch)
+    assert max(sizes) == 4 and 1 in sizes[1:]  # four decoded together; the last ones on their own
+    for stream, prompt, options in zip(streams, PROMPTS, OPTIONS):
+        same(stream.result, solo.generate(prompt, **options))
+
+
+def test_generate_takes_a_list_of_prompts(batched, solo):
+    results = batched.generate(PROMPTS[:3], max_new_tokens=14, temperature=0.9, seed=11)
+    assert [r.token_ids for r in results] == \
+        [solo.generate(p, max_new_tokens=14, temperature=0.9, seed=11).token_ids for p in PROMPTS[:3]]
+    assert batched.generate([1, 403], max_new_tokens=3).token_ids == solo.generate([1, 403], max_new_tokens=3).token_ids
+
+
+def test_logprobs_and_stop_strings_in_a_batch(batched, solo):
+    options = [dict(max_new_tokens=10, logprobs=2), dict(max_new_tokens=12, temperature=0.8, seed=2, logprobs=0,
+                                                         prompt_logprobs=1)]
+    session = batched.batch()
+    streams = [session.submit(p, **o) for p, o in zip(PROMPTS[:2], options)]
+    session.run()
+    for stream, prompt, o in zip(streams, PROMPTS, options):
+        alone = solo.generate(prompt, **o)
+        same(stream.result, alone)
+        assert stream.result.logprobs == alone.logprobs and stream.result.prompt_logprobs == alone.prompt_logprobs
+
+
+def test_speculative_requests_run_alone_and_keep_their_tokens(batched, solo):
+    """A speculative request (sampled: its draws differ from plain decoding's) runs alone with its verify steps."""
+    spec = dict(max_new_tokens=20, temperature=0.8, seed=9, speculative="ngram", draft_tokens=3)
+    session = batched.batch()
+    streams = [session.submit(PROMPTS[0], max_new_tokens=8), session.submit(PROMPTS[1], **spec),
+               session.submit(PROMPTS[2], max_new_tokens=6)]
+    session.run()
+    same(streams[1].result, solo.generate(PROMPTS[1], **spec))
+    assert streams[1].result.speculative == solo.generate(PROMPTS[1], **spec).speculative
+    for stream, prompt in ((streams[0], PROMPTS[0]), (streams[2], PROMPTS[2])):
+        same(stream.result, solo.generate(prompt, max_new_tokens=stream.options.max_new_tokens))
+
+
+def test_a_cancelled_request_frees_its_slot_and_the_others_go_on(batched, solo):
+    session = batched.batch()
+    streams = [session.submit(p, max_new_tokens=15) for p in PROMPTS[:5]]
+    for _ in range(4):
+        session.step()
+    streams[1].cancel()
+    session.run()
+    assert streams[1].result.finish_reason == "cancelled"
+    for i in (0, 2, 3, 4):
+        same(streams[i].result, solo.generate(PROMPTS[i], max_new_tokens=15))
+
+
+def test_a_row_with_nothing_to_draw_fails_its_request_alone(stories_dir, solo):
+    """A NaN logit row for one sequence at one position (the sample twin is fed NaNs in that row only): that request
+    ends with "error" after the tokens it had, the others get their solo tokens."""
+    runner = runner_on(stories_dir, slots=3)
+    real = runner.backend._twin
+
+    def twin(launch):
+        fn, wants_grid = real(launch)
+        if launch.spec != plans.SAMPLE:
+            return fn, wants_grid
+
+        def poisoned(logits, seen, state, fparams, embed, x, step_rows, *rest, grid):
+            rows = np.asarray(step_rows).reshape(-1, 2)[:grid[0]]
+            stride = logits.size // max(grid[0], 1) if logits.ndim == 1 else logits.shape[-1]
+            for r, (slot, _) in enumerate(rows):
+                if slot == 1 and int(np.asarray(state).reshape(-1, 8)[1, 0]) == 9:  # its third token's row
+                    logits.reshape(-1)[r * stride:(r + 1) * stride] = np.nan
+            return fn(logits, seen, state, fparams, embed, x, step_rows, *rest, grid=grid)
+        return poisoned, True
+
+    runner.backend._twin = twin
+    guard = RunnerGuard()
+    session = BatchSession(runner, guard, stream_maker(runner, guard, solo.eos_ids))
+    streams = [session.submit(p, max_new_tokens=10) for p in PROMPTS[:3]]
+    session.run()
+    failed = streams[1].result
+    assert failed.finish_reason == "error" and failed.token_ids == solo.generate(PROMPTS[1], max_new_tokens=3).token_ids
+    assert "no token can be drawn" in str(streams[1].error)
+    for i in (0, 2):
+        assert streams[i].result.token_ids == solo.generate(PROMPTS[i], max_new_tokens=10).token_ids
+
+
+def test_batch_steps_equal_each_slots_solo_steps_on_the_runner(stories_dir):
+    """The runner's own contract: batch_step() over set_batch(slots) gives each slot what next() gives it."""
+    runner, alone = runner_on(stories_dir, slots=3), runner_on(stories_dir)
+    params = [SamplingParams(seed=1), SamplingParams(temperature=0.9, seed=2), SamplingParams(temperature=1.2,
+                                                                                               top_k=9, seed=3)]
+    expected = []
+    for prompt, p in zip(PROMPTS, params):
+        expected.append([alone.start(prompt, p)] + [alone.next() for _ in range(12)])
+    got = []
+    for slot, (prompt, p) in enumerate(zip(PROMPTS, params)):
+        runner.slot = slot
+        got.append([runner.start(prompt, p)])
+    runner.set_batch([2, 0, 1])  # any row order
+    for _ in range(12):
+        for slot, token in zip([2, 0, 1], runner.batch_step()):
+            got[slot].append(token)
+    assert got == expected
+    assert NO_TOKEN not in sum(got, [])
+
+
+def test_max_batch_is_checked_before_anything_loads(stories_dir):
+    for bad in (0, 65, "x", 2.0, True):
+        with pytest.raises(OptionError, match="^max_batch must be an integer from 1 to 64"):
+            cullama.Llama.from_pretrained(stories_dir, device="cpu", max_batch=bad)
+
+
+def test_the_memory_check_counts_every_slot_and_says_how_many_fit(stories_dir, monkeypatch):
+    from cullama import memory
+    from cullama.errors import ResourceError
+
+    cfg = open_checkpoint(stories_dir).config
+    buffers = plans.runtime_buffers(cfg, cfg.max_seq_len, slots=3)
+    kv = sum(b.nbytes for b in buffers if b.kind == "cache") // 3  # one sequence's K and V
+    rest = sum(b.nbytes for b in buffers) - 3 * kv
+    monkeypatch.setattr(memory, "free_bytes", lambda device: (rest + kv * 5 // 2, "the CPU has"))  # 2 fit, not 3
+    assert runner_on(stories_dir, slots=2).slots == 2
+    with pytest.raises(ResourceError) as refused:
+        runner_on(stories_dir, slots=3)
+    message = str(refused.value)
+    assert f"KV cache {memory.gib(3 * kv)}" in message and "--max-batch" in message
+    assert f"{memory.gib(kv)} each; 2 fit beside the weights" in message, message
+
+
+def test_set_batch_refuses_a_slot_with_nothing_to_decode(stories_dir):
+    runner = runner_on(stories_dir, slots=2)
+    with pytest.raises(PromptError, match="slot 1 has nothing to decode from"):
+        runner.set_batch([1])
+
+
+def runner_on(directory, slots=1) -> PlanRunner:
+    ckpt = open_checkpoint(directory)
+    backend = NumpyBackend()
+    runner = PlanRunner(ckpt.config, backend, ckpt.config.max_seq_len, slots=slots)
+    load_checkpoint(backend, ckpt)
+    return runner
+
+
+def stream_maker(runner, guard, eos_ids):
+    """BatchSession's make_stream for a bare runner: id prompts, no tokenizer."""
+    def make(prompt, **options):
+        return BatchedStream(runner, None, list(prompt), GenerationOptions.checked(**options), eos_ids, guard)
+    return make

@@ -1,0 +1,34 @@
+"""`cullama bench --batch` (cullama/batch_bench.py): its table and record, and its option errors before anything
+loads. The figures are measurements, never asserted (benchmarks/PREDICTIONS.md holds the predictions)."""
+
+import json
+
+from click.testing import CliRunner
+
+from cullama.cli.main import main
+
+
+def bench(*args):
+    return CliRunner().invoke(main, ["bench", "--device", "cpu", *[str(a) for a in args]])
+
+
+def test_bench_batch_reports_every_size(tmp_path, stories_dir):
+    record = tmp_path / "batch.json"
+    out = bench("--model", stories_dir, "--batch", "1,3", "--samples", 3, "--warmup", 1, "--prompt-len", 5,
+                "--json", record)
+    assert out.exit_code == 0, out.output
+    rows = [line.split() for line in out.stdout.splitlines() if line.strip()[:1].isdigit()]
+    assert [r[0] for r in rows] == ["1", "3"] and rows[0][-1] == "1.00x"
+    data = json.loads(record.read_text())
+    assert data["kind"] == "batch" and [s["batch"] for s in data["sizes"]] == [1, 3]
+    assert all(len(s["step_ms"]) == 3 and s["tokens_per_s"] > 0 for s in data["sizes"])
+
+
+def test_bench_batch_option_errors(stories_dir):
+    for args, words in ((("--batch", "0"), "--batch '0'"), (("--batch", "65"), "each from 1 to 64"),
+                        (("--batch", "x"), "not a comma-separated list"),
+                        (("--batch", "2", "--speculative", "ngram"), "either --batch or --speculative"),
+                        (("--batch", "2", "--samples", "600"), "do not fit in the context")):
+        out = bench("--model", stories_dir, *args)
+        assert out.exit_code != 0 and words in out.output, (args, out.output)
+        assert len([line for line in out.output.splitlines() if line.startswith("error")]) == 1, out.output

@@ -1,0 +1,68 @@
+"""Batched decoding through the CUDA backend: its host code on the CPU against tests/fake_cupy.py (the `fake`
+fixture: the NumPy twins as kernels), and the GPU test (marked gpu) that CULLAMA_FAKE_GPU=emu runs on the real
+kernels (tests/test_emu_end_to_end.py). Each sequence of a batched step gets bit for bit what its solo steps give."""
+
+import numpy as np
+import pytest
+
+from cullama.backends.cuda_backend import CudaBackend
+from cullama.backends.numpy_backend import NumpyBackend
+from cullama.checkpoint import open_checkpoint
+from cullama.engine import PlanRunner
+from cullama.sampling import SamplingParams
+from cullama.weights import load_checkpoint
+from test_cuda_host import fake as fake  # noqa: F401 - the fixture, as test_cuda_host.py has it
+
+PROMPTS = [[1, 403, 407], [1, 29, 4, 13, 99], [1, 77]]
+PARAMS = [SamplingParams(seed=0), SamplingParams(temperature=0.9, top_p=0.95, seed=5),
+          SamplingParams(temperature=1.1, top_k=30, repetition_penalty=1.2, seed=6)]
+
+
+def runner_on(backend, directory, slots=1):
+    ckpt = open_checkpoint(directory)
+    load_checkpoint(backend, ckpt)
+    return PlanRunner(ckpt.config, backend, ckpt.config.max_seq_len, slots=slots)
+
+
+def solo_tokens(backend, directory, steps):
+    """Each prompt alone on a one-slot runner: its first token and `steps` decode steps."""
+    runner = runner_on(backend, directory)
+    return [[runner.start(p, params)] + [runner.next() for _ in range(steps)] for p, params in zip(PROMPTS, PARAMS)]
+
+
+def batched_tokens(runner, steps, order=(2, 0, 1)):
+    """The prompts in slots 0..2, then `steps` batched steps over them in `order`; the third leaves halfway and
+    the batch goes on with two rows (set_batch again)."""
+    tokens = []
+    for slot, (prompt, params) in enumerate(zip(PROMPTS, PARAMS)):
+        runner.slot = slot
+        tokens.append([runner.start(prompt, params)])
+    rows = list(order)
+    runner.set_batch(rows)
+    for step in range(steps):
+        if step == steps // 2:  # slot 1 leaves, the others go on; it finishes alone (a plain decode step)
+            rows.remove(1)
+            runner.set_batch(rows)
+        for slot, token in zip(rows, runner.batch_step()):
+            tokens[slot].append(token)
+    runner.slot = 1
+    tokens[1] += [runner.next() for _ in range(steps - len(tokens[1]) + 1)]
+    return tokens
+
+
+def test_batched_steps_on_the_cuda_host_code_equal_solo_steps(fake, stories_dir):
+    runner = runner_on(CudaBackend(), stories_dir, slots=3)
+    assert batched_tokens(runner, 16) == solo_tokens(NumpyBackend(), stories_dir, 16)
+    assert {"batch[3]#0", "batch[2]#0", "decode@1"} <= set(runner.backend.graphs)  # a graph per batch size
+    cpu = runner_on(NumpyBackend(), stories_dir, slots=3)
+    batched_tokens(cpu, 16)
+    for name in ("state", "seen", "k_cache", "v_cache"):
+        np.testing.assert_array_equal(runner.backend.read(name), cpu.backend.read(name), err_msg=name)
+
+
+@pytest.mark.gpu
+def test_gpu_batched_steps_equal_solo_steps(stories_dir):
+    """On a GPU (or the real kernels on the CPU executor): a batch of three sequences, one leaving halfway, against
+    each one alone on the same backend."""
+    runner = runner_on(CudaBackend(), stories_dir, slots=3)
+    assert batched_tokens(runner, 12) == solo_tokens(CudaBackend(), stories_dir, 12)
