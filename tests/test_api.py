@@ -113,7 +113,7 @@ def test_stop_matcher_holds_back_possible_stops(chunks, stops, emitted, stopped)
 @pytest.mark.parametrize("prompt,needle", [
     (b"hello", "not bytes"), (bytearray(b"hi"), "not bytearray"), ([1, 1.7], "got 1.7"),
     ([1, np.float32(2.0)], "got np.float32(2.0)"), ([1, True], "got True"), ([1, np.bool_(True)], "bool"),
-    ([[1, 2]], "got [1, 2]"), ([1, None], "got None"), ([1, "2"], "got '2'"), (7, "not int"), (None, "NoneType"),
+    ([1, [1, 2]], "got [1, 2]"), ([1, None], "got None"), ([1, "2"], "got '2'"), (7, "not int"), (None, "NoneType"),
     (np.array([1.0, 2.0]), "float64"), (np.array([[1, 2]]), "2-D"), ("a\udcffb", "not valid Unicode"),
 ])
 def test_prompts_of_the_wrong_kind_are_refused(stories, prompt, needle):

@@ -194,7 +194,7 @@ def test_an_interrupt_before_the_first_token_is_read(chunked, monkeypatch):
     llm, reference = chunked(), chunked()
     expected = reference.generate(A, max_new_tokens=20).token_ids
     llm.generate(A, max_new_tokens=20)
-    monkeypatch.setattr(llm.runner.backend, "read_token", lambda: (_ for _ in ()).throw(KeyboardInterrupt))
+    monkeypatch.setattr(llm.runner.backend, "read_token", lambda *slot: (_ for _ in ()).throw(KeyboardInterrupt))
     with pytest.raises(KeyboardInterrupt):
         llm.generate(B, max_new_tokens=20)
     monkeypatch.undo()
