@@ -9,7 +9,8 @@ decode.json (decode_step.py), prefill.json (prefill_step.py), gemv.json (gemv_sw
 (gemm_sweep.py), gemv_quant.json (gemv_sweep.py --bits 4,8), gemm_quant.json (gemm_sweep.py --kernels
 mma-w4,mma-w8), compare.json (compare_hf.py), speculative.json (`cullama bench --speculative replay`),
 serve.json (serve_latency.py), emu_vs_gpu.json (tests/test_emu_vs_gpu.py) and bench_llama3-8b.json,
-bench_llama3.2-1b.json (`cullama bench --synthetic` on those presets, each against its own floor).
+bench_llama3.2-1b.json (`cullama bench --synthetic` on those presets, each against its own floor), batch.json
+(`cullama bench --batch`) and serve_load.json (serve_load.py).
 summary.txt and steps.log beside them are read too when present (each step's status; nvidia-smi's driver
 and clocks). Prints one Markdown report, --markdown writes
 it too: a header (date, commit, GPU, driver, CUDA runtime, CuPy, NVRTC, read bandwidth), one section per
@@ -28,6 +29,7 @@ from pathlib import Path
 
 from device_report.checks import SECTIONS as CHECK_SECTIONS
 from device_report.families import SECTIONS as FAMILY_SECTIONS
+from device_report.batching import SECTIONS as BATCH_SECTIONS
 from device_report.decisions import decisions
 from device_report.header import header
 from device_report.kernel_sections import section_gemm, section_gemv, section_prefill
@@ -57,6 +59,7 @@ SECTIONS = [
      section_speculative),
     *CHECK_SECTIONS,
     *FAMILY_SECTIONS,
+    *BATCH_SECTIONS,
 ]
 
 

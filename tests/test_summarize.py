@@ -81,6 +81,25 @@ def serve_json(path: Path) -> None:
                                 "complete": True}))
 
 
+def batch_json(path: Path) -> None:
+    """`cullama bench --batch` on the CPU, B = 1, 2 and 8."""
+    result = CliRunner().invoke(cli, ["bench", "--device", "cpu", "--batch", "1,2,8", "--samples", "3", "--warmup",
+                                      "0", "--prompt-len", "2", "--json", str(path)])
+    assert result.exit_code == 0, result.output
+
+
+def serve_load_json(path: Path) -> None:
+    """A record with benchmarks/serve_load.py's layout (its rows and their summary); times made up."""
+    rows = []
+    for c, gap, tps in ((1, 3.0, 330.0), (8, 3.6, 2200.0)):
+        summary = {"ttft_ms_p50": 5.0, "ttft_ms_p99": 6.0 * c, "gap_ms_p50": gap, "gap_ms_p99": gap * 1.1,
+                   "tokens_per_s": tps, "tokens_per_s_per_client": tps / c}
+        rows.append({"concurrency": c, "ttft_ms": [5.0], "gap_ms": [gap], "tokens": [64] * c, "wall_s": 1.0,
+                     "summary": summary})
+    path.write_text(json.dumps({"model": "llama-2-7b", "device": "cuda", "max_batch": 8, "rows": rows,
+                                "complete": True}))
+
+
 def emu_vs_gpu_json(path: Path) -> None:
     """What tests/test_emu_vs_gpu.py records (its `agree`): a row per case; differences made up."""
     cases = [{"case": "gemm (mma.sync) M=70 N=200 K=808 S=1", "max_abs_diff": 2e-6, "max_diff_over_bound": 1e-7,
@@ -120,6 +139,8 @@ def make_results(directory: Path, monkeypatch, capsys) -> Path:
     speculative_json(directory / "speculative.json")
     serve_json(directory / "serve.json")
     emu_vs_gpu_json(directory / "emu_vs_gpu.json")
+    batch_json(directory / "batch.json")
+    serve_load_json(directory / "serve_load.json")
     return directory
 
 
@@ -550,6 +571,31 @@ def test_quantized_bench_sections_and_targets(made, records, tmp_path, capsys):
     del r["bench_int4.json"]
     measured, status = target(report(write(tmp_path / "q2", r), capsys), "INT4 decode p99")
     assert status == "—" and "bench_int4.json missing" in measured
+
+
+def test_batched_decode_sections_and_targets(made, records, tmp_path, capsys):
+    """batch.json (the CPU's, as `cullama bench --batch` writes it) and serve_load.json: their tables, and issue
+    17's targets, judged on a GPU only: B=8 step <= 1.25x B=1, at C=8 gap p99 <= 1.3x and tokens/s >= 6x C=1."""
+    text = report(made, capsys)
+    sec = section(text, "Batched decode")
+    sizes = records["batch.json"]["sizes"]
+    assert [s["batch"] for s in sizes] == [1, 2, 8]
+    assert f"| 8 | 3 | {sizes[2]['p50_ms']:.3f} |" in sec
+    assert "| 1 | 5.00 | 6.00 | 3.00 | 3.30 | 330.0 | 330.0 |" in section(text, "Many clients")
+    measured, status = target(text, "batched step: B=8")
+    assert status == "—" and "ran on cpu, not a GPU" in measured
+    assert target(text, "serve at C=8: inter-token p99") == ("gap_ms_p99 at C=8 1.20x C=1's", "PASS")
+    assert target(text, "serve at C=8: tokens/s") == ("tokens_per_s at C=8 6.67x C=1's", "PASS")
+
+    r = copy.deepcopy(records)
+    r["batch.json"]["device"] = "cuda"
+    r["batch.json"]["sizes"][0]["p50_ms"], r["batch.json"]["sizes"][2]["p50_ms"] = 3.0, 3.9
+    r["serve_load.json"]["rows"][1]["summary"]["tokens_per_s"] = 1800.0
+    out = report(write(tmp_path / "b", r), capsys)
+    assert target(out, "batched step: B=8") == ("B=8 p50 1.30x B=1's (3.900 / 3.000 ms)", "FAIL")
+    assert target(out, "serve at C=8: tokens/s") == ("tokens_per_s at C=8 5.45x C=1's", "FAIL")
+    del r["batch.json"]["sizes"][2]
+    assert "needs B=1 and B=8 (has [1, 2])" in target(report(write(tmp_path / "c", r), capsys), "batched step")[0]
 
 
 # -- missing, cut and odd files --------------------------------------------------------------------

@@ -29,6 +29,8 @@ FILES = {
     "emu_vs_gpu.json": "pytest -m gpu (tests/test_emu_vs_gpu.py)",
     "bench_llama3-8b.json": "cullama bench --synthetic llama3-8b",  # device_report/families.py
     "bench_llama3.2-1b.json": "cullama bench --synthetic llama3.2-1b",
+    "batch.json": "cullama bench --batch 1,2,4,8,16",  # device_report/batching.py
+    "serve_load.json": "benchmarks/serve_load.py --synthetic llama-2-7b",
 }
 SIDE_FILES = ("summary.txt", "steps.log")
 

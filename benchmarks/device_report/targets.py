@@ -9,6 +9,7 @@ from .checks import TARGETS as CHECK_TARGETS
 from .speculative import TARGETS as SPECULATIVE_TARGETS
 from .quant_sections import TARGETS as QUANT_TARGETS
 from .families import TARGETS as FAMILY_TARGETS
+from .batching import TARGETS as BATCH_TARGETS
 
 
 # The issues' targets (benchmarks/RESULTS.md).
@@ -166,6 +167,7 @@ TARGETS = [
     *SPECULATIVE_TARGETS,
     *CHECK_TARGETS,
     *FAMILY_TARGETS,
+    *BATCH_TARGETS,
 ]
 
 
