@@ -106,8 +106,9 @@ def test_the_middleware_refuses_a_foreign_host_with_its_name_short_and_escaped()
     long = "a" * 99 + "\x07" + "b" * 50  # 150 characters: the first 100 shown, escaped, then "..."
     message = json.loads(call([("Host", long)])[2])["error"]["message"]
     assert "`" + "a" * 99 + "\\x07...`" in message
-    exactly = "c" * 100  # 100 characters: shown whole
+    exactly = "c" * 100  # 100 characters: shown whole; 101: cut
     assert f"`{exactly}`" in json.loads(call([("Host", exactly)])[2])["error"]["message"]
+    assert f"`{exactly}...`" in json.loads(call([("Host", exactly + "d")])[2])["error"]["message"]
 
 
 def test_the_middleware_checks_every_host_and_refuses_two_origins():
