@@ -348,6 +348,14 @@ def test_token_bytes_of_specials_and_unknown_ids():
     assert any(tok.piece(i).startswith("\u0120") for i in space_hello)  # 'Ġ' is the byte 0x20
 
 
+def test_an_id_no_token_has_has_no_piece_and_no_bytes(tmp_path):
+    words = HFTokenizer(models.WordLevel(vocab={"<unk>": 0, "a": 1, "c": 3}, unk_token="<unk>"))  # no id 2
+    words.save(str(tmp_path / "tokenizer.json"))
+    tok = load_tokenizer(tmp_path)
+    assert repr(tok) == f"JsonTokenizer({str(tmp_path / 'tokenizer.json')!r}, vocab_size=4)"
+    assert tok.piece(2) is None and tok.token_bytes(2) == b"" and tok.token_bytes(3) == b"c"
+
+
 def test_server_log_probability_texts_use_token_bytes():
     from cullama.server.logprobs import TokenTexts
     tok, _ = golden("tiny-llama3")
