@@ -356,6 +356,13 @@ def test_an_id_no_token_has_has_no_piece_and_no_bytes(tmp_path):
     assert tok.piece(2) is None and tok.token_bytes(2) == b"" and tok.token_bytes(3) == b"c"
 
 
+def test_a_byte_level_piece_with_a_character_outside_gpt2s_table_spells_it_as_a_question_mark(tmp_path):
+    pieces = HFTokenizer(models.WordLevel(vocab={"<unk>": 0, "\u0120a\u20ac": 1}, unk_token="<unk>"))  # 'Ġa€'
+    pieces.decoder = decoders.ByteLevel()
+    pieces.save(str(tmp_path / "tokenizer.json"))
+    assert load_tokenizer(tmp_path).token_bytes(1) == b" a?"
+
+
 def test_server_log_probability_texts_use_token_bytes():
     from cullama.server.logprobs import TokenTexts
     tok, _ = golden("tiny-llama3")
