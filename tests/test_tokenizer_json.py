@@ -198,6 +198,17 @@ def test_byte_fallback_runs_are_held_whole(byte_fallback):
     assert stream(byte_fallback, [*the, *euro]) == ["", " the", "", "", "", "€"]
 
 
+def test_a_token_that_does_not_decode_as_itself_twice_never_stands_in_for_the_history(tmp_path):
+    # CTC's decoder merges a repeated token ("a", "a" -> "a"): standing in for the text before it, "a" would
+    # swallow the next "a". No token here qualifies, so the stream keeps its history, and still equals decode.
+    ctc = HFTokenizer(models.WordLevel(vocab={"<pad>": 0, "a": 1, "b": 2, "<unk>": 3}, unk_token="<unk>"))
+    ctc.decoder = decoders.CTC(pad_token="<pad>")
+    ctc.save(str(tmp_path / "tokenizer.json"))
+    tok = load_tokenizer(tmp_path)
+    ids = [2, 1, 0, 1, 1, 2]
+    assert tok.decode(ids) == "baab" == "".join(stream(tok, ids))
+
+
 def test_stream_work_stays_bounded():
     # Bytes that never make characters: only the unfinished tail stays pending.
     tok, _ = golden("tiny-qwen2")
