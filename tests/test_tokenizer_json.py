@@ -17,7 +17,7 @@ from cullama.checkpoint import write_random
 from cullama.config import LlamaConfig
 from cullama.errors import TokenizerError
 from cullama.tokenizer import Tokenizer, load_tokenizer
-from cullama.tokenizer_json import JsonTokenizer
+from cullama.tokenizer_json import JsonStreamDecoder, JsonTokenizer
 from conftest import shared_path
 
 FAMILIES = ("tiny-llama3", "tiny-qwen2", "tiny-mistral")
@@ -172,6 +172,8 @@ def test_special_tokens_shown_when_asked():
     ids = ref["chats"][0]["ids"]
     assert tok.decode(ids, skip_special_tokens=False) == ref["chats"][0]["text"]
     assert "".join(stream(tok, ids, skip_special_tokens=False)) == ref["chats"][0]["text"]
+    direct = JsonStreamDecoder(tok)  # hidden by default, as by decode
+    assert "".join(direct.push(i) for i in ids) + direct.flush() == tok.decode(ids) != ref["chats"][0]["text"]
 
 
 def test_stream_holds_a_split_character_and_nothing_else():
