@@ -17,7 +17,7 @@ from cullama.checkpoint import write_random
 from cullama.config import LlamaConfig
 from cullama.errors import TokenizerError
 from cullama.tokenizer import Tokenizer, load_tokenizer
-from cullama.tokenizer_json import JsonStreamDecoder, JsonTokenizer
+from cullama.tokenizer_json import _BYTE_OF_CHAR, JsonStreamDecoder, JsonTokenizer
 from conftest import shared_path
 
 FAMILIES = ("tiny-llama3", "tiny-qwen2", "tiny-mistral")
@@ -198,6 +198,21 @@ def test_byte_fallback_runs_are_held_whole(byte_fallback):
     assert stream(byte_fallback, [*euro, 3 + 0xFF, *the]) == ["", "", "", "", "\ufffd" * 4 + " ", " the", ""]
     # the first space is stripped, as decode strips it, and only the first
     assert stream(byte_fallback, [*the, *euro]) == ["", " the", "", "", "", "€"]
+    # a BOS first prints nothing, so the first space is still the text's first
+    assert stream(byte_fallback, [byte_fallback.bos_id, the[1], *the]) == ["", "the", " ", " the", ""]
+
+
+def test_a_special_token_first_leaves_the_first_space_to_the_text(tmp_path):
+    # Metaspace drops the first piece's space; a special token before it prints nothing, so the stream must
+    # not stand the history in for it yet ("x" would: "x the" -> " the").
+    pieces = HFTokenizer(models.WordLevel(vocab={"<unk>": 0, "<s>": 1, "\u2581the": 2, "\u2581cat": 3, "x": 4},
+                                          unk_token="<unk>"))
+    pieces.decoder = decoders.Metaspace()
+    pieces.add_special_tokens([AddedToken(t, normalized=False, special=True) for t in ("<unk>", "<s>")])
+    pieces.save(str(tmp_path / "tokenizer.json"))
+    tok = load_tokenizer(tmp_path)
+    assert tok._filler == 4 and tok.decode([1, 2, 3]) == "the cat"
+    assert stream(tok, [1, 2, 3]) == ["", "the", " cat", ""]
 
 
 def test_a_token_that_does_not_decode_as_itself_twice_never_stands_in_for_the_history(tmp_path):
@@ -221,7 +236,23 @@ def test_stream_work_stays_bounded():
     for i in ids:
         text += decoder.push(i)
         longest = max(longest, len(decoder._pending))
-    assert longest <= 5 and text + decoder.flush() == tok.decode(ids)
+    assert longest <= 4 and text + decoder.flush() == tok.decode(ids)  # a UTF-8 character's bytes at most
+    # Text that shows: the history is one token that says the same.
+    ids = tok.encode("the cat sat on the mat " * 20, bos=False)
+    assert "".join(decoder.push(i) for i in ids) == tok.decode(ids) and decoder._context == [tok._filler]
+
+
+def test_a_byte_level_tokenizer_without_a_stand_in_keeps_its_history(tmp_path):
+    # Only the bytes 0x80 .. 0xFF, each U+FFFD alone: no token is a stand-in, and bytes that never make a
+    # character stay pending (correct, if slower) instead of being cut down.
+    upper = [c for c, b in _BYTE_OF_CHAR.items() if b >= 0x80]
+    spec = HFTokenizer(models.WordLevel(vocab={c: i for i, c in enumerate(upper)}, unk_token=upper[0]))
+    spec.decoder = decoders.ByteLevel()
+    spec.save(str(tmp_path / "tokenizer.json"))
+    tok = load_tokenizer(tmp_path)
+    assert tok._filler is None
+    ids = [int(i) for i in np.random.default_rng(1).integers(0, 128, 50)]
+    assert "".join(stream(tok, ids)) == tok.decode(ids)
 
 
 def test_out_of_range_id(tokenizer):
