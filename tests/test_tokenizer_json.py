@@ -280,6 +280,7 @@ def test_tokenizer_json_is_preferred_to_tokenizer_model(tmp_path):
     (b'{"model": {"type": "BPE", "vocab": 5}}', "at line 1 column 38"),
     (b'{"model": ' * 5000 + b"1" + b"}" * 5000, "at line 1 column"),
     (b"\xff\xfe", "(invalid UTF-8 at byte 0)"),
+    (b'{"version": "' + b"k" * 300 + b'"}', "(Unknown tokenizer version '" + "k" * 173 + ")"),  # 200 characters
 ])
 def test_unreadable_tokenizer_json_is_one_line(tmp_path, content, why):
     (tmp_path / "tokenizer.json").write_bytes(content)
