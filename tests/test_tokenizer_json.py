@@ -408,6 +408,16 @@ def test_a_byte_level_piece_with_a_character_outside_gpt2s_table_spells_it_as_a_
     assert load_tokenizer(tmp_path).token_bytes(1) == b" a?"
 
 
+def test_the_byte_level_table_is_gpt2s():
+    from tokenizers import pre_tokenizers
+    assert set(_BYTE_OF_CHAR) == set(pre_tokenizers.ByteLevel.alphabet()) and sorted(_BYTE_OF_CHAR.values()) == \
+        list(range(256))
+    # printable Latin-1 stands for itself; the rest from U+0100 on, in byte order: 'Ġ' is the space, 'Ń' U+00AD
+    assert {c: _BYTE_OF_CHAR[c] for c in "!~\u00a1\u00ac\u00ae\u00ff\u0100\u0120\u0121\u0142\u0143"} == {
+        "!": 0x21, "~": 0x7E, "\u00a1": 0xA1, "\u00ac": 0xAC, "\u00ae": 0xAE, "\u00ff": 0xFF, "\u0100": 0x00,
+        "\u0120": 0x20, "\u0121": 0x7F, "\u0142": 0xA0, "\u0143": 0xAD}
+
+
 def test_server_log_probability_texts_use_token_bytes():
     from cullama.server.logprobs import TokenTexts
     tok, _ = golden("tiny-llama3")
