@@ -12,6 +12,7 @@ from datetime import datetime
 import jinja2.ext
 import pytest
 from click.testing import CliRunner
+from jinja2.runtime import Namespace
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 import cullama
@@ -247,6 +248,37 @@ def test_a_render_that_grows_too_large_is_stopped(source):
 def test_large_numbers_that_are_not_sizes_are_fine():
     assert render("{{ '{}'.format(12345678901234) }}{{ '%d' % 12345678901234 }}{{ 10 ** 10 ** 2 > 0 }}") == \
         "1234567890123412345678901234True"
+
+
+# -- the bounds at their edges (MAX_CHARS, MAX_ITEMS, MAX_INT_BITS: one past is refused, the limit is not) --------
+MAX, ITEMS = chat_template.MAX_CHARS, chat_template.MAX_ITEMS
+
+
+def test_sizes_count_each_object_once_and_each_string_by_its_length():
+    size = chat_template._size
+    assert [size("abc"), size(["ab", "c"]), size(("a",)), size({"k": "vv"}), size({1, 2}), size(7)] == [4, 8, 4, 7, 5, 1]
+    assert size(Namespace(a="xy")) == 8  # itself, then its attributes' dict
+    assert size(2 ** 4096 - 1) == 1 and size(2 ** 4096) == size(-(2 ** 4096)) == MAX + 1  # 4097 bits
+    assert size([0] * (ITEMS - 1)) == 2 * ITEMS - 1 and size([0] * ITEMS) == MAX + 1  # objects looked at
+    # a container whose own count reaches the limit exactly still has its items counted
+    assert size([[0, 0], "x" * (MAX - 9)]) == MAX and size([[0, 0], "x" * (MAX - 7)]) == MAX + 1
+    assert size([{0: 0}, "x" * (MAX - 8)]) == MAX and size([{0: 0}, "x" * (MAX - 6)]) == MAX + 1
+
+
+def test_a_value_of_the_limit_passes_and_one_past_it_is_refused():
+    assert chat_template._sized("x" * MAX) is not None and chat_template._sized(["x" * (MAX - 3)]) is not None
+    for value in ("x" * (MAX + 1), ["x" * (MAX - 2)]):
+        with pytest.raises(chat_template._TooCostly):
+            chat_template._sized(value)
+
+
+def test_a_render_prints_up_to_the_limit_in_all_blocks_that_set_captures_included():
+    assert len(render(f"{{{{ 'x' * {MAX} }}}}")) == MAX
+    with pytest.raises(TokenizerError, match=f"stopped: it repeated a value of length 1 {MAX + 1} times"):
+        render(f"{{{{ 'x' * {MAX + 1} }}}}")
+    half = MAX // 2 + 1  # twice is one past the limit: each block alone is within it
+    with pytest.raises(TokenizerError, match=f"stopped: it printed more than {MAX} characters"):
+        render(f"{{% set s %}}{{{{ 'x' * {half} }}}}{{% endset %}}{{{{ 'y' * {half} }}}}")
 
 
 # -- chats through a template --------------------------------------------------------------------
