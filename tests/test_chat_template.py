@@ -276,6 +276,11 @@ def test_a_render_prints_up_to_the_limit_in_all_blocks_that_set_captures_include
     assert len(render(f"{{{{ 'x' * {MAX} }}}}")) == MAX
     with pytest.raises(TokenizerError, match=f"stopped: it repeated a value of length 1 {MAX + 1} times"):
         render(f"{{{{ 'x' * {MAX + 1} }}}}")
+    # printed in all: the block set captures, then as much again
+    assert len(render(f"{{% set s %}}{{{{ 'x' * {MAX // 2} }}}}{{% endset %}}{{{{ 'y' * {MAX // 2} }}}}")) == MAX // 2
+    assert len(render("z" * 1000 + f"{{{{ 'x' * {MAX - 1000} }}}}")) == MAX  # the template's own text counts
+    with pytest.raises(TokenizerError, match=f"stopped: it built a text of more than {MAX} characters"):
+        render("z" * 1000 + f"{{{{ 'x' * {MAX - 999} }}}}")
     half = MAX // 2 + 1  # twice is one past the limit: each block alone is within it
     with pytest.raises(TokenizerError, match=f"stopped: it printed more than {MAX} characters"):
         render(f"{{% set s %}}{{{{ 'x' * {half} }}}}{{% endset %}}{{{{ 'y' * {half} }}}}")
