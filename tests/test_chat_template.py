@@ -248,6 +248,7 @@ def test_a_render_that_grows_too_large_is_stopped(source):
 def test_large_numbers_that_are_not_sizes_are_fine():
     assert render("{{ '{}'.format(12345678901234) }}{{ '%d' % 12345678901234 }}{{ 10 ** 10 ** 2 > 0 }}") == \
         "1234567890123412345678901234True"
+    assert render("{{ [1, 2]|join(10 ** 7) }}") == "1100000002"  # join's separator, not a width
 
 
 # -- the bounds at their edges (MAX_CHARS, MAX_ITEMS, MAX_INT_BITS: one past is refused, the limit is not) --------
