@@ -287,6 +287,15 @@ def test_a_render_prints_up_to_the_limit_in_all_blocks_that_set_captures_include
         render(f"{{% set s %}}{{{{ 'x' * {half} }}}}{{% endset %}}{{{{ 'y' * {half} }}}}")
 
 
+def test_widths_and_calls_at_the_limit():
+    centered = "{% set w = WIDTH %}{{ 'x'|center(w) }}"  # w a variable: jinja2 does not fold it when it compiles
+    assert len(render(centered.replace("WIDTH", str(MAX)))) == MAX and render(centered.replace("WIDTH", "True")) == "x"
+    assert render(f"{{{{ ('x' * {MAX}).upper()|length }}}}") == str(MAX)  # a call on a value of the limit
+    for width, shown in ((MAX + 1, MAX + 1), (2 ** 64 - 1, 2 ** 64 - 1), (2 ** 64, "a huge number")):
+        with pytest.raises(TokenizerError, match=f"stopped: it asked for a width or count of {shown}$"):
+            render(centered.replace("WIDTH", str(width)))
+
+
 # -- chats through a template --------------------------------------------------------------------
 
 
