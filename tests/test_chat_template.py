@@ -296,6 +296,14 @@ def test_widths_and_calls_at_the_limit():
             render(centered.replace("WIDTH", str(width)))
 
 
+def test_powers_are_bounded_by_the_bits_they_could_make():
+    big = 2 ** 4100  # a literal past MAX_INT_BITS: only its power is refused, a power of 0 is 1
+    assert render("{{ 2 ** 2048 > 0 }}") == "True" and render(f"{{{{ {big} ** 0 }}}}") == "1"  # 2 bits x 2048
+    for source, exponent in (("{{ 2 ** 2049 > 0 }}", 2049), (f"{{{{ {big} ** 1 > 0 }}}}", 1)):
+        with pytest.raises(TokenizerError, match=f"stopped: {exponent} as an exponent is too large$"):
+            render(source)
+
+
 # -- chats through a template --------------------------------------------------------------------
 
 
