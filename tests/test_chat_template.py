@@ -299,9 +299,20 @@ def test_widths_and_calls_at_the_limit():
 def test_powers_are_bounded_by_the_bits_they_could_make():
     big = 2 ** 4100  # a literal past MAX_INT_BITS: only its power is refused, a power of 0 is 1
     assert render("{{ 2 ** 2048 > 0 }}") == "True" and render(f"{{{{ {big} ** 0 }}}}") == "1"  # 2 bits x 2048
-    for source, exponent in (("{{ 2 ** 2049 > 0 }}", 2049), (f"{{{{ {big} ** 1 > 0 }}}}", 1)):
+    for source, exponent in (("{{ 2 ** 2049 > 0 }}", 2049), (f"{{{{ {big} ** 1 > 0 }}}}", 1),
+                             (f"{{{{ 2 ** {2 ** 64 - 1} }}}}", 2 ** 64 - 1), (f"{{{{ 2 ** {2 ** 64} }}}}", "a huge number")):
         with pytest.raises(TokenizerError, match=f"stopped: {exponent} as an exponent is too large$"):
             render(source)
+
+
+def test_products_and_repeats_at_the_limit():
+    half = "{% set a = 2 ** 2047 %}"  # 2048 bits
+    assert render(half + "{{ a * a > 0 }}") == "True"  # 2048 + 2048 bits
+    with pytest.raises(TokenizerError, match="stopped: it multiplied numbers past 4096 bits$"):
+        render(half + "{{ a * (a * 2) > 0 }}")
+    for count, shown in ((2 ** 64 - 1, 2 ** 64 - 1), (2 ** 64, "a huge number of")):
+        with pytest.raises(TokenizerError, match=f"stopped: it repeated a value of length 1 {shown} times$"):
+            render(f"{{% set n = {count} %}}{{{{ 'x' * n }}}}")
 
 
 # -- chats through a template --------------------------------------------------------------------
