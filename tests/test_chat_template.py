@@ -315,6 +315,22 @@ def test_products_and_repeats_at_the_limit():
             render(f"{{% set n = {count} %}}{{{{ 'x' * n }}}}")
 
 
+@pytest.mark.parametrize("spec, use, width", [
+    ("%9000000s", "f % 'x'", "9000000"),  # 7 digits, past MAX_CHARS
+    ("{:>9000000}", "f.format('x')", "9000000"),
+    ("%" + "9" * 5000 + "s", "f % 'x'", "9" * 20),  # 5000 digits: refused unread (int() would refuse to read it)
+])
+def test_a_format_width_past_the_limit_is_refused_before_it_runs(spec, use, width):
+    with pytest.raises(TokenizerError, match=f"stopped: its format string asks for a width of {width}$"):
+        render(f"{{% set f = '{spec}' %}}{{{{ {use} }}}}")
+
+
+def test_format_widths_within_the_limit_run():
+    assert render("{% set f = '%8388608s' %}{{ (f % 'x')|length }}") == str(MAX)
+    # two fields side by side are two widths, not one of their digits run together
+    assert render("{% set f = '{:>5000}{:5000}' %}{{ f.format('x', 'y')|length }}") == "10000"
+
+
 # -- chats through a template --------------------------------------------------------------------
 
 
