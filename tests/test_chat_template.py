@@ -325,6 +325,19 @@ def test_a_format_width_past_the_limit_is_refused_before_it_runs(spec, use, widt
         render(f"{{% set f = '{spec}' %}}{{{{ {use} }}}}")
 
 
+@pytest.mark.parametrize("source", ["{{ '%*s' % (w, 'x') }}", "{{ '{:{w}}'.format('x', w=w) }}",
+                                    "{{ '%*s'|format(w, 'x') }}"])
+def test_a_width_a_format_takes_from_its_arguments_is_a_width(source):
+    with pytest.raises(TokenizerError, match=f"stopped: it asked for a width or count of {MAX + 1}$"):
+        render(f"{{% set w = {MAX + 1} %}}" + source)
+
+
+def test_joining_two_values_at_the_limit():
+    assert render(f"{{% set a = 'x' * {MAX - 1} %}}{{{{ (a + 'y')|length }}}}") == str(MAX)
+    with pytest.raises(TokenizerError, match=f"stopped: it built a value of more than {MAX} characters$"):
+        render(f"{{% set a = 'x' * {MAX} %}}{{{{ (a + 'y')|length }}}}")
+
+
 def test_format_widths_within_the_limit_run():
     assert render("{% set f = '%8388608s' %}{{ (f % 'x')|length }}") == str(MAX)
     # two fields side by side are two widths, not one of their digits run together
