@@ -282,9 +282,9 @@ def test_a_render_prints_up_to_the_limit_in_all_blocks_that_set_captures_include
     assert len(render("z" * 1000 + f"{{{{ 'x' * {MAX - 1000} }}}}")) == MAX  # the template's own text counts
     with pytest.raises(TokenizerError, match=f"stopped: it built a text of more than {MAX} characters"):
         render("z" * 1000 + f"{{{{ 'x' * {MAX - 999} }}}}")
-    half = MAX // 2 + 1  # twice is one past the limit: each block alone is within it
+    half = MAX // 2  # half and one more than half: one past the limit, each block alone within it
     with pytest.raises(TokenizerError, match=f"stopped: it printed more than {MAX} characters"):
-        render(f"{{% set s %}}{{{{ 'x' * {half} }}}}{{% endset %}}{{{{ 'y' * {half} }}}}")
+        render(f"{{% set s %}}{{{{ 'x' * {half} }}}}{{% endset %}}{{{{ 'y' * {half + 1} }}}}")
 
 
 def test_widths_and_calls_at_the_limit():
