@@ -88,6 +88,7 @@ def test_named_templates_use_default(tmp_path):
 
 @pytest.mark.parametrize("file, content, why", [
     ("chat_template.json", "[]", 'expected a JSON object with a "chat_template" string'),
+    ("chat_template.json", '{"template": "x"}', 'expected a JSON object with a "chat_template" string'),
     ("chat_template.json", '{"chat_template": 5}', "the chat template must be a string, got int"),
     ("chat_template.json", "{", "not valid JSON"),
     ("chat_template.jinja", b"\xff{{ x }}", "not UTF-8 text"),
@@ -139,6 +140,9 @@ def test_raise_exception_is_a_prompt_error_naming_the_file():
                               "alternate user/assistant/user/assistant/..."
     with pytest.raises(PromptError, match=r"^T.jinja: .*: no\s+way$"):
         render("{{ raise_exception('no\\nway') }}")  # one line, whatever the template says
+    for said, quoted in (("a" * 200, "a" * 200), ("b" * 201, "b" * 197 + "...")):  # ERROR_CHARS of it at most
+        with pytest.raises(PromptError, match=f"^T.jinja: the chat template refuses these messages: {quoted}$"):
+            render(f"{{{{ raise_exception('{said}') }}}}")
 
 
 @pytest.mark.parametrize("source, why", [
@@ -179,6 +183,7 @@ def test_a_template_that_does_not_compile_is_one_line(source, why):
     "{{ messages.append(1) }}",  # the sandbox is immutable: no change to what it is given
     "{% set d = {} %}{{ d.update(a=1) }}",
     "{{ messages[0].pop('role') }}",
+    "{{ '{0.__class__}'.format(1) }}",  # str.format reads attributes: jinja2's sandboxed format, kept
 ])
 def test_reaching_outside_the_sandbox_is_one_line(source):
     with pytest.raises(TokenizerError) as info:
@@ -342,6 +347,37 @@ def test_format_widths_within_the_limit_run():
     assert render("{% set f = '%8388608s' %}{{ (f % 'x')|length }}") == str(MAX)
     # two fields side by side are two widths, not one of their digits run together
     assert render("{% set f = '{:>5000}{:5000}' %}{{ f.format('x', 'y')|length }}") == "10000"
+
+
+def test_the_documented_limits_in_absolute_terms():
+    items = "{{ ((range(100000)|list) + (range(N)|list))|length }}"  # jinja2 refuses ranges past 100000
+    assert render(items.replace("N", "31071")) == "131071"  # MAX_ITEMS: 131072 objects, the list one of them
+    with pytest.raises(TokenizerError, match="stopped: it built a value of more than 8388608 characters or 131072 "):
+        render(items.replace("N", "31072"))
+    source = "x" * (1 << 20)  # MAX_SOURCE_CHARS: a template of 1 MiB compiles, one character more does not
+    assert render(source) == source
+    with pytest.raises(TokenizerError, match="^T.jinja: the chat template is longer than 1048576 characters$"):
+        render(source + "x")
+    # MAX_FORMAT_CHARS: strftime_now's format and tojson's indent, 256 characters
+    assert render("{{ strftime_now('x' * 256) }}") == "x" * 256 and render("{{ [1]|tojson(indent=256) }}") == \
+        "[\n" + " " * 256 + "1\n]"
+    assert render("{{ [1]|tojson(indent='" + " " * 256 + "') }}") == "[\n" + " " * 256 + "1\n]"
+    for source, what in (("{{ strftime_now('x' * n) }}", "strftime_now was given a format"),
+                         ("{{ [1]|tojson(indent=n) }}", "tojson was given an indent"),
+                         ("{{ [1]|tojson(indent=' ' * n) }}", "tojson was given an indent")):
+        with pytest.raises(TokenizerError, match=f"stopped: {what} of more than 256 characters$"):
+            render("{% set n = 257 %}" + source)  # n a variable: not folded while compiling
+
+
+def test_a_method_call_counts_its_object_and_joins_count_their_parts():
+    with pytest.raises(TokenizerError, match="stopped: a call could make 100000000 characters$"):
+        render("{{ ('x' * 100000).replace('x', 'y' * 1000) }}")  # the string replaced in is an argument too
+    with pytest.raises(TokenizerError, match="stopped: a call could make 100000000 characters$"):
+        render("{{ ('x' * 10000).join(range(10000)|map('string')) }}")  # the parts, counted before the join
+    assert render("{{ 'abc'.startswith('a') }}{{ '-'.join(['a', 'b']) }}{{ 'a,b'.split(',')|length }}") == "Truea-b2"
+    # formats whose widths come from their arguments, within the limit, run as they would
+    assert render("{{ '{:>{w}}'.format('x', w=3) }}|{{ '%s-%*d'|format('a', 3, 7) }}|{{ '%s'|format(1) }}") == \
+        "  x|a-  7|1"
 
 
 # -- chats through a template --------------------------------------------------------------------
