@@ -464,11 +464,14 @@ def _bounded(function, name: str):
 
 
 def _read_text(path: Path) -> str:
+    most = 4 * MAX_SOURCE_CHARS + 3  # the bytes of MAX_SOURCE_CHARS characters (4 each at most) and a BOM
     try:
         with open(path, "rb") as fh:
-            raw = fh.read(4 * MAX_SOURCE_CHARS + 1)
+            raw = fh.read(most + 1)
     except OSError as exc:
         raise TokenizerError(f"{path}: cannot read ({exc.strerror or exc})") from None
+    if len(raw) > most:  # too long, wherever the read cut it (inside a character: it is not bad UTF-8)
+        raise TokenizerError(f"{path}: the chat template is longer than {MAX_SOURCE_CHARS} characters")
     try:
         return raw.decode("utf-8-sig")
     except UnicodeDecodeError as exc:

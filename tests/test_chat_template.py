@@ -369,6 +369,19 @@ def test_the_documented_limits_in_absolute_terms():
             render("{% set n = 257 %}" + source)  # n a variable: not folded while compiling
 
 
+def test_a_template_file_of_the_longest_text_reads_and_one_longer_is_refused_as_too_long(tmp_path):
+    emoji = "\U0001F600" * (1 << 20)  # MAX_SOURCE_CHARS characters of 4 bytes each
+    for text in (emoji, "\ufeff" + emoji):  # a BOM is not the template's
+        (tmp_path / "chat_template.jinja").write_text(text)
+        assert len(find(tmp_path, {}, tmp_path / "tokenizer_config.json").render([], {})) == 1 << 20
+    # too long, whatever the read's last byte: inside a character ("aa", "a" and one more), or bad UTF-8
+    for data in ((emoji + "x").encode(), ("aa" + emoji).encode(), ("a" + emoji + "\U0001F600").encode(),
+                 b"x" * 5_000_000, b"x" * ((4 << 20) + 3) + b"\xff", b"x" * 4_500_000 + b"\xff"):
+        (tmp_path / "chat_template.jinja").write_bytes(data)
+        with pytest.raises(TokenizerError, match="chat_template.jinja: the chat template is longer than 1048576 "):
+            find(tmp_path, {}, tmp_path / "tokenizer_config.json")
+
+
 def test_a_method_call_counts_its_object_and_joins_count_their_parts():
     with pytest.raises(TokenizerError, match="stopped: a call could make 100000000 characters$"):
         render("{{ ('x' * 100000).replace('x', 'y' * 1000) }}")  # the string replaced in is an argument too
