@@ -164,6 +164,10 @@ def test_an_act_order_checkpoints_layout_gathers_and_permutes_what_it_says():
     assert layout.weight_bytes() - plain.weight_bytes() == 2 * (4 + 2) * 256
     whole_rows = layouts.from_checkpoint(dataclasses.replace(config, quantization=Quantization("gptq", 8, -1)))
     assert [whole_rows.linear(0, f).format.group for f in layouts.LINEARS] == [256, 256, 256, 768]
+    # int8 takes ff 688 (a multiple of 16) as it is stored; on the device it is padded to 704 like every quantized ff
+    padded = layouts.from_checkpoint(dataclasses.replace(TINY, quantization=Quantization("gptq", 8, -1)))
+    assert padded.linear(0, "w_down").format.group == padded.shape("w_down")[1] == 704
+    assert padded.format_counts() == {"int8 per channel": 16}
 
 
 def test_linear_parts_start_where_the_device_buffer_holds_them():
