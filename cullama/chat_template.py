@@ -252,7 +252,8 @@ def _check_format(text: str) -> bool:
         specs += [spec for _, _, spec, _ in string.Formatter().parse(text) if spec]
     except ValueError:
         pass  # not a valid str.format string: it fails as it is used
-    for number in re.findall(r"\d+", " ".join(specs)):  # apart: "{:>50}{:50}" asks for 50 twice, not 5050
+    # apart: "{:>50}{:50}" asks for 50 twice, not 5050; leading zeros (flags) left out: "%000001s" asks for 1
+    for number in re.findall(r"0*(\d+)", " ".join(specs)):
         if len(number) > 7 or int(number) > MAX_CHARS:  # 8 digits are past MAX_CHARS: never int() a huge one
             raise _TooCostly(f"its format string asks for a width of {number[:20]}")
     return any("*" in spec or "{" in spec for spec in specs)

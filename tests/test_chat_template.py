@@ -347,6 +347,8 @@ def test_format_widths_within_the_limit_run():
     assert render("{% set f = '%8388608s' %}{{ (f % 'x')|length }}") == str(MAX)
     # two fields side by side are two widths, not one of their digits run together
     assert render("{% set f = '{:>5000}{:5000}' %}{{ f.format('x', 'y')|length }}") == "10000"
+    assert render("{% set f = '%0000000003s' %}{% set g = '{:0000000003}' %}{{ f|format('x') }}|{{ g.format('y') }}") \
+        == ("%0000000003s" % "x") + "|" + "{:0000000003}".format("y")  # leading zeros: a flag, not a width
 
 
 def test_the_documented_limits_in_absolute_terms():
