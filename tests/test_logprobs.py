@@ -16,7 +16,7 @@ from cullama.backends.numpy_backend import NumpyBackend
 from cullama.checkpoint import open_checkpoint
 from cullama.engine import PlanRunner
 from cullama.errors import OptionError, PromptError
-from cullama.logprobs import MAX_TOP, perplexity, windows
+from cullama.logprobs import MAX_TOP, Perplexity, TokenLogprob, perplexity, windows
 from cullama.sampling import SamplingParams
 from cullama.weights import load_checkpoint
 
@@ -269,3 +269,10 @@ def fake_gpu(monkeypatch):
     monkeypatch.setattr(KernelLoader, "function", fake_cupy.loader_function)
     monkeypatch.setattr(device, "cuda_status", lambda: (True, "1 GPU(s) (fake CuPy)"))
     return fake_cupy.state
+
+
+def test_records_are_values():
+    record, ppl = TokenLogprob(3, -0.5, ((3, -0.5),)), Perplexity(2.0, math.log(2.0), 10, 1, 16, 16)
+    assert hash(record) == hash(TokenLogprob(3, -0.5, ((3, -0.5),))) and hash(ppl) == hash(dataclasses.replace(ppl))
+    assert ppl.to_dict() == {"perplexity": 2.0, "nll": math.log(2.0), "tokens": 10, "windows": 1, "context": 16,
+                             "stride": 16}
