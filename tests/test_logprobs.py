@@ -132,6 +132,9 @@ def test_perplexity_refuses_what_it_cannot_score(stories):
         stories.perplexity([1, 403, 407], stride=513)
     with pytest.raises(OptionError, match="at least 2"):
         perplexity(lambda w: [], [1], 8, 4)
+    for stride in (0, 9):  # windows() checks its own stride too
+        with pytest.raises(OptionError, match="stride"):
+            windows(10, 8, stride)
 
 
 def test_bad_options_are_refused(stories):
