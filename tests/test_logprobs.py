@@ -123,6 +123,11 @@ def test_windows_score_every_id_once():
             assert scored == list(range(1, n))
         else:  # each window's first id has no context in it: not scored
             assert scored == [i for i in range(1, n) if i % context]
+    # a last window that would score nothing (its one id has no context) is no window
+    assert windows(9, 4, 4) == [(0, 4, 1), (4, 8, 5)]
+    # two ids are the fewest a perplexity scores: the second given the first
+    two = perplexity(lambda window: [-1.0] * (len(window) - 1), [1, 2], 8, 4)
+    assert (two.nll, two.tokens, two.windows) == (1.0, 1, 1)
 
 
 def test_perplexity_refuses_what_it_cannot_score(stories):
