@@ -262,7 +262,8 @@ MAX, ITEMS = chat_template.MAX_CHARS, chat_template.MAX_ITEMS
 
 def test_sizes_count_each_object_once_and_each_string_by_its_length():
     size = chat_template._size
-    assert [size("abc"), size(["ab", "c"]), size(("a",)), size({"k": "vv"}), size({1, 2}), size(7)] == [4, 8, 4, 7, 5, 1]
+    assert [size("abc"), size(["ab", "c"]), size(("a",)), size({"k": "vv"}), size({1, 2}), size(7)] == \
+        [4, 8, 4, 7, 5, 1]
     assert size(Namespace(a="xy")) == 8  # itself, then its attributes' dict
     assert size(2 ** 4096 - 1) == 1 and size(2 ** 4096) == size(-(2 ** 4096)) == MAX + 1  # 4097 bits
     assert size([0] * (ITEMS - 1)) == 2 * ITEMS - 1 and size([0] * ITEMS) == MAX + 1  # objects looked at
@@ -305,7 +306,8 @@ def test_powers_are_bounded_by_the_bits_they_could_make():
     big = 2 ** 4100  # a literal past MAX_INT_BITS: only its power is refused, a power of 0 is 1
     assert render("{{ 2 ** 2048 > 0 }}") == "True" and render(f"{{{{ {big} ** 0 }}}}") == "1"  # 2 bits x 2048
     for source, exponent in (("{{ 2 ** 2049 > 0 }}", 2049), (f"{{{{ {big} ** 1 > 0 }}}}", 1),
-                             (f"{{{{ 2 ** {2 ** 64 - 1} }}}}", 2 ** 64 - 1), (f"{{{{ 2 ** {2 ** 64} }}}}", "a huge number")):
+                             (f"{{{{ 2 ** {2 ** 64 - 1} }}}}", 2 ** 64 - 1),
+                             (f"{{{{ 2 ** {2 ** 64} }}}}", "a huge number")):
         with pytest.raises(TokenizerError, match=f"stopped: {exponent} as an exponent is too large$"):
             render(source)
 
