@@ -252,8 +252,9 @@ def _check_format(text: str) -> bool:
         specs += [spec for _, _, spec, _ in string.Formatter().parse(text) if spec]
     except ValueError:
         pass  # not a valid str.format string: it fails as it is used
-    for number in re.findall(r"\d+", "".join(specs)):
-        if len(number) > 7 and int(number) > MAX_CHARS:
+    # apart: "{:>50}{:50}" asks for 50 twice, not 5050; leading zeros (flags) left out: "%000001s" asks for 1
+    for number in re.findall(r"0*(\d+)", " ".join(specs)):
+        if len(number) > 7 or int(number) > MAX_CHARS:  # 8 digits are past MAX_CHARS: never int() a huge one
             raise _TooCostly(f"its format string asks for a width of {number[:20]}")
     return any("*" in spec or "{" in spec for spec in specs)
 
@@ -464,11 +465,14 @@ def _bounded(function, name: str):
 
 
 def _read_text(path: Path) -> str:
+    most = 4 * MAX_SOURCE_CHARS + 3  # the bytes of MAX_SOURCE_CHARS characters (4 each at most) and a BOM
     try:
         with open(path, "rb") as fh:
-            raw = fh.read(4 * MAX_SOURCE_CHARS + 1)
+            raw = fh.read(most + 1)
     except OSError as exc:
         raise TokenizerError(f"{path}: cannot read ({exc.strerror or exc})") from None
+    if len(raw) > most:  # too long, wherever the read cut it (inside a character: it is not bad UTF-8)
+        raise TokenizerError(f"{path}: the chat template is longer than {MAX_SOURCE_CHARS} characters")
     try:
         return raw.decode("utf-8-sig")
     except UnicodeDecodeError as exc:

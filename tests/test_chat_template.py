@@ -12,6 +12,7 @@ from datetime import datetime
 import jinja2.ext
 import pytest
 from click.testing import CliRunner
+from jinja2.runtime import Namespace
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 import cullama
@@ -87,6 +88,7 @@ def test_named_templates_use_default(tmp_path):
 
 @pytest.mark.parametrize("file, content, why", [
     ("chat_template.json", "[]", 'expected a JSON object with a "chat_template" string'),
+    ("chat_template.json", '{"template": "x"}', 'expected a JSON object with a "chat_template" string'),
     ("chat_template.json", '{"chat_template": 5}', "the chat template must be a string, got int"),
     ("chat_template.json", "{", "not valid JSON"),
     ("chat_template.jinja", b"\xff{{ x }}", "not UTF-8 text"),
@@ -138,6 +140,9 @@ def test_raise_exception_is_a_prompt_error_naming_the_file():
                               "alternate user/assistant/user/assistant/..."
     with pytest.raises(PromptError, match=r"^T.jinja: .*: no\s+way$"):
         render("{{ raise_exception('no\\nway') }}")  # one line, whatever the template says
+    for said, quoted in (("a" * 200, "a" * 200), ("b" * 201, "b" * 197 + "...")):  # ERROR_CHARS of it at most
+        with pytest.raises(PromptError, match=f"^T.jinja: the chat template refuses these messages: {quoted}$"):
+            render(f"{{{{ raise_exception('{said}') }}}}")
 
 
 @pytest.mark.parametrize("source, why", [
@@ -178,6 +183,7 @@ def test_a_template_that_does_not_compile_is_one_line(source, why):
     "{{ messages.append(1) }}",  # the sandbox is immutable: no change to what it is given
     "{% set d = {} %}{{ d.update(a=1) }}",
     "{{ messages[0].pop('role') }}",
+    "{{ '{0.__class__}'.format(1) }}",  # str.format reads attributes: jinja2's sandboxed format, kept
 ])
 def test_reaching_outside_the_sandbox_is_one_line(source):
     with pytest.raises(TokenizerError) as info:
@@ -247,6 +253,148 @@ def test_a_render_that_grows_too_large_is_stopped(source):
 def test_large_numbers_that_are_not_sizes_are_fine():
     assert render("{{ '{}'.format(12345678901234) }}{{ '%d' % 12345678901234 }}{{ 10 ** 10 ** 2 > 0 }}") == \
         "1234567890123412345678901234True"
+    assert render("{{ [1, 2]|join(10 ** 7) }}") == "1100000002"  # join's separator, not a width
+
+
+# -- the bounds at their edges (MAX_CHARS, MAX_ITEMS, MAX_INT_BITS: one past is refused, the limit is not) --------
+MAX, ITEMS = chat_template.MAX_CHARS, chat_template.MAX_ITEMS
+
+
+def test_sizes_count_each_object_once_and_each_string_by_its_length():
+    size = chat_template._size
+    assert [size("abc"), size(["ab", "c"]), size(("a",)), size({"k": "vv"}), size({1, 2}), size(7)] == \
+        [4, 8, 4, 7, 5, 1]
+    assert size(Namespace(a="xy")) == 8  # itself, then its attributes' dict
+    assert size(2 ** 4096 - 1) == 1 and size(2 ** 4096) == size(-(2 ** 4096)) == MAX + 1  # 4097 bits
+    assert size([0] * (ITEMS - 1)) == 2 * ITEMS - 1 and size([0] * ITEMS) == MAX + 1  # objects looked at
+    # a container whose own count reaches the limit exactly still has its items counted
+    assert size([[0, 0], "x" * (MAX - 9)]) == MAX and size([[0, 0], "x" * (MAX - 7)]) == MAX + 1
+    assert size([{0: 0}, "x" * (MAX - 8)]) == MAX and size([{0: 0}, "x" * (MAX - 6)]) == MAX + 1
+
+
+def test_a_value_of_the_limit_passes_and_one_past_it_is_refused():
+    assert chat_template._sized("x" * MAX) is not None and chat_template._sized(["x" * (MAX - 3)]) is not None
+    for value in ("x" * (MAX + 1), ["x" * (MAX - 2)]):
+        with pytest.raises(chat_template._TooCostly):
+            chat_template._sized(value)
+
+
+def test_a_render_prints_up_to_the_limit_in_all_blocks_that_set_captures_included():
+    assert len(render(f"{{{{ 'x' * {MAX} }}}}")) == MAX
+    with pytest.raises(TokenizerError, match=f"stopped: it repeated a value of length 1 {MAX + 1} times"):
+        render(f"{{{{ 'x' * {MAX + 1} }}}}")
+    # printed in all: the block set captures, then as much again
+    assert len(render(f"{{% set s %}}{{{{ 'x' * {MAX // 2} }}}}{{% endset %}}{{{{ 'y' * {MAX // 2} }}}}")) == MAX // 2
+    assert len(render("z" * 1000 + f"{{{{ 'x' * {MAX - 1000} }}}}")) == MAX  # the template's own text counts
+    with pytest.raises(TokenizerError, match=f"stopped: it built a text of more than {MAX} characters"):
+        render("z" * 1000 + f"{{{{ 'x' * {MAX - 999} }}}}")
+    half = MAX // 2  # half and one more than half: one past the limit, each block alone within it
+    with pytest.raises(TokenizerError, match=f"stopped: it printed more than {MAX} characters"):
+        render(f"{{% set s %}}{{{{ 'x' * {half} }}}}{{% endset %}}{{{{ 'y' * {half + 1} }}}}")
+
+
+def test_widths_and_calls_at_the_limit():
+    centered = "{% set w = WIDTH %}{{ 'x'|center(w) }}"  # w a variable: jinja2 does not fold it when it compiles
+    assert len(render(centered.replace("WIDTH", str(MAX)))) == MAX and render(centered.replace("WIDTH", "True")) == "x"
+    assert render(f"{{{{ ('x' * {MAX}).upper()|length }}}}") == str(MAX)  # a call on a value of the limit
+    for width, shown in ((MAX + 1, MAX + 1), (2 ** 64 - 1, 2 ** 64 - 1), (2 ** 64, "a huge number")):
+        with pytest.raises(TokenizerError, match=f"stopped: it asked for a width or count of {shown}$"):
+            render(centered.replace("WIDTH", str(width)))
+
+
+def test_powers_are_bounded_by_the_bits_they_could_make():
+    big = 2 ** 4100  # a literal past MAX_INT_BITS: only its power is refused, a power of 0 is 1
+    assert render("{{ 2 ** 2048 > 0 }}") == "True" and render(f"{{{{ {big} ** 0 }}}}") == "1"  # 2 bits x 2048
+    for source, exponent in (("{{ 2 ** 2049 > 0 }}", 2049), (f"{{{{ {big} ** 1 > 0 }}}}", 1),
+                             (f"{{{{ 2 ** {2 ** 64 - 1} }}}}", 2 ** 64 - 1),
+                             (f"{{{{ 2 ** {2 ** 64} }}}}", "a huge number")):
+        with pytest.raises(TokenizerError, match=f"stopped: {exponent} as an exponent is too large$"):
+            render(source)
+
+
+def test_products_and_repeats_at_the_limit():
+    half = "{% set a = 2 ** 2047 %}"  # 2048 bits
+    assert render(half + "{{ a * a > 0 }}") == "True"  # 2048 + 2048 bits
+    with pytest.raises(TokenizerError, match="stopped: it multiplied numbers past 4096 bits$"):
+        render(half + "{{ a * (a * 2) > 0 }}")
+    for count, shown in ((2 ** 64 - 1, 2 ** 64 - 1), (2 ** 64, "a huge number of")):
+        with pytest.raises(TokenizerError, match=f"stopped: it repeated a value of length 1 {shown} times$"):
+            render(f"{{% set n = {count} %}}{{{{ 'x' * n }}}}")
+
+
+@pytest.mark.parametrize("spec, use, width", [
+    ("%9000000s", "f % 'x'", "9000000"),  # 7 digits, past MAX_CHARS
+    ("{:>9000000}", "f.format('x')", "9000000"),
+    ("%" + "9" * 5000 + "s", "f % 'x'", "9" * 20),  # 5000 digits: refused unread (int() would refuse to read it)
+])
+def test_a_format_width_past_the_limit_is_refused_before_it_runs(spec, use, width):
+    with pytest.raises(TokenizerError, match=f"stopped: its format string asks for a width of {width}$"):
+        render(f"{{% set f = '{spec}' %}}{{{{ {use} }}}}")
+
+
+@pytest.mark.parametrize("source", ["{{ '%*s' % (w, 'x') }}", "{{ '{:{w}}'.format('x', w=w) }}",
+                                    "{{ '%*s'|format(w, 'x') }}"])
+def test_a_width_a_format_takes_from_its_arguments_is_a_width(source):
+    with pytest.raises(TokenizerError, match=f"stopped: it asked for a width or count of {MAX + 1}$"):
+        render(f"{{% set w = {MAX + 1} %}}" + source)
+
+
+def test_joining_two_values_at_the_limit():
+    assert render(f"{{% set a = 'x' * {MAX - 1} %}}{{{{ (a + 'y')|length }}}}") == str(MAX)
+    with pytest.raises(TokenizerError, match=f"stopped: it built a value of more than {MAX} characters$"):
+        render(f"{{% set a = 'x' * {MAX} %}}{{{{ (a + 'y')|length }}}}")
+
+
+def test_format_widths_within_the_limit_run():
+    assert render("{% set f = '%8388608s' %}{{ (f % 'x')|length }}") == str(MAX)
+    # two fields side by side are two widths, not one of their digits run together
+    assert render("{% set f = '{:>5000}{:5000}' %}{{ f.format('x', 'y')|length }}") == "10000"
+    assert render("{% set f = '%0000000003s' %}{% set g = '{:0000000003}' %}{{ f|format('x') }}|{{ g.format('y') }}") \
+        == ("%0000000003s" % "x") + "|" + "{:0000000003}".format("y")  # leading zeros: a flag, not a width
+
+
+def test_the_documented_limits_in_absolute_terms():
+    items = "{{ ((range(100000)|list) + (range(N)|list))|length }}"  # jinja2 refuses ranges past 100000
+    assert render(items.replace("N", "31071")) == "131071"  # MAX_ITEMS: 131072 objects, the list one of them
+    with pytest.raises(TokenizerError, match="stopped: it built a value of more than 8388608 characters or 131072 "):
+        render(items.replace("N", "31072"))
+    source = "x" * (1 << 20)  # MAX_SOURCE_CHARS: a template of 1 MiB compiles, one character more does not
+    assert render(source) == source
+    with pytest.raises(TokenizerError, match="^T.jinja: the chat template is longer than 1048576 characters$"):
+        render(source + "x")
+    # MAX_FORMAT_CHARS: strftime_now's format and tojson's indent, 256 characters
+    assert render("{{ strftime_now('x' * 256) }}") == "x" * 256 and render("{{ [1]|tojson(indent=256) }}") == \
+        "[\n" + " " * 256 + "1\n]"
+    assert render("{{ [1]|tojson(indent='" + " " * 256 + "') }}") == "[\n" + " " * 256 + "1\n]"
+    for source, what in (("{{ strftime_now('x' * n) }}", "strftime_now was given a format"),
+                         ("{{ [1]|tojson(indent=n) }}", "tojson was given an indent"),
+                         ("{{ [1]|tojson(indent=' ' * n) }}", "tojson was given an indent")):
+        with pytest.raises(TokenizerError, match=f"stopped: {what} of more than 256 characters$"):
+            render("{% set n = 257 %}" + source)  # n a variable: not folded while compiling
+
+
+def test_a_template_file_of_the_longest_text_reads_and_one_longer_is_refused_as_too_long(tmp_path):
+    emoji = "\U0001F600" * (1 << 20)  # MAX_SOURCE_CHARS characters of 4 bytes each
+    for text in (emoji, "\ufeff" + emoji):  # a BOM is not the template's
+        (tmp_path / "chat_template.jinja").write_text(text)
+        assert len(find(tmp_path, {}, tmp_path / "tokenizer_config.json").render([], {})) == 1 << 20
+    # too long, whatever the read's last byte: inside a character ("aa", "a" and one more), or bad UTF-8
+    for data in ((emoji + "x").encode(), ("aa" + emoji).encode(), ("a" + emoji + "\U0001F600").encode(),
+                 b"x" * 5_000_000, b"x" * ((4 << 20) + 3) + b"\xff", b"x" * 4_500_000 + b"\xff"):
+        (tmp_path / "chat_template.jinja").write_bytes(data)
+        with pytest.raises(TokenizerError, match="chat_template.jinja: the chat template is longer than 1048576 "):
+            find(tmp_path, {}, tmp_path / "tokenizer_config.json")
+
+
+def test_a_method_call_counts_its_object_and_joins_count_their_parts():
+    with pytest.raises(TokenizerError, match="stopped: a call could make 100000000 characters$"):
+        render("{{ ('x' * 100000).replace('x', 'y' * 1000) }}")  # the string replaced in is an argument too
+    with pytest.raises(TokenizerError, match="stopped: a call could make 100000000 characters$"):
+        render("{{ ('x' * 10000).join(range(10000)|map('string')) }}")  # the parts, counted before the join
+    assert render("{{ 'abc'.startswith('a') }}{{ '-'.join(['a', 'b']) }}{{ 'a,b'.split(',')|length }}") == "Truea-b2"
+    # formats whose widths come from their arguments, within the limit, run as they would
+    assert render("{{ '{:>{w}}'.format('x', w=3) }}|{{ '%s-%*d'|format('a', 3, 7) }}|{{ '%s'|format(1) }}") == \
+        "  x|a-  7|1"
 
 
 # -- chats through a template --------------------------------------------------------------------

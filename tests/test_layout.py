@@ -11,7 +11,7 @@ import pytest
 from cullama import layout as layouts, quant
 from cullama.backends.numpy_backend import NumpyBackend
 from cullama.checkpoint import open_checkpoint
-from cullama.config import preset
+from cullama.config import Quantization, preset
 from cullama.errors import ConfigError
 from cullama.weights import checkpoint_layout, config_layout, host_weights, load_checkpoint
 
@@ -104,3 +104,95 @@ def test_the_reference_reads_the_weights_the_device_holds(stories_dir):
     fp16 = host_weights(ckpt).layers[2].w_down.astype(np.float32)
     scale = backend.arrays["layers.2.w_down.qparams"][..., 0].astype(np.float32)  # [64, 2]
     assert np.all(np.abs(w_down - fp16) <= np.repeat(scale, 96, axis=1)[:, :172] / 2 * 1.001)  # half a step
+
+
+# -- formats, names and buffers of each kind of layout, from configs alone ------------------------------------
+TINY = preset("tiny")  # d 256, q_dim 256, kv_dim 64, ff 688 (704 when quantized), 4 layers
+
+
+def test_buffers_layouts_and_linears_are_values():
+    buffer = layouts.Buffer("x", (3, 5), "float16", "weight")
+    assert buffer.nbytes == 30 and type(buffer.nbytes) is int and layouts.fp16(TINY).weight_bytes() % 2 == 0
+    layout = layouts.on_load(TINY, "int4")
+    assert hash(layout) == hash(layouts.on_load(TINY, "int4")) and hash(buffer) == hash(dataclasses.replace(buffer))
+    for value, field in ((buffer, "name"), (layout, "source"), (layout.linear(0, "wo"), "permuted")):
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            setattr(value, field, None)
+
+
+def test_the_device_config_pads_for_fp16_unless_told_a_linear_is_quantized():
+    odd = dataclasses.replace(TINY, intermediate_size=172)
+    assert layouts.device_config(odd).intermediate_size == 176
+    assert layouts.device_config(odd, quantized=True).intermediate_size == 192
+    assert layouts.device_config(TINY) is TINY  # 688: already a multiple of 8
+
+
+@pytest.mark.parametrize("make, counts", [
+    # int8 is per channel whatever its width; int4 is per channel only past 128 inputs
+    (lambda: layouts.on_load(dataclasses.replace(TINY, hidden_size=64, num_heads=2, num_kv_heads=2), "int8"),
+     {"int8 per channel": 16}),
+    (lambda: layouts.on_load(dataclasses.replace(TINY, hidden_size=128, num_heads=4, num_kv_heads=4), "int4"),
+     {"int4 g128": 12, "int4 g64": 4}),  # w_down: 704 inputs, groups of 64
+    (lambda: layouts.from_checkpoint(dataclasses.replace(TINY, intermediate_size=768,
+                                                         quantization=Quantization("gptq", 8, 128))),
+     {"int8 g128": 16}),
+    (lambda: layouts.from_checkpoint(dataclasses.replace(TINY, intermediate_size=768,
+                                                         quantization=Quantization("gptq", 4, -1))),
+     {"int4 per channel": 16}),
+])
+def test_format_names(make, counts):
+    assert make().format_counts() == counts
+
+
+def test_an_act_order_checkpoints_layout_gathers_and_permutes_what_it_says():
+    config = dataclasses.replace(TINY, intermediate_size=768, quantization=Quantization("gptq", 4, 128, desc_act=True))
+    permuted = {(0, "wqkv"), (0, "w_down"), (1, "w_gate_up")}
+    layout, plain = layouts.from_checkpoint(config, permuted), layouts.from_checkpoint(config)
+    assert layout.linear(0, "wqkv") == layouts.Linear(quant.QuantFormat(4, 128), permuted=True)
+    assert [layout.linear(i, f).permuted for i in (0, 1) for f in layouts.LINEARS] == \
+        [True, False, False, True, False, False, True, False]
+    assert [layout.perm_name(0, f) for f in layouts.LINEARS] == ["layers.0.wqkv.perm", None, None, None]
+    assert layout.perm_name(1, "w_gate_up") == "layers.1.w_gate_up.perm"  # w_down's order is absorbed instead
+    assert [layout.norm_name(0, "wqkv"), layout.norm_name(0, "w_gate_up"), layout.norm_name(1, "w_gate_up")] == \
+        ["layers.0.attn_norm.permuted", "layers.0.ffn_norm", "layers.1.ffn_norm.permuted"]
+    extra = {b.name: (b.shape, b.dtype) for b in layout.buffers()}.items() - \
+        {b.name: (b.shape, b.dtype) for b in plain.buffers()}.items()
+    assert dict(extra) == {"layers.0.wqkv.perm": ((256,), "int32"), "layers.0.attn_norm.permuted": ((256,), "float16"),
+                           "layers.1.w_gate_up.perm": ((256,), "int32"),
+                           "layers.1.ffn_norm.permuted": ((256,), "float16")}
+    assert layout.decode_bytes() - plain.decode_bytes() == 2 * 4 * 256  # the two gathers' perms, int32
+    assert layout.weight_bytes() - plain.weight_bytes() == 2 * (4 + 2) * 256
+    whole_rows = layouts.from_checkpoint(dataclasses.replace(config, quantization=Quantization("gptq", 8, -1)))
+    assert [whole_rows.linear(0, f).format.group for f in layouts.LINEARS] == [256, 256, 256, 768]
+    # int8 takes ff 688 (a multiple of 16) as it is stored; on the device it is padded to 704 like every quantized ff
+    padded = layouts.from_checkpoint(dataclasses.replace(TINY, quantization=Quantization("gptq", 8, -1)))
+    assert padded.linear(0, "w_down").format.group == padded.shape("w_down")[1] == 704
+    assert padded.format_counts() == {"int8 per channel": 16}
+
+
+def test_linear_parts_start_where_the_device_buffer_holds_them():
+    layout = layouts.on_load(TINY, "int4")  # ff 688 -> 704
+    assert layouts.linear_parts(layout, 0, "wqkv") == [("model.layers.0.self_attn.q_proj", 0, 256),
+                                                       ("model.layers.0.self_attn.k_proj", 256, 64),
+                                                       ("model.layers.0.self_attn.v_proj", 320, 64)]
+    assert layouts.linear_parts(layout, 3, "w_gate_up") == [("model.layers.3.mlp.gate_proj", 0, 688),
+                                                            ("model.layers.3.mlp.up_proj", 704, 688)]
+
+
+@pytest.mark.parametrize("ff", [688, 684])  # 684: padded to 688 on the device
+def test_model_weight_undoes_the_padding_and_down_projs_order(ff):
+    config = dataclasses.replace(TINY, intermediate_size=ff)
+    layout, ff_dev = layouts.fp16(config), 688
+    rng = np.random.default_rng(ff)
+    gate, up, down = rng.standard_normal((ff, 256)), rng.standard_normal((ff, 256)), rng.standard_normal((256, ff))
+    wo = rng.standard_normal((256, 256)).astype(np.float16)
+    for order in (None, rng.permutation(ff)):
+        p = np.arange(ff) if order is None else order
+        stored_gate_up = np.zeros((2 * ff_dev, 256))  # [2 ff_dev, d]: row r holds the model's row p[r]
+        stored_gate_up[:ff], stored_gate_up[ff_dev:ff_dev + ff] = gate[p], up[p]
+        stored_down = np.zeros((256, ff_dev))  # [d, ff_dev]: column k holds input p[k]
+        stored_down[:, :ff] = down[:, p]
+        arrays = {"layers.1.w_gate_up": stored_gate_up, "layers.1.w_down": stored_down, "layers.1.wo": wo}
+        assert np.array_equal(layouts.model_weight(layout, 1, "w_gate_up", arrays, order), np.concatenate([gate, up]))
+        assert np.array_equal(layouts.model_weight(layout, 1, "w_down", arrays, order), down)
+        assert layouts.model_weight(layout, 1, "wo", arrays, order) is wo  # not padded, not permuted: as stored

@@ -16,7 +16,7 @@ from cullama.backends.numpy_backend import NumpyBackend
 from cullama.checkpoint import open_checkpoint
 from cullama.engine import PlanRunner
 from cullama.errors import OptionError, PromptError
-from cullama.logprobs import MAX_TOP, perplexity, windows
+from cullama.logprobs import MAX_TOP, Perplexity, TokenLogprob, perplexity, windows
 from cullama.sampling import SamplingParams
 from cullama.weights import load_checkpoint
 
@@ -126,6 +126,14 @@ def test_windows_score_every_id_once():
             assert scored == list(range(1, n))
         else:  # each window's first id has no context in it: not scored
             assert scored == [i for i in range(1, n) if i % context]
+    # a last window that would score nothing (its one id has no context) is no window
+    assert windows(9, 4, 4) == [(0, 4, 1), (4, 8, 5)]
+    # two ids are the fewest a perplexity scores: the second given the first
+    two = perplexity(lambda window: [-1.0] * (len(window) - 1), [1, 2], 8, 4)
+    assert (two.nll, two.tokens, two.windows) == (1.0, 1, 1)
+    # a perplexity past what a float holds is inf, never an OverflowError
+    assert [perplexity(lambda w: [-nll] * (len(w) - 1), [1, 2], 8, 4).perplexity for nll in (708.5, 709.9)] == \
+        [math.exp(708.5), math.inf]
 
 
 def test_perplexity_refuses_what_it_cannot_score(stories):
@@ -135,6 +143,9 @@ def test_perplexity_refuses_what_it_cannot_score(stories):
         stories.perplexity([1, 403, 407], stride=513)
     with pytest.raises(OptionError, match="at least 2"):
         perplexity(lambda w: [], [1], 8, 4)
+    for stride in (0, 9):  # windows() checks its own stride too
+        with pytest.raises(OptionError, match="stride"):
+            windows(10, 8, stride)
 
 
 def test_bad_options_are_refused(stories):
@@ -272,3 +283,10 @@ def fake_gpu(monkeypatch):
     monkeypatch.setattr(KernelLoader, "function", fake_cupy.loader_function)
     monkeypatch.setattr(device, "cuda_status", lambda: (True, "1 GPU(s) (fake CuPy)"))
     return fake_cupy.state
+
+
+def test_records_are_values():
+    record, ppl = TokenLogprob(3, -0.5, ((3, -0.5),)), Perplexity(2.0, math.log(2.0), 10, 1, 16, 16)
+    assert hash(record) == hash(TokenLogprob(3, -0.5, ((3, -0.5),))) and hash(ppl) == hash(dataclasses.replace(ppl))
+    assert ppl.to_dict() == {"perplexity": 2.0, "nll": math.log(2.0), "tokens": 10, "windows": 1, "context": 16,
+                             "stride": 16}

@@ -13,7 +13,7 @@ import pytest
 from safetensors.numpy import load_file, save_file
 
 import cullama
-from cullama import layout as layouts, quant
+from cullama import layout as layouts, quant, quant_checkpoint
 from cullama.backends.numpy_backend import NumpyBackend
 from cullama.checkpoint import open_checkpoint
 from cullama.config import Quantization, from_pretrained
@@ -204,6 +204,38 @@ def test_a_group_the_kernels_cannot_take_is_refused(tmp_path, device_never_used)
            "32)" in refused(tmp_path)
 
 
+@pytest.mark.parametrize("q, N, K, needle", [
+    (Quantization("gptq", 4, -1), 256, 100, "m: 256 outputs and 100 inputs do not pack 8 4-bit codes to a word"),
+    (Quantization("gptq", 4, 64), 100, 128, "m: 100 outputs and 128 inputs do not pack 8 4-bit codes to a word"),
+    (Quantization("gptq", 8, 64), 130, 128, "m: 130 outputs and 128 inputs do not pack 4 8-bit codes to a word"),
+    (Quantization("awq", 4, 64), 100, 128, "m: 100 outputs and 128 inputs do not pack 8 4-bit codes to a word"),
+    (Quantization("gptq", 4, 64), 256, 96, "m: quantization_config.group_size 64 does not divide its 96 inputs"),
+    (Quantization("awq", 4, -1), 256, 40, "m: 40 inputs in groups of 40 are not supported"),
+])
+def test_sizes_that_do_not_pack_are_refused_by_what_fails_first(q, N, K, needle):
+    # GPTQ packs along the inputs and needs whole words of outputs for its zeros; AWQ packs along the outputs.
+    with pytest.raises(CheckpointError) as caught:
+        quant_checkpoint.check_sizes(q, "m", N, K)
+    assert needle in str(caught.value)
+
+
+@pytest.mark.parametrize("q, expected", [
+    (Quantization("awq", 4, 64), "m.qweight: expected shape [128, 32] for 256 outputs and 128 inputs in 4-bit "
+                                 "groups of 64, found [1, 1]"),
+    (Quantization("gptq", 8, -1), "m.qweight: expected shape [32, 256] for 256 outputs and 128 inputs in 8-bit "
+                                  "groups of 128, found [1, 1]"),
+])
+def test_a_misshapen_tensor_is_refused_with_the_shape_the_format_stores(q, expected):
+    with pytest.raises(CheckpointError) as caught:
+        quant_checkpoint.check(q, "m", 256, 128, lambda name: ("I32", (1, 1)), "ckpt")
+    assert str(caught.value) == f"ckpt: {expected}"
+    # every other tensor as the format stores it: no error
+    shapes = quant_checkpoint.shapes(q, 256, 128)
+    assert all(type(n) is int for shape in shapes.values() for n in shape)
+    quant_checkpoint.check(q, "m", 256, 128, lambda name: (quant_checkpoint.DTYPES[name[2:]], shapes[name[2:]]),
+                           "ckpt")
+
+
 Q = "model.layers.1.mlp.up_proj"
 
 
@@ -238,6 +270,10 @@ def _set(tensors, name, index, value):
                                             "(values 0 to 2)"),
     (lambda t: _set(t, f"{Q}.g_idx", slice(0, 128), 0), f"{Q}.g_idx is not a valid grouping"),  # one group of 128
     (lambda t: _set(t, f"{Q}.g_idx", 5, -1), "values -1 to 1"),
+    # a -1 in place of a 0 leaves every group's count as it was: only the range check sees it
+    (lambda t: _set(t, f"{Q}.g_idx", int(np.flatnonzero(t[f"{Q}.g_idx"] == 0)[0]), -1), "values -1 to 1"),
+    (lambda t: [_set(t, f"{Q}.scales", (0, 7), np.nan), _set(t, f"{Q}.scales", (1, 3), np.inf)],
+     f"{Q}.scales holds nan at [0, 7]"),  # the first bad scale is named
     (lambda t: t.update({f"{Q}.g_idx": t[f"{Q}.g_idx"][::-1].copy()}),
      f"model.layers.1.mlp.gate_proj.g_idx and {Q}.g_idx differ, but the parts of w_gate_up share one input"),
 ])

@@ -125,6 +125,8 @@ def test_finishing_the_special_rows():
     assert record.logprob == -math.log(2) and record.top == ((9, -math.log(2)), (4, -math.inf))
     row[[ops.LP_MAX, ops.LP_TARGET]] = -np.inf, np.nan  # nothing has a probability; a NaN target
     assert from_rows(row[None], 0)[0].logprob == -math.inf
+    row[[ops.LP_MAX, ops.LP_TARGET]] = np.nan, 1.0  # a NaN maximum: no probability either, not NaN
+    assert from_rows(row[None], 0)[0].logprob == -math.inf
 
 
 def test_every_logprobs_launch_matches_the_kernel_signature():

@@ -106,3 +106,13 @@ def test_a_token_costs_its_characters_and_the_longest_stop_however_many_stops_th
     assert "".join(emitted) == "" and matcher.pending == text and not matcher.stopped
     assert counted.lines > len(text)  # it did count the walk
     assert matcher.feed("!") == "" and matcher.matched == stops[-1]
+
+
+def test_flush_gives_back_what_was_held_and_starts_afresh():
+    # "a" is held back (it may begin "ab"); after flush, a "b" is new text, not the end of "ab". (The last
+    # node, "ca", links to "a": a state left anywhere but the root would see "ab".)
+    matcher = StopMatcher(["ab", "ca"])
+    assert matcher.feed("a") == "" and matcher.flush() == "a"
+    assert matcher.feed("b") == "b" and not matcher.stopped and matcher.pending == ""
+    assert matcher.feed("c") == "" and matcher.flush() == "c"
+    assert matcher.feed("xab") == "x" and matcher.matched == "ab"

@@ -17,7 +17,7 @@ from cullama.checkpoint import write_random
 from cullama.config import LlamaConfig
 from cullama.errors import TokenizerError
 from cullama.tokenizer import Tokenizer, load_tokenizer
-from cullama.tokenizer_json import JsonTokenizer
+from cullama.tokenizer_json import _BYTE_OF_CHAR, JsonStreamDecoder, JsonTokenizer
 from conftest import shared_path
 
 FAMILIES = ("tiny-llama3", "tiny-qwen2", "tiny-mistral")
@@ -172,6 +172,8 @@ def test_special_tokens_shown_when_asked():
     ids = ref["chats"][0]["ids"]
     assert tok.decode(ids, skip_special_tokens=False) == ref["chats"][0]["text"]
     assert "".join(stream(tok, ids, skip_special_tokens=False)) == ref["chats"][0]["text"]
+    direct = JsonStreamDecoder(tok)  # hidden by default, as by decode
+    assert "".join(direct.push(i) for i in ids) + direct.flush() == tok.decode(ids) != ref["chats"][0]["text"]
 
 
 def test_stream_holds_a_split_character_and_nothing_else():
@@ -196,6 +198,32 @@ def test_byte_fallback_runs_are_held_whole(byte_fallback):
     assert stream(byte_fallback, [*euro, 3 + 0xFF, *the]) == ["", "", "", "", "\ufffd" * 4 + " ", " the", ""]
     # the first space is stripped, as decode strips it, and only the first
     assert stream(byte_fallback, [*the, *euro]) == ["", " the", "", "", "", "€"]
+    # a BOS first prints nothing, so the first space is still the text's first
+    assert stream(byte_fallback, [byte_fallback.bos_id, the[1], *the]) == ["", "the", " ", " the", ""]
+
+
+def test_a_special_token_first_leaves_the_first_space_to_the_text(tmp_path):
+    # Metaspace drops the first piece's space; a special token before it prints nothing, so the stream must
+    # not stand the history in for it yet ("x" would: "x the" -> " the").
+    pieces = HFTokenizer(models.WordLevel(vocab={"<unk>": 0, "<s>": 1, "\u2581the": 2, "\u2581cat": 3, "x": 4},
+                                          unk_token="<unk>"))
+    pieces.decoder = decoders.Metaspace()
+    pieces.add_special_tokens([AddedToken(t, normalized=False, special=True) for t in ("<unk>", "<s>")])
+    pieces.save(str(tmp_path / "tokenizer.json"))
+    tok = load_tokenizer(tmp_path)
+    assert tok._filler == 4 and tok.decode([1, 2, 3]) == "the cat"
+    assert stream(tok, [1, 2, 3]) == ["", "the", " cat", ""]
+
+
+def test_a_token_that_does_not_decode_as_itself_twice_never_stands_in_for_the_history(tmp_path):
+    # CTC's decoder merges a repeated token ("a", "a" -> "a"): standing in for the text before it, "a" would
+    # swallow the next "a". No token here qualifies, so the stream keeps its history, and still equals decode.
+    ctc = HFTokenizer(models.WordLevel(vocab={"<pad>": 0, "a": 1, "b": 2, "<unk>": 3}, unk_token="<unk>"))
+    ctc.decoder = decoders.CTC(pad_token="<pad>")
+    ctc.save(str(tmp_path / "tokenizer.json"))
+    tok = load_tokenizer(tmp_path)
+    ids = [2, 1, 0, 1, 1, 2]
+    assert tok.decode(ids) == "baab" == "".join(stream(tok, ids))
 
 
 def test_stream_work_stays_bounded():
@@ -208,7 +236,23 @@ def test_stream_work_stays_bounded():
     for i in ids:
         text += decoder.push(i)
         longest = max(longest, len(decoder._pending))
-    assert longest <= 5 and text + decoder.flush() == tok.decode(ids)
+    assert longest <= 4 and text + decoder.flush() == tok.decode(ids)  # a UTF-8 character's bytes at most
+    # Text that shows: the history is one token that says the same.
+    ids = tok.encode("the cat sat on the mat " * 20, bos=False)
+    assert "".join(decoder.push(i) for i in ids) == tok.decode(ids) and decoder._context == [tok._filler]
+
+
+def test_a_byte_level_tokenizer_without_a_stand_in_keeps_its_history(tmp_path):
+    # Only the bytes 0x80 .. 0xFF, each U+FFFD alone: no token is a stand-in, and bytes that never make a
+    # character stay pending (correct, if slower) instead of being cut down.
+    upper = [c for c, b in _BYTE_OF_CHAR.items() if b >= 0x80]
+    spec = HFTokenizer(models.WordLevel(vocab={c: i for i, c in enumerate(upper)}, unk_token=upper[0]))
+    spec.decoder = decoders.ByteLevel()
+    spec.save(str(tmp_path / "tokenizer.json"))
+    tok = load_tokenizer(tmp_path)
+    assert tok._filler is None
+    ids = [int(i) for i in np.random.default_rng(1).integers(0, 128, 50)]
+    assert "".join(stream(tok, ids)) == tok.decode(ids)
 
 
 def test_out_of_range_id(tokenizer):
@@ -236,6 +280,7 @@ def test_tokenizer_json_is_preferred_to_tokenizer_model(tmp_path):
     (b'{"model": {"type": "BPE", "vocab": 5}}', "at line 1 column 38"),
     (b'{"model": ' * 5000 + b"1" + b"}" * 5000, "at line 1 column"),
     (b"\xff\xfe", "(invalid UTF-8 at byte 0)"),
+    (b'{"version": "' + b"k" * 300 + b'"}', "(Unknown tokenizer version '" + "k" * 173 + ")"),  # 200 characters
 ])
 def test_unreadable_tokenizer_json_is_one_line(tmp_path, content, why):
     (tmp_path / "tokenizer.json").write_bytes(content)
@@ -346,6 +391,31 @@ def test_token_bytes_of_specials_and_unknown_ids():
     space_hello = tok.encode(" hello", bos=False)
     assert b"".join(tok.token_bytes(i) for i in space_hello) == b" hello"
     assert any(tok.piece(i).startswith("\u0120") for i in space_hello)  # 'Ġ' is the byte 0x20
+
+
+def test_an_id_no_token_has_has_no_piece_and_no_bytes(tmp_path):
+    words = HFTokenizer(models.WordLevel(vocab={"<unk>": 0, "a": 1, "c": 3}, unk_token="<unk>"))  # no id 2
+    words.save(str(tmp_path / "tokenizer.json"))
+    tok = load_tokenizer(tmp_path)
+    assert repr(tok) == f"JsonTokenizer({str(tmp_path / 'tokenizer.json')!r}, vocab_size=4)"
+    assert tok.piece(2) is None and tok.token_bytes(2) == b"" and tok.token_bytes(3) == b"c"
+
+
+def test_a_byte_level_piece_with_a_character_outside_gpt2s_table_spells_it_as_a_question_mark(tmp_path):
+    pieces = HFTokenizer(models.WordLevel(vocab={"<unk>": 0, "\u0120a\u20ac": 1}, unk_token="<unk>"))  # 'Ġa€'
+    pieces.decoder = decoders.ByteLevel()
+    pieces.save(str(tmp_path / "tokenizer.json"))
+    assert load_tokenizer(tmp_path).token_bytes(1) == b" a?"
+
+
+def test_the_byte_level_table_is_gpt2s():
+    from tokenizers import pre_tokenizers
+    assert set(_BYTE_OF_CHAR) == set(pre_tokenizers.ByteLevel.alphabet()) and sorted(_BYTE_OF_CHAR.values()) == \
+        list(range(256))
+    # printable Latin-1 stands for itself; the rest from U+0100 on, in byte order: 'Ġ' is the space, 'Ń' U+00AD
+    assert {c: _BYTE_OF_CHAR[c] for c in "!~\u00a1\u00ac\u00ae\u00ff\u0100\u0120\u0121\u0142\u0143"} == {
+        "!": 0x21, "~": 0x7E, "\u00a1": 0xA1, "\u00ac": 0xAC, "\u00ae": 0xAE, "\u00ff": 0xFF, "\u0100": 0x00,
+        "\u0120": 0x20, "\u0121": 0x7F, "\u0142": 0xA0, "\u0143": 0xAD}
 
 
 def test_server_log_probability_texts_use_token_bytes():
