@@ -6,7 +6,7 @@ at least 6x the tokens per second."""
 from __future__ import annotations
 
 from .values import as_dict, as_int, dicts, fmt, num, ratio, table
-from .results import Results, unavailable
+from .results import Results, not_from_a_gpu
 
 STEP_RATIO, BATCH = 1.25, 8
 GAP_P99_RATIO, TOKENS_RATIO, CONCURRENCY = 1.3, 6.0, 8
@@ -51,12 +51,9 @@ def section_load(res: Results) -> list[str]:
 
 
 def target_step(res: Results):
-    if "batch.json" not in res.records:
-        return None, unavailable(res, "batch.json")
-    record = res.records["batch.json"]
-    if record.get("device") != "cuda":
-        return None, f"batch.json ran on {record.get('device', '?')}, not a GPU"
-    sizes = batch_sizes(record)
+    if why := not_from_a_gpu(res, "batch.json"):
+        return None, why
+    sizes = batch_sizes(res.records["batch.json"])
     if 1 not in sizes or BATCH not in sizes:
         return None, f"batch.json needs B=1 and B={BATCH} (has {sorted(sizes)})"
     r = ratio(sizes[BATCH].get("p50_ms"), sizes[1].get("p50_ms"))
@@ -67,12 +64,9 @@ def target_step(res: Results):
 
 
 def target_load(res: Results, key: str, limit: float, at_most: bool):
-    if "serve_load.json" not in res.records:
-        return None, unavailable(res, "serve_load.json")
-    record = res.records["serve_load.json"]
-    if record.get("device") != "cuda":
-        return None, f"serve_load.json ran on {record.get('device', '?')}, not a GPU"
-    levels = load_levels(record)
+    if why := not_from_a_gpu(res, "serve_load.json"):
+        return None, why
+    levels = load_levels(res.records["serve_load.json"])
     if 1 not in levels or CONCURRENCY not in levels:
         return None, f"serve_load.json needs C=1 and C={CONCURRENCY} (has {sorted(levels)})"
     r = ratio(levels[CONCURRENCY].get(key), levels[1].get(key))

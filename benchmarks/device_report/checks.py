@@ -5,7 +5,7 @@ benchmarks/serve_latency.py; issue 10) and whether the CPU executor agrees with 
 from __future__ import annotations
 
 from .values import as_dict, as_int, dicts, fmt, num, table
-from .results import Results, unavailable
+from .results import Results, not_from_a_gpu, unavailable
 
 SERVE, EMU = "serve.json", "emu_vs_gpu.json"
 SERVE_ADDED_MS = 0.2  # the server adds no more than 0.2 ms per token over Llama.stream
@@ -47,11 +47,9 @@ def section_emu(res: Results) -> list[str]:
 
 
 def target_serve(res: Results):
-    if SERVE not in res.records:
-        return None, unavailable(res, SERVE)
+    if why := not_from_a_gpu(res, SERVE):
+        return None, why
     rec = res.records[SERVE]
-    if rec.get("device") != "cuda":
-        return None, f"serve.json ran on {rec.get('device', '?')}, not a GPU"
     vals = [(num(as_dict(r.get("summary")).get("added_ms_per_token")), r["length"]) for r in _serve_rows(rec)]
     if not vals or any(v is None for v, _ in vals):
         return None, "added ms per token missing"

@@ -5,7 +5,7 @@ steps of those names), each against its own floor: the bytes its weights make a 
 from __future__ import annotations
 
 from .values import as_dict, num
-from .results import Results, bench_results, unavailable
+from .results import Results, bench_results, not_from_a_gpu
 from .run_sections import section_weights_bench
 
 PRESETS = ("llama3-8b", "llama3.2-1b")
@@ -18,11 +18,9 @@ def floor_ms(record: dict) -> float | None:
 
 def target(name: str):
     def judge(res: Results):
-        if name not in res.records:
-            return None, unavailable(res, name)
+        if why := not_from_a_gpu(res, name):
+            return None, why
         record = res.records[name]
-        if record.get("device") != "cuda":
-            return None, f"{name} ran on {record.get('device', '?')}, not a GPU"
         floor = floor_ms(record)
         vals = [(num(r.get("p99_ms")), r["length"]) for r in bench_results(record)]
         if floor is None or not vals or any(v is None for v, _ in vals):

@@ -132,6 +132,15 @@ def unavailable(res: Results, name: str) -> str:
     return f"{name} {res.problems.get(name, 'missing')}"
 
 
+def not_from_a_gpu(res: Results, name: str) -> str | None:
+    """Why a target judged on a GPU only cannot be judged from NAME (missing, unreadable, or run elsewhere); None
+    when it can."""
+    if name not in res.records:
+        return unavailable(res, name)
+    device = res.records[name].get("device")
+    return None if device == "cuda" else f"{name} ran on {device or '?'}, not a GPU"
+
+
 def missing_note(res: Results, name: str) -> str:
     if name in res.problems:
         return f"*{name} {res.problems[name]}.*"
