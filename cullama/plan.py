@@ -253,7 +253,7 @@ def embed_x_plan(cfg: LlamaConfig) -> Plan:
     """x = embed[verify_ids[0]] as float32: a sequence's next input for a decode step, written again when another
     sequence's step wrote x in between (the sample kernel writes it at every step of its own)."""
     return Plan("embed_x", [Launch(prefill("embed_rows"), (1, 1, 1), ROW_THREADS,
-                                   (Ref("verify_ids"), Ref("embed"), Ref("x"), i32(cfg.hidden_size)))])
+                                   (Ref("verify_ids"), Ref("embed"), Ref("x"), i32(cfg.hidden_size), i32(cfg.vocab_size)))])
 
 
 def batch_groups(slots: int) -> int:
@@ -397,7 +397,7 @@ def batch_plan(model: LlamaConfig | Layout, max_seq: int, rows: int, group: int 
 
     ids = Ref("batch_ids", group)
     embed = Launch(prefill("embed_rows"), (rows, 1, 1), ROW_THREADS,
-                   (ids, Ref("embed"), act("x"), i32(cfg.hidden_size)))
+                   (ids, Ref("embed"), act("x"), i32(cfg.hidden_size), i32(cfg.vocab_size)))
     return Plan(f"batch[{rows}]#{group}", [embed] + _step_launches(layout, max_seq, rows, act, sample_vocab,
                                                                   Ref("batch_rows", group), ids))
 
@@ -417,7 +417,7 @@ def verify_plan(model: LlamaConfig | Layout, max_seq: int, k: int, sample_vocab:
         return Ref(f"verify_{name}", rows=rows)
 
     embed = Launch(prefill("embed_rows"), (rows, 1, 1), ROW_THREADS,
-                   (act("ids"), Ref("embed"), act("x"), i32(cfg.hidden_size)))
+                   (act("ids"), Ref("embed"), act("x"), i32(cfg.hidden_size), i32(cfg.vocab_size)))
     return Plan(f"verify[{k}]" + _at(slot),
                 [embed] + _step_launches(layout, max_seq, rows, act, sample_vocab, Ref("slot_rows", slot)))
 
@@ -528,7 +528,7 @@ def prefill_plan(model: LlamaConfig | Layout, max_seq: int, start: int, n: int, 
     nh, nkv, hd, eps = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, f32(cfg.rms_norm_eps)
     rows = lambda name, *args: Launch(prefill(name), (n, 1, 1), ROW_THREADS, args)  # noqa: E731
     gemm = kernels.gemm_kernel
-    launches = [rows("embed_rows", Ref("prefill_ids"), Ref("embed"), Ref("x_rows"), i32(d))]
+    launches = [rows("embed_rows", Ref("prefill_ids"), Ref("embed"), Ref("x_rows"), i32(d), i32(V))]
     for i in range(cfg.num_layers):
         w = _Weights(layout, i)
         gather_qkv, xn_qkv = w.gathered("wqkv", Ref("xn_rows"), Ref("xn_rows_perm"), d, n, GATHER_F16)

@@ -9,6 +9,7 @@ typedef unsigned long long uint64_t;
 
 #define WARP 32
 #define NEG_INF (__int_as_float(0xff800000))
+#define QUIET_NAN (__int_as_float(0x7fffffff))  // poisons what must not be used (a row of a bad id)
 
 __device__ __forceinline__ float h2f(half_t h) {
     float f;

@@ -1,6 +1,6 @@
 // prefill.cu — the prompt path's row-wise glue between its GEMMs (gemm.cu), one token row per block.
 //
-//   embed_rows      x_rows[r] = float(embed[ids[r]])
+//   embed_rows      x_rows[r] = float(embed[ids[r]]), or NaN everywhere for an id outside [0, vocab)
 //   rmsnorm_rows    out_rows[r] = fp16(x_rows[r] * rsqrt(mean(x_rows[r]^2) + eps) * w)
 //   rope_kv_rows    q|k|v row + bias -> RoPE on q and k; q_rows[r] = fp16(q), k and v into the KV cache at start + r
 //   silu_mul_rows   h_rows[r, i] = fp16(silu(gate) * up), gate|up = gu_rows[r, i], gu_rows[r, ff + i]
@@ -20,13 +20,24 @@
 __device__ __forceinline__ float silu(float a) { return a / (1.f + expf(-a)); }
 
 // ids [n] int32; embed [vocab, d] FP16; x_rows [n, d] float32.
+// The ids are a prompt's, a verify step's drafts or a batched step's last picks: the host checks the first two and
+// the sample kernel writes the third, but the gather is bounded here as well (as sample bounds its drafts), so that
+// no id can make it read outside embed: a row with an id outside [0, vocab) becomes NaN, its logits NaN, and its
+// sample finds no usable logit (NO_TOKEN), which fails that row's request alone.
 extern "C" __global__ void __launch_bounds__(THREADS)
-embed_rows(const int* __restrict__ ids, const half_t* __restrict__ embed, float* __restrict__ x_rows, int d) {
+embed_rows(const int* __restrict__ ids, const half_t* __restrict__ embed, float* __restrict__ x_rows, int d,
+           int vocab) {
     pdl_launch_dependents();  // the next kernel may start streaming its weights
     pdl_wait();               // the rows come from the kernel before
     const int r = blockIdx.x;
-    const uint4* src = reinterpret_cast<const uint4*>(embed + (size_t)ids[r] * d);
+    const int id = ids[r];
     float4* dst = reinterpret_cast<float4*>(x_rows + (size_t)r * d);
+    if (id < 0 || id >= vocab) {
+        const float4 poison = make_float4(QUIET_NAN, QUIET_NAN, QUIET_NAN, QUIET_NAN);
+        for (int v = threadIdx.x; v < d / 4; v += THREADS) dst[v] = poison;
+        return;
+    }
+    const uint4* src = reinterpret_cast<const uint4*>(embed + (size_t)id * d);
     for (int v = threadIdx.x; v < d / 8; v += THREADS) {
         float f[8];
         unpack8(src[v], f);

@@ -151,7 +151,7 @@ def test_nan_conversions_on_the_executor_equal_the_gpu(kernels):
     embed = halves.astype(np.uint16).view(np.float16).reshape(1, -1)  # [1, 2048]: every FP16 NaN
     d = embed.shape[1]
     gpu, cpu = both(kernels, KernelSpec("prefill.cu", "embed_rows"), (1,), 256,
-                    (np.zeros(1, np.int32), embed, np.zeros((1, d), np.float32), np.int32(d)))
+                    (np.zeros(1, np.int32), embed, np.zeros((1, d), np.float32), np.int32(d), np.int32(1)))
     same_bits("embed_rows (cvt.f32.f16)", gpu[2], cpu[2])
 
     n, hd, heads, kv_heads = 256, 8, 1, 1  # 24 floats a row: q, k, v; every v float goes straight to FP16

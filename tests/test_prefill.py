@@ -30,9 +30,24 @@ def test_embed_rows_gathers_and_upcasts():
     rng = np.random.default_rng(0)
     embed, ids = rand(rng, 50, 72, dtype=np.float16), np.array([7, 0, 49, 7, 3] + [99] * (CHUNK - 5), np.int32)
     x = nan(CHUNK, 72)
-    twin.embed_rows(ids, embed, x, 72, grid=(5, 1, 1))
+    twin.embed_rows(ids, embed, x, 72, 50, grid=(5, 1, 1))
     np.testing.assert_array_equal(x[:5], embed[ids[:5]].astype(np.float32))
     assert np.isnan(x[5:]).all()  # rows past the grid untouched (ids there are out of range on purpose)
+
+
+# Ids the gather must not follow: below 0, the vocabulary's size, and the int32 extremes (an unchecked one would
+# read up to 2^31 rows away).
+BAD_IDS = [-1, 50, 2**31 - 1, -2**31, 51]
+
+
+def test_embed_rows_makes_a_row_of_an_id_outside_the_vocabulary_nan():
+    rng = np.random.default_rng(1)
+    embed = rand(rng, 50, 16, dtype=np.float16)
+    ids = np.array([3] + BAD_IDS + [49], np.int32)
+    x = np.zeros((len(ids), 16), np.float32)
+    twin.embed_rows(ids, embed, x, 16, 50, grid=(len(ids), 1, 1))
+    np.testing.assert_array_equal(x[[0, -1]], embed[[3, 49]].astype(np.float32))
+    assert np.isnan(x[1:-1]).all()
 
 
 @pytest.mark.parametrize("d", [72, 8, 4096])
@@ -110,10 +125,11 @@ def test_gpu_embed_and_rmsnorm_rows(kernels, n, d):
     ids = rng.integers(0, vocab, chunk).astype(np.int32)
     embed, w = rand(rng, vocab, d, dtype=np.float16), rand(rng, d, dtype=np.float16)
     x, xn = nan(chunk, d), nan(chunk, d, dtype=np.float16)
-    twin.embed_rows(ids, embed, x, d, grid=(n, 1, 1))
+    ids[n // 2] = [-1, vocab, 2**31 - 1][n % 3]  # one row's id outside the vocabulary: NaN, nothing read for it
+    twin.embed_rows(ids, embed, x, d, vocab, grid=(n, 1, 1))
     twin.rmsnorm_rows(x, w, xn, d, EPS, grid=(n, 1, 1))
     dx, dxn = poisoned(cp, x.shape, np.float32), poisoned(cp, xn.shape, np.float16)
-    launch(kernels, cp, "embed_rows", n, cp.asarray(ids), cp.asarray(embed), dx, d)
+    launch(kernels, cp, "embed_rows", n, cp.asarray(ids), cp.asarray(embed), dx, d, vocab)
     check(dx, x, rtol=0, atol=0)
     launch(kernels, cp, "rmsnorm_rows", n, dx, cp.asarray(w), dxn, d, EPS)
     check(dxn, xn, rtol=2e-3, atol=2e-3)

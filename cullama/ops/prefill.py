@@ -13,12 +13,18 @@ import numpy as np
 
 SOURCE = "prefill.cu"
 VARIANTS = [()]
+QUIET_NAN = np.uint32(0x7FFFFFFF).view(np.float32)  # common.cuh QUIET_NAN, the bits the kernel writes
 
 
-def embed_rows(ids, embed, x_rows, d, *, grid):
-    """x_rows[:n, :d] = float32(embed[ids[:n]]); ids [chunk] int32, embed [vocab, d] FP16."""
+def embed_rows(ids, embed, x_rows, d, vocab, *, grid):
+    """x_rows[:n, :d] = float32(embed[ids[:n]]); ids [chunk] int32, embed [vocab, d] FP16; a row whose id is outside
+    [0, vocab) is NaN (the kernel bounds its gather)."""
     n = grid[0]
-    x_rows.reshape(-1, x_rows.shape[-1])[:n, :d] = embed[ids[:n], :d].astype(np.float32)  # x [d]: one row
+    rows = x_rows.reshape(-1, x_rows.shape[-1])  # x [d]: one row
+    picked = np.asarray(ids[:n]).astype(np.int64)
+    inside = (picked >= 0) & (picked < int(vocab))
+    rows[:n, :d] = embed[np.where(inside, picked, 0), :d].astype(np.float32)
+    rows[:n, :d][~inside] = QUIET_NAN
 
 
 def rmsnorm_rows(x_rows, w, out_rows, d, eps, *, grid):
