@@ -160,3 +160,37 @@ def poisoned(cp, shape, dtype):
     if dtype.kind == "f":
         return cp.full(shape, np.nan, dtype=dtype)
     return cp.full(shape, np.iinfo(dtype).max, dtype=dtype)
+
+
+# -- the test process's own signal state ------------------------------------------------------------------------
+# A child process inherits its parent's blocked signals and ignored ones across exec (a handler does not survive
+# exec; SIG_IGN and the mask do). A test that leaves SIGINT blocked or ignored in this process makes every later
+# child deaf to Ctrl-C (tests/test_cli_process.py's SIGINT test saw exactly that in whole-suite runs only): the
+# test that does it fails here, by name, at its teardown.
+def _sigint_deafness() -> str | None:
+    """How SIGINT is kept from this thread ('blocked', 'ignored'), or None when it would arrive."""
+    import signal
+
+    if not hasattr(signal, "pthread_sigmask"):
+        return None
+    if signal.SIGINT in signal.pthread_sigmask(signal.SIG_BLOCK, []):
+        return "blocked"
+    ignored = 0
+    try:
+        with open("/proc/self/status") as status:  # the disposition as the kernel has it (C code may set it)
+            ignored = next((int(line.split()[1], 16) for line in status if line.startswith("SigIgn:")), 0)
+    except OSError:
+        pass
+    if ignored >> (signal.SIGINT - 1) & 1 or signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        return "ignored"
+    return None
+
+
+@pytest.fixture(autouse=True)
+def _keeps_sigint_as_it_found_it():
+    before = _sigint_deafness()
+    yield
+    after = _sigint_deafness()
+    if after != before:
+        pytest.fail(f"this test left SIGINT {after or 'deliverable'} in the test process (it was "
+                    f"{before or 'deliverable'}): every later child process inherits that", pytrace=False)
