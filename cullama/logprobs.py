@@ -120,4 +120,12 @@ def perplexity(score: Callable[[Sequence[int]], Sequence[float]], ids: Sequence[
         total += math.fsum(kept)
         count += len(kept)
     nll = -total / count
-    return Perplexity(math.exp(nll) if nll < 709 else math.inf, nll, count, len(spans), context, stride)
+    return Perplexity(_exp_or_inf(nll), nll, count, len(spans), context, stride)
+
+
+def _exp_or_inf(x: float) -> float:
+    """e^x, or inf where that is past the largest float (x > ~709.78), never an OverflowError."""
+    try:
+        return math.exp(x)
+    except OverflowError:
+        return math.inf

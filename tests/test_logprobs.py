@@ -131,9 +131,10 @@ def test_windows_score_every_id_once():
     # two ids are the fewest a perplexity scores: the second given the first
     two = perplexity(lambda window: [-1.0] * (len(window) - 1), [1, 2], 8, 4)
     assert (two.nll, two.tokens, two.windows) == (1.0, 1, 1)
-    # a perplexity past what a float holds is inf, never an OverflowError
-    assert [perplexity(lambda w: [-nll] * (len(w) - 1), [1, 2], 8, 4).perplexity for nll in (708.5, 709.9)] == \
-        [math.exp(708.5), math.inf]
+    # a perplexity past what a float holds is inf, never an OverflowError; up to the largest float it is e^nll
+    assert [perplexity(lambda w: [-nll] * (len(w) - 1), [1, 2], 8, 4).perplexity
+            for nll in (708.5, 709.0, 709.78, 709.79, 1e6)] == [math.exp(708.5), math.exp(709.0), math.exp(709.78),
+                                                                math.inf, math.inf]
 
 
 def test_perplexity_refuses_what_it_cannot_score(stories):
