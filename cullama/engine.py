@@ -84,8 +84,9 @@ class PlanRunner:
     def __init__(self, model: LlamaConfig | Layout, backend, max_seq_len: int, prefill_chunk: int | None = None,
                  weight_bytes: int = 0, sample_vocab: int | None = None, slots: int = 1):
         """`model`: the device layout of the weights (layout.Layout; a config stands for its FP16 layout).
-        `prefill_chunk`: prompt rows per prefill pass (default plan.PREFILL_CHUNK); it sizes the prefill
-        buffers, and any prompt length works. `weight_bytes`: what the weights will still take on this device
+        `prefill_chunk`: prompt rows per prefill pass (default plan.prefill_chunk_for(model, slots): 256 rows for
+        one slot, fewer for more); it sizes the prefill buffers, any prompt length works, and a prompt's K and V
+        (so its answer) may depend on it. `weight_bytes`: what the weights will still take on this device
         once the runner is made: the KV cache, the runtime buffers and they must fit in what it has free, or
         a ResourceError says so before anything is allocated (make the runner before loading the weights).
         `sample_vocab`: only the ids below it are ever sampled (default: the whole vocabulary; a tokenizer
@@ -96,10 +97,10 @@ class PlanRunner:
         plans.check_supported(cfg)
         self.cfg, self.backend, self.max_seq_len = cfg, backend, max_seq_len
         self.sample_vocab = min(sample_vocab or cfg.vocab_size, cfg.vocab_size)
-        self.prefill_chunk = prefill_chunk or plans.PREFILL_CHUNK
         if not 1 <= slots <= plans.MAX_SLOTS:
             raise ValueError(f"slots must be 1 to {plans.MAX_SLOTS}, got {slots}")
         self.slots = slots
+        self.prefill_chunk = prefill_chunk or plans.prefill_chunk_for(self.layout, slots)
         buffers = plans.runtime_buffers(self.layout, max_seq_len, self.prefill_chunk, slots)
         kv = sum(b.nbytes for b in buffers if b.kind == "cache")
         others = sum(b.nbytes for b in buffers) - kv
