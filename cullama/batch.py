@@ -87,6 +87,11 @@ class BatchedStream(GenerationStream):
         return min(self.options.max_new_tokens, self.runner.max_seq_len - len(self.prompt_ids))
 
     @property
+    def scored_only(self) -> bool:
+        """Nothing to generate, its prompt to score (prompt_logprobs): its prefill gives its records, no token."""
+        return self.budget <= 0 and self.options.prompt_logprobs is not None
+
+    @property
     def exclusive(self) -> bool:
         """A request with speculative decoding: it runs alone (see the module docstring)."""
         return self.decoder is not None
@@ -159,7 +164,8 @@ class BatchSession:
         """A new request, queued for a slot; its options are checked here (OptionError, PromptError), before it
         joins anything. Its clock (time to first token) starts now."""
         stream = self._make_stream(prompt, **options)
-        stream.pump()  # starts it: it waits for its first token
+        if not stream.scored_only:  # (one that is only scored ends at its first pump: after its prompt's records)
+            stream.pump()  # starts it: it waits for its first token
         self.pending.append(stream)
         return stream
 
@@ -253,14 +259,13 @@ class BatchSession:
             self.pending.popleft()
             head.slot = self.free.pop(0)
             self.runner.slot = head.slot
-            if head.budget <= 0:  # nothing to generate: score the prompt if asked, and end
-                if head.options.prompt_logprobs is not None:
-                    head.prompt_logprobs = [None, *self.runner.score(head.prompt_ids, head.options.prompt_logprobs)]
+            if head.budget <= 0 and not head.scored_only:  # nothing to compute: it ends
                 self._collect(pieces, head, head.pump())
                 continue
             o = head.options
             try:
-                self._prefill = self.runner.begin(head.prompt_ids, o.sampling, False, o.logprobs, o.prompt_logprobs)
+                self._prefill = self.runner.begin_score(head.prompt_ids, o.prompt_logprobs) if head.scored_only \
+                    else self.runner.begin(head.prompt_ids, o.sampling, False, o.logprobs, o.prompt_logprobs)
             except Exception as exc:
                 head.deliver([_Failed(exc)])
                 self._collect(pieces, head, head.pump())
@@ -269,7 +274,7 @@ class BatchSession:
 
     def _prefill_step(self, pieces: dict) -> None:
         """One chunk of the joining request's prompt; all of it when nothing else runs. On its last chunk the
-        request gets its first token and starts decoding with the next step."""
+        request gets its first token and starts decoding with the next step (one only scored ends)."""
         stream, prefill = self.joining, self._prefill
         self.runner.slot = stream.slot
         try:
@@ -284,6 +289,10 @@ class BatchSession:
         if first is None:
             return
         self.joining, self._prefill = None, None
+        if stream.scored_only:  # `first` is its prompt's records
+            stream.prompt_logprobs = [None, *first]
+            self._collect(pieces, stream, stream.pump())
+            return
         if stream.options.prompt_logprobs is not None:
             stream.prompt_logprobs = [None, *self.runner.prompt_logprobs]
         if stream.decoder is not None:

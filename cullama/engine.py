@@ -15,8 +15,8 @@ seen flags) and host record (cached, last, log-probabilities). `slot` selects th
 score / logits act on, exactly as on a one-slot runner (slot 0 is that runner, bit for bit). Batched decoding:
 set_batch(slots) when the batch's composition changes, then batch_step() per step: one decode step for each of
 those sequences at once (plan.batch_plan: rows of up to VERIFY_ROWS sequences per launch), each row exactly its
-sequence's one-row decode step; begin() is start() one prefill chunk at a time (Prefill.advance), so that a joining
-prompt's chunks can run between batched steps.
+sequence's one-row decode step; begin() is start() one prefill chunk at a time (Prefill.advance), and
+begin_score() score(), so that a joining prompt's chunks can run between batched steps.
 
 Log-probabilities (cullama/logprobs.py): start(..., logprobs=N) makes every token of that generation (start's,
 next's, verify's) come with its TokenLogprob, handed out in order by take_logprobs(); the steps then run the
@@ -59,8 +59,9 @@ def _delegated(field: str) -> property:
 
 
 class Prefill:
-    """A prompt on its way into the cache (PlanRunner.begin): advance() runs one chunk and returns None, or on the
-    last chunk the first sampled token. The runner's slot must be this prompt's at each call."""
+    """A prompt on its way into the cache (PlanRunner.begin, begin_score): advance() runs one chunk and returns None,
+    or on the last chunk the result (begin's first sampled token, begin_score's records). The runner's slot must be
+    this prompt's at each call."""
 
     def __init__(self, runner: "PlanRunner", slot: int, chunks):
         self.runner, self.slot, self._chunks = runner, slot, chunks
@@ -506,11 +507,26 @@ class PlanRunner:
         """The log-probability of each of token_ids[1:] given the ids before it, with `top` alternatives: one
         prefill whose every row is reduced on the device (no vocabulary row reaches the host). Like logits(),
         it leaves nothing to decode from (the KV cache holds the ids, for a later start's reuse)."""
+        prefill = self.begin_score(token_ids, top)
+        records = prefill.advance()
+        while records is None:
+            records = prefill.advance()
+        return records
+
+    def begin_score(self, token_ids: Sequence[int], top: int = 0) -> Prefill:
+        """score() one prefill chunk at a time: the Prefill whose last advance() returns the records."""
         if not 0 < len(token_ids) <= self.max_seq_len:
             raise PromptError(f"score() takes 1 to {self.max_seq_len} tokens, got {len(token_ids)}")
         self.last, self._queued, self.cached = None, None, []  # nothing is sampled: decoding needs a start()
         self._logprobs, self._records, self.prompt_logprobs = None, [], []
-        self._prefill(list(token_ids), "none", prompt_logprobs=top)
+        return Prefill(self, self.slot, self._scored(list(token_ids), top))
+
+    def _scored(self, ids: list[int], top: int):
+        """The generator behind begin_score's Prefill: each chunk, then the prompt's records (its return value)."""
+        for _, last in self._prefill_chunks(ids, "none", prompt_logprobs=top):
+            if last:
+                break
+            yield
         return self.prompt_logprobs
 
 

@@ -162,10 +162,10 @@ def weight_buffers(model: LlamaConfig | Layout) -> list[Buffer]:
 def runtime_buffers(model: LlamaConfig | Layout, max_seq: int, chunk: int | None = None,
                     slots: int = 1) -> list[Buffer]:
     """Everything but the weights: KV cache, state, and the decode and prefill activations (prefill chunks
-    of up to `chunk` rows, default PREFILL_CHUNK), and under act-order the gathered inputs, for
+    of up to `chunk` rows, default prefill_chunk_for(model, slots)), and under act-order the gathered inputs, for
     `slots` sequences (each its own KV cache and state)."""
-    chunk = chunk or PREFILL_CHUNK
     layout = as_layout(model)
+    chunk = chunk or prefill_chunk_for(layout, slots)
     cfg = layout.device
     d, ff, V, hd = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size, cfg.head_dim
     kv = (cfg.num_layers, slots, cfg.num_kv_heads, max_seq, hd)
