@@ -22,9 +22,18 @@ Design (issue 17):
 - Scheduling, at the iteration level: each step() admits waiting requests into free slots (first come, first
   served), runs one prefill chunk of the request joining (its whole prompt when nothing else runs), then one batched
   step over every running request; a request that finishes or is cancelled leaves at once and its slot is reused.
-  A prompt is prefilled in the runner's own chunks (plan.PREFILL_CHUNK by default), never in chunks sized to the
-  moment: a GPU prefill GEMM splits K by the chunk's shape (prefill_kernels.py), so another chunking could change a
-  K or V bit and the answer with it.
+  So between two tokens of a running request at most one prefill chunk runs (a request that only scores its prompt,
+  max_new_tokens=0 with prompt_logprobs, joins the same way: runner.begin_score).
+- The chunk. A prompt is prefilled in the runner's own chunks (runner.prefill_chunk), never in chunks sized to the
+  moment: a GPU prefill GEMM splits K by the chunk's rows (prefill_kernels.split_rule), so another chunking could
+  change a K or V bit and the answer with it; the chunk is a property of the loaded model, the same for its solo and
+  batched generations. A model loaded with max_batch > 1 takes plan.batch_prefill_chunk: on the H200's roofline, the
+  largest multiple of 16 rows whose prefill costs no more than a decode step (the weights' read: 64 rows for a 7B
+  model in FP16, 16 in INT4), so a running request's gap between tokens while a prompt joins is one chunk and one
+  batched step, about two decode steps (a 256-row chunk is predicted at ~3.7 steps on 7B). From the model's shape
+  only, never a timing, so that every load of the model answers alike. The price is the solo time to the first token
+  of long prompts (more chunks, each reading all the weights: benchmarks/PREDICTIONS.md); max_batch 1 keeps 256 rows,
+  and prefill_chunk (--prefill-chunk) sets any chunk.
 - Speculative decoding next to batching: a request with speculation runs alone, always speculating (verify steps on
   its slot, as its solo stream runs them), never batched: it waits for the running requests to finish, and the
   requests behind it wait for it. A sampled speculative request draws other tokens than plain decoding does, so
