@@ -4,8 +4,8 @@ the CUDA backend, its captured graphs and all, on the CPU, in the fastest schedu
 afford (about two and a half minutes of CPU): stories260K's 256 greedy ids (its documented output), the golden
 checkpoints' logits against HuggingFace's, graph replay against eager launches and the NumPy backend, prefix
 reuse, a two-layer model against the reference, verify steps and batched steps against plain steps (bit for bit,
-through their graphs; a prompt of several chunks joining a batch), and the kernel tests at their GPU shapes (LLaMA-2-7B's among them) but the sampling ones that draw
-thousands of times and the 7B-sized GEMMs. The others need a GPU's speed (tens of minutes here). They skip, with the GPU tests' own reason, where ../shared is absent."""
+through their graphs; a prompt of several chunks joining a batch), and the kernel tests at their GPU shapes
+(LLaMA-2-7B's among them) but the sampling ones that draw thousands of times and the 7B-sized GEMMs. The others need a GPU's speed (tens of minutes here). They skip, with the GPU tests' own reason, where ../shared is absent."""
 
 import os
 import subprocess

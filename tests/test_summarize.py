@@ -586,7 +586,8 @@ def test_batched_decode_sections_and_targets(made, records, tmp_path, capsys):
     assert status == "—" and "ran on cpu, not a GPU" in measured
     assert target(text, "a prompt joining B=8")[1] == "—"
     assert f"| {sizes[2]['join_p50_ms']:.3f} | {sizes[2]['join_max_ms']:.3f} | {sizes[2]['join_vs_step']:.2f}x |" in sec
-    assert "| 1 | 3 |" in sec and sec.count("| — | — | — |") == 1  # B = 1: no join == ("gap_ms_p99 at C=8 1.20x C=1's", "PASS")
+    assert "| 1 | 3 |" in sec and sec.count("| — | — | — |") == 1  # B = 1: no join
+    assert target(text, "serve at C=8: inter-token p99") == ("gap_ms_p99 at C=8 1.20x C=1's", "PASS")
     assert target(text, "serve at C=8: tokens/s") == ("tokens_per_s at C=8 6.67x C=1's", "PASS")
 
     r = copy.deepcopy(records)
