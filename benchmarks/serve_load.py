@@ -83,6 +83,7 @@ def level(server: Server, concurrency: int, tokens: int, rounds: int) -> dict:
             "summary": {"ttft_ms_p50": statistics.median(ttft), "ttft_ms_p99": percentile(ttft, 0.99),
                         "gap_ms_p50": statistics.median(gaps) if gaps else None,
                         "gap_ms_p99": percentile(gaps, 0.99) if gaps else None,
+                        "gap_ms_max": max(gaps) if gaps else None,  # the worst gap: a join's prefill chunk, say
                         "tokens_per_s": total / wall, "tokens_per_s_per_client": total / wall / concurrency}}
 
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import click
 
-from .main import QUANTIZE, NonEmptyPath, main, out, require_stdout
+from .main import PREFILL_CHUNK, QUANTIZE, NonEmptyPath, main, out, require_stdout
 
 
 class BenchProgress:
@@ -42,6 +42,7 @@ class BenchProgress:
 @click.option("--max-seq-len", type=int, help="Context to allocate (default: the model's).")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), help="Write every sample and the environment here.")
 @QUANTIZE
+@PREFILL_CHUNK
 @click.option("--overlap/--no-overlap", default=None,
               help="Link the decode graph's kernels by programmatic dependent launch (sm_90+) "
                    "[default: CULLAMA_OVERLAP=1 turns it on; off otherwise].")
@@ -61,7 +62,7 @@ class BenchProgress:
               help="--speculative: a real checkpoint (e.g. stories260K) on which ngram's tokens per step is measured "
                    "for the derived per-token figures.")
 def bench(model_dir, synthetic, device, lengths, samples, warmup, prompt_len, max_seq_len, json_path, quantize,
-          overlap, batch_sizes, **speculative):
+          prefill_chunk, overlap, batch_sizes, **speculative):
     """Per-token decode latency (p50/p90/p99/max), tokens/s, GB/s and TTFT at each length."""
     require_stdout()
     from .. import bench as protocol
@@ -75,7 +76,8 @@ def bench(model_dir, synthetic, device, lengths, samples, warmup, prompt_len, ma
 
     command = {"model": model_dir, "synthetic": synthetic, "device": device, "lengths": lengths,
                "samples": samples, "warmup": warmup, "prompt_len": prompt_len, "max_seq_len": max_seq_len,
-               "json": json_path, "quantize": quantize, "overlap": overlap, **speculative}
+               "json": json_path, "quantize": quantize, "prefill_chunk": prefill_chunk, "overlap": overlap,
+               **speculative}
     if model_dir is not None and synthetic is not None:
         raise PromptError("give either --model or --synthetic, not both")
     speculative_options(speculative)
@@ -117,9 +119,11 @@ def bench(model_dir, synthetic, device, lengths, samples, warmup, prompt_len, ma
     BenchProgress.note(f"loading {model_dir or 'synthetic ' + synthetic} on {dev} ...")
     slots = max(sizes) if sizes else 1
     if model_dir is not None:
-        llm = Llama.from_pretrained(model_dir, device=dev, max_seq_len=max_seq_len, quantize=quantize, max_batch=slots)
+        llm = Llama.from_pretrained(model_dir, device=dev, max_seq_len=max_seq_len, quantize=quantize, max_batch=slots,
+                                    prefill_chunk=prefill_chunk)
     else:
-        llm = Llama.synthetic(synthetic, device=dev, max_seq_len=max_seq_len, quantize=quantize, max_batch=slots)
+        llm = Llama.synthetic(synthetic, device=dev, max_seq_len=max_seq_len, quantize=quantize, max_batch=slots,
+                              prefill_chunk=prefill_chunk)
 
     overlapped = False
     if dev == "cuda":
@@ -137,7 +141,8 @@ def bench(model_dir, synthetic, device, lengths, samples, warmup, prompt_len, ma
     try:
         result = protocol.run(llm.runner, llm.config, lengths, samples, warmup, prompt_len, bandwidth=bandwidth,
                               device=dev, progress=BenchProgress(), layout=llm.layout,
-                              extra_options={"command": command, "overlap": overlapped})
+                              extra_options={"command": command, "overlap": overlapped,
+                                             "prefill_chunk": llm.runner.prefill_chunk})
     except protocol.Interrupted as stop:  # Ctrl-C: the lengths that finished are kept, then exit 130
         report(stop.result, label, dev, overlapped, json_path)
         raise
@@ -151,11 +156,13 @@ def batch_report(llm, label, dev, overlapped, sizes, steps, warmup, prompt_len, 
 
     records = batch_bench.run(llm.runner, llm.config.vocab_size, sizes, steps, warmup, prompt_len, BenchProgress.note)
     overlap = ", overlap on" if overlapped else ""
+    chunk = llm.runner.prefill_chunk
     out(batch_bench.format_table(records, f"cullama bench --batch: {label}, {dev}{overlap}, prompt {prompt_len}, "
-                                          f"{steps} steps per size"))
+                                          f"{steps} steps per size, prefill chunk {chunk}"))
     if json_path:
         protocol.write_record({"kind": "batch", "model": label, "device": dev, "environment": environment(),
-                               "options": {"command": command, "overlap": overlapped}, "sizes": records}, json_path)
+                               "options": {"command": command, "overlap": overlapped, "prefill_chunk": chunk},
+                               "sizes": records}, json_path)
         BenchProgress.note(f"wrote {json_path}")
 
 

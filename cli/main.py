@@ -235,6 +235,7 @@ def shared_options(command):
         click.option("--tokenizer", type=NonEmptyPath(), help="tokenizer.json or tokenizer.model (or a directory "
                      "holding one) to use instead of the checkpoint's."),
         QUANTIZE,
+        PREFILL_CHUNK,
         click.option("--json", "as_json", is_flag=True, help="Print JSON: ids, text, finish reason, seed, timings, "
                                                             "the weights' format."),
     ]
@@ -245,6 +246,14 @@ def shared_options(command):
 QUANTIZE = click.option("--quantize", type=click.Choice(["int8", "int4"]),
                         help="Quantize an FP16 / BF16 / FP32 checkpoint's linear weights on load: int8 per output "
                              "channel, int4 in groups of 128 (AWQ and GPTQ checkpoints run as they are stored).")
+
+# --prefill-chunk of generate, chat, serve and bench (cullama.plan.MAX_PREFILL_CHUNK is its top)
+PREFILL_CHUNK = click.option(
+    "--prefill-chunk", type=click.IntRange(1, 4096),
+    help="Prompt tokens per prefill pass; a prompt's answer can depend on it [default: 256 with --max-batch 1, "
+         "else sized so that a joining prompt keeps the running requests within about two decode steps "
+         "between tokens: 64 for a 7B model in FP16]. `cullama generate --prefill-chunk N` gives the answers of a "
+         "server whose ready line says prefill chunk N.")
 
 
 def speculative_flags(command):
@@ -303,7 +312,7 @@ def pick_device(device: str) -> str:
     return resolve(device, on_fallback=note)
 
 
-def load(model_dir, device, max_seq_len, tokenizer, check=None, draft_model=None, quantize=None):
+def load(model_dir, device, max_seq_len, tokenizer, check=None, draft_model=None, quantize=None, prefill_chunk=None):
     """The model (and its draft model), with a progress bar while the weights load and its notes said once."""
     from ..llama import Llama
 
@@ -311,7 +320,7 @@ def load(model_dir, device, max_seq_len, tokenizer, check=None, draft_model=None
     try:
         llm = Llama.from_pretrained(model_dir, device=pick_device(device), max_seq_len=max_seq_len,
                                     tokenizer=tokenizer, progress=progress, check=check, draft_model=draft_model,
-                                    quantize=quantize)
+                                    quantize=quantize, prefill_chunk=prefill_chunk)
     finally:
         progress.close()
     for text in llm.notes:
@@ -390,7 +399,8 @@ def generate(model_dir, prompt, prompt_ids, chat, system, device, max_seq_len, t
             request[:] = checked_ids(prompt, config.vocab_size, tok)
         check_prompt_fits(len(request), context, options.max_new_tokens)
 
-    llm = load(model_dir, device, max_seq_len, tokenizer, check, kwargs["draft_model"], quantize)
+    llm = load(model_dir, device, max_seq_len, tokenizer, check, kwargs["draft_model"], quantize,
+               kwargs["prefill_chunk"])
     stream_out(llm.stream(request, **dataclasses.asdict(options), **spec), llm, as_json)
 
 
@@ -419,7 +429,8 @@ def chat(model_dir, system, device, max_seq_len, tokenizer, quantize, as_json, *
             raise PromptError(f"--system takes {n} tokens in the chat template, which leaves no room in the "
                               f"context of {context} tokens (--max-seq-len)")
 
-    llm = load(model_dir, device, max_seq_len, tokenizer, check, kwargs["draft_model"], quantize)
+    llm = load(model_dir, device, max_seq_len, tokenizer, check, kwargs["draft_model"], quantize,
+               kwargs["prefill_chunk"])
     interactive = sys.stdin is not None and sys.stdin.isatty()
     lines = TextInput().lines()
     messages: list[dict] = []
@@ -472,9 +483,10 @@ def chat(model_dir, system, device, max_seq_len, tokenizer, quantize, as_json, *
 @click.option("--shutdown-grace", default=SHUTDOWN_GRACE_S, show_default=True, type=click.FloatRange(0),
               help="Seconds open connections get to finish after SIGINT/SIGTERM before they are closed.")
 @QUANTIZE
+@PREFILL_CHUNK
 @speculative_flags
 def serve(model_dir, host, port, device, max_seq_len, tokenizer, served_model_name, max_queue, max_batch, api_key,
-          allowed_hosts, allowed_origins, body_timeout, shutdown_grace, quantize, **flags):
+          allowed_hosts, allowed_origins, body_timeout, shutdown_grace, quantize, prefill_chunk, **flags):
     """An OpenAI-compatible HTTP server: /v1/completions, /v1/chat/completions, /v1/models, /health, /metrics.
 
     Up to --max-batch generations decode together (each request's tokens are the ones it gets alone), the others
@@ -494,7 +506,7 @@ def serve(model_dir, host, port, device, max_seq_len, tokenizer, served_model_na
                         tokenizer=tokenizer, speculative=spec, draft_model=flags["draft_model"],
                         body_timeout=body_timeout, shutdown_grace=shutdown_grace,
                         allowed_hosts=listed(allowed_hosts), allowed_origins=listed(allowed_origins),
-                        quantize=quantize, max_batch=max_batch))
+                        quantize=quantize, max_batch=max_batch, prefill_chunk=prefill_chunk))
 
 
 def listed(values: tuple[str, ...]) -> tuple[str, ...]:

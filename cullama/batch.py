@@ -22,9 +22,18 @@ Design (issue 17):
 - Scheduling, at the iteration level: each step() admits waiting requests into free slots (first come, first
   served), runs one prefill chunk of the request joining (its whole prompt when nothing else runs), then one batched
   step over every running request; a request that finishes or is cancelled leaves at once and its slot is reused.
-  A prompt is prefilled in the runner's own chunks (plan.PREFILL_CHUNK by default), never in chunks sized to the
-  moment: a GPU prefill GEMM splits K by the chunk's shape (prefill_kernels.py), so another chunking could change a
-  K or V bit and the answer with it.
+  So between two tokens of a running request at most one prefill chunk runs (a request that only scores its prompt,
+  max_new_tokens=0 with prompt_logprobs, joins the same way: runner.begin_score).
+- The chunk. A prompt is prefilled in the runner's own chunks (runner.prefill_chunk), never in chunks sized to the
+  moment: a GPU prefill GEMM splits K by the chunk's rows (prefill_kernels.split_rule), so another chunking could
+  change a K or V bit and the answer with it; the chunk is a property of the loaded model, the same for its solo and
+  batched generations. A model loaded with max_batch > 1 takes plan.batch_prefill_chunk: on the H200's roofline, the
+  largest multiple of 16 rows whose prefill costs no more than a decode step (the weights' read: 64 rows for a 7B
+  model in FP16, 16 in INT4), so a running request's gap between tokens while a prompt joins is one chunk and one
+  batched step, about two decode steps (a 256-row chunk is predicted at ~3.7 steps on 7B). From the model's shape
+  only, never a timing, so that every load of the model answers alike. The price is the solo time to the first token
+  of long prompts (more chunks, each reading all the weights: benchmarks/PREDICTIONS.md); max_batch 1 keeps 256 rows,
+  and prefill_chunk (--prefill-chunk) sets any chunk.
 - Speculative decoding next to batching: a request with speculation runs alone, always speculating (verify steps on
   its slot, as its solo stream runs them), never batched: it waits for the running requests to finish, and the
   requests behind it wait for it. A sampled speculative request draws other tokens than plain decoding does, so
@@ -85,6 +94,11 @@ class BatchedStream(GenerationStream):
     def budget(self) -> int:
         """Tokens it may get at most: max_new_tokens, or what the context leaves after the prompt."""
         return min(self.options.max_new_tokens, self.runner.max_seq_len - len(self.prompt_ids))
+
+    @property
+    def scored_only(self) -> bool:
+        """Nothing to generate, its prompt to score (prompt_logprobs): its prefill gives its records, no token."""
+        return self.budget <= 0 and self.options.prompt_logprobs is not None
 
     @property
     def exclusive(self) -> bool:
@@ -159,7 +173,8 @@ class BatchSession:
         """A new request, queued for a slot; its options are checked here (OptionError, PromptError), before it
         joins anything. Its clock (time to first token) starts now."""
         stream = self._make_stream(prompt, **options)
-        stream.pump()  # starts it: it waits for its first token
+        if not stream.scored_only:  # (one that is only scored ends at its first pump: after its prompt's records)
+            stream.pump()  # starts it: it waits for its first token
         self.pending.append(stream)
         return stream
 
@@ -253,14 +268,13 @@ class BatchSession:
             self.pending.popleft()
             head.slot = self.free.pop(0)
             self.runner.slot = head.slot
-            if head.budget <= 0:  # nothing to generate: score the prompt if asked, and end
-                if head.options.prompt_logprobs is not None:
-                    head.prompt_logprobs = [None, *self.runner.score(head.prompt_ids, head.options.prompt_logprobs)]
+            if head.budget <= 0 and not head.scored_only:  # nothing to compute: it ends
                 self._collect(pieces, head, head.pump())
                 continue
             o = head.options
             try:
-                self._prefill = self.runner.begin(head.prompt_ids, o.sampling, False, o.logprobs, o.prompt_logprobs)
+                self._prefill = self.runner.begin_score(head.prompt_ids, o.prompt_logprobs) if head.scored_only \
+                    else self.runner.begin(head.prompt_ids, o.sampling, False, o.logprobs, o.prompt_logprobs)
             except Exception as exc:
                 head.deliver([_Failed(exc)])
                 self._collect(pieces, head, head.pump())
@@ -269,7 +283,7 @@ class BatchSession:
 
     def _prefill_step(self, pieces: dict) -> None:
         """One chunk of the joining request's prompt; all of it when nothing else runs. On its last chunk the
-        request gets its first token and starts decoding with the next step."""
+        request gets its first token and starts decoding with the next step (one only scored ends)."""
         stream, prefill = self.joining, self._prefill
         self.runner.slot = stream.slot
         try:
@@ -284,6 +298,10 @@ class BatchSession:
         if first is None:
             return
         self.joining, self._prefill = None, None
+        if stream.scored_only:  # `first` is its prompt's records
+            stream.prompt_logprobs = [None, *first]
+            self._collect(pieces, stream, stream.pump())
+            return
         if stream.options.prompt_logprobs is not None:
             stream.prompt_logprobs = [None, *self.runner.prompt_logprobs]
         if stream.decoder is not None:

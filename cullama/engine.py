@@ -15,8 +15,8 @@ seen flags) and host record (cached, last, log-probabilities). `slot` selects th
 score / logits act on, exactly as on a one-slot runner (slot 0 is that runner, bit for bit). Batched decoding:
 set_batch(slots) when the batch's composition changes, then batch_step() per step: one decode step for each of
 those sequences at once (plan.batch_plan: rows of up to VERIFY_ROWS sequences per launch), each row exactly its
-sequence's one-row decode step; begin() is start() one prefill chunk at a time (Prefill.advance), so that a joining
-prompt's chunks can run between batched steps.
+sequence's one-row decode step; begin() is start() one prefill chunk at a time (Prefill.advance), and
+begin_score() score(), so that a joining prompt's chunks can run between batched steps.
 
 Log-probabilities (cullama/logprobs.py): start(..., logprobs=N) makes every token of that generation (start's,
 next's, verify's) come with its TokenLogprob, handed out in order by take_logprobs(); the steps then run the
@@ -59,8 +59,9 @@ def _delegated(field: str) -> property:
 
 
 class Prefill:
-    """A prompt on its way into the cache (PlanRunner.begin): advance() runs one chunk and returns None, or on the
-    last chunk the first sampled token. The runner's slot must be this prompt's at each call."""
+    """A prompt on its way into the cache (PlanRunner.begin, begin_score): advance() runs one chunk and returns None,
+    or on the last chunk the result (begin's first sampled token, begin_score's records). The runner's slot must be
+    this prompt's at each call."""
 
     def __init__(self, runner: "PlanRunner", slot: int, chunks):
         self.runner, self.slot, self._chunks = runner, slot, chunks
@@ -84,8 +85,9 @@ class PlanRunner:
     def __init__(self, model: LlamaConfig | Layout, backend, max_seq_len: int, prefill_chunk: int | None = None,
                  weight_bytes: int = 0, sample_vocab: int | None = None, slots: int = 1):
         """`model`: the device layout of the weights (layout.Layout; a config stands for its FP16 layout).
-        `prefill_chunk`: prompt rows per prefill pass (default plan.PREFILL_CHUNK); it sizes the prefill
-        buffers, and any prompt length works. `weight_bytes`: what the weights will still take on this device
+        `prefill_chunk`: prompt rows per prefill pass (default plan.prefill_chunk_for(model, slots): 256 rows for
+        one slot, fewer for more); it sizes the prefill buffers, any prompt length works, and a prompt's K and V
+        (so its answer) may depend on it. `weight_bytes`: what the weights will still take on this device
         once the runner is made: the KV cache, the runtime buffers and they must fit in what it has free, or
         a ResourceError says so before anything is allocated (make the runner before loading the weights).
         `sample_vocab`: only the ids below it are ever sampled (default: the whole vocabulary; a tokenizer
@@ -96,10 +98,10 @@ class PlanRunner:
         plans.check_supported(cfg)
         self.cfg, self.backend, self.max_seq_len = cfg, backend, max_seq_len
         self.sample_vocab = min(sample_vocab or cfg.vocab_size, cfg.vocab_size)
-        self.prefill_chunk = prefill_chunk or plans.PREFILL_CHUNK
         if not 1 <= slots <= plans.MAX_SLOTS:
             raise ValueError(f"slots must be 1 to {plans.MAX_SLOTS}, got {slots}")
         self.slots = slots
+        self.prefill_chunk = prefill_chunk or plans.prefill_chunk_for(self.layout, slots)
         buffers = plans.runtime_buffers(self.layout, max_seq_len, self.prefill_chunk, slots)
         kv = sum(b.nbytes for b in buffers if b.kind == "cache")
         others = sum(b.nbytes for b in buffers) - kv
@@ -505,11 +507,26 @@ class PlanRunner:
         """The log-probability of each of token_ids[1:] given the ids before it, with `top` alternatives: one
         prefill whose every row is reduced on the device (no vocabulary row reaches the host). Like logits(),
         it leaves nothing to decode from (the KV cache holds the ids, for a later start's reuse)."""
+        prefill = self.begin_score(token_ids, top)
+        records = prefill.advance()
+        while records is None:
+            records = prefill.advance()
+        return records
+
+    def begin_score(self, token_ids: Sequence[int], top: int = 0) -> Prefill:
+        """score() one prefill chunk at a time: the Prefill whose last advance() returns the records."""
         if not 0 < len(token_ids) <= self.max_seq_len:
             raise PromptError(f"score() takes 1 to {self.max_seq_len} tokens, got {len(token_ids)}")
         self.last, self._queued, self.cached = None, None, []  # nothing is sampled: decoding needs a start()
         self._logprobs, self._records, self.prompt_logprobs = None, [], []
-        self._prefill(list(token_ids), "none", prompt_logprobs=top)
+        return Prefill(self, self.slot, self._scored(list(token_ids), top))
+
+    def _scored(self, ids: list[int], top: int):
+        """The generator behind begin_score's Prefill: each chunk, then the prompt's records (its return value)."""
+        for _, last in self._prefill_chunks(ids, "none", prompt_logprobs=top):
+            if last:
+                break
+            yield
         return self.prompt_logprobs
 
 

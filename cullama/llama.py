@@ -59,7 +59,8 @@ class Llama:
     def from_pretrained(cls, path: str | os.PathLike, device: str = "auto", max_seq_len: int | None = None,
                         tokenizer: str | os.PathLike | None = None, progress: Progress | None = None,
                         check: Check | None = None, draft_model: str | os.PathLike | None = None,
-                        quantize: str | None = None, max_batch: int = 1) -> "Llama":
+                        quantize: str | None = None, max_batch: int = 1,
+                        prefill_chunk: int | None = None) -> "Llama":
         """Load an HF-format LLaMA checkpoint directory (safetensors) onto `device` ("auto", "cpu", "cuda").
 
         Plain checkpoints (FP16, BF16, FP32) run in FP16, or with quantize="int8" | "int4" quantized on load
@@ -78,9 +79,14 @@ class Llama:
         only); one with another vocabulary size or other pieces is refused before any weight loads.
 
         max_batch: sequences decoded at once (1 to plan.MAX_SLOTS; a KV cache of the context each, counted in the
-        memory check): generate(list_of_prompts) and batch() run that many together (cullama/batch.py)."""
+        memory check): generate(list_of_prompts) and batch() run that many together (cullama/batch.py).
+        prefill_chunk: prompt rows per prefill pass (1 to plan.MAX_PREFILL_CHUNK), for every generation of this
+        model, solo and batched alike (a prompt's answer can depend on it); None: 256 with max_batch 1 (the fastest
+        first token), else the rule of plan.batch_prefill_chunk (64 for a 7B model in FP16), which keeps the running
+        requests' gap between tokens within about two decode steps while a prompt joins them."""
         notes: list[str] = []
         max_batch = checked_max_batch(max_batch)
+        prefill_chunk = checked_prefill_chunk(prefill_chunk)
         path, tokenizer = checked_path(path, "path"), checked_path(tokenizer, "tokenizer")
         draft_model = checked_path(draft_model, "draft_model")
         check_quantize(quantize)
@@ -104,26 +110,30 @@ class Llama:
         backend = make_backend(device)
         # fits, or says so; the ids past a smaller tokenizer's pieces (a padded vocabulary) are never sampled
         runner = PlanRunner(layout, backend, seq_len, weight_bytes=layout.weight_bytes(),
-                            sample_vocab=tok.vocab_size if tok else None, slots=max_batch)
+                            sample_vocab=tok.vocab_size if tok else None, slots=max_batch,
+                            prefill_chunk=prefill_chunk)
         load_checkpoint(backend, ckpt, progress, layout)
         draft = None if draft_model is None else cls.from_pretrained(draft_model, device, seq_len, progress=progress)
         return cls(config, runner, tok, device, notes + (draft.notes if draft else []), draft)
 
     @classmethod
     def synthetic(cls, config: LlamaConfig | str, device: str = "auto", max_seq_len: int | None = None,
-                  seed: int = 0, quantize: str | None = None, max_batch: int = 1) -> "Llama":
+                  seed: int = 0, quantize: str | None = None, max_batch: int = 1,
+                  prefill_chunk: int | None = None) -> "Llama":
         """Random weights of a preset's (or any config's) shape, made on the device: no download. quantize
-        ("int8" | "int4"): random codes and (scale, zero) pairs in the layout on-load quantization gives.
-        For benchmarks; there is no tokenizer, so prompts are token ids."""
+        ("int8" | "int4"): random codes and (scale, zero) pairs in the layout on-load quantization gives;
+        max_batch, prefill_chunk: as from_pretrained's. For benchmarks; there is no tokenizer, so prompts are
+        token ids."""
         check_quantize(quantize)
         max_batch = checked_max_batch(max_batch)
+        prefill_chunk = checked_prefill_chunk(prefill_chunk)
         config = preset(config) if isinstance(config, str) else config
         device = devices.resolve(device)
         layout = config_layout(config, quantize)
         plans.check_supported(layout.device)
         backend = make_backend(device)
         runner = PlanRunner(layout, backend, checked_context(config, max_seq_len),
-                            weight_bytes=layout.weight_bytes(), slots=max_batch)
+                            weight_bytes=layout.weight_bytes(), slots=max_batch, prefill_chunk=prefill_chunk)
         random_weights(backend, layout, seed)
         return cls(config, runner, None, device)
 
@@ -382,3 +392,13 @@ def checked_max_batch(max_batch) -> int:
     if not is_int(max_batch) or not 1 <= max_batch <= plans.MAX_SLOTS:
         raise OptionError("max_batch", f"must be an integer from 1 to {plans.MAX_SLOTS}, got {max_batch!r}")
     return int(max_batch)
+
+
+def checked_prefill_chunk(prefill_chunk) -> int | None:
+    """prefill_chunk as an int of 1..plan.MAX_PREFILL_CHUNK, None as None (the rule's), or an OptionError naming it."""
+    if prefill_chunk is None:
+        return None
+    if not is_int(prefill_chunk) or not 1 <= prefill_chunk <= plans.MAX_PREFILL_CHUNK:
+        raise OptionError("prefill_chunk", f"must be an integer from 1 to {plans.MAX_PREFILL_CHUNK}, "
+                                           f"got {prefill_chunk!r}")
+    return int(prefill_chunk)

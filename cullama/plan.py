@@ -41,7 +41,7 @@ import numpy as np
 
 from .config import LlamaConfig
 from .errors import KernelError
-from .layout import GATHERED, NO_BIAS, Buffer, Layout, as_layout
+from .layout import GATHERED, LINEARS, NO_BIAS, Buffer, Layout, as_layout, decode_floor_ms
 from .ops import attention_mma as attention_mma_ops
 from .ops import gemv as gemv_ops
 from .ops import gemv_quant as gemv_quant_ops
@@ -60,6 +60,11 @@ VERIFY_ROWS = MAX_DRAFT + 1  # its token rows at most: the last sampled token an
 ATTENTION_THREADS = 128
 SAMPLE_THREADS = 1024
 PREFILL_CHUNK = 256  # default prompt tokens per prefill pass: bounds the prefill buffers, any prompt length works
+MAX_PREFILL_CHUNK = 4096  # the most rows a prefill pass may be given (prefill_chunk, --prefill-chunk)
+# A model loaded for batched decoding (slots > 1) prefills in smaller chunks (batch_prefill_chunk), which run between
+# two batched steps: on the H200's roofline, one chunk costs the running streams about one decode step.
+PREFILL_GEMM_FLOPS = 300e12  # gemm.cu (mma.sync) on an H200: predicted 250-400 TFLOP/s (PREDICTIONS.md), unmeasured
+CHUNK_UNIT = 16  # a batch prefill chunk is a multiple of the MMA's row fragment (m16)
 ROW_THREADS = 256  # the row-wise prefill kernels: one block per token row
 # Kernels that may start before the kernel ahead of them has finished (programmatic dependent launch,
 # the CUDA backend's `overlap` mode): before pdl_wait() they read only weights, which no kernel writes,
@@ -157,10 +162,10 @@ def weight_buffers(model: LlamaConfig | Layout) -> list[Buffer]:
 def runtime_buffers(model: LlamaConfig | Layout, max_seq: int, chunk: int | None = None,
                     slots: int = 1) -> list[Buffer]:
     """Everything but the weights: KV cache, state, and the decode and prefill activations (prefill chunks
-    of up to `chunk` rows, default PREFILL_CHUNK), and under act-order the gathered inputs, for
+    of up to `chunk` rows, default prefill_chunk_for(model, slots)), and under act-order the gathered inputs, for
     `slots` sequences (each its own KV cache and state)."""
-    chunk = chunk or PREFILL_CHUNK
     layout = as_layout(model)
+    chunk = chunk or prefill_chunk_for(layout, slots)
     cfg = layout.device
     d, ff, V, hd = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size, cfg.head_dim
     kv = (cfg.num_layers, slots, cfg.num_kv_heads, max_seq, hd)
@@ -221,6 +226,36 @@ def runtime_buffers(model: LlamaConfig | Layout, max_seq: int, chunk: int | None
                "activation"),  # [max split x max tiles of a split-K launch x tile_m x tile_n]
         Buffer("gemm_tile_count", (tile_counters(cfg, chunk),), "uint32", "activation"),  # [those tiles]
     ] + (_gathered_buffers(cfg, chunk) if _gathers(layout) else [])
+
+
+def prefill_chunk_for(model: LlamaConfig | Layout, slots: int) -> int:
+    """The prefill chunk of a runner with `slots` sequence slots: PREFILL_CHUNK for one (the lowest time to the
+    first token), batch_prefill_chunk for more. The chunk is a property of the loaded model: a prompt's K and V,
+    and so its answer, depend on it (a GPU prefill GEMM splits K by the chunk's rows: prefill_kernels.split_rule),
+    so the solo and the batched paths of one model both use it."""
+    return PREFILL_CHUNK if slots == 1 else batch_prefill_chunk(model)
+
+
+def batch_prefill_chunk(model: LlamaConfig | Layout) -> int:
+    """The largest multiple of CHUNK_UNIT up to PREFILL_CHUNK whose predicted prefill time is at most a decode
+    step's (predicted_prefill_ms; CHUNK_UNIT when none is): a joining prompt's chunk, run between two batched
+    steps, then keeps a running stream's gap between tokens within about two decode steps. From the model's shape
+    and fixed H200 figures only, never from a timing: every load of a model must cut prompts the same way."""
+    layout = as_layout(model)
+    step = decode_floor_ms(layout.decode_bytes())
+    fits = [c for c in range(CHUNK_UNIT, PREFILL_CHUNK + 1, CHUNK_UNIT) if predicted_prefill_ms(layout, c) <= step]
+    return max(fits, default=CHUNK_UNIT)
+
+
+def predicted_prefill_ms(model: LlamaConfig | Layout, rows: int) -> float:
+    """A prefill chunk of `rows` on the H200's roofline: its GEMMs read the weights a decode step reads (at the
+    measured bandwidth: layout.decode_floor_ms, the decode step's own prediction) and do 2 x rows x the linears'
+    weights in FLOPs (at PREFILL_GEMM_FLOPS), whichever takes longer. The attention (growing with the position),
+    the row kernels and the launches are left out, as the decode step's floor leaves out its own."""
+    layout = as_layout(model)
+    cfg = layout.device
+    weights = cfg.num_layers * sum(M * K for M, K in (layout.shape(field) for field in LINEARS))  # per row
+    return max(decode_floor_ms(layout.decode_bytes()), 2 * rows * weights / PREFILL_GEMM_FLOPS * 1e3)
 
 
 def _gathers(layout: Layout) -> bool:

@@ -151,10 +151,75 @@ def test_batch_steps_equal_each_slots_solo_steps_on_the_runner(stories_dir):
     assert NO_TOKEN not in sum(got, [])
 
 
+LONG = [1] + [3 + (7 * i) % 500 for i in range(150)]  # 151 ids: three prefill chunks of stories260K's 64 rows
+
+
+def test_a_model_loaded_for_batching_cuts_prompts_by_the_rule(batched, solo):
+    """max_batch > 1: the chunk of plan.batch_prefill_chunk (64 rows for stories260K), on every path of the model;
+    max_batch 1 keeps plan.PREFILL_CHUNK; prefill_chunk overrides both."""
+    assert batched.runner.prefill_chunk == plans.batch_prefill_chunk(batched.layout) == 64
+    assert solo.runner.prefill_chunk == plans.PREFILL_CHUNK == 256
+
+
+def test_a_prompt_longer_than_the_chunk_joining_mid_run_gets_its_solo_tokens(batched, stories_dir):
+    """A three-chunk prompt joins two running requests: each of the three gets its solo tokens, those of the same
+    model alone and those of a one-slot model loaded with the same prefill chunk."""
+    options = [dict(max_new_tokens=30, temperature=0.9, seed=4), dict(max_new_tokens=25),
+               dict(max_new_tokens=12, temperature=0.8, top_p=0.9, seed=7, logprobs=1)]
+    prompts = [PROMPTS[0], PROMPTS[1], LONG]
+    session = batched.batch()
+    streams = [session.submit(p, **o) for p, o in zip(prompts[:2], options)]
+    for _ in range(3):
+        session.step()
+    streams.append(session.submit(LONG, **options[2]))
+    session.run()
+    same_chunk = cullama.Llama.from_pretrained(stories_dir, device="cpu", prefill_chunk=64)
+    for stream, prompt, o in zip(streams, prompts, options):
+        alone = batched.generate(prompt, **o)
+        same(stream.result, alone)
+        same(stream.result, same_chunk.generate(prompt, **o))
+    assert streams[2].result.logprobs == batched.generate(LONG, **options[2]).logprobs
+
+
+def test_a_joining_prompt_runs_one_chunk_between_two_tokens_of_the_running(batched, monkeypatch):
+    """The schedule, recorded at the backend: while prompts of three chunks join (one to generate, one only
+    scored), at most one prefill chunk runs between two batched steps, and the chunks are the model's own."""
+    backend, events = batched.runner.backend, []
+    for name in ("run", "replay"):
+        real = getattr(backend, name)
+        monkeypatch.setattr(backend, name, lambda plan, real=real: (events.append(plan.name), real(plan))[1])
+    session = batched.batch()
+    running = [session.submit(p, max_new_tokens=40) for p in PROMPTS[:2]]
+    session.step()
+    session.step()
+    joining = [session.submit(LONG, max_new_tokens=5), session.submit(LONG[:140], max_new_tokens=0,
+                                                                      prompt_logprobs=1)]
+    events.clear()
+    while not all(s.ended for s in joining):
+        session.step()
+    chunks = [e for e in events if e.startswith("prefill[")]
+    assert [c.split("+")[0] for c in chunks] == ["prefill[0:64]@2", "prefill[64:128]@2", "prefill[128:151]@2",
+                                                 "prefill[0:64]@3", "prefill[64:128]@3", "prefill[128:140]@3"]
+    between = 0
+    for event in events:
+        if event.startswith("batch["):
+            between = 0
+        elif event.startswith("prefill["):
+            between += 1
+            assert between == 1, events
+    assert not any(s.ended for s in running)  # they ran throughout
+    assert joining[1].result.prompt_logprobs == batched.logprobs(LONG[:140], 1)
+
+
 def test_max_batch_is_checked_before_anything_loads(stories_dir):
     for bad in (0, 65, "x", 2.0, True):
         with pytest.raises(OptionError, match="^max_batch must be an integer from 1 to 64"):
             cullama.Llama.from_pretrained(stories_dir, device="cpu", max_batch=bad)
+    for bad in (0, 4097, "64", 64.0, True):
+        with pytest.raises(OptionError, match="^prefill_chunk must be an integer from 1 to 4096"):
+            cullama.Llama.from_pretrained(stories_dir, device="cpu", prefill_chunk=bad)
+        with pytest.raises(OptionError, match="^prefill_chunk must be an integer from 1 to 4096"):
+            cullama.Llama.synthetic("tiny", device="cpu", max_batch=2, prefill_chunk=bad)
 
 
 def test_the_memory_check_counts_every_slot_and_says_how_many_fit(stories_dir, monkeypatch):

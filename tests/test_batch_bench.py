@@ -18,10 +18,15 @@ def test_bench_batch_reports_every_size(tmp_path, stories_dir):
                 "--json", record)
     assert out.exit_code == 0, out.output
     rows = [line.split() for line in out.stdout.splitlines() if line.strip()[:1].isdigit()]
-    assert [r[0] for r in rows] == ["1", "3"] and rows[0][-1] == "1.00x"
+    assert [r[0] for r in rows] == ["1", "3"] and rows[0][-3:] == ["1.00x", "-", "-"]
+    assert rows[1][-1].endswith("x") and float(rows[1][-2]) > 0  # the gap while a prompt joins two running rows
+    assert "prefill chunk 64" in out.stdout  # stories260K loaded for batching (plan.batch_prefill_chunk)
     data = json.loads(record.read_text())
     assert data["kind"] == "batch" and [s["batch"] for s in data["sizes"]] == [1, 3]
     assert all(len(s["step_ms"]) == 3 and s["tokens_per_s"] > 0 for s in data["sizes"])
+    assert data["sizes"][0]["join_ms"] == [] and data["sizes"][0]["join_vs_step"] is None
+    assert len(data["sizes"][1]["join_ms"]) == 5 and data["sizes"][1]["join_max_ms"] >= data["sizes"][1]["join_p50_ms"]
+    assert data["options"]["prefill_chunk"] == 64
 
 
 def test_bench_batch_option_errors(stories_dir):

@@ -18,10 +18,10 @@ PARAMS = [SamplingParams(seed=0), SamplingParams(temperature=0.9, top_p=0.95, se
           SamplingParams(temperature=1.1, top_k=30, repetition_penalty=1.2, seed=6)]
 
 
-def runner_on(backend, directory, slots=1):
+def runner_on(backend, directory, slots=1, chunk=None):
     ckpt = open_checkpoint(directory)
     load_checkpoint(backend, ckpt)
-    return PlanRunner(ckpt.config, backend, ckpt.config.max_seq_len, slots=slots)
+    return PlanRunner(ckpt.config, backend, ckpt.config.max_seq_len, slots=slots, prefill_chunk=chunk)
 
 
 def solo_tokens(backend, directory, steps):
@@ -48,6 +48,48 @@ def batched_tokens(runner, steps, order=(2, 0, 1)):
     runner.slot = 1
     tokens[1] += [runner.next() for _ in range(steps - len(tokens[1]) + 1)]
     return tokens
+
+
+LONG = [1] + [3 + (7 * i) % 500 for i in range(40)]  # 41 ids: three prefill chunks of CHUNK
+CHUNK = 16
+
+
+def joined_tokens(runner, steps):
+    """Slot 0 decodes PROMPTS[0] while LONG joins in slot 1, a chunk per batched step (BatchSession's order); then
+    both decode `steps` steps together."""
+    runner.slot = 0
+    tokens = [[runner.start(PROMPTS[0], PARAMS[0])], []]
+    runner.set_batch([0])
+    runner.slot = 1
+    prefill, first = runner.begin(LONG, PARAMS[1]), None
+    while first is None:
+        first = prefill.advance()
+        tokens[0] += runner.batch_step()
+    tokens[1].append(first)
+    runner.set_batch([0, 1])
+    for _ in range(steps):
+        for slot, token in enumerate(runner.batch_step()):
+            tokens[slot].append(token)
+    return tokens
+
+
+def alone_tokens(runner, steps):
+    """What joined_tokens' two sequences get alone on a one-slot runner."""
+    first = [runner.start(PROMPTS[0], PARAMS[0])] + [runner.next() for _ in range(steps + 3)]
+    return [first, [runner.start(LONG, PARAMS[1])] + [runner.next() for _ in range(steps)]]
+
+
+def test_a_prompt_of_several_chunks_joining_on_the_cuda_host_code(fake, stories_dir):
+    runner = runner_on(CudaBackend(), stories_dir, slots=2, chunk=CHUNK)
+    assert joined_tokens(runner, 8) == alone_tokens(runner_on(NumpyBackend(), stories_dir, chunk=CHUNK), 8)
+
+
+@pytest.mark.gpu
+def test_gpu_a_prompt_of_several_chunks_joining_gets_its_solo_tokens(stories_dir):
+    """On a GPU (or the real kernels on the CPU executor): a prompt longer than the chunk joins a running sequence
+    one chunk per batched step; both get their solo tokens on a one-slot runner with the same chunk."""
+    runner = runner_on(CudaBackend(), stories_dir, slots=2, chunk=CHUNK)
+    assert joined_tokens(runner, 6) == alone_tokens(runner_on(CudaBackend(), stories_dir, chunk=CHUNK), 6)
 
 
 def test_batched_steps_on_the_cuda_host_code_equal_solo_steps(fake, stories_dir):

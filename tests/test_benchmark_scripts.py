@@ -535,3 +535,4 @@ def test_serve_load_smoke_run_on_the_cpu(stories_dir, tmp_path, capsys):
     record = json.loads(out.read_text())
     assert record["complete"] and record["max_batch"] == 2 and [r["concurrency"] for r in record["rows"]] == [1, 3]
     assert all(r["tokens"] == [4] * r["concurrency"] and len(r["ttft_ms"]) == r["concurrency"] for r in record["rows"])
+    assert all(r["summary"]["gap_ms_max"] == max(r["gap_ms"]) for r in record["rows"])

@@ -363,3 +363,31 @@ def test_standard_input_that_cannot_be_read(stories_dir, monkeypatch):
     for command in ("generate", "chat"):
         one_line_error(run(command, "--model", stories_dir, "--device", "cpu", input="x"),
                        "cannot read standard input: Input/output error")
+
+
+def test_prefill_chunk_reaches_the_model(stories_dir, monkeypatch):
+    """--prefill-chunk: the model's prompt rows per prefill pass (generate here; chat, serve and bench the same)."""
+    from cullama.llama import Llama
+
+    chunks, real = [], Llama.from_pretrained.__func__
+
+    def spy(cls, *args, **kwargs):
+        llm = real(cls, *args, **kwargs)
+        chunks.append(llm.runner.prefill_chunk)
+        return llm
+    monkeypatch.setattr(Llama, "from_pretrained", classmethod(spy))
+    ids = "1,403,407,261,378,263,101,278"
+    args = ("generate", "--model", stories_dir, "--device", "cpu", "--prompt-ids", ids, "--max-new-tokens", 8, "--json")
+    default, cut = run(*args), run(*args, "--prefill-chunk", 3)
+    assert default.exit_code == 0 and cut.exit_code == 0, cut.output
+    assert chunks == [256, 3]
+    assert json.loads(cut.stdout)["token_ids"] == json.loads(default.stdout)["token_ids"]  # the NumPy twins: any chunk
+
+
+@pytest.mark.parametrize("command", ["generate", "chat", "serve", "bench"])
+@pytest.mark.parametrize("bad", ["0", "4097", "x"])
+def test_prefill_chunk_bad_values_are_one_line_errors(command, bad, tmp_path):
+    result = run(command, "--model", tmp_path, "--prefill-chunk", bad)
+    assert result.exit_code == 2
+    errors = [line for line in result.output.splitlines() if line.startswith("Error")]
+    assert len(errors) == 1 and "--prefill-chunk" in errors[0], result.output

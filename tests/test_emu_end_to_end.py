@@ -4,8 +4,8 @@ the CUDA backend, its captured graphs and all, on the CPU, in the fastest schedu
 afford (about two and a half minutes of CPU): stories260K's 256 greedy ids (its documented output), the golden
 checkpoints' logits against HuggingFace's, graph replay against eager launches and the NumPy backend, prefix
 reuse, a two-layer model against the reference, verify steps and batched steps against plain steps (bit for bit,
-through their graphs), and the kernel tests at their GPU shapes (LLaMA-2-7B's among them) but the sampling ones that draw
-thousands of times and the 7B-sized GEMMs. The others need a GPU's speed (tens of minutes here). They skip, with the GPU tests' own reason, where ../shared is absent."""
+through their graphs; a prompt of several chunks joining a batch), and the kernel tests at their GPU shapes
+(LLaMA-2-7B's among them) but the sampling ones that draw thousands of times and the 7B-sized GEMMs. The others need a GPU's speed (tens of minutes here). They skip, with the GPU tests' own reason, where ../shared is absent."""
 
 import os
 import subprocess
@@ -25,7 +25,8 @@ SELECTED = [f"{MODEL}test_stories260k_greedy_ids", f"{MODEL}test_logits_within_f
             "tests/test_sampling_kernel.py::test_non_finite_logits_as_the_twin",
             "tests/test_sampling_kernel.py::test_uniform_probe_is_bit_exact",
             "tests/test_verify.py::test_gpu_stories260k_verify_is_the_plain_steps_bit_for_bit[penalty]",
-            "tests/test_batch_cuda_host.py::test_gpu_batched_steps_equal_solo_steps"]
+            "tests/test_batch_cuda_host.py::test_gpu_batched_steps_equal_solo_steps",
+            "tests/test_batch_cuda_host.py::test_gpu_a_prompt_of_several_chunks_joining_gets_its_solo_tokens"]
 DESELECTED = ["tests/test_gemv.py::test_gpu_gate_up_and_logits[11008-4096-32000]"]  # 20 s of a 32000 x 4096 GEMV
 
 

@@ -186,6 +186,34 @@ def test_prefill_kernel_choices_are_checked():
     PrefillKernels(gemm="wgmma").check_arch(None)  # the CPU twins
 
 
+@pytest.mark.parametrize("name,quantize,chunk", [("llama-2-7b", None, 64), ("llama-2-7b", "int8", 32),
+                                                  ("llama-2-7b", "int4", 16), ("llama3.2-1b", None, 80),
+                                                  ("llama3-8b", None, 64)])
+def test_the_batch_prefill_chunk_is_the_roofline_s_largest_that_costs_a_decode_step(name, quantize, chunk):
+    """plan.batch_prefill_chunk: the largest multiple of 16 rows whose predicted prefill takes no longer than a
+    decode step (the weights' read at the H200's bandwidth); the next multiple takes longer. Fewer weight bytes (a
+    quantized model: the same FLOPs, a shorter step) make it smaller."""
+    from cullama.layout import decode_floor_ms, fp16, on_load
+
+    layout = on_load(preset(name), quantize) if quantize else fp16(preset(name))
+    step = decode_floor_ms(layout.decode_bytes())
+    assert plans.batch_prefill_chunk(layout) == chunk
+    assert plans.predicted_prefill_ms(layout, chunk) <= step < plans.predicted_prefill_ms(layout, chunk + 16)
+    assert plans.prefill_chunk_for(layout, 1) == plans.PREFILL_CHUNK == 256
+    assert plans.prefill_chunk_for(layout, 8) == chunk
+    # 7B FP16: a 256-row chunk ~11 ms (3.7 steps of ~3 ms), a 64-row one a step (PREDICTIONS.md)
+    if (name, quantize) == ("llama-2-7b", None):
+        assert 2.9 < step < 3.0 and 10.5 < plans.predicted_prefill_ms(layout, 256) < 11.5
+
+
+def test_a_runner_with_slots_prefills_in_the_batch_chunk(stories_dir):
+    ckpt = open_checkpoint(stories_dir)
+    backend = NumpyBackend()
+    runner = PlanRunner(ckpt.config, backend, ckpt.config.max_seq_len, slots=2)
+    assert runner.prefill_chunk == plans.batch_prefill_chunk(ckpt.config) == 64
+    assert backend.arrays["x_rows"].shape[0] == 64
+
+
 def test_the_prefill_chunk_is_a_runner_choice(stories_dir):
     """A runner's prefill_chunk sizes its prefill buffers and cuts prompts into passes of that many rows; how a
     prompt is cut changes no bit of its logits (each row of the prefill twins depends on that row alone)."""

@@ -121,6 +121,16 @@ def test_max_batch_bad_values_are_one_line_errors(bad, tmp_path):
     assert len(error) == 1 and "--max-batch" in error[0], out.output
 
 
+def test_serve_checks_prefill_chunk_before_anything_loads(tmp_path):
+    """launch.serve (`cullama serve`'s library side): a bad prefill_chunk is refused before the directory is read."""
+    from cullama.errors import OptionError
+    from cullama.server.launch import serve
+
+    for bad in (0, 4097, "x"):
+        with pytest.raises(OptionError, match="^prefill_chunk must be an integer from 1 to 4096"):
+            serve(str(tmp_path / "nothing here"), prefill_chunk=bad)
+
+
 def test_stopping_ends_the_batch_and_the_queue(llm):
     """stop(): the waiting requests end at once and the running ones at their next step, all "shutdown"."""
     engine = started(llm, max_batch=2)

@@ -59,7 +59,9 @@ def streamed(server, body: dict) -> tuple[list[str], str, dict]:
 
 
 def test_the_server_says_it_drafts_by_default(server):
-    assert f"is ready on cpu, speculative decoding by default (draft, {K} draft tokens)" in server.log()
+    # and its prefill chunk: --max-batch 8's for stories260K (plan.batch_prefill_chunk), for `generate --prefill-chunk`
+    assert f"is ready on cpu, speculative decoding by default (draft, {K} draft tokens); prefill chunk 64" \
+        in server.log()
 
 
 @pytest.mark.parametrize("fields, method", [({}, "draft"), ({"speculative": "ngram"}, "ngram")],

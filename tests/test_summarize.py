@@ -584,6 +584,9 @@ def test_batched_decode_sections_and_targets(made, records, tmp_path, capsys):
     assert "| 1 | 5.00 | 6.00 | 3.00 | 3.30 | 330.0 | 330.0 |" in section(text, "Many clients")
     measured, status = target(text, "batched step: B=8")
     assert status == "—" and "ran on cpu, not a GPU" in measured
+    assert target(text, "a prompt joining B=8")[1] == "—"
+    assert f"| {sizes[2]['join_p50_ms']:.3f} | {sizes[2]['join_max_ms']:.3f} | {sizes[2]['join_vs_step']:.2f}x |" in sec
+    assert "| 1 | 3 |" in sec and sec.count("| — | — | — |") == 1  # B = 1: no join
     assert target(text, "serve at C=8: inter-token p99") == ("gap_ms_p99 at C=8 1.20x C=1's", "PASS")
     assert target(text, "serve at C=8: tokens/s") == ("tokens_per_s at C=8 6.67x C=1's", "PASS")
 
@@ -594,6 +597,10 @@ def test_batched_decode_sections_and_targets(made, records, tmp_path, capsys):
     out = report(write(tmp_path / "b", r), capsys)
     assert target(out, "batched step: B=8") == ("B=8 p50 1.30x B=1's (3.900 / 3.000 ms)", "FAIL")
     assert target(out, "serve at C=8: tokens/s") == ("tokens_per_s at C=8 5.45x C=1's", "FAIL")
+    for vs, status in ((2.4, "PASS"), (2.6, "FAIL")):
+        r["batch.json"]["sizes"][2].update(join_p50_ms=3.9 * vs, join_vs_step=vs)
+        assert target(report(write(tmp_path / f"j{vs}", r), capsys), "a prompt joining B=8") == \
+            (f"join p50 {vs:.2f}x the B=8 step ({3.9 * vs:.3f} / 3.900 ms)", status)
     del r["batch.json"]["sizes"][2]
     assert "needs B=1 and B=8 (has [1, 2])" in target(report(write(tmp_path / "c", r), capsys), "batched step")[0]
 

@@ -136,7 +136,7 @@ def serve(model_dir: str, host: str = "127.0.0.1", port: int = 8000, device: str
           api_key: str | None = None, tokenizer: str | None = None, speculative: dict | None = None,
           draft_model: str | None = None, quantize: str | None = None, body_timeout: float = BODY_TIMEOUT_S,
           shutdown_grace: float = SHUTDOWN_GRACE_S, allowed_hosts: tuple[str, ...] = (),
-          allowed_origins: tuple[str, ...] = (), max_batch: int = 8) -> int:
+          allowed_origins: tuple[str, ...] = (), max_batch: int = 8, prefill_chunk: int | None = None) -> int:
     """Serve a checkpoint directory until SIGINT or SIGTERM; the exit status (0, or 2 / 1 when the model
     failed to load).
 
@@ -145,13 +145,14 @@ def serve(model_dir: str, host: str = "127.0.0.1", port: int = 8000, device: str
     the target before /health answers 200; quantize: Llama.from_pretrained's (int8, int4 on load);
     allowed_hosts, allowed_origins: see sites.py; max_batch: requests decoded together (1: one at a time; each
     request's tokens are its solo tokens either way), a KV cache of the context each (checked before the weights
-    load: a max_batch that does not fit is refused with the numbers)."""
-    from ..llama import Llama, check_draft, checked_context, checked_max_batch
+    load: a max_batch that does not fit is refused with the numbers); prefill_chunk: Llama.from_pretrained's (None:
+    its rule, which the ready line reports)."""
+    from ..llama import Llama, check_draft, checked_context, checked_max_batch, checked_prefill_chunk
     from ..tokenizer import find_tokenizer, load_tokenizer
     from ..weights import config_layout
 
     api_key = checked_api_key(api_key)
-    max_batch = checked_max_batch(max_batch)
+    max_batch, prefill_chunk = checked_max_batch(max_batch), checked_prefill_chunk(prefill_chunk)
     config = read_config(model_dir)  # a wrong directory is an error now, not after the socket is up
     context = checked_context(config, max_seq_len)
     config_layout(config, quantize)  # so is a quantize the checkpoint cannot take
@@ -166,7 +167,7 @@ def serve(model_dir: str, host: str = "127.0.0.1", port: int = 8000, device: str
                         allowed_origins=tuple(allowed_origins))
     return run(lambda: Llama.from_pretrained(model_dir, device=device, max_seq_len=max_seq_len,
                                              tokenizer=tokenizer, draft_model=draft_model, quantize=quantize,
-                                             max_batch=max_batch),
+                                             max_batch=max_batch, prefill_chunk=prefill_chunk),
                settings, host, port, max_queue, shutdown_grace, max_batch)
 
 
@@ -188,7 +189,8 @@ def run(load: Callable[[], object], settings: Settings, host: str, port: int, ma
         for note in llm.notes:
             print(f"note: {note}", file=sys.stderr)
         decoding = describe_speculation(settings.speculative)
-        print(f"cullama serve: {settings.model_name} is ready on {llm.device}{decoding}", file=sys.stderr, flush=True)
+        print(f"cullama serve: {settings.model_name} is ready on {llm.device}{decoding}; prefill chunk "
+              f"{llm.runner.prefill_chunk}", file=sys.stderr, flush=True)
         return llm
 
     engine = Engine(load_and_say, max_queue, metrics, max_batch)
