@@ -7,10 +7,11 @@ What it proves: every floating-point operation of one variant, with the whole ch
 is an operation of the other variant and the other way round, apart from the cuts below: so a contraction that
 ptxas makes in one variant only (FFMA against FMUL then FADD), or a sum associated otherwise (FADD chains are never
 cut), or an operation with another rounding, flush (.FTZ) or constant, shows as a chain in one set that is not in
-the other. What it does not prove: that the values are equal (leaves of one kind are interchangeable, so a sum of
-loads in another order or a load from another address is not seen, nor how many links a loop runs, nor which
-accumulator an FFMA link continues): the executor compares the variants' values bit for bit, in the source's
-order, and neither NVVM nor ptxas reorders an IEEE sum or an fma chain on its own.
+the other; and every accumulation (a chain of FFMAs) is, link by link in its order, some number of repetitions of
+the same iteration. What it does not prove: that the values are equal (leaves of one kind are interchangeable, so
+a sum of loads in another order or a load from another address is not seen, nor how many iterations a loop runs,
+nor where an accumulation starts): the executor compares the variants' values bit for bit, in the source's order,
+and neither NVVM nor ptxas reorders an IEEE sum or an fma chain on its own.
 
 Method, per function:
 - The SASS is split into basic blocks (at branch targets, after branches and exits), evaluated in address order.
@@ -30,9 +31,11 @@ Method, per function:
 - The function's outputs are the nodes no other floating-point node consumes (what is stored, shuffled on,
   compared, or carried around a loop), and the values of stores.
 - Accumulations are cut into links (per_link): every FFMA(a, b, c) becomes FFMA(a, b, acc), c an output of its own,
-  and every link is in the signature. An unrolled loop's one long chain (Σ a_i b_i from 0, as a decode step's
-  variant computes a vector's dot product) and a rolled loop's link per iteration (from the carried sum, as the
-  multi-row variants do) then give the same links, where whole chains could never compare.
+  and every link is in the signature; so is every chain of links as its period, the shortest run of links that
+  repeats to make it (accumulations: CHAIN(link, ...)). An unrolled loop's one long chain (Σ a_i b_i from 0, as a
+  decode step's variant computes a vector's dot product: 8 quads of codes, 4 links each) and a rolled loop's
+  chain per iteration (from the carried sum, as the multi-row variants do: one quad) then give the same links and
+  the same period, where whole chains could never compare.
 - One equivalence: HFMA2 (on either pipe, .MMA or not, no other modifier) whose multiplier is 1.0 in both halves is
   HADD2. fma(a, 1, c) == a + c for every FP16 input in round-to-nearest: a * 1 is exact (a itself: NaN, inf, -0
   and subnormals included), so both round a + c once; an exact zero sum of opposite signs is +0 in both (fma(-0,
@@ -40,8 +43,8 @@ Method, per function:
   treats them as one operation: it writes one `sub.rn.f16x2` of the source as HADD2 or HFMA2.MMA(c, 1, 1, -o) as its
   schedule suits it, both within one variant, and a `fma.rn.ftz.f16x2` by 1.0 as HADD2.FTZ.
 
-A function's signature is the set of those outputs and links. Two variants whose rows are computed alike (more or
-fewer of them, in loops unrolled more or less) have the same set.
+A function's signature is the set of those outputs, links and periods. Two variants whose rows are computed alike
+(more or fewer of them, in loops unrolled more or less) have the same set.
 
 Register widths follow the opcodes (64- and 128-bit loads, IMAD.WIDE, CS2R write 2 or 4 registers); an instruction
 this does not know is an integer op whose result is a leaf, which can only make the comparison stricter (a leaf
@@ -394,9 +397,9 @@ def entry_registers(i: int, preds: list[set[int]], out_regs: list[dict[str, int]
 def per_link(outputs: set[int], nodes: Nodes) -> set[int]:
     """The outputs with every FFMA's addend cut off: FFMA(a, b, c) becomes FFMA(a, b, acc) (the leaf "acc", c's
     sign kept), and c, where it is a floating-point node, an output of its own (cut the same way). An accumulation
-    a_n b_n + (... + (a_1 b_1 + s)) becomes its links a_i b_i + acc, each with its multiplicands' whole chains, so a
-    loop's body compares alike whether the loop is rolled (a link per iteration from a carried sum) or unrolled
-    (one long chain from 0): see the module docstring for what this gives up."""
+    a_n b_n + (... + (a_1 b_1 + s)) becomes its links a_i b_i + acc, each with its multiplicands' whole chains, and
+    its period (accumulations), so a loop's body compares alike whether the loop is rolled (its iteration's links
+    from a carried sum) or unrolled (one long chain from 0): see the module docstring for what this gives up."""
     reachable, stack = set(), list(outputs)
     while stack:
         n = stack.pop()
@@ -417,7 +420,27 @@ def per_link(outputs: set[int], nodes: Nodes) -> set[int]:
         cut[n] = nodes.node(("op", op, tuple(new)))
         if op == "FFMA":
             found.add(cut[n])  # every link, also one that only a multiplication consumes (a rolled loop's last)
-    return found | {cut.get(n, n) for n in outputs}
+    return found | {cut.get(n, n) for n in outputs} | accumulations(reachable, cut, nodes)
+
+
+def accumulations(reachable: set[int], cut: dict[int, int], nodes: Nodes) -> set[int]:
+    """Each accumulation (a chain of FFMAs, each the next one's addend) as its period: the shortest run of links
+    that repeats to make it (CHAIN(link, ...), first link first). A loop's body unrolled k times repeats its
+    iteration's links k times, so the period is the iteration's links in their order, whatever k: this keeps the
+    order of the links and which chain each continues, which the links alone do not."""
+    ffma = {n for n in reachable if nodes.keys[n][1] == "FFMA" and len(nodes.keys[n][2]) == 3}
+    addend = {n: nodes.keys[n][2][2][1] for n in ffma}
+    continued = {addend[n] for n in ffma} & ffma
+    found = set()
+    for top in ffma - continued:
+        links, n = [], top
+        while n in ffma:
+            links.append(cut[n])
+            n = addend[n]
+        links.reverse()
+        period = next(p for p in range(1, len(links) + 1) if links[p:] == links[:len(links) - p])
+        found.add(nodes.node(("op", "CHAIN", tuple(("", link) for link in links[:period]))))
+    return found
 
 
 def signature(instructions: list[Instruction], nodes: Nodes) -> set[int]:

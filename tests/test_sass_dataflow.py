@@ -162,10 +162,12 @@ SNIPPET = """
 def test_the_dataflow_of_a_snippet():
     """Commutative operands in either order are one node; a predicated write keeps its own node as an output; a
     value stored is an output; leaves are named by where they come from, immediates by their bits (0.5:
-    0x3f000000); an FFMA's addend is cut off (acc) and is an output of its own."""
+    0x3f000000); an FFMA's addend is cut off (acc) and is an output of its own, the accumulation a CHAIN of
+    links."""
     nodes = sd.Nodes()
     found = {nodes.text(n) for n in sd.signature(sd.parse(SNIPPET, "toy"), nodes)}
-    assert found == {"FADD(ldg, FMUL(ldg, 0x3f000000))", "FFMA(ldg, FMUL(ldg, 0x3f000000), acc)"}
+    link = "FFMA(ldg, FMUL(ldg, 0x3f000000), acc)"
+    assert found == {"FADD(ldg, FMUL(ldg, 0x3f000000))", link, f"CHAIN({link})"}
 
 
 def function(name: str, lines: list[str]) -> list[sd.Instruction]:
@@ -197,9 +199,24 @@ def test_a_rolled_loop_compares_link_by_link_with_its_unrolled_form(subtract, ac
     operation in one link is not."""
     nodes = sd.Nodes()
     rolled = sd.signature(function("rolled", ROLLED), nodes)
-    assert {nodes.text(n) for n in rolled} == {LINK}
+    assert {nodes.text(n) for n in rolled} == {LINK, f"CHAIN({LINK})"}
     unrolled = UNROLLED[:5] + [subtract] + accumulate + UNROLLED[7:]
     assert (sd.signature(function("unrolled", unrolled), nodes) == rolled) is alike
+
+
+@pytest.mark.parametrize("second, alike", [(["FFMA R8, R2, R2, R8", "FFMA R8, R3, R3, R8"], True),
+                                           (["FFMA R8, R3, R3, R8", "FFMA R8, R2, R2, R8"], False)])
+def test_an_unrolled_accumulation_must_repeat_the_loops_links_in_their_order(second, alike):
+    """Σ x0² + x1² over pairs (x0, x1), rolled against unrolled twice: the same links either way, but an unrolled
+    chain that adds the second pair's terms in the other order is not the loop's iteration repeated."""
+    nodes = sd.Nodes()
+    rolled = ["CS2R R8, SRZ", "LDG.E.64 R2, desc[UR4][R4.64]", "FFMA R8, R2, R2, R8", "FFMA R8, R3, R3, R8",
+              "@P0 BRA 0x10", "STG.E desc[UR4][R4.64], R8", "EXIT"]
+    unrolled = (["LDG.E.64 R2, desc[UR4][R4.64]", "FFMA R8, R2, R2, RZ", "FFMA R8, R3, R3, R8",
+                 "LDG.E.64 R2, desc[UR4][R4.64+0x8]"] + second + ["STG.E desc[UR4][R4.64], R8", "EXIT"])
+    expected = sd.signature(function("rolled", rolled), nodes)
+    assert {nodes.text(n) for n in expected} >= {"CHAIN(FFMA(ldg, ldg, acc), FFMA(ldg+1, ldg+1, acc))"}
+    assert (sd.signature(function("unrolled", unrolled), nodes) == expected) is alike
 
 
 def test_a_call_or_a_second_way_into_a_loop_leaves_nothing_known():
