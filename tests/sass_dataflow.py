@@ -51,7 +51,6 @@ this does not know is an integer op whose result is a leaf, which can only make 
 where a chain continues loses nothing the other variant has, since both go through the same code).
 """
 
-
 from __future__ import annotations
 
 import dataclasses

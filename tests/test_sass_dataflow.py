@@ -55,20 +55,22 @@ def check_rows_variants(tool, source: str, one: tuple, many: list[tuple], kernel
                                               + sd.difference(found, reference[name], nodes))
 
 
+def gemv_launches(model, source: str) -> set[tuple[str, tuple]]:
+    """(kernel, defines) of every `source` launch the plans of `model` (a config or a layout) make: its decode step,
+    its verify steps of 1..MAX_DRAFT drafts and its batched steps' groups of 1..VERIFY_ROWS rows."""
+    steps = ([plans.decode_plan(model, 64)] + [plans.verify_plan(model, 64, k) for k in range(1, plans.MAX_DRAFT + 1)]
+             + [plans.batch_plan(model, 64, rows) for rows in range(1, plans.VERIFY_ROWS + 1)])
+    return {(s.name, s.defines) for step in steps for s in step.kernels() if s.source == source}
+
+
 def test_every_multi_row_gemv_has_the_decode_steps_chains(tool):
-    """TOKENS 2..9 (a verify step of 1..8 drafts; a batched step of 2..9 rows, or a group of a larger one)."""
+    """TOKENS 2..9 (a verify step of 1..8 drafts; a batched step of 2..9 rows, or a group of a larger one): every
+    gemv.cu variant the plans launch."""
+    one = plans.gemv(GEMV_KERNELS[0], 1).defines
     assert gemv_twin.VERIFY_VARIANTS == [plans.gemv(GEMV_KERNELS[0], t).defines for t in range(2, 10)]
-    check_rows_variants(tool, "gemv.cu", plans.gemv(GEMV_KERNELS[0], 1).defines, gemv_twin.VERIFY_VARIANTS,
-                        GEMV_KERNELS)
-
-
-def quantized_gemv_launches(bits: int) -> set[tuple[str, tuple]]:
-    """(kernel, defines) of every gemv_quant.cu launch the plans of a `bits`-bit model make: its decode step, its
-    verify steps of 1..MAX_DRAFT drafts and its batched steps' groups of 1..VERIFY_ROWS rows."""
-    layout = layouts.on_load(preset("tiny"), f"int{bits}")
-    steps = ([plans.decode_plan(layout, 64)] + [plans.verify_plan(layout, 64, k) for k in range(1, plans.MAX_DRAFT + 1)]
-             + [plans.batch_plan(layout, 64, rows) for rows in range(1, plans.VERIFY_ROWS + 1)])
-    return {(s.name, s.defines) for step in steps for s in step.kernels() if s.source == gemv_quant_ops.SOURCE}
+    assert gemv_launches(preset("tiny"), "gemv.cu") == {(name, d) for name in GEMV_KERNELS
+                                                        for d in [one] + gemv_twin.VERIFY_VARIANTS}
+    check_rows_variants(tool, "gemv.cu", one, gemv_twin.VERIFY_VARIANTS, GEMV_KERNELS)
 
 
 @pytest.mark.parametrize("bits", quant.BITS)
@@ -78,11 +80,12 @@ def test_every_multi_row_quantized_gemv_has_the_decode_steps_chains(tool, bits):
     quads of codes and the multi-row ones keep it rolled (gemv_quant.cu's QUAD_UNROLL, for registers), and ptxas
     writes the dequantization's FP16 subtraction as HADD2 or as HFMA2.MMA by 1.0 as its schedule suits it: the
     checker compares accumulations link by link and takes fma(a, 1, c) for a + c (sass_dataflow.py's docstring)."""
-    launched = quantized_gemv_launches(bits)
+    launched = gemv_launches(layouts.on_load(preset("tiny"), f"int{bits}"), gemv_quant_ops.SOURCE)
     names = sorted({name for name, _ in launched})
     one = gemv_quant_ops.defines(bits)
     many = sorted({defines for _, defines in launched} - {one}, key=lambda d: dict(d)["TOKENS"])
-    assert names == sorted(GEMV_KERNELS[:3]) and many == [gemv_quant_ops.defines(bits, t) for t in range(2, 10)]
+    assert names == sorted(GEMV_KERNELS[:3])
+    assert many == [gemv_quant_ops.defines(bits, t) for t in range(2, gemv_quant_ops.MAX_TOKENS + 1)]
     assert launched == {(name, d) for name in names for d in [one] + many}
     check_rows_variants(tool, gemv_quant_ops.SOURCE, one, many, names)
 
@@ -130,7 +133,7 @@ SEEDED = [
 
 @pytest.mark.parametrize("seed", SEEDED, ids=[s[0] for s in SEEDED])
 def test_a_seeded_difference_between_variants_fails_the_check(tool, tmp_path, monkeypatch, seed):
-    _, file, original, replacement, kernel, difference = seed
+    _, file, original, replacement, kernel, reported = seed
     source_dir = tmp_path / "kernels_cu"
     shutil.copytree(SOURCE_DIR, source_dir)
     path = source_dir / file
@@ -144,7 +147,7 @@ def test_a_seeded_difference_between_variants_fails_the_check(tool, tmp_path, mo
                          (gemv_quant_ops.SOURCE, gemv_quant_ops.defines(4), gemv_quant_ops.defines(4, 5)))
     with pytest.raises(AssertionError, match=kernel) as failed:
         check_rows_variants(tool, source, one, [many], (kernel,))
-    assert re.search(difference, str(failed.value)), f"not the seeded difference: {failed.value}"
+    assert re.search(reported, str(failed.value)), f"not the seeded difference: {failed.value}"
 
 
 SNIPPET = """
