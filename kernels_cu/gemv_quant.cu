@@ -24,7 +24,8 @@
 // acc = fmaf(part, scale, acc). So W is never formed: the float32 result differs from Σ W[r, k] x_k (quant.py's
 // exact weights, the twin) by float32 rounding only. Row t's arithmetic is exactly the one-row kernel's whatever
 // TOKENS, ROWS and UNROLL are (gemv.cu's argument: the same vectors per thread in the same order, explicit fmaf,
-// the same reduction), so a verify step equals the plain steps bit for bit.
+// the same reduction), so a verify step equals the plain steps bit for bit (tests/test_sass_dataflow.py compares the
+// variants' machine code, QUAD_UNROLL's rolled loop against the unrolled one iteration by iteration).
 // Overlap: as gemv.cu, the first batch of code and (scale, zero) loads is issued before pdl_wait().
 #ifndef BITS
 #define BITS 4
