@@ -29,15 +29,6 @@ VARIANTS = [(("HEAD_DIM", hd), ("GROUP", g), ("ROWS_Q", r)) for hd, g, r in
              (64, 4, 1), (128, 3, 1), (128, 5, 1), (128, 6, 1), (128, 7, 1))]
 
 
-def _split_state(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float):
-    """Unnormalised softmax state of query heads q [heads, hd] (all sharing one kv head) over keys
-    k, v [n, hd]: acc [heads, hd] = Σ e^(s - m) v, m [heads] = max s, l [heads] = Σ e^(s - m)."""
-    s = (q @ k.T) * np.float32(scale)  # [heads, n]
-    m = s.max(axis=1)
-    p = np.exp(s - m[:, None])
-    return p @ v, m, p.sum(axis=1)
-
-
 def attention_decode(q, k_cache, v_cache, part, count, out, state, step_rows, max_seq, scale, window, *, grid):
     """Per token row t < grid[2] (1 for a decode step): out[t] [heads*hd] f32 = attention of q[t] [heads*hd]
     over keys max(0, p - window + 1)..p of its slot's k_cache/v_cache [slots, kv_heads, max_seq, hd] f16, where
@@ -57,34 +48,38 @@ def attention_decode(q, k_cache, v_cache, part, count, out, state, step_rows, ma
 
 
 def _attention_decode_row(q, k_cache, v_cache, part, count, out, pos: int, max_seq: int, scale, window: int):
+    """One token row, all kv heads and all splits at once: the window's keys padded to used x chunk (the splits
+    that hold keys, each `chunk` long but the last), the padding's scores -inf, so it weighs 0; the empty splits
+    after them written as the kernel writes them (acc 0, m -inf, l 0). The same calls on the same shapes for a row
+    alone or in a batch, so its bits never depend on the other rows."""
     heads, splits, stride = part.shape
     kv_heads, hd = k_cache.shape[0], stride - 2
     group = heads // kv_heads
     n = min(pos + 1, max_seq)
     first = max(n - window, 0)  # the window's oldest key
-    chunk = -(-(n - first) // splits)
-    qh = q[: heads * hd].astype(np.float32).reshape(kv_heads, group, hd)
-    for kv in range(kv_heads):
-        keys = k_cache[kv, :n].astype(np.float32)  # [n, hd]
-        values = v_cache[kv, :n].astype(np.float32)
-        heads_of = slice(kv * group, (kv + 1) * group)
-        for s in range(splits):
-            begin = min(first + s * chunk, n)
-            end = min(begin + chunk, n)
-            if begin == end:  # an empty split
-                part[heads_of, s, :hd], part[heads_of, s, hd], part[heads_of, s, hd + 1] = 0, -np.inf, 0
-                continue
-            acc, m, l = _split_state(qh[kv], keys[begin:end], values[begin:end], scale)
-            part[heads_of, s, :hd], part[heads_of, s, hd], part[heads_of, s, hd + 1] = acc, m, l
-    m = part[:, :, hd]  # [heads, splits]
-    top = m.max(axis=1, keepdims=True)
-    c = np.exp(m - top)  # 0 for an empty split (m = -inf); top is finite: split 0 is never empty
-    acc = np.zeros((heads, hd), np.float32)
-    l = np.zeros(heads, np.float32)
-    for s in range(splits):  # the kernel's fixed order
-        acc += part[:, s, :hd] * c[:, s, None]
-        l += part[:, s, hd + 1] * c[:, s]
-    out[: heads * hd] = (acc / l[:, None]).reshape(-1)
+    keys_n = n - first  # >= 1
+    chunk = -(-keys_n // splits)
+    used = -(-keys_n // chunk)  # splits [0, used) hold keys; [used, splits) are empty
+    padded = np.zeros((2, kv_heads, used * chunk, hd), np.float32)  # K, V of the window, zero past its end
+    padded[0, :, :keys_n], padded[1, :, :keys_n] = k_cache[:, first:n], v_cache[:, first:n]
+    keys, values = padded.reshape(2, kv_heads, used, chunk, hd)
+    qh = q[: heads * hd].astype(np.float32).reshape(kv_heads, 1, group, hd)
+    s = (qh @ keys.transpose(0, 1, 3, 2)) * np.float32(scale)  # [kv_heads, used, group, chunk]
+    s[:, used - 1, :, keys_n - (used - 1) * chunk:] = -np.inf  # the last split's padding
+    m = s.max(axis=3)  # [kv_heads, used, group]
+    p = np.exp(s - m[..., None])
+    states = np.empty((kv_heads, group, splits, stride), np.float32)  # part's layout: head kv * group + g
+    states[:, :, :used, :hd] = (p @ values).transpose(0, 2, 1, 3)
+    states[:, :, :used, hd] = m.transpose(0, 2, 1)
+    states[:, :, :used, hd + 1] = p.sum(axis=3).transpose(0, 2, 1)
+    states[:, :, used:, :hd], states[:, :, used:, hd], states[:, :, used:, hd + 1] = 0, -np.inf, 0
+    part[:] = states.reshape(heads, splits, stride)
+    m = states[..., hd]  # [kv_heads, group, splits]
+    c = np.exp(m - m.max(axis=2, keepdims=True))  # 0 for an empty split (m = -inf); split 0 is never empty
+    # the kernel's fixed order, s = 0, 1, ...: accumulate adds the splits one after another
+    acc = np.add.accumulate(states[..., :hd] * c[..., None], axis=2)[:, :, -1]  # [kv_heads, group, hd]
+    l = np.add.accumulate(states[..., hd + 1] * c, axis=2)[:, :, -1]
+    out[: heads * hd] = (acc / l[..., None]).reshape(-1)
     count[:kv_heads] = 0
 
 
