@@ -12,9 +12,11 @@ max(0, p - window + 1)..p (window >= max_seq: all of 0..p).
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
-from .rows import row_position
+from .rows import row_positions
 
 SOURCE = "attention.cu"
 # (HEAD_DIM, GROUP, ROWS_Q): the shipped configs first (llama-2-7b, tiny-gqa, tiny-mha, stories260K), then
@@ -41,17 +43,17 @@ def attention_decode(q, k_cache, v_cache, part, count, out, state, step_rows, ma
     parts = part.reshape(n_rows, *part.shape[-3:])
     kv_heads, hd = int(grid[0]), parts.shape[-1] - 2
     keys, values = (c.reshape(-1, kv_heads, int(max_seq), hd) for c in (k_cache, v_cache))  # [slots, ...]
-    for t, (qt, pt, ct, ot) in enumerate(zip(q.reshape(n_rows, -1), parts, count.reshape(n_rows, -1),
-                                             out.reshape(n_rows, -1))):
-        slot, pos = row_position(step_rows, state, t)
+    rows = zip(q.reshape(n_rows, -1), parts, count.reshape(n_rows, -1), out.reshape(n_rows, -1),
+               *row_positions(step_rows, state, n_rows))
+    for qt, pt, ct, ot, slot, pos in rows:
         _attention_decode_row(qt, keys[slot], values[slot], pt, ct, ot, pos, int(max_seq), scale, int(window))
 
 
 def _attention_decode_row(q, k_cache, v_cache, part, count, out, pos: int, max_seq: int, scale, window: int):
     """One token row, all kv heads and all splits at once: the window's keys padded to used x chunk (the splits
     that hold keys, each `chunk` long but the last), the padding's scores -inf, so it weighs 0; the empty splits
-    after them written as the kernel writes them (acc 0, m -inf, l 0). The same calls on the same shapes for a row
-    alone or in a batch, so its bits never depend on the other rows."""
+    after them as the kernel writes them (acc 0, m -inf, l 0). The same calls on the same shapes for a row alone or
+    in a batch, so its bits never depend on the other rows."""
     heads, splits, stride = part.shape
     kv_heads, hd = k_cache.shape[0], stride - 2
     group = heads // kv_heads
@@ -60,27 +62,38 @@ def _attention_decode_row(q, k_cache, v_cache, part, count, out, pos: int, max_s
     keys_n = n - first  # >= 1
     chunk = -(-keys_n // splits)
     used = -(-keys_n // chunk)  # splits [0, used) hold keys; [used, splits) are empty
-    padded = np.zeros((2, kv_heads, used * chunk, hd), np.float32)  # K, V of the window, zero past its end
-    padded[0, :, :keys_n], padded[1, :, :keys_n] = k_cache[:, first:n], v_cache[:, first:n]
-    keys, values = padded.reshape(2, kv_heads, used, chunk, hd)
-    qh = q[: heads * hd].astype(np.float32).reshape(kv_heads, 1, group, hd)
-    s = (qh @ keys.transpose(0, 1, 3, 2)) * np.float32(scale)  # [kv_heads, used, group, chunk]
-    s[:, used - 1, :, keys_n - (used - 1) * chunk:] = -np.inf  # the last split's padding
-    m = s.max(axis=3)  # [kv_heads, used, group]
+    qh = q[: heads * hd].astype(np.float32).reshape(kv_heads, group, hd)
+    s = np.full((kv_heads, group, used * chunk), -np.inf, np.float32)  # the last split's padding stays -inf
+    s[:, :, :keys_n] = (qh @ k_cache[:, first:n].astype(np.float32).transpose(0, 2, 1)) * np.float32(scale)
+    s = s.reshape(kv_heads, group, used, chunk)
+    m = s.max(axis=3)  # [kv_heads, group, used]
     p = np.exp(s - m[..., None])
-    states = np.empty((kv_heads, group, splits, stride), np.float32)  # part's layout: head kv * group + g
-    states[:, :, :used, :hd] = (p @ values).transpose(0, 2, 1, 3)
-    states[:, :, :used, hd] = m.transpose(0, 2, 1)
-    states[:, :, :used, hd + 1] = p.sum(axis=3).transpose(0, 2, 1)
-    states[:, :, used:, :hd], states[:, :, used:, hd], states[:, :, used:, hd + 1] = 0, -np.inf, 0
+    values = np.zeros((kv_heads, used * chunk, hd), np.float32)  # zero past the window's end (weighed by 0)
+    values[:, :keys_n] = v_cache[:, first:n]
+    states = _empty_splits(kv_heads, group, splits, stride).copy()  # part's layout: head kv * group + g
+    states[:, :, :used, :hd] = (p.transpose(0, 2, 1, 3) @ values.reshape(kv_heads, used, chunk, hd)).transpose(
+        0, 2, 1, 3)
+    states[:, :, :used, hd] = m
+    states[:, :, :used, hd + 1] = p.sum(axis=3)
     part[:] = states.reshape(heads, splits, stride)
-    m = states[..., hd]  # [kv_heads, group, splits]
-    c = np.exp(m - m.max(axis=2, keepdims=True))  # 0 for an empty split (m = -inf); split 0 is never empty
-    # the kernel's fixed order, s = 0, 1, ...: accumulate adds the splits one after another
-    acc = np.add.accumulate(states[..., :hd] * c[..., None], axis=2)[:, :, -1]  # [kv_heads, group, hd]
-    l = np.add.accumulate(states[..., hd + 1] * c, axis=2)[:, :, -1]
+    # The kernel's combine, splits in their fixed order s = 0, 1, ... (accumulate adds them one after another);
+    # the empty ones weigh exp(-inf) = 0 and are left out; split 0 is never empty.
+    m = m - m.max(axis=2, keepdims=True)
+    c = np.exp(m)
+    acc = np.add.accumulate(states[:, :, :used, :hd] * c[..., None], axis=2)[:, :, -1]  # [kv_heads, group, hd]
+    l = np.add.accumulate(states[:, :, :used, hd + 1] * c, axis=2)[:, :, -1]
     out[: heads * hd] = (acc / l[..., None]).reshape(-1)
     count[:kv_heads] = 0
+
+
+@functools.lru_cache(maxsize=16)
+def _empty_splits(kv_heads: int, group: int, splits: int, stride: int) -> np.ndarray:
+    """[kv_heads, group, splits, stride] of empty splits as the kernel writes them: acc 0, m -inf, l 0 (read
+    only: copy it)."""
+    states = np.zeros((kv_heads, group, splits, stride), np.float32)
+    states[..., stride - 2] = -np.inf
+    states.flags.writeable = False
+    return states
 
 
 def attention_prefill(q_rows, k_cache, v_cache, out_rows, start, n_rows, max_seq, scale, window, *, grid):

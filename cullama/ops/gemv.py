@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .rows import row_position
+from .rows import row_positions
 
 SOURCE = "gemv.cu"
 # (ROWS, UNROLL) of a decode step (one token row): the plan's choice first; the others are the benchmark
@@ -102,9 +102,9 @@ def qkv_rope(w32, x, norm_w, bias, q_out, k_cache, v_cache, rope, state, step_ro
              max_seq, eps):
     b32 = bias[:w32.shape[0]].astype(np.float32)  # [all heads * hd]
     keys, values = (c.reshape(-1, n_kv_heads, max_seq, hd) for c in (k_cache, v_cache))  # [slots, ...]
-    for t, (xt, qt) in enumerate(zip(token_rows(x), token_rows(q_out))):
+    xs = token_rows(x)
+    for xt, qt, slot, pos in zip(xs, token_rows(q_out), *row_positions(step_rows, state, len(xs))):
         y = (_norm_dot(w32, xt[:d], norm_w, eps) + b32).reshape(n_heads + 2 * n_kv_heads, hd)  # [all heads, hd]
-        slot, pos = row_position(step_rows, state, t)
         _rope_store(y, qt, keys[slot], values[slot], rope, pos, n_heads, n_kv_heads, hd)
 
 
