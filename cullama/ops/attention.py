@@ -40,20 +40,30 @@ def attention_decode(q, k_cache, v_cache, part, count, out, state, step_rows, ma
     are one row (q [heads*hd], part [heads, splits, hd+2], ...). Each row is the one-row computation at its own
     slot and position, as on the GPU."""
     n_rows = int(grid[2])
-    parts = part.reshape(n_rows, *part.shape[-3:])
+    parts = part.reshape(n_rows, *part.shape[-3:])  # [rows, heads, splits, hd + 2], written in place
     kv_heads, hd = int(grid[0]), parts.shape[-1] - 2
     keys, values = (c.reshape(-1, kv_heads, int(max_seq), hd) for c in (k_cache, v_cache))  # [slots, ...]
-    rows = zip(q.reshape(n_rows, -1), parts, count.reshape(n_rows, -1), out.reshape(n_rows, -1),
-               *row_positions(step_rows, state, n_rows))
-    for qt, pt, ct, ot, slot, pos in rows:
-        _attention_decode_row(qt, keys[slot], values[slot], pt, ct, ot, pos, int(max_seq), scale, int(window))
+    parts[:] = _empty_split(hd)  # what the splits holding no keys keep
+    rows = zip(q.reshape(n_rows, -1), parts, *row_positions(step_rows, state, n_rows))
+    for qt, pt, slot, pos in rows:
+        _attention_decode_row(qt, keys[slot], values[slot], pt, pos, int(max_seq), scale, int(window))
+    # The combine, as the kernel's last block: each row's splits in their fixed order s = 0, 1, ... (accumulate adds
+    # them one after another, element by element, so all rows at once is each row's own sum); an empty split
+    # (m = -inf) weighs exp(-inf) = 0; split 0 is never empty.
+    m = parts[..., hd]  # [rows, heads, splits]
+    c = np.exp(m - m.max(axis=2, keepdims=True))
+    acc = np.add.accumulate(parts[..., :hd] * c[..., None], axis=2)[:, :, -1]  # [rows, heads, hd]
+    l = np.add.accumulate(parts[..., hd + 1] * c, axis=2)[:, :, -1]
+    heads = parts.shape[1]
+    out.reshape(n_rows, -1)[:, : heads * hd] = (acc / l[..., None]).reshape(n_rows, -1)
+    count.reshape(n_rows, -1)[:, :kv_heads] = 0
 
 
-def _attention_decode_row(q, k_cache, v_cache, part, count, out, pos: int, max_seq: int, scale, window: int):
-    """One token row, all kv heads and all splits at once: the window's keys padded to used x chunk (the splits
-    that hold keys, each `chunk` long but the last), the padding's scores -inf, so it weighs 0; the empty splits
-    after them as the kernel writes them (acc 0, m -inf, l 0). The same calls on the same shapes for a row alone or
-    in a batch, so its bits never depend on the other rows."""
+def _attention_decode_row(q, k_cache, v_cache, part, pos: int, max_seq: int, scale, window: int):
+    """One token row's splits, all kv heads at once, into part [heads, splits, hd + 2] (its empty splits already
+    written): the window's keys padded to used x chunk (the splits that hold keys, each `chunk` long but the last),
+    the padding's scores -inf, so it weighs 0. The same calls on the same shapes for a row alone or in a batch, so
+    its bits never depend on the other rows."""
     heads, splits, stride = part.shape
     kv_heads, hd = k_cache.shape[0], stride - 2
     group = heads // kv_heads
@@ -70,30 +80,19 @@ def _attention_decode_row(q, k_cache, v_cache, part, count, out, pos: int, max_s
     p = np.exp(s - m[..., None])
     values = np.zeros((kv_heads, used * chunk, hd), np.float32)  # zero past the window's end (weighed by 0)
     values[:, :keys_n] = v_cache[:, first:n]
-    states = _empty_splits(kv_heads, group, splits, stride).copy()  # part's layout: head kv * group + g
-    states[:, :, :used, :hd] = (p.transpose(0, 2, 1, 3) @ values.reshape(kv_heads, used, chunk, hd)).transpose(
-        0, 2, 1, 3)
-    states[:, :, :used, hd] = m
-    states[:, :, :used, hd + 1] = p.sum(axis=3)
-    part[:] = states.reshape(heads, splits, stride)
-    # The kernel's combine, splits in their fixed order s = 0, 1, ... (accumulate adds them one after another);
-    # the empty ones weigh exp(-inf) = 0 and are left out; split 0 is never empty.
-    m = m - m.max(axis=2, keepdims=True)
-    c = np.exp(m)
-    acc = np.add.accumulate(states[:, :, :used, :hd] * c[..., None], axis=2)[:, :, -1]  # [kv_heads, group, hd]
-    l = np.add.accumulate(states[:, :, :used, hd + 1] * c, axis=2)[:, :, -1]
-    out[: heads * hd] = (acc / l[..., None]).reshape(-1)
-    count[:kv_heads] = 0
+    acc = p.transpose(0, 2, 1, 3) @ values.reshape(kv_heads, used, chunk, hd)  # [kv_heads, used, group, hd]
+    part[:, :used, :hd] = acc.transpose(0, 2, 1, 3).reshape(heads, used, hd)  # head kv * group + g
+    part[:, :used, hd] = m.reshape(heads, used)
+    part[:, :used, hd + 1] = p.sum(axis=3).reshape(heads, used)
 
 
-@functools.lru_cache(maxsize=16)
-def _empty_splits(kv_heads: int, group: int, splits: int, stride: int) -> np.ndarray:
-    """[kv_heads, group, splits, stride] of empty splits as the kernel writes them: acc 0, m -inf, l 0 (read
-    only: copy it)."""
-    states = np.zeros((kv_heads, group, splits, stride), np.float32)
-    states[..., stride - 2] = -np.inf
-    states.flags.writeable = False
-    return states
+@functools.lru_cache(maxsize=8)
+def _empty_split(hd: int) -> np.ndarray:
+    """[hd + 2]: a split with no keys as the kernel writes it: acc 0, m -inf, l 0 (read only)."""
+    state = np.zeros(hd + 2, np.float32)
+    state[hd] = -np.inf
+    state.flags.writeable = False
+    return state
 
 
 def attention_prefill(q_rows, k_cache, v_cache, out_rows, start, n_rows, max_seq, scale, window, *, grid):
