@@ -61,8 +61,10 @@ def main(argv=None) -> int:
         alone, seconds = timed(lambda: [llm.generate(p, **options) for p in prompts])
         row_s.append(seconds)
         print(f"trial {trial + 1}: batched {batched_s[-1]:.2f} s, in a row {row_s[-1]:.2f} s", flush=True)
-        if [g.token_ids for g in together] != [g.token_ids for g in alone]:
-            print("error: a batched request's tokens differ from its solo tokens", file=sys.stderr)
+        differ = [i for i, (a, b) in enumerate(zip(together, alone)) if a.token_ids != b.token_ids]
+        if differ:
+            print(f"error: request {differ[0]}'s batched tokens differ from its solo tokens (the promise broken)",
+                  file=sys.stderr)
             return 1
     best_batched, best_row = min(batched_s), min(row_s)
     tokens = args.requests * args.max_new_tokens
