@@ -105,14 +105,14 @@ def attention_prefill(q_rows, k_cache, v_cache, out_rows, start, n_rows, max_seq
     group = q_rows.shape[1] // (kv_heads * hd)
     end = min(int(start) + rows, int(max_seq))  # keys any row sees
     q = q_rows[:rows, : kv_heads * group * hd].astype(np.float32).reshape(rows, kv_heads, group, hd)
-    for kv in range(kv_heads):
-        keys, values = k_cache[kv, :end].astype(np.float32), v_cache[kv, :end].astype(np.float32)  # [end, hd]
-        # Row by row over exactly the keys a row sees: a row's numbers then depend on its position alone, not on
-        # which rows share its prefill chunk (a masked [rows, end] product sums each row in an order that does).
-        for r in range(rows):
-            n = min(int(start) + r + 1, end)  # keys up to start+r (those in the cache)
-            first = max(n - int(window), 0)  # and from the window's oldest
-            s = (q[r, kv] @ keys[first:n].T) * np.float32(scale)  # [group, n - first]
-            p = np.exp(s - s.max(axis=1, keepdims=True))
-            o = (p @ values[first:n]) / p.sum(axis=1, keepdims=True)  # [group, hd]
-            out_rows[r, kv * group * hd: (kv + 1) * group * hd] = o.reshape(-1).astype(np.float16)
+    keys, values = k_cache[:, :end].astype(np.float32), v_cache[:, :end].astype(np.float32)  # [kv_heads, end, hd]
+    # Row by row over exactly the keys a row sees (all kv heads at once): a row's numbers then depend on its
+    # position alone, not on which rows share its prefill chunk (a masked [rows, end] product sums each row in an
+    # order that does).
+    for r in range(rows):
+        n = min(int(start) + r + 1, end)  # keys up to start+r (those in the cache)
+        first = max(n - int(window), 0)  # and from the window's oldest
+        s = (q[r] @ keys[:, first:n].transpose(0, 2, 1)) * np.float32(scale)  # [kv_heads, group, n - first]
+        p = np.exp(s - s.max(axis=2, keepdims=True))
+        o = (p @ values[:, first:n]) / p.sum(axis=2, keepdims=True)  # [kv_heads, group, hd]
+        out_rows[r, : kv_heads * group * hd] = o.reshape(-1).astype(np.float16)
