@@ -38,10 +38,11 @@ def attention_decode(q, k_cache, v_cache, part, count, out, state, step_rows, ma
     8]); part[t] [heads, splits, hd+2] gets each split's (acc, m, l) as the kernel writes it (the splits divide
     those keys only), the splits are combined in order, count[t] [kv_heads] is left at 0. A decode step's arrays
     are one row (q [heads*hd], part [heads, splits, hd+2], ...). Each row is the one-row computation at its own
-    slot and position, as on the GPU."""
+    slot and position, as on the GPU: its splits by calls of its own (_attention_decode_row), the combine and the
+    empty splits by elementwise arithmetic over all rows at once (each element's the one-row arithmetic)."""
     n_rows = int(grid[2])
     parts = part.reshape(n_rows, *part.shape[-3:])  # [rows, heads, splits, hd + 2], written in place
-    kv_heads, hd = int(grid[0]), parts.shape[-1] - 2
+    heads, kv_heads, hd = parts.shape[1], int(grid[0]), parts.shape[-1] - 2
     keys, values = (c.reshape(-1, kv_heads, int(max_seq), hd) for c in (k_cache, v_cache))  # [slots, ...]
     parts[:] = _empty_split(hd)  # what the splits holding no keys keep
     rows = zip(q.reshape(n_rows, -1), parts, *row_positions(step_rows, state, n_rows))
@@ -54,7 +55,6 @@ def attention_decode(q, k_cache, v_cache, part, count, out, state, step_rows, ma
     c = np.exp(m - m.max(axis=2, keepdims=True))
     acc = np.add.accumulate(parts[..., :hd] * c[..., None], axis=2)[:, :, -1]  # [rows, heads, hd]
     l = np.add.accumulate(parts[..., hd + 1] * c, axis=2)[:, :, -1]
-    heads = parts.shape[1]
     out.reshape(n_rows, -1)[:, : heads * hd] = (acc / l[..., None]).reshape(n_rows, -1)
     count.reshape(n_rows, -1)[:, :kv_heads] = 0
 

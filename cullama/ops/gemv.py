@@ -3,8 +3,9 @@
 Token rows: a kernel compiled with TOKENS = T takes x, in and its outputs as [T, width] rows (token row t of the
 slot and at the position the step's rows table gives it: ops/rows.py); the plan hands the twin exactly those rows
 (Ref(..., rows=T)), 1-D arrays for a decode step. Each multi-row twin is the one-row twin applied row by row (one
-converted copy of W shared by the rows), so a verify step on the numpy backend is bit for bit its plain steps, as on
-the GPU.
+converted copy of W shared by the rows; each row's product its own call, as a product over several rows may sum in
+another order; what is elementwise, RoPE and the K/V stores, over all rows at once), so a verify or batched step on
+the numpy backend is bit for bit its plain steps, as on the GPU.
 """
 
 from __future__ import annotations
