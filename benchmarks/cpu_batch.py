@@ -26,7 +26,7 @@ from pathlib import Path
 
 import cullama
 
-DEFAULT_MODEL = Path(__file__).resolve().parents[1] / ".." / "shared" / "models" / "stories260K"
+DEFAULT_MODEL = Path(__file__).resolve().parents[2] / "shared" / "models" / "stories260K"  # ../shared from the repo
 PROMPTS = ["Once upon a time", "The little dog", "Lily and Tom went to the park", "One day, a bird",
            "There was a big red ball", "Sam had a toy car", "The sun was hot", "Mom said"]
 
