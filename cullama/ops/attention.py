@@ -76,14 +76,15 @@ def _attention_decode_row(q, k_cache, v_cache, part, pos: int, max_seq: int, sca
     s = np.full((kv_heads, group, used * chunk), -np.inf, np.float32)  # the last split's padding stays -inf
     s[:, :, :keys_n] = (qh @ k_cache[:, first:n].astype(np.float32).transpose(0, 2, 1)) * np.float32(scale)
     s = s.reshape(kv_heads, group, used, chunk)
-    m = s.max(axis=3)  # [kv_heads, group, used]
+    m = s[..., 0] if chunk == 1 else s.max(axis=3)  # [kv_heads, group, used] (one key a split: its score)
     p = np.exp(s - m[..., None])
-    values = np.zeros((kv_heads, used * chunk, hd), np.float32)  # zero past the window's end (weighed by 0)
-    values[:, :keys_n] = v_cache[:, first:n]
-    acc = p.transpose(0, 2, 1, 3) @ values.reshape(kv_heads, used, chunk, hd)  # [kv_heads, used, group, hd]
-    part[:, :used, :hd] = acc.transpose(0, 2, 1, 3).reshape(heads, used, hd)  # head kv * group + g
+    # Each key's value in part's layout (v, 0, 1), zero past the window's end: p times it sums to (acc, 0, l)
+    values = np.zeros((kv_heads, used * chunk, stride), np.float32)
+    values[:, :keys_n, :hd] = v_cache[:, first:n]
+    values[:, :keys_n, hd + 1] = 1
+    states = p.transpose(0, 2, 1, 3) @ values.reshape(kv_heads, used, chunk, stride)  # [kv_heads, used, group, ..]
+    part[:, :used] = states.transpose(0, 2, 1, 3).reshape(heads, used, stride)  # head kv * group + g
     part[:, :used, hd] = m.reshape(heads, used)
-    part[:, :used, hd + 1] = p.sum(axis=3).reshape(heads, used)
 
 
 @functools.lru_cache(maxsize=8)
