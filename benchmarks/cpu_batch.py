@@ -25,6 +25,7 @@ import time
 from pathlib import Path
 
 import cullama
+from cullama.errors import CullamaError
 
 DEFAULT_MODEL = Path(__file__).resolve().parents[2] / "shared" / "models" / "stories260K"  # ../shared from the repo
 PROMPTS = ["Once upon a time", "The little dog", "Lily and Tom went to the park", "One day, a bird",
@@ -51,8 +52,13 @@ def main(argv=None) -> int:
         ap.error(f"--requests must be 1 to {len(PROMPTS)}, --trials and --max-new-tokens >= 1")
     prompts = PROMPTS[:args.requests]
     options = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, seed=1, ignore_eos=True)
-    llm = cullama.Llama.from_pretrained(args.model, device="cpu", max_batch=args.requests)
-    llm.generate(prompts[0], max_new_tokens=2)  # first calls import and build what later ones reuse
+    try:
+        llm = cullama.Llama.from_pretrained(args.model, device="cpu", max_batch=args.requests)
+    except CullamaError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    llm.generate(prompts, max_new_tokens=2)  # first calls import and build what later ones reuse (batch plans too)
+    llm.generate(prompts[0], max_new_tokens=2)
 
     batched_s, row_s = [], []
     for trial in range(args.trials):

@@ -41,7 +41,10 @@ def test_cpu_batch_fails_when_a_row_depends_on_the_batch(stories_dir, monkeypatc
     assert "differ from its solo tokens" in capsys.readouterr().err
 
 
-def test_cpu_batch_bad_arguments_are_usage_errors(capsys):
+def test_cpu_batch_bad_arguments_are_usage_errors(tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_:
         cpu_batch.main(["--requests", "0"])
     assert exit_.value.code == 2 and "--requests" in capsys.readouterr().err
+    assert cpu_batch.main(["--model", str(tmp_path / "nothing")]) == 1  # one line, no traceback
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and len(err.strip().splitlines()) == 1 and "Traceback" not in err
