@@ -12,9 +12,11 @@ max(0, p - window + 1)..p (window >= max_seq: all of 0..p).
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
-from .rows import row_position
+from .rows import row_positions
 
 SOURCE = "attention.cu"
 # (HEAD_DIM, GROUP, ROWS_Q): the shipped configs first (llama-2-7b, tiny-gqa, tiny-mha, stories260K), then
@@ -29,15 +31,6 @@ VARIANTS = [(("HEAD_DIM", hd), ("GROUP", g), ("ROWS_Q", r)) for hd, g, r in
              (64, 4, 1), (128, 3, 1), (128, 5, 1), (128, 6, 1), (128, 7, 1))]
 
 
-def _split_state(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float):
-    """Unnormalised softmax state of query heads q [heads, hd] (all sharing one kv head) over keys
-    k, v [n, hd]: acc [heads, hd] = Σ e^(s - m) v, m [heads] = max s, l [heads] = Σ e^(s - m)."""
-    s = (q @ k.T) * np.float32(scale)  # [heads, n]
-    m = s.max(axis=1)
-    p = np.exp(s - m[:, None])
-    return p @ v, m, p.sum(axis=1)
-
-
 def attention_decode(q, k_cache, v_cache, part, count, out, state, step_rows, max_seq, scale, window, *, grid):
     """Per token row t < grid[2] (1 for a decode step): out[t] [heads*hd] f32 = attention of q[t] [heads*hd]
     over keys max(0, p - window + 1)..p of its slot's k_cache/v_cache [slots, kv_heads, max_seq, hd] f16, where
@@ -45,47 +38,62 @@ def attention_decode(q, k_cache, v_cache, part, count, out, state, step_rows, ma
     8]); part[t] [heads, splits, hd+2] gets each split's (acc, m, l) as the kernel writes it (the splits divide
     those keys only), the splits are combined in order, count[t] [kv_heads] is left at 0. A decode step's arrays
     are one row (q [heads*hd], part [heads, splits, hd+2], ...). Each row is the one-row computation at its own
-    slot and position, as on the GPU."""
+    slot and position, as on the GPU: its splits by calls of its own (_attention_decode_row), the combine and the
+    empty splits by elementwise arithmetic over all rows at once (each element's the one-row arithmetic)."""
     n_rows = int(grid[2])
-    parts = part.reshape(n_rows, *part.shape[-3:])
-    kv_heads, hd = int(grid[0]), parts.shape[-1] - 2
+    parts = part.reshape(n_rows, *part.shape[-3:])  # [rows, heads, splits, hd + 2], written in place
+    heads, kv_heads, hd = parts.shape[1], int(grid[0]), parts.shape[-1] - 2
     keys, values = (c.reshape(-1, kv_heads, int(max_seq), hd) for c in (k_cache, v_cache))  # [slots, ...]
-    for t, (qt, pt, ct, ot) in enumerate(zip(q.reshape(n_rows, -1), parts, count.reshape(n_rows, -1),
-                                             out.reshape(n_rows, -1))):
-        slot, pos = row_position(step_rows, state, t)
-        _attention_decode_row(qt, keys[slot], values[slot], pt, ct, ot, pos, int(max_seq), scale, int(window))
+    parts[:] = _empty_split(hd)  # what the splits holding no keys keep
+    rows = zip(q.reshape(n_rows, -1), parts, *row_positions(step_rows, state, n_rows))
+    for qt, pt, slot, pos in rows:
+        _attention_decode_row(qt, keys[slot], values[slot], pt, pos, int(max_seq), scale, int(window))
+    # The combine, as the kernel's last block: each row's splits in their fixed order s = 0, 1, ... (accumulate adds
+    # them one after another, element by element, so all rows at once is each row's own sum); an empty split
+    # (m = -inf) weighs exp(-inf) = 0; split 0 is never empty.
+    m = parts[..., hd]  # [rows, heads, splits]
+    c = np.exp(m - m.max(axis=2, keepdims=True))
+    acc = np.add.accumulate(parts[..., :hd] * c[..., None], axis=2)[:, :, -1]  # [rows, heads, hd]
+    l = np.add.accumulate(parts[..., hd + 1] * c, axis=2)[:, :, -1]
+    out.reshape(n_rows, -1)[:, : heads * hd] = (acc / l[..., None]).reshape(n_rows, -1)
+    count.reshape(n_rows, -1)[:, :kv_heads] = 0
 
 
-def _attention_decode_row(q, k_cache, v_cache, part, count, out, pos: int, max_seq: int, scale, window: int):
+def _attention_decode_row(q, k_cache, v_cache, part, pos: int, max_seq: int, scale, window: int):
+    """One token row's splits, all kv heads at once, into part [heads, splits, hd + 2] (its empty splits already
+    written): the window's keys padded to used x chunk (the splits that hold keys, each `chunk` long but the last),
+    the padding's scores -inf, so it weighs 0. The same calls on the same shapes for a row alone or in a batch, so
+    its bits never depend on the other rows."""
     heads, splits, stride = part.shape
     kv_heads, hd = k_cache.shape[0], stride - 2
     group = heads // kv_heads
     n = min(pos + 1, max_seq)
     first = max(n - window, 0)  # the window's oldest key
-    chunk = -(-(n - first) // splits)
+    keys_n = n - first  # >= 1
+    chunk = -(-keys_n // splits)
+    used = -(-keys_n // chunk)  # splits [0, used) hold keys; [used, splits) are empty
     qh = q[: heads * hd].astype(np.float32).reshape(kv_heads, group, hd)
-    for kv in range(kv_heads):
-        keys = k_cache[kv, :n].astype(np.float32)  # [n, hd]
-        values = v_cache[kv, :n].astype(np.float32)
-        heads_of = slice(kv * group, (kv + 1) * group)
-        for s in range(splits):
-            begin = min(first + s * chunk, n)
-            end = min(begin + chunk, n)
-            if begin == end:  # an empty split
-                part[heads_of, s, :hd], part[heads_of, s, hd], part[heads_of, s, hd + 1] = 0, -np.inf, 0
-                continue
-            acc, m, l = _split_state(qh[kv], keys[begin:end], values[begin:end], scale)
-            part[heads_of, s, :hd], part[heads_of, s, hd], part[heads_of, s, hd + 1] = acc, m, l
-    m = part[:, :, hd]  # [heads, splits]
-    top = m.max(axis=1, keepdims=True)
-    c = np.exp(m - top)  # 0 for an empty split (m = -inf); top is finite: split 0 is never empty
-    acc = np.zeros((heads, hd), np.float32)
-    l = np.zeros(heads, np.float32)
-    for s in range(splits):  # the kernel's fixed order
-        acc += part[:, s, :hd] * c[:, s, None]
-        l += part[:, s, hd + 1] * c[:, s]
-    out[: heads * hd] = (acc / l[:, None]).reshape(-1)
-    count[:kv_heads] = 0
+    s = np.full((kv_heads, group, used * chunk), -np.inf, np.float32)  # the last split's padding stays -inf
+    s[:, :, :keys_n] = (qh @ k_cache[:, first:n].astype(np.float32).transpose(0, 2, 1)) * np.float32(scale)
+    s = s.reshape(kv_heads, group, used, chunk)
+    m = s[..., 0] if chunk == 1 else s.max(axis=3)  # [kv_heads, group, used] (one key a split: its score)
+    p = np.exp(s - m[..., None])
+    # Each key's value in part's layout (v, 0, 1), zero past the window's end: p times it sums to (acc, 0, l)
+    values = np.zeros((kv_heads, used * chunk, stride), np.float32)
+    values[:, :keys_n, :hd] = v_cache[:, first:n]
+    values[:, :keys_n, hd + 1] = 1
+    states = p.transpose(0, 2, 1, 3) @ values.reshape(kv_heads, used, chunk, stride)  # [kv_heads, used, group, ..]
+    part[:, :used] = states.transpose(0, 2, 1, 3).reshape(heads, used, stride)  # head kv * group + g
+    part[:, :used, hd] = m.reshape(heads, used)
+
+
+@functools.lru_cache(maxsize=8)
+def _empty_split(hd: int) -> np.ndarray:
+    """[hd + 2]: a split with no keys as the kernel writes it: acc 0, m -inf, l 0 (read only)."""
+    state = np.zeros(hd + 2, np.float32)
+    state[hd] = -np.inf
+    state.flags.writeable = False
+    return state
 
 
 def attention_prefill(q_rows, k_cache, v_cache, out_rows, start, n_rows, max_seq, scale, window, *, grid):
@@ -98,14 +106,14 @@ def attention_prefill(q_rows, k_cache, v_cache, out_rows, start, n_rows, max_seq
     group = q_rows.shape[1] // (kv_heads * hd)
     end = min(int(start) + rows, int(max_seq))  # keys any row sees
     q = q_rows[:rows, : kv_heads * group * hd].astype(np.float32).reshape(rows, kv_heads, group, hd)
-    for kv in range(kv_heads):
-        keys, values = k_cache[kv, :end].astype(np.float32), v_cache[kv, :end].astype(np.float32)  # [end, hd]
-        # Row by row over exactly the keys a row sees: a row's numbers then depend on its position alone, not on
-        # which rows share its prefill chunk (a masked [rows, end] product sums each row in an order that does).
-        for r in range(rows):
-            n = min(int(start) + r + 1, end)  # keys up to start+r (those in the cache)
-            first = max(n - int(window), 0)  # and from the window's oldest
-            s = (q[r, kv] @ keys[first:n].T) * np.float32(scale)  # [group, n - first]
-            p = np.exp(s - s.max(axis=1, keepdims=True))
-            o = (p @ values[first:n]) / p.sum(axis=1, keepdims=True)  # [group, hd]
-            out_rows[r, kv * group * hd: (kv + 1) * group * hd] = o.reshape(-1).astype(np.float16)
+    keys, values = k_cache[:, :end].astype(np.float32), v_cache[:, :end].astype(np.float32)  # [kv_heads, end, hd]
+    # Row by row over exactly the keys a row sees (all kv heads at once): a row's numbers then depend on its
+    # position alone, not on which rows share its prefill chunk (a masked [rows, end] product sums each row in an
+    # order that does).
+    for r in range(rows):
+        n = min(int(start) + r + 1, end)  # keys up to start+r (those in the cache)
+        first = max(n - int(window), 0)  # and from the window's oldest
+        s = (q[r] @ keys[:, first:n].transpose(0, 2, 1)) * np.float32(scale)  # [kv_heads, group, n - first]
+        p = np.exp(s - s.max(axis=2, keepdims=True))
+        o = (p @ values[:, first:n]) / p.sum(axis=2, keepdims=True)  # [kv_heads, group, hd]
+        out_rows[r, : kv_heads * group * hd] = o.reshape(-1).astype(np.float16)

@@ -3,15 +3,16 @@
 Token rows: a kernel compiled with TOKENS = T takes x, in and its outputs as [T, width] rows (token row t of the
 slot and at the position the step's rows table gives it: ops/rows.py); the plan hands the twin exactly those rows
 (Ref(..., rows=T)), 1-D arrays for a decode step. Each multi-row twin is the one-row twin applied row by row (one
-converted copy of W shared by the rows), so a verify step on the numpy backend is bit for bit its plain steps, as on
-the GPU.
+converted copy of W shared by the rows; each row's product its own call, as a product over several rows may sum in
+another order; what is elementwise, RoPE and the K/V stores, over all rows at once), so a verify or batched step on
+the numpy backend is bit for bit its plain steps, as on the GPU.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from .rows import row_position
+from .rows import row_positions
 
 SOURCE = "gemv.cu"
 # (ROWS, UNROLL) of a decode step (one token row): the plan's choice first; the others are the benchmark
@@ -45,28 +46,18 @@ def token_rows(a: np.ndarray) -> np.ndarray:
     return a[None] if a.ndim == 1 else a
 
 
-def _norm_dot(w32: np.ndarray, x: np.ndarray, norm_w: np.ndarray, eps: float) -> np.ndarray:
-    """W · rmsnorm(x) for one row x, W already float32: x scaled by rsqrt(mean(x^2) + eps) and by the norm
-    weight, in float32."""
+def _norm_dot(w32: np.ndarray, x: np.ndarray, norm32: np.ndarray, eps: float) -> np.ndarray:
+    """W · rmsnorm(x) for one row x, W and the norm weight already float32: x scaled by rsqrt(mean(x^2) + eps) and
+    by the norm weight, in float32."""
     x = x.astype(np.float32)
-    scale = np.float32(1.0) / np.sqrt(np.mean(x * x, dtype=np.float32) + np.float32(eps))
-    return (w32 @ (x * norm_w.astype(np.float32))) * scale
+    # np.mean(x * x, dtype=np.float32)'s bits (a float32 sum, divided in float64) without its Python overhead
+    mean = np.float32(float(np.add.reduce(x * x)) / x.size)
+    scale = np.float32(1.0) / np.sqrt(mean + np.float32(eps))
+    return (w32 @ (x * norm32)) * scale
 
 
 def _silu(a: np.ndarray) -> np.ndarray:
     return a / (np.float32(1.0) + np.exp(-a))
-
-
-def _rope_store(y: np.ndarray, q_out, k_cache, v_cache, rope, pos: int, n_heads: int, n_kv_heads: int, hd: int):
-    """One token row's q|k|v (y [all heads, hd] float32): RoPE on q and k, q to q_out, k and v into the caches."""
-    cos, sin = rope[pos, :, 0], rope[pos, :, 1]  # [hd/2]
-    qk = y[: n_heads + n_kv_heads]
-    first, second = qk[:, : hd // 2].copy(), qk[:, hd // 2:].copy()
-    qk[:, : hd // 2] = first * cos - second * sin
-    qk[:, hd // 2:] = second * cos + first * sin
-    q_out[: n_heads * hd] = y[:n_heads].reshape(-1)
-    k_cache[:, pos] = y[n_heads: n_heads + n_kv_heads].astype(np.float16)
-    v_cache[:, pos] = y[n_heads + n_kv_heads:].astype(np.float16)
 
 
 def gemv_qkv_rope(x, norm_w, W, bias, q_out, k_cache, v_cache, rope, state, step_rows, d, n_heads, n_kv_heads, hd,
@@ -90,22 +81,34 @@ def gemv_gate_up_silu(x, norm_w, W, h, ff, d, eps):
 
 def gemv_logits(x, norm_w, W, logits, V, d, eps):
     """logits[t, :V] = W [V, d] · rmsnorm(x[t]) per token row t, rows at logits_stride(V)."""
-    w32 = W.astype(np.float32)
+    w32, norm32 = W.astype(np.float32), norm_w.astype(np.float32)
     xs = token_rows(x)
     for xt, lt in zip(xs, logit_rows(logits, V, len(xs))):
-        lt[:V] = _norm_dot(w32, xt[:d], norm_w, eps)
+        lt[:V] = _norm_dot(w32, xt[:d], norm32, eps)
 
 
 # The functions of the kernels on float32 weights w32 [M, K], whatever they are stored as (ops/gemv_quant.py
 # dequantizes its weights and calls these).
 def qkv_rope(w32, x, norm_w, bias, q_out, k_cache, v_cache, rope, state, step_rows, d, n_heads, n_kv_heads, hd,
              max_seq, eps):
-    b32 = bias[:w32.shape[0]].astype(np.float32)  # [all heads * hd]
+    b32, norm32 = bias[:w32.shape[0]].astype(np.float32), norm_w.astype(np.float32)  # [all heads * hd], [d]
+    xs = token_rows(x)
+    rows = len(xs)
+    # Each row's product is its own call (a product over several rows may sum in another order); RoPE and the
+    # stores are elementwise, so all rows go at once: each element's arithmetic is the one-row arithmetic.
+    y = np.stack([_norm_dot(w32, xt[:d], norm32, eps) for xt in xs]) + b32
+    y = y.reshape(rows, n_heads + 2 * n_kv_heads, hd)  # [rows, all heads, hd]
+    slots, positions = row_positions(step_rows, state, rows)
+    angles = rope[positions]  # [rows, hd/2, 2]: each row's cos and sin at its position
+    cos, sin = angles[:, None, :, 0], angles[:, None, :, 1]
+    qk = y[:, : n_heads + n_kv_heads]
+    first, second = qk[..., : hd // 2].copy(), qk[..., hd // 2:].copy()
+    qk[..., : hd // 2] = first * cos - second * sin
+    qk[..., hd // 2:] = second * cos + first * sin
+    token_rows(q_out)[:, : n_heads * hd] = y[:, :n_heads].reshape(rows, -1)
     keys, values = (c.reshape(-1, n_kv_heads, max_seq, hd) for c in (k_cache, v_cache))  # [slots, ...]
-    for t, (xt, qt) in enumerate(zip(token_rows(x), token_rows(q_out))):
-        y = (_norm_dot(w32, xt[:d], norm_w, eps) + b32).reshape(n_heads + 2 * n_kv_heads, hd)  # [all heads, hd]
-        slot, pos = row_position(step_rows, state, t)
-        _rope_store(y, qt, keys[slot], values[slot], rope, pos, n_heads, n_kv_heads, hd)
+    keys[slots, :, positions] = y[:, n_heads: n_heads + n_kv_heads].astype(np.float16)  # [rows, kv_heads, hd]
+    values[slots, :, positions] = y[:, n_heads + n_kv_heads:].astype(np.float16)
 
 
 def residual(w32, inp, x, M, K):
@@ -114,6 +117,7 @@ def residual(w32, inp, x, M, K):
 
 
 def gate_up_silu(w32, x, norm_w, h, ff, d, eps):
+    norm32 = norm_w.astype(np.float32)
     for xt, ht in zip(token_rows(x), token_rows(h)):
-        y = _norm_dot(w32, xt[:d], norm_w, eps)
+        y = _norm_dot(w32, xt[:d], norm32, eps)
         ht[:ff] = _silu(y[:ff]) * y[ff:]

@@ -16,8 +16,10 @@ FPARAMS_LEN = 4
 ROW_SLOT, ROW_OFFSET = range(2)
 
 
-def row_position(step_rows, state, t: int) -> tuple[int, int]:
-    """(slot, position) of token row t: step_rows [R, 2] (slot, offset) and state [slots, 8] as the kernels take
-    them (common.cuh row_pos)."""
-    slot, offset = (int(v) for v in np.asarray(step_rows).reshape(-1, 2)[t])
-    return slot, int(np.asarray(state).reshape(-1, STATE_LEN)[slot, STATE_POS]) + offset
+def row_positions(step_rows, state, rows: int) -> tuple[list[int], list[int]]:
+    """([slot], [position]) of token rows 0..rows-1: step_rows [>= rows, 2] (slot, offset) and state [slots, 8] as
+    the kernels take them (common.cuh row_pos)."""
+    table = np.asarray(step_rows).reshape(-1, 2)[:rows]
+    slots = table[:, ROW_SLOT]
+    positions = np.asarray(state).reshape(-1, STATE_LEN)[slots, STATE_POS] + table[:, ROW_OFFSET]
+    return slots.tolist(), positions.tolist()
