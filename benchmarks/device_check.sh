@@ -115,7 +115,8 @@ for model in llama3-8b llama3.2-1b; do
 done
 step decode 60 "$PY" benchmarks/decode_step.py --trials 2 --json "$RESULTS/decode.json"
 step logprobs 30 "$PY" benchmarks/logprobs_step.py --trials 2 --steps 50 --json "$RESULTS/logprobs.json"
-step prefill 45 "$PY" benchmarks/prefill_step.py --json "$RESULTS/prefill.json"
+# Chunks 256 (one slot's) and 64 (a --max-batch model's on 7B FP16: plan.batch_prefill_chunk), then 512: TTFT per chunk
+step prefill 60 "$PY" benchmarks/prefill_step.py --chunks 256,64,512 --json "$RESULTS/prefill.json"
 step gemv 45 "$PY" benchmarks/gemv_sweep.py --json "$RESULTS/gemv.json"
 step gemm 75 "$PY" benchmarks/gemm_sweep.py --rows 10,64,256 --json "$RESULTS/gemm.json"
 # W4A16 / W8A16 (issue 16): the decode GEMVs per 7B shape in effective GB/s, and the prefill GEMM on quantized weights
