@@ -10,10 +10,10 @@ import json
 
 import pytest
 
-from serving import running
+from serving import stories_client, stories_oracle, stories_server  # noqa: F401  (fixtures: client, oracle, server)
 
 pytest.importorskip("fastapi", reason="the serve extra is not installed (pip install -e '.[test]')")
-openai = pytest.importorskip("openai", reason="the openai client is a test dependency (pip install -e '.[test]')")
+pytest.importorskip("openai", reason="the openai client is a test dependency (pip install -e '.[test]')")
 
 from cullama.server.logprobs import NO_PROBABILITY, TokenTexts  # noqa: E402  (needs the serve extra)
 
@@ -22,35 +22,9 @@ MODEL = "stories260K"
 STORY = [1, 403, 407, 261, 378, 432, 383, 286, 261, 376, 298, 315, 421, 395, 317, 426, 338, 401, 13, 438]
 
 
-@pytest.fixture(scope="module")
-def server(stories_dir, tmp_path_factory):
-    with running(stories_dir, tmp_path_factory.mktemp("serve")) as proc:
-        yield proc
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=120)
-
-
-@pytest.fixture(scope="module")
-def oracle(stories_dir):
-    import cullama
-
-    return cullama.Llama.from_pretrained(stories_dir, device="cpu")
-
-
 def post(server, path: str, body: dict) -> tuple[int, dict]:
     status, _, raw = server.request("POST", path, body)
     return status, json.loads(raw)
-
-
-def sse_chunks(server, path: str, body: dict) -> list[dict]:
-    status, headers, raw = server.request("POST", path, {**body, "stream": True})
-    assert status == 200 and headers["content-type"].startswith("text/event-stream")
-    events = [e for e in raw.decode().split("\n\n") if e]
-    assert events[-1] == "data: [DONE]"
-    return [json.loads(e[len("data: "):]) for e in events[:-1]]
 
 
 def lm_eval_loglikelihood(choice: dict, context_length: int) -> tuple[float, bool]:
@@ -110,7 +84,7 @@ def test_streamed_completion_logprobs_add_up_to_the_whole(server):
             "echo": True}
     status, whole = post(server, "/v1/completions", body)
     assert status == 200
-    chunks = sse_chunks(server, "/v1/completions", body)
+    chunks = server.sse("/v1/completions", body)
     merged = {key: [] for key in ("tokens", "token_logprobs", "top_logprobs", "text_offset")}
     for chunk in chunks:
         fields = chunk["choices"][0]["logprobs"]
