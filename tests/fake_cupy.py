@@ -24,6 +24,7 @@ import ctypes
 import inspect
 import os
 import re
+import sys
 import time
 import types
 import weakref
@@ -627,3 +628,17 @@ libcuda = types.SimpleNamespace(cuEventRecordWithFlags=_driver_function(_event_r
 cupyx = types.ModuleType("cupyx")
 cupyx.empty_pinned = lambda shape, dtype=float: np.empty(shape, dtype)  # pinned host memory: a NumPy array
 reset()
+
+
+def install(monkeypatch) -> types.SimpleNamespace:
+    """This fake as CuPy for one test (monkeypatch undoes it all): a fresh device, KernelLoader loading fake kernels
+    (loader_function), and cullama.device seeing one GPU. Returns `state`, the device's record."""
+    from cullama import device
+    from cullama.registry import KernelLoader
+
+    reset()
+    monkeypatch.setitem(sys.modules, "cupy", sys.modules[__name__])
+    monkeypatch.setitem(sys.modules, "cupyx", cupyx)
+    monkeypatch.setattr(KernelLoader, "function", loader_function)
+    monkeypatch.setattr(device, "cuda_status", lambda: (True, "1 GPU(s) (fake CuPy)"))
+    return state

@@ -1,5 +1,7 @@
 """`cullama serve` as a real process for the server tests: start it on 127.0.0.1 with a free port (--port 0;
-the server prints the port it got), wait for /health, talk raw HTTP, read /metrics, stop it with a signal."""
+the server prints the port it got), wait for /health, talk raw HTTP (a streamed answer's SSE chunks too), read
+/metrics, stop it with a signal; the official `openai` client of one; and the module fixtures a test module of
+stories260K's server imports (`server`, `client`, `oracle`)."""
 
 from __future__ import annotations
 
@@ -15,7 +17,37 @@ from pathlib import Path
 from typing import Iterator
 from urllib.parse import urlsplit
 
+import pytest
+
 CLI = "from cullama.cli.main import main; main()"
+
+
+@pytest.fixture(scope="module", name="server")
+def stories_server(stories_dir, tmp_path_factory):
+    """The fixture `server`: stories260K served on the CPU with the default options, one per test module."""
+    with running(stories_dir, tmp_path_factory.mktemp("serve")) as proc:
+        yield proc
+
+
+@pytest.fixture(scope="module", name="client")
+def stories_client(server):
+    """The fixture `client`: the openai client of `server`."""
+    return openai_client(server)
+
+
+@pytest.fixture(scope="module", name="oracle")
+def stories_oracle(stories_dir):
+    """The fixture `oracle`: the library, in this process: what each request must give when it runs alone."""
+    import cullama
+
+    return cullama.Llama.from_pretrained(stories_dir, device="cpu")
+
+
+def openai_client(server: "ServerProcess", api_key: str = "unused"):
+    """The official client (the `openai` test dependency) of a running server: no retries, a generous timeout."""
+    import openai
+
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key=api_key, max_retries=0, timeout=120)
 
 
 @contextlib.contextmanager
@@ -74,6 +106,15 @@ class ServerProcess:
             return response.status, dict(response.getheaders()), response.read()
         finally:
             conn.close()
+
+    def sse(self, path: str, body: dict) -> list[dict]:
+        """The chunks of a streamed answer to `body` (`stream: true` added), checked as OpenAI's server-sent events:
+        a 200 of text/event-stream, each event one `data: ` line, the last `data: [DONE]`."""
+        status, headers, raw = self.request("POST", path, {**body, "stream": True})
+        assert status == 200 and headers["content-type"].startswith("text/event-stream"), raw
+        events = [e for e in raw.decode().split("\n\n") if e]
+        assert all(e.startswith("data: ") for e in events) and events[-1] == "data: [DONE]", events
+        return [json.loads(e[len("data: "):]) for e in events[:-1]]
 
     def metrics(self) -> dict[str, float]:
         """/metrics as {sample name with labels: value} (parse_prometheus checks the format)."""

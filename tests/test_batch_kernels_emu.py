@@ -4,14 +4,11 @@ of a launch over several sequence slots equals a one-row launch of its slot at i
 each row's own slot's keys, with and without a sliding window; sample with each row's own slot's parameters, seen flags, state
 and counter). The same checks run on the twins and on a GPU in tests/test_batch_kernels.py."""
 
-import shutil
-
 import pytest
 
 import test_batch_kernels as checks
 from cullama import emu
-from cullama.kernels_cu import SOURCE_DIR
-from test_verify_emu import emu_launcher
+from emulated import check_seeded_bug, emu_launcher
 
 pytestmark = pytest.mark.emu
 
@@ -69,11 +66,4 @@ MUTATIONS = [
 
 @pytest.mark.parametrize("mutation", MUTATIONS, ids=[m[0] for m in MUTATIONS])
 def test_a_seeded_bug_fails_its_check(tmp_path, mutation):
-    _, file, original, replacement, check = mutation
-    source_dir = tmp_path / "kernels_cu"
-    shutil.copytree(SOURCE_DIR, source_dir)
-    text = (source_dir / file).read_text()
-    assert text.count(original) == 1, f"the mutation's original text is not in {file} exactly once"
-    (source_dir / file).write_text(text.replace(original, replacement))
-    with pytest.raises((AssertionError, emu.EmuError)):
-        check(emu_launcher("shuffled", source_dir))
+    check_seeded_bug(tmp_path, mutation)

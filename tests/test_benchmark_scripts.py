@@ -12,7 +12,6 @@ import numpy as np
 import pytest
 
 import fake_cupy
-from cullama import device
 from cullama.backends import pdl
 from cullama.config import preset
 from cullama.weights import FILL
@@ -59,11 +58,7 @@ class FakePdl:
 @pytest.fixture
 def fake(monkeypatch):
     """The fake CuPy installed as in test_cuda_host.py, with a fake driver for PDL and event-record nodes."""
-    fake_cupy.reset()
-    monkeypatch.setitem(sys.modules, "cupy", fake_cupy)
-    monkeypatch.setitem(sys.modules, "cupyx", fake_cupy.cupyx)
-    monkeypatch.setattr(KernelLoader, "function", lambda self, spec: fake_cupy.Kernel(spec))
-    monkeypatch.setattr(device, "cuda_status", lambda: (True, "1 GPU(s) (fake CuPy)"))
+    fake_cupy.install(monkeypatch)
     monkeypatch.delenv("CULLAMA_OVERLAP", raising=False)  # plain by default: only measure() links by PDL
     launcher = FakePdl()
     monkeypatch.setattr(pdl, "PdlLauncher", lambda: launcher)

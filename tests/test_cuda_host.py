@@ -3,14 +3,13 @@ graph capture and replay, the pinned token read) run end to end on the CPU: CuPy
 whose kernels are the NumPy twins, so every result must equal the numpy backend's bit for bit."""
 
 import ctypes
-import sys
 
 import numpy as np
 import pytest
 
 import fake_cupy
 from conftest import load_golden
-from cullama import Llama, device, plan as plans
+from cullama import Llama, plan as plans
 from cullama.backends.cuda_backend import CudaBackend
 from cullama.backends.numpy_backend import NumpyBackend
 from cullama.checkpoint import open_checkpoint
@@ -18,7 +17,6 @@ from cullama.engine import PlanRunner
 from cullama.layout import device_config
 from cullama.weights import FILL, load_checkpoint
 from cullama.errors import KernelError, PromptError
-from cullama.registry import KernelLoader
 from cullama.sampling import SamplingParams
 
 GREEDY = SamplingParams(seed=0)
@@ -26,12 +24,7 @@ GREEDY = SamplingParams(seed=0)
 
 @pytest.fixture
 def fake(monkeypatch):
-    fake_cupy.reset()
-    monkeypatch.setitem(sys.modules, "cupy", fake_cupy)
-    monkeypatch.setitem(sys.modules, "cupyx", fake_cupy.cupyx)
-    monkeypatch.setattr(KernelLoader, "function", fake_cupy.loader_function)
-    monkeypatch.setattr(device, "cuda_status", lambda: (True, "1 GPU(s) (fake CuPy)"))
-    return fake_cupy.state
+    return fake_cupy.install(monkeypatch)
 
 
 def runner_on(backend, directory, max_seq=None):

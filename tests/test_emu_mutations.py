@@ -6,14 +6,12 @@ fails here instead of silently testing nothing."""
 
 from __future__ import annotations
 
-import shutil
-
 import pytest
 
 import test_emu_kernels as checks
 from cullama import emu
-from cullama.kernels_cu import SOURCE_DIR
 from cullama.prefill_kernels import MMA_GEMM
+from emulated import seeded_copy
 
 pytestmark = pytest.mark.emu
 
@@ -107,11 +105,7 @@ MUTATIONS = [
 @pytest.mark.parametrize("mutation", MUTATIONS, ids=[m[0] for m in MUTATIONS])
 def test_a_seeded_bug_fails_its_check(tmp_path, mutation):
     _, file, original, replacement, check, *must_catch = mutation
-    source_dir = tmp_path / "kernels_cu"
-    shutil.copytree(SOURCE_DIR, source_dir)
-    text = (source_dir / file).read_text()
-    assert text.count(original) == 1, f"the mutation's original text is not in {file} exactly once"
-    (source_dir / file).write_text(text.replace(original, replacement))
+    source_dir = seeded_copy(tmp_path, file, original, replacement)
     missed = []
     for schedule in must_catch[0] if must_catch else emu.SCHEDULES:
         try:

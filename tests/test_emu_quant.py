@@ -5,31 +5,22 @@ a group index off by one, a missed tail, ...) that those checks must catch."""
 
 from __future__ import annotations
 
-import shutil
-
 import numpy as np
 import pytest
 
 import test_gemm_quant as gemm_checks
 import test_gemv_quant as gemv_checks
 from cullama import emu
-from cullama.kernels_cu import SOURCE_DIR
 from cullama.ops import gather as gather_twin
 from cullama.ops import gemv_quant as gemv_twin
 from cullama.registry import KernelSpec
+from emulated import SEED, check_seeded_bug, emu_launcher
 
 pytestmark = pytest.mark.emu
-SEED = 7  # of the shuffled schedule
 
 
 def ids(variants):
     return ["-".join(f"{k}{v}" for k, v in d) for d in variants]
-
-
-def emu_launcher(schedule, source_dir=None):
-    def launch(spec, grid, block, args):
-        emu.launch(spec, grid, block, args, 0, schedule=schedule, seed=SEED, source_dir=source_dir)
-    return launch
 
 
 # -- gemv_quant.cu ------------------------------------------------------------------------------------------------
@@ -138,13 +129,4 @@ MUTATIONS = [
 
 @pytest.mark.parametrize("mutation", MUTATIONS, ids=[m[0] for m in MUTATIONS])
 def test_a_seeded_bug_fails_its_check(tmp_path, mutation):
-    _, file, original, replacement, check = mutation
-    source_dir = tmp_path / "kernels_cu"
-    shutil.copytree(SOURCE_DIR, source_dir)
-    text = (source_dir / file).read_text()
-    assert text.count(original) == 1, f"the mutation's original text is not in {file} exactly once"
-    (source_dir / file).write_text(text.replace(original, replacement))
-    launch = emu_launcher("shuffled", source_dir)
-    launch.source_dir = source_dir
-    with pytest.raises((AssertionError, emu.EmuError)):
-        check(launch)
+    check_seeded_bug(tmp_path, mutation)

@@ -272,18 +272,9 @@ def test_queued_ahead_steps_keep_their_own_logprobs_on_the_fake_gpu(fake_gpu, st
 
 @pytest.fixture
 def fake_gpu(monkeypatch):
-    import sys
-
     import fake_cupy
-    from cullama import device
-    from cullama.registry import KernelLoader
 
-    fake_cupy.reset()
-    monkeypatch.setitem(sys.modules, "cupy", fake_cupy)
-    monkeypatch.setitem(sys.modules, "cupyx", fake_cupy.cupyx)
-    monkeypatch.setattr(KernelLoader, "function", fake_cupy.loader_function)
-    monkeypatch.setattr(device, "cuda_status", lambda: (True, "1 GPU(s) (fake CuPy)"))
-    return fake_cupy.state
+    return fake_cupy.install(monkeypatch)
 
 
 def test_records_are_values():

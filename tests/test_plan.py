@@ -206,6 +206,17 @@ def test_the_batch_prefill_chunk_is_the_roofline_s_largest_that_costs_a_decode_s
         assert 2.9 < step < 3.0 and 10.5 < plans.predicted_prefill_ms(layout, 256) < 11.5
 
 
+def test_the_batch_prefill_chunk_goes_up_to_prefill_chunk_itself():
+    """Where a whole PREFILL_CHUNK's prefill costs no more than a decode step (LLaMA-3.2-1B's shape with one layer:
+    the step reads mostly the 128256 x 2048 lm_head, which a prefill chunk does not multiply), the batch chunk is
+    PREFILL_CHUNK: the largest candidate, included."""
+    from cullama.layout import decode_floor_ms, fp16
+
+    layout = fp16(dataclasses.replace(preset("llama3.2-1b"), num_layers=1))
+    assert plans.predicted_prefill_ms(layout, plans.PREFILL_CHUNK) <= decode_floor_ms(layout.decode_bytes())
+    assert plans.batch_prefill_chunk(layout) == plans.PREFILL_CHUNK == 256
+
+
 def test_a_runner_with_slots_prefills_in_the_batch_chunk(stories_dir):
     ckpt = open_checkpoint(stories_dir)
     backend = NumpyBackend()

@@ -13,7 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from serving import running
+from serving import stories_client, stories_oracle, stories_server  # noqa: F401  (fixtures: client, oracle, server)
 
 pytest.importorskip("fastapi", reason="the serve extra is not installed (pip install -e '.[test]')")
 openai = pytest.importorskip("openai", reason="the openai client is a test dependency (pip install -e '.[test]')")
@@ -23,25 +23,6 @@ ONCE = [1, 403, 407, 261, 378]  # BOS "Once upon a time" as the model writes it 
 CANCELLED = 'cullama_requests_total{outcome="cancelled"}'
 COMPLETED = 'cullama_requests_total{outcome="completed"}'
 GENERATED = "cullama_generation_tokens_total"
-
-
-@pytest.fixture(scope="module")
-def server(stories_dir, tmp_path_factory):
-    with running(stories_dir, tmp_path_factory.mktemp("serve")) as proc:
-        yield proc
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=120)
-
-
-@pytest.fixture(scope="module")
-def oracle(stories_dir):
-    """The library, in this process: what each request must give when it runs alone."""
-    import cullama
-
-    return cullama.Llama.from_pretrained(stories_dir, device="cpu")
 
 
 def test_greedy_completion_from_bos_is_the_documented_text(client, stories_expected):
@@ -71,11 +52,8 @@ def test_streamed_chunks_concatenate_to_the_whole_answer(client):
                          ids=["completions", "chat"])
 def test_with_include_usage_every_chunk_says_usage_null_until_the_last(server, path, prompt):
     for include_usage in (True, False):
-        body = {**prompt, "max_tokens": 4, "temperature": 0, "stream": True,
-                "stream_options": {"include_usage": include_usage}}
-        status, _, raw = server.request("POST", path, body)
-        assert status == 200
-        chunks = [json.loads(e[len("data: "):]) for e in raw.decode().split("\n\n") if e and e != "data: [DONE]"]
+        chunks = server.sse(path, {**prompt, "max_tokens": 4, "temperature": 0,
+                                   "stream_options": {"include_usage": include_usage}})
         if include_usage:  # as OpenAI's: the key in every chunk, null until the extra last one
             assert all(c["usage"] is None and c["choices"] for c in chunks[:-1]) and len(chunks) >= 3
             assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 4
@@ -87,16 +65,12 @@ def test_a_stop_string_split_across_tokens_never_leaks_into_the_stream(server, o
     stop = "le gi"  # " little" " g" "irl": it begins in one token and ends two tokens later
     pieces = [oracle.tokenizer.piece(i).replace("\u2581", " ") for i in stories_expected["ids"][:12]]
     assert stop in "".join(pieces) and not any(stop in p for p in pieces)
-    body = {"model": MODEL, "prompt": [1], "max_tokens": 30, "temperature": 0, "stop": [stop], "stream": True}
-    status, headers, raw = server.request("POST", "/v1/completions", body)
-    assert status == 200 and headers["content-type"].startswith("text/event-stream")
-    events = [e for e in raw.decode().split("\n\n") if e]
-    assert all(e.startswith("data: ") for e in events) and events[-1] == "data: [DONE]"
-    chunks = [json.loads(e[len("data: "):]) for e in events[:-1]]
+    body = {"model": MODEL, "prompt": [1], "max_tokens": 30, "temperature": 0, "stop": [stop]}
+    chunks = server.sse("/v1/completions", body)
     pieces = [c["choices"][0]["text"] for c in chunks]
     assert "".join(pieces) == "Once upon a time, there was a litt"
     assert chunks[-1]["choices"][0]["finish_reason"] == "stop"
-    whole = json.loads(server.request("POST", "/v1/completions", {**body, "stream": False})[2])
+    whole = json.loads(server.request("POST", "/v1/completions", body)[2])
     assert whole["choices"][0]["text"] == "".join(pieces) and whole["choices"][0]["finish_reason"] == "stop"
 
 

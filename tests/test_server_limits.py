@@ -15,7 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from serving import CLI, ServerProcess, run_serve
+from serving import CLI, ServerProcess, openai_client, run_serve
 
 pytest.importorskip("fastapi", reason="the serve extra is not installed (pip install -e '.[test]')")
 openai = pytest.importorskip("openai", reason="the openai client is a test dependency (pip install -e '.[test]')")
@@ -39,18 +39,14 @@ def server(stories_dir, tmp_path_factory):
         proc.stop()
 
 
-def client_with(server, key):
-    return openai.OpenAI(base_url=f"{server.url}/v1", api_key=key, max_retries=0, timeout=120)
-
-
 def test_with_an_api_key_only_the_key_gets_in(server):
-    out = client_with(server, KEY).completions.create(model=MODEL, prompt=[1], max_tokens=4, temperature=0)
+    out = openai_client(server, KEY).completions.create(model=MODEL, prompt=[1], max_tokens=4, temperature=0)
     assert out.choices[0].text == "Once upon a time"
     for key in ("sk-wrong", KEY[:-1], KEY + "0"):
         with pytest.raises(openai.AuthenticationError):
-            client_with(server, key).completions.create(model=MODEL, prompt=[1], max_tokens=4)
+            openai_client(server, key).completions.create(model=MODEL, prompt=[1], max_tokens=4)
         with pytest.raises(openai.AuthenticationError):
-            client_with(server, key).models.list()
+            openai_client(server, key).models.list()
     status, headers, raw = server.request("POST", "/v1/completions", SHORT)  # no Authorization at all
     assert status == 401 and headers["www-authenticate"] == "Bearer"
     assert json.loads(raw)["error"]["code"] == "invalid_api_key"
@@ -91,7 +87,7 @@ def test_a_burst_past_max_queue_gets_429s_and_nothing_else_breaks(server):
             error = json.loads(raw)["error"]
             assert error["code"] == "queue_full" and "--max-queue 2" in error["message"]
         with pytest.raises(openai.RateLimitError):
-            client_with(server, KEY).completions.create(**SHORT)
+            openai_client(server, KEY).completions.create(**SHORT)
         running.close()  # the long stream's client leaves: the two waiting requests run
         for future in waiting:
             status, _, raw = future.result()

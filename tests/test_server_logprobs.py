@@ -7,50 +7,26 @@ that stay refused; and the token texts (server/logprobs.py)."""
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 
-from serving import running
+from serving import stories_client, stories_oracle, stories_server  # noqa: F401  (fixtures: client, oracle, server)
 
 pytest.importorskip("fastapi", reason="the serve extra is not installed (pip install -e '.[test]')")
-openai = pytest.importorskip("openai", reason="the openai client is a test dependency (pip install -e '.[test]')")
+pytest.importorskip("openai", reason="the openai client is a test dependency (pip install -e '.[test]')")
 
-from cullama.server.logprobs import NO_PROBABILITY, TokenTexts  # noqa: E402  (needs the serve extra)
+from cullama.logprobs import TokenLogprob  # noqa: E402
+from cullama.server.logprobs import NO_PROBABILITY, Logprobs, TokenTexts, number  # noqa: E402  (the serve extra)
 
 MODEL = "stories260K"
 # BOS, the first 17 ids of the model's greedy story, then two that are not its picks ("\n" and "L")
 STORY = [1, 403, 407, 261, 378, 432, 383, 286, 261, 376, 298, 315, 421, 395, 317, 426, 338, 401, 13, 438]
 
 
-@pytest.fixture(scope="module")
-def server(stories_dir, tmp_path_factory):
-    with running(stories_dir, tmp_path_factory.mktemp("serve")) as proc:
-        yield proc
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=120)
-
-
-@pytest.fixture(scope="module")
-def oracle(stories_dir):
-    import cullama
-
-    return cullama.Llama.from_pretrained(stories_dir, device="cpu")
-
-
 def post(server, path: str, body: dict) -> tuple[int, dict]:
     status, _, raw = server.request("POST", path, body)
     return status, json.loads(raw)
-
-
-def sse_chunks(server, path: str, body: dict) -> list[dict]:
-    status, headers, raw = server.request("POST", path, {**body, "stream": True})
-    assert status == 200 and headers["content-type"].startswith("text/event-stream")
-    events = [e for e in raw.decode().split("\n\n") if e]
-    assert events[-1] == "data: [DONE]"
-    return [json.loads(e[len("data: "):]) for e in events[:-1]]
 
 
 def lm_eval_loglikelihood(choice: dict, context_length: int) -> tuple[float, bool]:
@@ -110,7 +86,7 @@ def test_streamed_completion_logprobs_add_up_to_the_whole(server):
             "echo": True}
     status, whole = post(server, "/v1/completions", body)
     assert status == 200
-    chunks = sse_chunks(server, "/v1/completions", body)
+    chunks = server.sse("/v1/completions", body)
     merged = {key: [] for key in ("tokens", "token_logprobs", "top_logprobs", "text_offset")}
     for chunk in chunks:
         fields = chunk["choices"][0]["logprobs"]
@@ -119,6 +95,23 @@ def test_streamed_completion_logprobs_add_up_to_the_whole(server):
     assert merged == whole["choices"][0]["logprobs"]
     assert "".join(c["choices"][0]["text"] for c in chunks) == whole["choices"][0]["text"]
     assert chunks[0]["choices"][0]["logprobs"]["token_logprobs"][0] is None  # the echo comes first
+
+
+def test_echo_tokens_and_offsets_spell_the_text(server, oracle):
+    """An echo's entries, the prompt's and then the completion's: each id's token text, and its text_offset where
+    that token's text stands in the choice's text (a control piece has none; the first piece of the prompt and of
+    the completion, which starts afresh as the library's text does, without its space)."""
+    prompt, n = STORY[:8], 8
+    status, answer = post(server, "/v1/completions", {"model": MODEL, "prompt": prompt, "max_tokens": 6,
+                                                      "temperature": 0, "logprobs": 1, "echo": True})
+    assert status == 200, answer
+    (choice,) = answer["choices"]
+    tokens, offsets, text = choice["logprobs"]["tokens"], choice["logprobs"]["text_offset"], choice["text"]
+    texts = TokenTexts(oracle.tokenizer)
+    assert tokens == [texts(i)[0] for i in prompt + oracle.generate(prompt, max_new_tokens=6).token_ids]
+    spelled = [text[start:end] for start, end in zip(offsets, offsets[1:] + [len(text)])]
+    assert spelled == ["", tokens[1].lstrip(" "), *tokens[2:n], tokens[n].lstrip(" "), *tokens[n + 1:]]
+    assert offsets[n] == len(oracle.tokenizer.decode(prompt))
 
 
 def test_echo_without_logprobs_is_the_prompt_text(client, oracle):
@@ -187,6 +180,8 @@ def test_token_texts_and_bytes(oracle):
     assert texts(13) == ("\n", [10])  # the byte piece <0x0A>
     assert texts(3 + 0xE2) == ("bytes:\\xe2", [0xE2])  # a byte that is part of a character: OpenAI's spelling
     assert texts(1) == ("<s>", list(b"<s>")) and texts(9999) == ("token_id:9999", None)
+    assert texts(0) == ("<unk>", list(b"<unk>"))  # the ids from 0 to vocab_size - 1 are the tokenizer's
+    assert texts(-1) == ("token_id:-1", None) and texts(512) == ("token_id:512", None)
     assert TokenTexts(None)(5) == ("token_id:5", None)
     assert NO_PROBABILITY == -9999.0
 
@@ -207,3 +202,18 @@ def test_token_texts_of_other_tokenizers():
     assert TokenTexts(OwnBytes())(1) == ("bytes:\\xe2\\x82", [0xE2, 0x82])
     assert TokenTexts(OwnBytes())(2) == (" ab", [32, 97, 98])
     assert TokenTexts(NoPiece())(3) == ("token_id:3", None)
+
+
+def test_a_log_probability_as_json_takes_it():
+    assert number(-2.5) == -2.5 and number(0.0) == 0.0
+    assert number(-math.inf) == number(math.nan) == number(-1e5) == NO_PROBABILITY  # JSON has no -inf
+
+
+def test_an_echo_without_a_tokenizer_is_token_ids_at_offset_0():
+    scores = Logprobs(False, 1, True, [1, 5, 9], None)
+    record = TokenLogprob(7, -0.5, ((7, -0.5), (2, -1.5)))
+    assert scores.prefix == "" and scores.value([record], [None, record, record]) == {
+        "tokens": ["token_id:1", "token_id:5", "token_id:9", "token_id:7"],
+        "token_logprobs": [None, -0.5, -0.5, -0.5],
+        "top_logprobs": [None, {"token_id:7": -0.5}, {"token_id:7": -0.5}, {"token_id:7": -0.5}],
+        "text_offset": [0, 0, 0, 0]}

@@ -14,10 +14,10 @@ import pytest
 from click.testing import CliRunner
 
 from conftest import load_golden
-from serving import run_serve, running
+from serving import openai_client, run_serve, running
 
 pytest.importorskip("fastapi", reason="the serve extra is not installed (pip install -e '.[test]')")
-openai = pytest.importorskip("openai", reason="the openai client is a test dependency (pip install -e '.[test]')")
+pytest.importorskip("openai", reason="the openai client is a test dependency (pip install -e '.[test]')")
 
 MODEL = "stories260K"
 ONCE = [1, 403, 407, 261, 378]  # BOS "Once upon a time"
@@ -46,12 +46,8 @@ def whole(server, body: dict, path: str = "/v1/completions") -> dict:
 
 def streamed(server, body: dict) -> tuple[list[str], str, dict]:
     """(the text of each chunk, the finish reason, the usage) of a streamed completion."""
-    status, _, raw = server.request("POST", "/v1/completions", {"model": MODEL, "temperature": 0, **body,
-                                    "stream": True, "stream_options": {"include_usage": True}})
-    assert status == 200, raw
-    events = [e for e in raw.decode().split("\n\n") if e]
-    assert events[-1] == "data: [DONE]"
-    chunks = [json.loads(e[len("data: "):]) for e in events[:-1]]
+    chunks = server.sse("/v1/completions", {"model": MODEL, "temperature": 0, **body,
+                                            "stream_options": {"include_usage": True}})
     choices = [c["choices"][0] for c in chunks[:-1]]
     assert chunks[-1]["choices"] == [] and choices[-1]["text"] == ""  # the finish reason's chunk, then the usage's
     assert all(c["finish_reason"] is None for c in choices[:-1])
@@ -173,7 +169,7 @@ def test_a_seeded_sampled_request_is_reproducible(server, method):
 
 
 def test_chat_streams_the_plain_answer(server):
-    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=120)
+    client = openai_client(server)
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Tell me a story."}]
     args = dict(model=MODEL, messages=messages, max_tokens=16, temperature=0)
     plain = client.chat.completions.create(**args, extra_body={"speculative": "off"})

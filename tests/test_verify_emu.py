@@ -4,21 +4,13 @@ attention_decode with the rows on gridDim.z), and the sample kernel over k + 1 r
 (greedy exactly; sampled within rounding of a bucket edge, the draft's bucket first). The same checks run on a
 GPU in tests/test_verify.py."""
 
-import shutil
-
 import pytest
 
 import test_verify as checks
 from cullama import emu
-from cullama.kernels_cu import SOURCE_DIR
+from emulated import check_seeded_bug, emu_launcher
 
 pytestmark = pytest.mark.emu
-
-
-def emu_launcher(schedule, source_dir=None):
-    def launch(spec, grid, block, args):
-        emu.launch(spec, grid, block, args, 0, schedule=schedule, seed=7, source_dir=source_dir)
-    return launch
 
 
 @pytest.mark.parametrize("schedule", emu.SCHEDULES)
@@ -115,11 +107,4 @@ MUTATIONS = [
 
 @pytest.mark.parametrize("mutation", MUTATIONS, ids=[m[0] for m in MUTATIONS])
 def test_a_seeded_bug_fails_its_check(tmp_path, mutation):
-    _, file, original, replacement, check = mutation
-    source_dir = tmp_path / "kernels_cu"
-    shutil.copytree(SOURCE_DIR, source_dir)
-    text = (source_dir / file).read_text()
-    assert text.count(original) == 1, f"the mutation's original text is not in {file} exactly once"
-    (source_dir / file).write_text(text.replace(original, replacement))
-    with pytest.raises((AssertionError, emu.EmuError)):
-        check(emu_launcher("shuffled", source_dir))
+    check_seeded_bug(tmp_path, mutation)
