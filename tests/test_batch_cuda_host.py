@@ -95,7 +95,12 @@ def test_gpu_a_prompt_of_several_chunks_joining_gets_its_solo_tokens(stories_dir
 def test_batched_steps_on_the_cuda_host_code_equal_solo_steps(fake, stories_dir):
     runner = runner_on(CudaBackend(), stories_dir, slots=3)
     assert batched_tokens(runner, 16) == solo_tokens(NumpyBackend(), stories_dir, 16)
-    assert {"batch[3]#0", "batch[2]#0", "decode@1"} <= set(runner.backend.graphs)  # a graph per batch size
+    graphs = runner.backend.graphs
+    assert {"batch[3]#0", "batch[2]#0", "decode@1"} <= set(graphs)  # a graph per batch size
+    # each captured once, when its size was first used, and replayed by every step of that size: a join or a
+    # leave writes the rows table, never recaptures
+    assert (graphs["batch[3]#0"].replays, graphs["batch[2]#0"].replays) == (8, 8)
+    assert len(fake.graphs) == len(graphs) and graphs["batch[3]#0"] in fake.graphs
     cpu = runner_on(NumpyBackend(), stories_dir, slots=3)
     batched_tokens(cpu, 16)
     for name in ("state", "seen", "k_cache", "v_cache"):
