@@ -339,13 +339,15 @@ def test_a_cancelled_request_leaves_at_the_next_step_and_its_slot_is_reused(batc
         same(stream.result, solo.generate(prompt, max_new_tokens=stream.options.max_new_tokens))
 
 
+NEAR_END = [1] + [3 + (5 * i) % 500 for i in range(508)]  # 509 ids of stories260K's 512 context: 3 tokens fit
+
+
 def test_requests_at_the_edges_of_their_budget(batched):
     """A prompt three tokens short of the context (its budget is the context's end, not max_new_tokens), one with
     nothing to generate (max_new_tokens=0: it ends at once, no slot kept), and one of a single token that also
     scores its prompt: each equals its solo generation (on the same model: its prefill chunk), beside a request that
     runs throughout."""
-    near_end = [1] + [3 + (5 * i) % 500 for i in range(508)]  # 509 ids of a 512 context: 3 tokens fit
-    cases = [(PROMPTS[0], dict(max_new_tokens=20)), (near_end, dict(max_new_tokens=10)),
+    cases = [(PROMPTS[0], dict(max_new_tokens=20)), (NEAR_END, dict(max_new_tokens=10)),
              (PROMPTS[1], dict(max_new_tokens=0)), (PROMPTS[3], dict(max_new_tokens=1, prompt_logprobs=1))]
     session = batched.batch()
     streams = [session.submit(p, **o) for p, o in cases]
@@ -374,3 +376,57 @@ def test_last_batch_is_the_rows_this_step_decoded(batched):
     running.cancel()
     session.step()
     assert running.ended and session.last_batch == 0
+
+
+def test_cancelled_while_joining_or_waiting(batched, solo):
+    """A request cancelled between two chunks of its prompt leaves with its slot freed and its prefill dropped (the
+    next request joins into that slot at once); one cancelled while it waits for a slot never takes one; the running
+    ones and the one that joined keep their solo tokens."""
+    session = batched.batch()
+    running = [session.submit(p, max_new_tokens=20) for p in PROMPTS[:3]]
+    while session.last_batch < 3:
+        session.step()
+    joining = session.submit(LONG, max_new_tokens=5)
+    session.step()  # its first chunk of three
+    assert session.joining is joining and joining.slot == 3
+    waiting = [session.submit(PROMPTS[3], max_new_tokens=6), session.submit(PROMPTS[4], max_new_tokens=7)]
+    assert session.holding == 3 + 1 + 2  # running, joining, waiting: what the server counts against --max-batch
+    joining.cancel()
+    session.step()
+    assert joining.result.finish_reason == "cancelled" and joining.result.token_ids == [] and joining.slot is None
+    assert session.joining is None and waiting[0].slot == 3 and session.last_batch == 4  # it joined in one chunk
+    waiting[1].cancel()
+    session.step()
+    assert waiting[1].result.finish_reason == "cancelled" and waiting[1].slot is None and not session.pending
+    session.run()
+    for stream, prompt in zip(running + waiting[:1], PROMPTS[:4]):
+        same(stream.result, solo.generate(prompt, max_new_tokens=stream.options.max_new_tokens))
+
+
+def test_a_solo_generation_ends_the_session(batched, solo):
+    """A solo generation on the same model meanwhile takes the model (RunnerGuard): the session's next step ends
+    every request of it, "cancelled" with the tokens it had, and the solo generation gets its own tokens."""
+    session = batched.batch()
+    streams = [session.submit(p, max_new_tokens=20) for p in PROMPTS[:3]]
+    for _ in range(4):
+        session.step()
+    had = [list(s.token_ids) for s in streams]
+    assert batched.generate(PROMPTS[4], max_new_tokens=9).token_ids == \
+        solo.generate(PROMPTS[4], max_new_tokens=9).token_ids
+    updates = session.step()
+    assert sorted(id(u.stream) for u in updates) == sorted(map(id, streams)) and all(u.done for u in updates)
+    assert [s.result.finish_reason for s in streams] == ["cancelled"] * 3 and session.idle
+    assert [s.result.token_ids for s in streams] == had
+
+
+def test_a_speculative_request_near_the_context_end(batched):
+    """Its verify steps draft no further than its budget (7 tokens: the context's end) allows: its tokens and its
+    drafting statistics are those of its solo stream."""
+    spec = dict(max_new_tokens=10, speculative="ngram", draft_tokens=3)
+    prompt = ([1, 403, 407, 261, 378] * 101)[:505]  # "Once upon a time" over and over: the drafter proposes to the end
+    session = batched.batch()
+    stream = session.submit(prompt, **spec)
+    session.run()
+    alone = batched.generate(prompt, **spec)
+    same(stream.result, alone)
+    assert stream.result.speculative == alone.speculative and alone.speculative["drafted"] > 0

@@ -219,10 +219,12 @@ def test_a_full_batch_queues_then_refuses_past_max_queue(llm):
             assert isinstance(await job.next_event(), Piece)  # both decode now: the batch is full
         waiting = Job(PROMPTS[2], long, loop)
         engine.submit(waiting)
+        for _ in range(3):  # steps go on; it stays queued
+            assert isinstance(await running[0].next_event(), Piece)
+        assert waiting.state == "waiting" and all(job.state == "running" for job in running)
         text = engine.metrics.render()
         with pytest.raises(Busy, match="--max-queue 1"):
             engine.submit(Job(PROMPTS[3], long, loop))
-        assert waiting.state == "waiting" and all(job.state == "running" for job in running)
         engine.stop()
         await asyncio.gather(*(events_of(job) for job in [*running, waiting]))
         return text
