@@ -430,3 +430,15 @@ def test_a_speculative_request_near_the_context_end(batched):
     alone = batched.generate(prompt, **spec)
     same(stream.result, alone)
     assert stream.result.speculative == alone.speculative and alone.speculative["drafted"] > 0
+
+
+def test_a_request_with_nothing_to_generate_is_not_prefilled(batched, monkeypatch):
+    """max_new_tokens=0 (no prompt_logprobs): it ends in the step that admits it, with no prefill, and its slot is
+    free again at once."""
+    prefills, begin = [], batched.runner.begin
+    monkeypatch.setattr(batched.runner, "begin", lambda *args, **kw: (prefills.append(args), begin(*args, **kw))[1])
+    session = batched.batch()
+    stream = session.submit(PROMPTS[1], max_new_tokens=0)
+    session.step()
+    assert stream.result.finish_reason == "length" and stream.result.token_ids == [] and prefills == []
+    assert session.idle and session.free == [0, 1, 2, 3]
