@@ -442,3 +442,23 @@ def test_a_request_with_nothing_to_generate_is_not_prefilled(batched, monkeypatc
     session.step()
     assert stream.result.finish_reason == "length" and stream.result.token_ids == [] and prefills == []
     assert session.idle and session.free == [0, 1, 2, 3]
+
+
+def test_a_batch_past_one_group_of_rows(stories_dir, solo):
+    """More sequences than a GEMV takes rows (plan.VERIFY_ROWS, 9): a batched step runs in groups (plan.batch_groups),
+    each with its own rows table, ids and log-probability rows; every request still gets its solo tokens and
+    log-probabilities."""
+    wide = cullama.Llama.from_pretrained(stories_dir, device="cpu", max_batch=plans.VERIFY_ROWS + 2)
+    prompts = [[1, 3 + (37 * i) % 500, 3 + (91 * i) % 500][:2 + i % 2] for i in range(plans.VERIFY_ROWS + 2)]
+    options = dict(max_new_tokens=16, temperature=0.9, seed=5, logprobs=1)  # long enough for all to run at once
+    session = wide.batch()
+    streams = [session.submit(p, **options) for p in prompts]
+    sizes = []
+    while not session.idle:
+        session.step()
+        sizes.append(session.last_batch)
+    assert max(sizes) == plans.VERIFY_ROWS + 2 and plans.batch_groups(max(sizes)) == 2
+    for stream, prompt in zip(streams, prompts):
+        alone = solo.generate(prompt, **options)
+        same(stream.result, alone)
+        assert stream.result.logprobs == alone.logprobs
