@@ -122,6 +122,21 @@ def test_max_batch_bad_values_are_one_line_errors(bad, tmp_path):
     assert len(error) == 1 and "--max-batch" in error[0], out.output
 
 
+def test_max_batch_defaults_to_8_and_takes_1_to_64(tmp_path, monkeypatch):
+    """`cullama serve` hands launch.serve --max-batch (8 when not given) and its bounds, 1 and 64."""
+    import signal
+
+    from cullama.server import launch
+
+    given = []
+    monkeypatch.setattr(launch, "serve", lambda model_dir, **options: given.append(options["max_batch"]) or 0)
+    monkeypatch.setattr(signal, "signal", lambda *args: None)  # serve's SIGTERM handler: not in this process
+    for args in ([], ["--max-batch", "1"], ["--max-batch", "64"]):
+        out = CliRunner().invoke(main, ["serve", "--model", str(tmp_path), *args])
+        assert out.exit_code == 0, out.output
+    assert given == [8, 1, 64]
+
+
 def test_serve_checks_prefill_chunk_before_anything_loads(tmp_path):
     """launch.serve (`cullama serve`'s library side): a bad prefill_chunk or max_batch is refused before the
     directory is read."""
