@@ -115,11 +115,26 @@ def test_a_row_with_nothing_to_draw_fails_its_request_alone(stories_dir, solo):
         assert streams[i].result.token_ids == solo.generate(PROMPTS[i], max_new_tokens=10).token_ids
 
 
+def test_a_first_token_with_nothing_to_draw_fails_its_request_alone(stories_dir, solo):
+    """The NaN row at a joining request's first token (its prefill's sample): it ends with "error" and no token, its
+    slot goes to the next request, and every other request gets its solo tokens."""
+    runner = runner_on(stories_dir, slots=2)
+    poison_row(runner.backend, slot=1, position=6)
+    guard = RunnerGuard()
+    session = BatchSession(runner, guard, stream_maker(runner, guard, solo.eos_ids))
+    streams = [session.submit(p, max_new_tokens=10) for p in PROMPTS[:3]]
+    session.run()
+    assert streams[1].result.finish_reason == "error" and streams[1].result.token_ids == []
+    assert "no token can be drawn" in str(streams[1].error)
+    for i in (0, 2):
+        assert streams[i].result.token_ids == solo.generate(PROMPTS[i], max_new_tokens=10).token_ids
+
+
 def poison_row(backend: NumpyBackend, slot: int, position: int) -> None:
-    """From now on the sample twin gets NaN logits in the row of `slot` when the slot is at `position` (its state's
-    first field), and only there: that sequence has nothing to draw there (PROMPTS[1], 7 ids, in slot 1 at
-    position 9: after its third token)."""
-    real = backend._twin
+    """The sample twin gets NaN logits in the row of `slot` the first time the slot is at `position` (its state's
+    first field), and only there: that sequence has nothing to draw there (PROMPTS[1], 7 ids, in slot 1: at
+    position 6 its first token, at 9 its fourth). Once only: a later request in that slot is not hit."""
+    real, hit = backend._twin, []
 
     def twin(launch):
         fn, wants_grid = real(launch)
@@ -130,8 +145,9 @@ def poison_row(backend: NumpyBackend, slot: int, position: int) -> None:
             rows = np.asarray(step_rows).reshape(-1, 2)[:grid[0]]
             stride = logits.size // max(grid[0], 1) if logits.ndim == 1 else logits.shape[-1]
             for r, (s, _) in enumerate(rows):
-                if s == slot and int(np.asarray(state).reshape(-1, 8)[s, 0]) == position:
+                if s == slot and int(np.asarray(state).reshape(-1, 8)[s, 0]) == position and not hit:
                     logits.reshape(-1)[r * stride:(r + 1) * stride] = np.nan
+                    hit.append(r)
             return fn(logits, seen, state, fparams, embed, x, step_rows, *rest, grid=grid)
         return poisoned, True
 
