@@ -86,7 +86,6 @@ class BatchedStream(GenerationStream):
         self.decoder = decoder
         self.inbox: collections.deque = collections.deque()  # delivered tokens (or a _Failed), not consumed yet
         self.records: collections.deque[scoring.TokenLogprob] = collections.deque()  # their log-probabilities
-        self.delivered = 0  # tokens delivered so far
         self.slot: int | None = None  # the sequence slot while it holds one
         self.error: BaseException | None = None  # what ended it, if an exception did
 
@@ -112,7 +111,6 @@ class BatchedStream(GenerationStream):
     def deliver(self, tokens, records=()) -> None:
         self.inbox.extend(tokens)
         self.records.extend(records)
-        self.delivered += len(tokens)
 
     def pump(self) -> list[str]:
         """Run the generation over what was delivered: the text pieces that became final. It stops where it needs
@@ -166,7 +164,7 @@ class BatchSession:
         self.running: list[BatchedStream] = []  # in slots, decoding, in the order they joined
         self._rows: list[int] | None = None  # the slots of the device's batch rows (runner.set_batch), if current
         self._ticket: int | None = None
-        self.last_batch = 0  # rows of the last batched step (0: none ran): for metrics
+        self.last_batch = 0  # rows the last step() decoded (0: it decoded none): for metrics
 
     # -- the owner's side ----------------------------------------------------------------------------------------
     def submit(self, prompt, **options) -> BatchedStream:
@@ -202,6 +200,7 @@ class BatchSession:
         """One iteration: admit, one prefill chunk, one decode step (see the module docstring). Returns what each
         request it touched got."""
         pieces: dict[int, tuple[BatchedStream, list[str]]] = {}
+        self.last_batch = 0  # until this step decodes
         with self.guard.lock:
             try:
                 self._own()
@@ -344,5 +343,4 @@ class BatchSession:
             stream.deliver([_Failed(exc)])
         else:
             stream.deliver(burst, self.runner.take_logprobs())
-        self.last_batch = 0
         self._collect(pieces, stream, stream.pump())

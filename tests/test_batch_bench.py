@@ -3,6 +3,8 @@ loads. The figures are measurements, never asserted (benchmarks/PREDICTIONS.md h
 
 import json
 
+import numpy as np
+import pytest
 from click.testing import CliRunner
 
 from cullama.cli.main import main
@@ -27,6 +29,14 @@ def test_bench_batch_reports_every_size(tmp_path, stories_dir):
     assert data["sizes"][0]["join_ms"] == [] and data["sizes"][0]["join_vs_step"] is None
     assert len(data["sizes"][1]["join_ms"]) == 5 and data["sizes"][1]["join_max_ms"] >= data["sizes"][1]["join_p50_ms"]
     assert data["options"]["prefill_chunk"] == 64
+    for size, row in zip(data["sizes"], rows):  # each size's figures are its timed steps', as the table shows them
+        ms = size["step_ms"]
+        assert [size["p50_ms"], size["p99_ms"]] == pytest.approx(list(np.percentile(ms, [50, 99])))
+        assert size["tokens_per_s"] == pytest.approx(size["batch"] * 1e3 / np.mean(ms))
+        assert size["sequence_tokens_per_s"] == pytest.approx(size["tokens_per_s"] / size["batch"])
+        assert row[1:5] == [f"{size['p50_ms']:.3f}", f"{size['p99_ms']:.3f}", f"{size['tokens_per_s']:.1f}",
+                            f"{size['sequence_tokens_per_s']:.1f}"]
+    assert data["sizes"][1]["vs_batch_1"] == data["sizes"][1]["p50_ms"] / data["sizes"][0]["p50_ms"]
 
 
 def test_bench_batch_option_errors(stories_dir):

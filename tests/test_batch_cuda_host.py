@@ -95,7 +95,12 @@ def test_gpu_a_prompt_of_several_chunks_joining_gets_its_solo_tokens(stories_dir
 def test_batched_steps_on_the_cuda_host_code_equal_solo_steps(fake, stories_dir):
     runner = runner_on(CudaBackend(), stories_dir, slots=3)
     assert batched_tokens(runner, 16) == solo_tokens(NumpyBackend(), stories_dir, 16)
-    assert {"batch[3]#0", "batch[2]#0", "decode@1"} <= set(runner.backend.graphs)  # a graph per batch size
+    graphs = runner.backend.graphs
+    assert {"batch[3]#0", "batch[2]#0", "decode@1"} <= set(graphs)  # a graph per batch size
+    # each captured once, when its size was first used, and replayed by every step of that size: a join or a
+    # leave writes the rows table, never recaptures
+    assert (graphs["batch[3]#0"].replays, graphs["batch[2]#0"].replays) == (8, 8)
+    assert len(fake.graphs) == len(graphs) and graphs["batch[3]#0"] in fake.graphs
     cpu = runner_on(NumpyBackend(), stories_dir, slots=3)
     batched_tokens(cpu, 16)
     for name in ("state", "seen", "k_cache", "v_cache"):
@@ -108,3 +113,27 @@ def test_gpu_batched_steps_equal_solo_steps(stories_dir):
     each one alone on the same backend."""
     runner = runner_on(CudaBackend(), stories_dir, slots=3)
     assert batched_tokens(runner, 12) == solo_tokens(CudaBackend(), stories_dir, 12)
+
+
+def test_a_batch_of_two_groups_on_the_cuda_host_code(fake, stories_dir):
+    """Eleven sequences: a batched step replays two graphs, a group of VERIFY_ROWS rows and one of the rest (each
+    its own rows table and ids); every sequence gets its solo tokens."""
+    from cullama import plan as plans
+
+    n, steps = plans.VERIFY_ROWS + 2, 4
+    prompts = [[1, 3 + (37 * i) % 500, 3 + (91 * i) % 500] for i in range(n)]
+    params = [SamplingParams(temperature=0.9, top_k=40, seed=i) for i in range(n)]
+    alone = runner_on(NumpyBackend(), stories_dir)
+    expected = [[alone.start(p, q)] + [alone.next() for _ in range(steps)] for p, q in zip(prompts, params)]
+    runner = runner_on(CudaBackend(), stories_dir, slots=n)
+    got = []
+    for slot, (prompt, p) in enumerate(zip(prompts, params)):
+        runner.slot = slot
+        got.append([runner.start(prompt, p)])
+    order = list(range(n))[::-1]
+    runner.set_batch(order)
+    for _ in range(steps):
+        for slot, token in zip(order, runner.batch_step()):
+            got[slot].append(token)
+    assert got == expected
+    assert {f"batch[{plans.VERIFY_ROWS}]#0", "batch[2]#1"} <= set(runner.backend.graphs)

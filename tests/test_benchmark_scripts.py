@@ -5,6 +5,7 @@ count is the smallest that still runs each branch. A GPU session has minutes: no
 import ctypes
 import json
 import runpy
+import statistics
 import sys
 from pathlib import Path
 
@@ -531,3 +532,13 @@ def test_serve_load_smoke_run_on_the_cpu(stories_dir, tmp_path, capsys):
     assert record["complete"] and record["max_batch"] == 2 and [r["concurrency"] for r in record["rows"]] == [1, 3]
     assert all(r["tokens"] == [4] * r["concurrency"] and len(r["ttft_ms"]) == r["concurrency"] for r in record["rows"])
     assert all(r["summary"]["gap_ms_max"] == max(r["gap_ms"]) for r in record["rows"])
+    for r, line in zip(record["rows"], lines[header + 1:header + 3]):  # the summary is its samples', as shown
+        s = r["summary"]
+        # (the p99 of fewer than 100 samples is their largest)
+        assert (s["ttft_ms_p50"], s["ttft_ms_p99"]) == (statistics.median(r["ttft_ms"]), max(r["ttft_ms"]))
+        assert (s["gap_ms_p50"], s["gap_ms_p99"]) == (statistics.median(r["gap_ms"]), max(r["gap_ms"]))
+        assert s["tokens_per_s"] == sum(r["tokens"]) / r["wall_s"]
+        assert s["tokens_per_s_per_client"] == pytest.approx(s["tokens_per_s"] / r["concurrency"])
+        shown = [s["ttft_ms_p50"], s["ttft_ms_p99"], s["gap_ms_p50"], s["gap_ms_p99"]]
+        assert line.split()[3:5] + line.split()[6:8] == [f"{v:.2f}" for v in shown], line
+        assert line.split()[9] == f"{s['tokens_per_s']:.1f}", line

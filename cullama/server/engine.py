@@ -316,6 +316,11 @@ class Engine:
             stream = session.submit(job.prompt_ids, **job.options)
         except CullamaError as exc:
             return self._end(job, Refused(str(exc)))
+        except Exception as exc:  # this request fails, the engine thread and the batch go on (as _run)
+            print(f"cullama serve: a request could not join the batch ({type(exc).__name__}):", file=sys.stderr)
+            traceback.print_exc(file=sys.stderr)
+            return self._end(job, Failed(f"the generation failed ({type(exc).__name__}); the server logged the "
+                                         "details"))
         job.stream = stream
         self._batched.add(job)
         jobs[id(stream)] = (job, logprob_fields.cursor(stream, job.options), time.perf_counter())
