@@ -62,7 +62,7 @@ def test_generate_takes_a_list_of_prompts(batched, solo):
     assert batched.generate([1, 403], max_new_tokens=3).token_ids == solo.generate([1, 403], max_new_tokens=3).token_ids
 
 
-def test_logprobs_and_stop_strings_in_a_batch(batched, solo):
+def test_token_and_prompt_logprobs_in_a_batch(batched, solo):
     options = [dict(max_new_tokens=10, logprobs=2), dict(max_new_tokens=12, temperature=0.8, seed=2, logprobs=0,
                                                          prompt_logprobs=1)]
     session = batched.batch()
