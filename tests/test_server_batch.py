@@ -309,8 +309,8 @@ def test_a_request_with_bad_options_is_refused_before_it_joins(llm, solo):
 
 def test_a_row_with_nothing_to_draw_fails_its_request_alone(llm, solo, monkeypatch):
     """A NaN logit row for one request after its third token (test_batch.poison_row): that request ends with the
-    library's error (a Refused, as a solo stream's) after the text of its three tokens; the others decode on and get
-    their solo answers."""
+    library's error (a Failed, a 500: the model's numbers, not the request, are at fault) after the text of its three
+    tokens; the others decode on and get their solo answers."""
     from test_batch import PROMPTS as LIBRARY_PROMPTS, poison_row
 
     backend = llm.runner.backend
@@ -319,11 +319,31 @@ def test_a_row_with_nothing_to_draw_fails_its_request_alone(llm, solo, monkeypat
     prompts = LIBRARY_PROMPTS[:3]
     options = dict(max_new_tokens=10, temperature=0.0)
     engine, results = queued(llm, lambda loop: [Job(p, options, loop) for p in prompts])
-    assert isinstance(results[1][-1], Refused) and "no token can be drawn" in results[1][-1].message
+    assert isinstance(results[1][-1], Failed) and "no token can be drawn" in results[1][-1].message
     assert text_of(results[1]) == solo.generate(prompts[1], max_new_tokens=3).text
     for i in (0, 2):
         assert text_of(results[i]) == solo.generate(prompts[i], **options).text
         assert results[i][-1] == Finished("length", len(prompts[i]), 10)
+    assert engine.metrics.requests["failed"] == 1 and engine.metrics.requests["invalid"] == 0
+
+
+def test_a_generation_with_nothing_to_draw_fails_as_a_500_one_at_a_time_too(stories_dir, solo):
+    """--max-batch 1 (the engine's solo path): the same NaN row ends its request as a Failed after its three tokens,
+    and the engine serves the next request. (A model of its own: one whose decode plans ran already replays them
+    with the twins they were made with.)"""
+    import cullama
+    from test_batch import PROMPTS as LIBRARY_PROMPTS, poison_row
+
+    llm = cullama.Llama.from_pretrained(stories_dir, device="cpu")
+    poison_row(llm.runner.backend, slot=0, position=9)
+    prompts = [LIBRARY_PROMPTS[1], LIBRARY_PROMPTS[0]]
+    options = dict(max_new_tokens=10, temperature=0.0)
+    engine, results = queued(llm, lambda loop: [Job(p, options, loop) for p in prompts], max_batch=1)
+    assert isinstance(results[0][-1], Failed) and "no token can be drawn" in results[0][-1].message
+    assert text_of(results[0]) == solo.generate(prompts[0], max_new_tokens=3).text
+    assert text_of(results[1]) == solo.generate(prompts[1], **options).text
+    assert results[1][-1] == Finished("length", len(prompts[1]), 10)
+    assert engine.metrics.requests["failed"] == 1 and engine.metrics.requests["invalid"] == 0
 
 
 def test_a_step_that_decodes_nothing_is_no_observation(llm):

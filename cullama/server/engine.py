@@ -27,7 +27,7 @@ import time
 import traceback
 from typing import Callable, Sequence
 
-from ..errors import CullamaError
+from ..errors import CullamaError, GenerationError
 from . import logprobs as logprob_fields
 from .metrics import Metrics
 
@@ -219,6 +219,8 @@ class Engine:
                 if job.stop_reason is not None:
                     break
                 job.post(Piece(piece, **scores.take()) if scores else Piece(piece))
+        except GenerationError as exc:  # the model's numbers gave nothing to draw: the server's fault, a 500
+            return self._finish(job, Failed(str(exc)))
         except CullamaError as exc:  # the library refused the request's options
             return self._finish(job, Refused(str(exc)))
         except Exception as exc:  # the request fails, the server goes on
@@ -332,6 +334,8 @@ class Engine:
         self._measure(job, started, result)
         if job.stop_reason is not None:
             return self._close(job, Stopped(job.stop_reason))
+        if isinstance(stream.error, GenerationError):  # its row had nothing to draw: a 500, as a solo stream's
+            return self._close(job, Failed(str(stream.error)))
         if isinstance(stream.error, CullamaError):
             return self._close(job, Refused(str(stream.error)))
         if stream.error is not None or result.finish_reason not in ("eos", "stop", "length"):
