@@ -36,10 +36,10 @@ from . import logprobs as scoring, memory, plan as plans
 from .config import LlamaConfig
 from .errors import GenerationError, PromptError
 from .layout import Layout, as_layout
+from .ops.rows import (STATE_POS as POS, STATE_SEED_HI as SEED_HI, STATE_SEED_LO as SEED_LO,  # common.cuh's fields
+                       STATE_STEP as STEP, STATE_TOKEN as TOKEN, STATE_TOP_K as TOP_K)
 from .prefill_kernels import PrefillKernels, default_for
 from .sampling import NO_TOKEN, Sampler, SamplingParams
-# kernels_cu/common.cuh: STATE_POS, STATE_TOKEN, STATE_STEP, STATE_TOP_K, STATE_SEED_LO, STATE_SEED_HI
-POS, TOKEN, STEP, TOP_K, SEED_LO, SEED_HI = range(6)
 
 
 class _Sequence:

@@ -1,4 +1,4 @@
-"""cullama/ops/rows.py: the decode state's layout is kernels_cu/common.cuh's (the copies of it elsewhere too), and
+"""cullama/ops/rows.py: the decode state's layout is kernels_cu/common.cuh's (the host's one copy of it), and
 row_positions reads a step's rows table as the kernels' row_slot and row_pos do."""
 
 from __future__ import annotations
@@ -7,8 +7,6 @@ import re
 
 import numpy as np
 
-from cullama import engine
-from cullama.backends import cuda_backend, numpy_backend
 from cullama.kernels_cu import SOURCE_DIR
 from cullama.ops import rows
 
@@ -22,11 +20,6 @@ def test_the_layout_is_common_cuhs():
     assert len(names) == 13  # six state fields and STATE_LEN, three fparams and FPARAMS_LEN, two row fields
     assert {name: getattr(rows, name) for name in names} == {name: defines[name] for name in names}
     assert defines["ROW_FIELDS"] == 2  # row_positions reads the table as [R, 2]
-    # the copies: engine.py's names of the state's fields, the backends' read of a slot's token
-    assert (engine.POS, engine.TOKEN, engine.STEP, engine.TOP_K, engine.SEED_LO, engine.SEED_HI) == tuple(
-        defines[f"STATE_{field}"] for field in ("POS", "TOKEN", "STEP", "TOP_K", "SEED_LO", "SEED_HI"))
-    for backend in (numpy_backend, cuda_backend):
-        assert (backend.STATE_TOKEN, backend.STATE_LEN) == (defines["STATE_TOKEN"], defines["STATE_LEN"])
 
 
 def test_row_positions_are_each_rows_slot_position_plus_its_offset():

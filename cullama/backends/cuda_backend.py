@@ -17,11 +17,11 @@ import os
 
 import numpy as np
 
+from ..ops.rows import STATE_LEN, STATE_TOKEN
 from ..plan import OVERLAP_SAFE, VERIFY_ROWS, Buffer, Plan, Ref
 from ..registry import KernelLoader
 from ..sampling import drawn
 
-STATE_TOKEN, STATE_LEN = 1, 8  # kernels_cu/common.cuh
 
 
 class CudaBackend:

@@ -7,10 +7,10 @@ import inspect
 import numpy as np
 
 from .. import ops
+from ..ops.rows import STATE_LEN, STATE_TOKEN
 from ..plan import Buffer, Launch, Plan, Ref
 from ..sampling import drawn
 
-STATE_TOKEN, STATE_LEN = 1, 8  # kernels_cu/common.cuh
 
 
 class NumpyBackend:

@@ -1,4 +1,5 @@
-"""The decode state's layout and a step's rows table (kernels_cu/common.cuh), as the twins read them.
+"""The decode state's layout and a step's rows table (kernels_cu/common.cuh): its one home on the host (the twins,
+engine.py and the backends read it from here).
 
 state [slots, STATE_LEN] int32 and fparams [slots, FPARAMS_LEN] float32 hold each sequence slot's position, last
 token, step counter and sampling parameters; a step's rows table [R, 2] int32 gives each token row's slot and its
