@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 import test_verify as verify
+from emulated import seeded_copy
 from cullama import emu, sampling
 from cullama import plan as plans
 from cullama.emu import build
@@ -172,12 +173,7 @@ def test_verify_sample_rows_at_any_vocabulary_size(V, rows, options):
 def test_misaligned_rows_read_with_float4_loads_fail(tmp_path, options):
     """The check has teeth: sampling.cu as it was (rows at a stride of V, read with float4 loads) fails on row 1 at
     V = 517."""
-    source_dir = tmp_path / "kernels_cu"
-    shutil.copytree(SOURCE_DIR, source_dir)
-    path = source_dir / "sampling.cu"
-    text, original = path.read_text(), "(size_t)row * logits_stride(V)"
-    assert text.count(original) == 1, "the row stride is not in sampling.cu exactly once"
-    path.write_text(text.replace(original, "(size_t)row * V"))
+    source_dir = seeded_copy(tmp_path, "sampling.cu", "(size_t)row * logits_stride(V)", "(size_t)row * V")
     with pytest.raises(emu.EmuError, match=r"^sample block \(1, 0, 0\) .* at sampling\.cu:\d+: .*misaligned address "
                                             r"0x[0-9a-f]+ for type '[^']*\bfloat4', which requires 16-byte "
                                             r"alignment$"):
