@@ -102,10 +102,7 @@ def test_a_cancelled_request_frees_its_slot_and_the_others_go_on(batched, solo):
 def test_a_row_with_nothing_to_draw_fails_its_request_alone(stories_dir, solo):
     """A NaN logit row for one sequence at one position (the sample twin is fed NaNs in that row only): that request
     ends with "error" after the tokens it had, the others get their solo tokens."""
-    runner = runner_on(stories_dir, slots=3)
-    poison_row(runner.backend, slot=1, position=9)
-    guard = RunnerGuard()
-    session = BatchSession(runner, guard, stream_maker(runner, guard, solo.eos_ids))
+    session = poisoned_session(stories_dir, solo, slots=3, position=9)
     streams = [session.submit(p, max_new_tokens=10) for p in PROMPTS[:3]]
     session.run()
     failed = streams[1].result
@@ -118,10 +115,7 @@ def test_a_row_with_nothing_to_draw_fails_its_request_alone(stories_dir, solo):
 def test_a_first_token_with_nothing_to_draw_fails_its_request_alone(stories_dir, solo):
     """The NaN row at a joining request's first token (its prefill's sample): it ends with "error" and no token, its
     slot goes to the next request, and every other request gets its solo tokens."""
-    runner = runner_on(stories_dir, slots=2)
-    poison_row(runner.backend, slot=1, position=6)
-    guard = RunnerGuard()
-    session = BatchSession(runner, guard, stream_maker(runner, guard, solo.eos_ids))
+    session = poisoned_session(stories_dir, solo, slots=2, position=6)
     streams = [session.submit(p, max_new_tokens=10) for p in PROMPTS[:3]]
     session.run()
     assert streams[1].result.finish_reason == "error" and streams[1].result.token_ids == []
@@ -274,6 +268,14 @@ def runner_on(directory, slots=1) -> PlanRunner:
     runner = PlanRunner(ckpt.config, backend, ckpt.config.max_seq_len, slots=slots)
     load_checkpoint(backend, ckpt)
     return runner
+
+
+def poisoned_session(directory, solo, slots: int, position: int) -> BatchSession:
+    """A session on a bare runner of `slots` slots whose slot 1 has nothing to draw at `position` (poison_row)."""
+    runner = runner_on(directory, slots=slots)
+    poison_row(runner.backend, slot=1, position=position)
+    guard = RunnerGuard()
+    return BatchSession(runner, guard, stream_maker(runner, guard, solo.eos_ids))
 
 
 def stream_maker(runner, guard, eos_ids):
