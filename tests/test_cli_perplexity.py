@@ -3,6 +3,8 @@ through the tokenizer from a file and from standard input, and each bad input as
 before any weight loads."""
 
 import json
+import math
+import re
 
 import pytest
 from click.testing import CliRunner
@@ -25,8 +27,14 @@ def story_file(stories_expected, tmp_path):
 def test_the_stories260k_figure(stories_dir, story_file):
     result = run("perplexity", "--model", stories_dir, "--device", "cpu", "--ids", story_file)
     assert result.exit_code == 0, result.output
-    assert result.stdout.startswith("perplexity 1.5799 (nll 0.4573 nats per token, 256 tokens, 1 window of 512 "
-                                    "tokens, stride 256, cpu")
+    # The figure goes through float32 matrix products whose order BLAS picks by machine and version: 0.457345 nats
+    # here, 0.45740 on another machine with the same numpy (its line read "1.5800 (nll 0.4574"). A wrong window,
+    # token count or off-by-one target moves it by 1e-2 or more, so 5e-4 still catches every real error.
+    line = re.fullmatch(r"perplexity (\d\.\d{4}) \(nll (\d\.\d{4}) nats per token, 256 tokens, 1 window of 512 "
+                        r"tokens, stride 256, cpu.*\)\n", result.stdout, re.S)
+    assert line, result.stdout
+    perplexity, nll = float(line[1]), float(line[2])
+    assert nll == pytest.approx(0.45735, abs=5e-4) and perplexity == pytest.approx(math.exp(nll), abs=2e-4)
 
 
 def test_json_holds_the_figures_and_the_options(stories_dir, story_file):
