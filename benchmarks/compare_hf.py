@@ -6,7 +6,7 @@ cullama makes the weights on the GPU (Llama.synthetic); a transformers LlamaForC
 config gets a copy (nothing on disk), and the two engines' prompt logits are compared. Peers: HF
 eager (DynamicCache) and HF static cache + torch.compile(mode="reduce-overhead") gpt-fast style
 (eager prefill; each decode step compiled, called after torch.compiler.cudagraph_mark_step_begin(),
-its output cloned). All are timed by `cullama bench`'s protocol (cullama.bench.decode_latencies).
+its output cloned). All are timed by `cullama bench`'s protocol (cullama.bench.latency.decode_latencies).
 One table: p50/p99 per L, ratio peer / cullama. Without torch/transformers, one line says so.
 """
 
@@ -22,8 +22,8 @@ import traceback
 
 import numpy as np
 
-from cullama import bench
-from cullama.errors import CullamaError
+from cullama.bench import latency as bench
+from cullama.common.errors import CullamaError
 from gemv_sweep import require_gpu  # benchmarks/ is on sys.path when run as a script
 
 QUICK_LENGTHS, QUICK_SAMPLES, QUICK_WARMUP = (10, 100, 500), 100, 1
@@ -32,8 +32,8 @@ DEVICE = "cuda"  # where the HF peers run ("cpu" only in a test of this script's
 
 def hf_model(llm, torch, transformers):
     """A transformers LlamaForCausalLM of llm's config, holding a copy of llm's device weights."""
-    from cullama.checkpoint import EMBED, FINAL_NORM, LM_HEAD, expected_shapes, layer_name
-    from cullama.layout import LAYER_PLAN, buffer_name
+    from cullama.model.checkpoint import EMBED, FINAL_NORM, LM_HEAD, expected_shapes, layer_name
+    from cullama.model.layout import LAYER_PLAN, buffer_name
 
     cfg = llm.config
     hf_cfg = transformers.LlamaConfig(
@@ -64,7 +64,7 @@ def hf_model(llm, torch, transformers):
 
 
 class HFEager:
-    """transformers' eager decode (DynamicCache), behind the start/next protocol that cullama.bench times."""
+    """transformers' eager decode (DynamicCache), behind the start/next protocol that cullama.bench.latency times."""
 
     def __init__(self, model, torch, transformers, max_seq_len: int):
         self.model, self.torch, self.transformers, self.max_seq_len = model, torch, transformers, max_seq_len
@@ -180,7 +180,7 @@ def main(argv=None) -> int:
     import cupy as cp
 
     from cullama import Llama
-    from cullama.device import environment
+    from cullama.runtime.device import environment
 
     t_start, log = time.monotonic(), lambda text: print(text, flush=True)
     over_budget = lambda: time.monotonic() - t_start > args.budget_s  # noqa: E731

@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 
 import cullama
-from cullama.errors import CullamaError
+from cullama.common.errors import CullamaError
 
 DEFAULT_MODEL = Path(__file__).resolve().parents[2] / "shared" / "models" / "stories260K"  # ../shared from the repo
 PROMPTS = ["Once upon a time", "The little dog", "Lily and Tom went to the park", "One day, a bird",

@@ -29,7 +29,7 @@ import statistics
 import sys
 import time
 
-from cullama.errors import CullamaError, DeviceError
+from cullama.common.errors import CullamaError, DeviceError
 from gemv_sweep import events_ms, positive_int, positive_ints, read_bandwidth, require_gpu, save_json  # benchmarks/ on sys.path
 
 WARMUP_CONTEXT, WARMUP_STEPS = 10, 8  # the untimed first measure(): kernels loaded, graphs captured
@@ -39,7 +39,7 @@ def measure(llm, cp, prompt: list[int], steps: int) -> dict:
     """One trial at one context, ms per step: graph replays, plain and overlapped (programmatic dependent
     launch; None where the GPU has none), eager launches, and the host-observed next() from one token's
     arrival to the next, plain and ahead (both in the backend's default overlap mode)."""
-    from cullama.bench import GREEDY as greedy
+    from cullama.bench.latency import GREEDY as greedy
 
     runner = llm.runner
     backend, plan = runner.backend, runner.decode
@@ -77,7 +77,7 @@ def verify_times(llm, cp, prompt: list[int], steps: int, ks: list[int]) -> dict:
     """One trial of the verify step per k, ms: its graph replayed `steps` times (each replay moves the position
     by the tokens it accepts: fixed drafts on random weights accept next to none, so about one) and the
     host-observed verify() call, against the plain decode graph replayed from the same prompt."""
-    from cullama.bench import GREEDY as greedy
+    from cullama.bench.latency import GREEDY as greedy
 
     runner = llm.runner
     backend = runner.backend
@@ -111,7 +111,7 @@ CU_EVENT_RECORD_EXTERNAL = 1  # cuda.h: in a capturing stream, record the event 
 
 def load_driver():
     """The CUDA driver library (ctypes), for the one call CuPy does not wrap; tests substitute a fake."""
-    from cullama.backends import driver
+    from cullama.runtime.backends import driver
 
     return driver.load("event nodes (the per-kernel breakdown)")
 
@@ -145,7 +145,7 @@ def breakdown(llm, cp, prompt: list[int], steps: int) -> list[dict]:
     """Per-kernel time inside the decode graph: a second graph of the same launches with an event
     recorded between each pair (event-record nodes), replayed `steps` times; median us per launch,
     grouped by role (qkv_rope, attention, o_proj, gate_up_silu, down per layer; lm_head; sample)."""
-    from cullama.bench import GREEDY as greedy
+    from cullama.bench.latency import GREEDY as greedy
 
     runner = llm.runner
     backend, plan = runner.backend, runner.decode
@@ -215,9 +215,9 @@ def main(argv=None) -> int:
     import cupy as cp
 
     from cullama import Llama
-    from cullama.device import environment
+    from cullama.runtime.device import environment
 
-    from cullama.bench import prompt_ids, step_bytes
+    from cullama.bench.latency import prompt_ids, step_bytes
 
     try:
         bps, bandwidth = read_bandwidth()  # before the weights arrive: the buffer is a few GiB
@@ -229,7 +229,7 @@ def main(argv=None) -> int:
         floor_ms = weight_bytes / bps * 1e3
         print(f"{args.model}: random weights on the GPU in {time.perf_counter() - t0:.1f} s; "
               f"{len(llm.runner.decode.launches)} launches per decode step; read bandwidth {bps / 1e9:.0f} GB/s "
-              f"(cullama.bench.measure_bandwidth); {weight_bytes / 1e9:.2f} GB of weights per step: floor "
+              f"(cullama.bench.latency.measure_bandwidth); {weight_bytes / 1e9:.2f} GB of weights per step: floor "
               f"{floor_ms:.3f} ms")
         measure(llm, cp, prompt_ids(WARMUP_CONTEXT, cfg.vocab_size), WARMUP_STEPS)
         rows, parts = [], []

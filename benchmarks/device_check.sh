@@ -14,7 +14,7 @@
 # `cullama serve` adds per token), `cullama bench --batch` and serve_load.py (batched decode) and
 # compare_hf.py --quick. Each step runs under `timeout` inside one overall
 # budget (BUDGET_S, default 500 s), and a failing step does not stop the next. `pytest -m gpu` also runs the CPU
-# executor against the GPU on the tensor-core kernels (tests/test_emu_vs_gpu.py: emu_vs_gpu.json).
+# executor against the GPU on the tensor-core kernels (tests/runtime/emu/test_emu_vs_gpu.py: emu_vs_gpu.json).
 # ../shared (the test data beside the repo) is used when present; a copy carried as .shared otherwise.
 # Under $OUT (the device tool returns at most 8 files): steps.log (every step's output), summary.txt,
 # report.md and results.tgz (bench.json, bench_int4.json, bench_int8.json, bench_overlap.json, decode.json,

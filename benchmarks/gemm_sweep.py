@@ -6,8 +6,8 @@ shapes.
 
 For each prefill matrix of LLaMA-2-7B (qkv 12288x4096, o_proj 4096x4096, gate_up 22016x4096,
 down 4096x11008; o_proj and down accumulate into the residual, as in the plan), or of --model's
-preset as the plan runs it (cullama.layout.device_config; the tests run `tiny` on a fake CuPy),
-each GEMM kernel in --kernels (cullama.prefill_kernels: `mma` is gemm.cu, `wgmma` gemm_wgmma.cu as the
+preset as the plan runs it (cullama.model.layout.device_config; the tests run `tiny` on a fake CuPy),
+each GEMM kernel in --kernels (cullama.runtime.prefill_kernels: `mma` is gemm.cu, `wgmma` gemm_wgmma.cu as the
 plan launches it, `wgmma-n128` / `wgmma-n256` / `wgmma-m64` / `wgmma-noswizzle` its other compiled
 variants; `mma-w4` / `mma-w8` gemm_quant.cu, the same tiles and split rule on INT4 / INT8 weights as on-load
 quantization makes them (gemv_sweep.Weights); default: mma, and wgmma on an sm_90 GPU) and each prompt length M in
@@ -32,14 +32,14 @@ import numpy as np
 
 import dataclasses
 
-from cullama import prefill_kernels
-from cullama.config import preset
-from cullama.errors import CullamaError
-from cullama.ops import gemm as twin
-from cullama.ops import gemm_quant as quant_twin
-from cullama.ops import gemm_wgmma as wgmma_ops
-from cullama.prefill_kernels import MMA_GEMM, WGMMA_GEMM, GemmKernel, PrefillKernels, cdiv
-from cullama.registry import KernelSpec
+from cullama.runtime import prefill_kernels
+from cullama.model.config import preset
+from cullama.common.errors import CullamaError
+from cullama.runtime.ops import gemm as twin
+from cullama.runtime.ops import gemm_quant as quant_twin
+from cullama.runtime.ops import gemm_wgmma as wgmma_ops
+from cullama.runtime.prefill_kernels import MMA_GEMM, WGMMA_GEMM, GemmKernel, PrefillKernels, cdiv
+from cullama.runtime.registry import KernelSpec
 from gemv_sweep import (Weights, events_ms, positive_int, positive_ints, random_fp16, read_bandwidth, require_gpu,
                         save_json)
 
@@ -93,7 +93,7 @@ def launcher(kernel: GemmKernel, fn, A, C, workspace, count, M, N, K, accumulate
 
 def load(loader, kernel: GemmKernel):
     """The loaded kernel, allowed its dynamic shared memory (wgmma: ~200 KB, beyond the default 48 KB)."""
-    from cullama.backends.func_attr import allow_dynamic_shared
+    from cullama.runtime.backends.func_attr import allow_dynamic_shared
 
     fn = loader.function(kernel.spec)
     if kernel.smem > 48 * 1024:
@@ -207,9 +207,9 @@ def main(argv=None) -> int:
     require_gpu("gemm_sweep")
     import cupy as cp
 
-    from cullama.device import environment
-    from cullama.layout import device_config
-    from cullama.registry import KernelLoader
+    from cullama.runtime.device import environment
+    from cullama.model.layout import device_config
+    from cullama.runtime.registry import KernelLoader
 
     try:
         cfg, loader = device_config(preset(args.model)), KernelLoader()
@@ -218,7 +218,7 @@ def main(argv=None) -> int:
         if any(KERNELS[n].spec.arch_specific for n in names):
             wgmma.check_arch(loader.arch)  # a one-line error on anything but sm_90
         bps, bandwidth = read_bandwidth()
-        print(f"read bandwidth: {bps / 1e9:.0f} GB/s (cullama.bench.measure_bandwidth, {bandwidth['statistic']}); "
+        print(f"read bandwidth: {bps / 1e9:.0f} GB/s (cullama.bench.latency.measure_bandwidth, {bandwidth['statistic']}); "
               f"SPLIT_K={prefill_kernels.SPLIT_K}; kernels {', '.join(names)}")
         rows = []
         record = {"model": args.model, "read_bandwidth_bytes_per_s": bps, "bandwidth": bandwidth,
@@ -254,7 +254,7 @@ def main(argv=None) -> int:
               f"{spread:>15} {r['gb_s']:>6.0f} {r['pct_read_bw']:>5.1f}% {r['tflop_s']:>7.1f} "
               f"{r['speedup_vs_s1']:>5.2f}x{mark} {check}")
     print("* fastest correct S per kernel, shape and M; p: the S that the kernel's split rule picks "
-          "(cullama.prefill_kernels); !: the fastest of all kernels for that shape and M")
+          "(cullama.runtime.prefill_kernels); !: the fastest of all kernels for that shape and M")
     agree = sum(best[k]["splits"] == best[k]["plan_splits"] for k in best)
     print(f"the plan's S is the fastest in {agree} of {len(best)} cases")
     for name in names:

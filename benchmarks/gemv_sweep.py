@@ -5,17 +5,17 @@
 
 Each shape is timed with the kernel the decode step uses for it (qkv: gemv_qkv_rope, o_proj and
 down: gemv_residual, gate_up: gemv_gate_up_silu, lm_head: gemv_logits), in every (ROWS, UNROLL)
-variant of cullama.ops.gemv.DECODE_VARIANTS. --model sweeps another preset's shapes instead, as the decode
-step runs them (cullama.layout.device_config; the tests run `tiny` on a fake CuPy). Launches are
+variant of cullama.runtime.ops.gemv.DECODE_VARIANTS. --model sweeps another preset's shapes instead, as the decode
+step runs them (cullama.model.layout.device_config; the tests run `tiny` on a fake CuPy). Launches are
 captured in a CUDA graph (as in the decode step) that rotates over copies of the weight matrix
 totalling several times the L2, so no launch finds its weights in the cache; CUDA events time the
 replays. On sm_90 and newer the same launches are timed again linked by programmatic dependent launch
 (the decode graph's overlap mode, CULLAMA_OVERLAP=1: each launch streams its weights during the
 previous one's tail). GB/s counts the FP16 weight bytes only (the vectors are < 0.2 % of the
-traffic); % is of the read bandwidth as `cullama bench` measures it (cullama.bench.measure_bandwidth).
+traffic); % is of the read bandwidth as `cullama bench` measures it (cullama.bench.latency.measure_bandwidth).
 Before timing, each variant's output is checked against the kernel's NumPy twin. Run it on a GPU;
 without one it says so in one line.
---bits 4,8 sweeps gemv_quant.cu instead (W4A16 and W8A16: every variant of cullama.ops.gemv_quant.DECODE_VARIANTS
+--bits 4,8 sweeps gemv_quant.cu instead (W4A16 and W8A16: every variant of cullama.runtime.ops.gemv_quant.DECODE_VARIANTS
 for those bits, the four weight matrices: no quantized lm_head), with weights as on-load quantization makes them
 (Weights below: INT4 in groups of 128 along K, INT8 one group per row); GB/s is then the effective weight
 bandwidth, the bytes of codes and (scale, zero) pairs that a decode step reads (quant.QuantFormat.nbytes), and a
@@ -35,18 +35,18 @@ import sys
 
 import numpy as np
 
-from cullama import plan as plans
-from cullama import quant
-from cullama.config import preset
-from cullama.errors import CullamaError
-from cullama.ops import gemv as twins
-from cullama.ops import gemv_quant as quant_twins
-from cullama.registry import KernelLoader, KernelSpec
+from cullama.runtime import plan as plans
+from cullama.model import quant
+from cullama.model.config import preset
+from cullama.common.errors import CullamaError
+from cullama.runtime.ops import gemv as twins
+from cullama.runtime.ops import gemv_quant as quant_twins
+from cullama.runtime.registry import KernelLoader, KernelSpec
 
 
 def require_gpu(prog: str) -> None:
     """Exit with one line when there is no usable GPU."""
-    from cullama.device import cuda_status
+    from cullama.runtime.device import cuda_status
 
     ok, why = cuda_status()
     if not ok:
@@ -87,7 +87,7 @@ def save_json(path: str, record: dict, args: argparse.Namespace, complete: bool)
     """Write a script's record with the date, the commit, its options and whether it ran to the end. The
     scripts call it after each unit of work, so that a step cut short by its timeout still leaves what it
     measured; written to a temporary file first, so a reader never sees half a file."""
-    from cullama.bench import git_commit
+    from cullama.bench.latency import git_commit
 
     options = {k: v for k, v in vars(args).items() if k != "json"}
     full = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -100,7 +100,7 @@ def save_json(path: str, record: dict, args: argparse.Namespace, complete: bool)
 
 def read_bandwidth() -> tuple[float, dict]:
     """(bytes/s, record): this GPU's read bandwidth as `cullama bench` measures it, for every % here."""
-    from cullama.bench import measure_bandwidth
+    from cullama.bench.latency import measure_bandwidth
 
     record = measure_bandwidth()
     return record["bytes_per_s"], record
@@ -144,7 +144,7 @@ def case(kernel: str, cfg, M: int, K: int, rng, max_seq: int = 64):
 
 def random_fp16(cp, loader, shape, seed: int, std: float = 0.02):
     """Random FP16 weights made on the GPU by kernels_cu/fill.cu (never zeros: they can time faster)."""
-    from cullama.weights import FILL
+    from cullama.model.weights import FILL
 
     out = cp.empty(shape, dtype=cp.float16)
     loader.function(FILL)((1024,), (256,), (out, np.uint64(out.size), np.uint64(seed), np.float32(0), np.float32(std)))
@@ -154,7 +154,7 @@ def random_fp16(cp, loader, shape, seed: int, std: float = 0.02):
 # -- the weights a sweep streams: FP16 (gemv.cu, gemm.cu) or quantized (gemv_quant.cu, gemm_quant.cu) ------------
 @dataclasses.dataclass(frozen=True)
 class Weights:
-    """How the swept matrices are stored: bits 16 is FP16; 4 and 8 are cullama/quant.py's format as on-load
+    """How the swept matrices are stored: bits 16 is FP16; 4 and 8 are cullama/model/quant.py's format as on-load
     quantization makes it (INT4 in groups of 128 along K, or the largest multiple of 32 below that divides K;
     INT8 one group per row). Gemv_sweep and gemm_sweep share it."""
 
@@ -208,7 +208,7 @@ class Weights:
 
 def overlap_launcher(loader):
     """backends.pdl's launcher where the GPU has programmatic dependent launch (sm_90 and newer), else None."""
-    from cullama.backends import pdl
+    from cullama.runtime.backends import pdl
 
     return pdl.PdlLauncher() if pdl.supported(loader.arch) else None
 
@@ -315,14 +315,14 @@ def main(argv=None) -> int:
     require_gpu("gemv_sweep")
     import cupy as cp
 
-    from cullama.device import environment
-    from cullama.layout import device_config
+    from cullama.runtime.device import environment
+    from cullama.model.layout import device_config
 
     try:
         cfg, loader = device_config(preset(args.model)), KernelLoader()
         pdl = overlap_launcher(loader)
         bps, bandwidth = read_bandwidth()
-        print(f"read bandwidth: {bps / 1e9:.0f} GB/s (cullama.bench.measure_bandwidth, {bandwidth['statistic']}); "
+        print(f"read bandwidth: {bps / 1e9:.0f} GB/s (cullama.bench.latency.measure_bandwidth, {bandwidth['statistic']}); "
               f"overlapped launches: {'timed too' if pdl else 'not on ' + loader.arch}")
         rows, skipped = [], []
         record = {"model": args.model, "plan_variant": plan_variant(args.bits),

@@ -19,13 +19,13 @@ import statistics
 import sys
 import time
 
-from cullama.errors import CullamaError
+from cullama.common.errors import CullamaError
 from gemv_sweep import events_ms, positive_int, require_gpu, save_json  # benchmarks/ on sys.path
 
 
 def graph_ms(llm, cp, prompt: list[int], steps: int, plan) -> float:
     """ms per replay of `plan` (a decode step), captured untimed first, timed from a fresh prefill."""
-    from cullama.bench import GREEDY as greedy
+    from cullama.bench.latency import GREEDY as greedy
 
     runner, backend = llm.runner, llm.runner.backend
     runner.start(prompt, greedy)
@@ -37,7 +37,7 @@ def graph_ms(llm, cp, prompt: list[int], steps: int, plan) -> float:
 def host_ms(llm, prompt: list[int], steps: int, top: int | None) -> float:
     """The median host-observed ms from one next(ahead=True) token to the next, log-probabilities `top` (None:
     off), each token's record taken as it comes."""
-    from cullama.bench import GREEDY as greedy
+    from cullama.bench.latency import GREEDY as greedy
 
     runner = llm.runner
     runner.start(prompt, greedy, logprobs=top)
@@ -83,8 +83,8 @@ def main(argv=None) -> int:
     import cupy as cp
 
     from cullama import Llama
-    from cullama.bench import prompt_ids
-    from cullama.device import environment
+    from cullama.bench.latency import prompt_ids
+    from cullama.runtime.device import environment
 
     try:
         llm = Llama.synthetic(args.model, device="cuda", max_seq_len=args.max_seq_len)

@@ -4,7 +4,7 @@
                                       [--model PRESET] [--peak-tflops T]
 
 Random weights of the preset are made on the GPU (Llama.synthetic). For each (GEMM, attention) pair of
-cullama.prefill_kernels that this GPU runs (mma or wgmma, scalar or mma; wgmma on sm_90 only), each
+cullama.runtime.prefill_kernels that this GPU runs (mma or wgmma, scalar or mma; wgmma on sm_90 only), each
 prefill chunk in --chunks (prompt rows per pass: a runner of its own on the same weights), with the
 kernels launched plainly and, on sm_90, overlapped (programmatic dependent launch, CULLAMA_OVERLAP=1),
 and each prompt length L: one untimed prefill (kernels loaded, plans resolved), then --trials timed
@@ -24,8 +24,8 @@ import time
 
 import numpy as np
 
-from cullama.errors import CullamaError
-from cullama.prefill_kernels import ATTENTIONS, GEMMS, PrefillKernels
+from cullama.common.errors import CullamaError
+from cullama.runtime.prefill_kernels import ATTENTIONS, GEMMS, PrefillKernels
 from gemv_sweep import positive_int, positive_ints, read_bandwidth, require_gpu, save_json
 
 DEFAULT = PrefillKernels()
@@ -49,7 +49,7 @@ def floor_ms(cfg, length: int, chunk: int, bps: float, peak_tflops: float) -> fl
 
 def measure(runner, prompt: list[int], trials: int) -> tuple[list[float], int, np.ndarray]:
     """(TTFT ms of each trial, the first token, the last row's logits)."""
-    from cullama.bench import GREEDY as greedy
+    from cullama.bench.latency import GREEDY as greedy
 
     runner.start(prompt, greedy)  # untimed: kernels loaded, the plans resolved
     times = []
@@ -73,9 +73,9 @@ def main(argv=None) -> int:
     require_gpu("prefill_step")
 
     from cullama import Llama
-    from cullama.bench import prompt_ids
-    from cullama.device import environment
-    from cullama.engine import PlanRunner
+    from cullama.bench.latency import prompt_ids
+    from cullama.runtime.device import environment
+    from cullama.runtime.engine import PlanRunner
 
     try:
         bps, bandwidth = read_bandwidth()

@@ -22,7 +22,7 @@ import time
 
 import numpy as np
 
-from cullama.ops import sampling as twin
+from cullama.runtime.ops import sampling as twin
 from gemv_sweep import events_ms, positive_int, positive_ints, save_json  # benchmarks/ on sys.path
 
 D = 64  # the embedding row the kernel copies into x: the model's width does not change the sampling
@@ -91,15 +91,15 @@ def main(argv=None) -> int:
     parser.add_argument("--cpu-only", action="store_true", help="the twin's rows only, even where there is a GPU")
     parser.add_argument("--json", metavar="FILE", help="write the rows and the environment here")
     args = parser.parse_args(argv)
-    from cullama.device import cuda_status, environment
+    from cullama.runtime.device import cuda_status, environment
 
     ok, why = (False, "--cpu-only") if args.cpu_only else cuda_status()
     fn = cp = None
     if ok:
         import cupy as cp
 
-        from cullama.plan import SAMPLE
-        from cullama.registry import KernelLoader
+        from cullama.runtime.plan import SAMPLE
+        from cullama.runtime.registry import KernelLoader
 
         fn = KernelLoader().function(SAMPLE)
     else:

@@ -45,8 +45,8 @@ def synthetic_llm(name: str, tokenizer: str, device: str):
     """Random weights of preset `name` (seed 0: the server and this process make the same ones) with a
     real tokenizer, so that the server has text to send."""
     from cullama import Llama
-    from cullama.errors import CullamaError
-    from cullama.tokenizer import Tokenizer
+    from cullama.common.errors import CullamaError
+    from cullama.text.tokenizer import Tokenizer
 
     base = Llama.synthetic(name, device=device)
     tok = Tokenizer(tokenizer)
@@ -57,7 +57,7 @@ def synthetic_llm(name: str, tokenizer: str, device: str):
 
 def serve_synthetic(name: str, tokenizer: str, device: str) -> int:
     """The server process of --synthetic: `cullama serve`'s own code, loading random weights."""
-    from cullama.config import preset
+    from cullama.model.config import preset
     from cullama.server.app import Settings
     from cullama.server.launch import run
 
@@ -210,7 +210,7 @@ def main(argv=None) -> int:
         parser.error("give --model or --synthetic, not both")
 
     from cullama import Llama
-    from cullama.errors import CullamaError
+    from cullama.common.errors import CullamaError
 
     model = args.model or str(SHARED / "models" / "stories260K")
     try:

@@ -12,7 +12,7 @@ concurrency C, after one untimed request: C client threads each stream `rounds` 
 (send to first chunk) p50 / p99, inter-token gap (chunk to chunk) p50 / p99, tokens/s of all the clients together
 (tokens over the level's wall time) and per client. The issue 17 targets on an H200 (benchmarks/PREDICTIONS.md):
 at C = 8, the inter-token p99 at most 1.3x that at C = 1 and the aggregate tokens/s at least 6x. On the CPU (the
-kernels' NumPy twins) it is a smoke run; CI runs it so (tests/test_benchmark_scripts.py).
+kernels' NumPy twins) it is a smoke run; CI runs it so (tests/benchmarks/test_benchmark_scripts.py).
 """
 
 from __future__ import annotations
@@ -32,11 +32,11 @@ from serve_latency import CLI, SHARED, Server, percentile
 def serve_synthetic(name: str, tokenizer: str, device: str, max_batch: int) -> int:
     """The server process of --synthetic: `cullama serve`'s own code on random weights, max_batch slots."""
     from cullama import Llama
-    from cullama.config import preset
-    from cullama.errors import CullamaError
+    from cullama.model.config import preset
+    from cullama.common.errors import CullamaError
     from cullama.server.app import Settings
     from cullama.server.launch import run
-    from cullama.tokenizer import Tokenizer
+    from cullama.text.tokenizer import Tokenizer
 
     def load():  # as serve_latency.synthetic_llm, with max_batch sequence slots
         base = Llama.synthetic(name, device=device, max_batch=max_batch)

@@ -8,7 +8,7 @@ bench_int4.json and bench_int8.json (`cullama bench --quantize int4|int8`),
 decode.json (decode_step.py), prefill.json (prefill_step.py), gemv.json (gemv_sweep.py), gemm.json
 (gemm_sweep.py), gemv_quant.json (gemv_sweep.py --bits 4,8), gemm_quant.json (gemm_sweep.py --kernels
 mma-w4,mma-w8), compare.json (compare_hf.py), speculative.json (`cullama bench --speculative replay`),
-serve.json (serve_latency.py), emu_vs_gpu.json (tests/test_emu_vs_gpu.py) and bench_llama3-8b.json,
+serve.json (serve_latency.py), emu_vs_gpu.json (tests/runtime/emu/test_emu_vs_gpu.py) and bench_llama3-8b.json,
 bench_llama3.2-1b.json (`cullama bench --synthetic` on those presets, each against its own floor), batch.json
 (`cullama bench --batch`) and serve_load.json (serve_load.py).
 summary.txt and steps.log beside them are read too when present (each step's status; nvidia-smi's driver

@@ -1,5 +1,5 @@
 """`cullama bench`: the latency benchmark of record (DESIGN.md §5). Parsing and printing only:
-the protocol is cullama.bench. Progress goes to stderr, the table to stdout, the record to --json."""
+the protocol is cullama.bench.latency. Progress goes to stderr, the table to stdout, the record to --json."""
 
 from __future__ import annotations
 
@@ -65,14 +65,14 @@ def bench(model_dir, synthetic, device, lengths, samples, warmup, prompt_len, ma
           prefill_chunk, overlap, batch_sizes, **speculative):
     """Per-token decode latency (p50/p90/p99/max), tokens/s, GB/s and TTFT at each length."""
     require_stdout()
-    from .. import bench as protocol
-    from ..config import from_pretrained as read_config, preset
-    from ..device import resolve
-    from ..weights import config_layout
-    from ..errors import PromptError
+    from ..bench import latency as protocol
+    from ..model.config import from_pretrained as read_config, preset
+    from ..runtime.device import resolve
+    from ..model.weights import config_layout
+    from ..common.errors import PromptError
     from ..llama import Llama, check_draft, checked_context
-    from ..plan import check_supported
-    from ..tokenizer import find_tokenizer, load_tokenizer
+    from ..runtime.plan import check_supported
+    from ..text.tokenizer import find_tokenizer, load_tokenizer
 
     command = {"model": model_dir, "synthetic": synthetic, "device": device, "lengths": lengths,
                "samples": samples, "warmup": warmup, "prompt_len": prompt_len, "max_seq_len": max_seq_len,
@@ -83,8 +83,8 @@ def bench(model_dir, synthetic, device, lengths, samples, warmup, prompt_len, ma
     speculative_options(speculative)
     sizes = None
     if batch_sizes is not None:
-        from .. import batch_bench
-        from ..plan import MAX_SLOTS
+        from ..bench import batch as batch_bench
+        from ..runtime.plan import MAX_SLOTS
 
         if speculative["speculative"]:
             raise PromptError("give either --batch or --speculative, not both")
@@ -150,9 +150,9 @@ def bench(model_dir, synthetic, device, lengths, samples, warmup, prompt_len, ma
 
 
 def batch_report(llm, label, dev, overlapped, sizes, steps, warmup, prompt_len, json_path, command) -> None:
-    """`cullama bench --batch`: cullama.batch_bench's run, its table to stdout and its record to --json."""
-    from .. import batch_bench, bench as protocol
-    from ..device import environment
+    """`cullama bench --batch`: cullama.bench.batch's run, its table to stdout and its record to --json."""
+    from ..bench import batch as batch_bench, latency as protocol
+    from ..runtime.device import environment
 
     records = batch_bench.run(llm.runner, llm.config.vocab_size, sizes, steps, warmup, prompt_len, BenchProgress.note)
     overlap = ", overlap on" if overlapped else ""
@@ -169,11 +169,11 @@ def batch_report(llm, label, dev, overlapped, sizes, steps, warmup, prompt_len, 
 def report(result, label: str, dev: str, overlapped: bool, json_path: str | None) -> None:
     """The table to stdout and the record to --json, of a whole run or of the lengths an interrupted one
     finished."""
-    from .. import bench as protocol
+    from ..bench import latency as protocol
 
     gpu = ""
     if dev == "cuda":
-        from ..device import environment
+        from ..runtime.device import environment
         gpu = f" ({environment().get('gpu')})"
     interrupted = ", interrupted" if result.interrupted else ""
     weights = f" in {result.weights.describe()}" if result.weights.quantized else ""
@@ -186,7 +186,7 @@ def report(result, label: str, dev: str, overlapped: bool, json_path: str | None
 
 def speculative_options(options: dict) -> None:
     """The --speculative family only goes with --speculative (and --draft-model only with draft)."""
-    from ..errors import PromptError
+    from ..common.errors import PromptError
 
     method = options["speculative"]
     given = [name for name, value in options.items() if name != "speculative" and value is not None and value is not False]
@@ -198,8 +198,8 @@ def speculative_options(options: dict) -> None:
 
 def speculative_defaults(options: dict) -> dict:
     """The --speculative family with its defaults filled in where not given."""
-    from ..speculative import DEFAULT_DRAFT_TOKENS
-    from ..speculative_bench import DEFAULT_VERIFY_CONTEXT, DEFAULT_VERIFY_REPS
+    from ..generation.speculative import DEFAULT_DRAFT_TOKENS
+    from ..bench.speculative import DEFAULT_VERIFY_CONTEXT, DEFAULT_VERIFY_REPS
 
     defaults = {"draft_tokens": DEFAULT_DRAFT_TOKENS, "verify_context": DEFAULT_VERIFY_CONTEXT,
                 "verify_reps": DEFAULT_VERIFY_REPS}
@@ -208,7 +208,7 @@ def speculative_defaults(options: dict) -> dict:
 
 def check_speculative(options: dict, max_seq_len: int) -> None:
     """Option errors before any weight loads."""
-    from ..speculative_bench import check_options
+    from ..bench.speculative import check_options
 
     o = speculative_defaults(options)
     check_options(o["speculative"], o["draft_tokens"], max_seq_len, o["verify_context"], o["verify_reps"])
@@ -216,8 +216,8 @@ def check_speculative(options: dict, max_seq_len: int) -> None:
 
 def speculative_bench(llm, label, dev, lengths, samples, warmup, prompt_len, json_path, extra, *, speculative,
                       draft_tokens, adaptive_draft, draft_model, verify_context, verify_reps, acceptance_model):
-    """`cullama bench --speculative`: cullama.speculative_bench's protocol, its report and record."""
-    from .. import speculative_bench as protocol
+    """`cullama bench --speculative`: cullama.bench.speculative's protocol, its report and record."""
+    from ..bench import speculative as protocol
     from ..llama import Llama
 
     draft_runner = None

@@ -21,7 +21,7 @@ from typing import Iterator
 import click
 
 from .. import __version__
-from ..errors import CullamaError, PromptError, ResourceError
+from ..common.errors import CullamaError, PromptError, ResourceError
 from ..server import BODY_TIMEOUT_S, SHUTDOWN_GRACE_S
 from . import INTERRUPTED
 
@@ -247,7 +247,7 @@ QUANTIZE = click.option("--quantize", type=click.Choice(["int8", "int4"]),
                         help="Quantize an FP16 / BF16 / FP32 checkpoint's linear weights on load: int8 per output "
                              "channel, int4 in groups of 128 (AWQ and GPTQ checkpoints run as they are stored).")
 
-# --prefill-chunk of generate, chat, serve and bench (cullama.plan.MAX_PREFILL_CHUNK is its top)
+# --prefill-chunk of generate, chat, serve and bench (cullama.runtime.plan.MAX_PREFILL_CHUNK is its top)
 PREFILL_CHUNK = click.option(
     "--prefill-chunk", type=click.IntRange(1, 4096),
     help="Prompt tokens per prefill pass; a prompt's answer can depend on it [default: 256 with --max-batch 1, "
@@ -278,7 +278,7 @@ def apply(options: list, command):
 
 def generation_options(kwargs: dict, **more):
     """The sampling and stop options, checked before anything loads (OptionError names the flag)."""
-    from ..generate import GenerationOptions
+    from ..generation.generate import GenerationOptions
 
     keys = ("max_new_tokens", "temperature", "top_k", "top_p", "repetition_penalty", "seed", "ignore_eos")
     stop = [argument_text(s, "--stop") for s in kwargs["stop"]]
@@ -288,7 +288,7 @@ def generation_options(kwargs: dict, **more):
 def speculative_options(kwargs: dict) -> dict:
     """`stream`'s speculative keywords from the flags, checked before anything loads; --draft-model implies
     --speculative draft."""
-    from ..speculative import SpeculativeOptions
+    from ..generation.speculative import SpeculativeOptions
 
     method, draft_model = kwargs["speculative"], kwargs["draft_model"]
     if draft_model is not None:
@@ -307,7 +307,7 @@ def speculative_options(kwargs: dict) -> dict:
 
 def pick_device(device: str) -> str:
     """The device to load on; `auto` on a machine without a usable GPU says so, and why, before loading."""
-    from ..device import resolve
+    from ..runtime.device import resolve
 
     return resolve(device, on_fallback=note)
 
@@ -369,7 +369,7 @@ def generate(model_dir, prompt, prompt_ids, chat, system, device, max_seq_len, t
              **kwargs):
     """Generate text from PROMPT (or standard input; an empty prompt starts from BOS alone)."""
     require_stdout()
-    from ..generate import check_prompt_fits
+    from ..generation.generate import check_prompt_fits
     from ..llama import prompt_ids as checked_ids
 
     if prompt is not None and prompt_ids is not None:
@@ -522,7 +522,7 @@ def info(model_dir, quantize):
     """Python, NumPy, CuPy, NVRTC and the GPU (or why there is none); with --model, the checkpoint's weights on
     the device: their format, bytes, and the floor a decode step's reads imply on an H200."""
     require_stdout()
-    from ..device import environment, two_cupys_warning
+    from ..runtime.device import environment, two_cupys_warning
 
     if quantize is not None and model_dir is None:
         raise PromptError("--quantize goes with --model")
@@ -545,10 +545,10 @@ def info(model_dir, quantize):
 def model_summary(model_dir, quantize) -> dict:
     """What `info --model` prints of a checkpoint: its device layout, read from the config and the headers (a
     quantized checkpoint's scales and g_idx are read and checked too); no weight is loaded."""
-    from ..checkpoint import open_checkpoint
-    from ..layout import H200_READ_BYTES_PER_S
-    from ..memory import gib
-    from ..weights import check_quantize, checkpoint_layout
+    from ..model.checkpoint import open_checkpoint
+    from ..model.layout import H200_READ_BYTES_PER_S
+    from ..runtime.memory import gib
+    from ..model.weights import check_quantize, checkpoint_layout
 
     layout = checkpoint_layout(open_checkpoint(model_dir), check_quantize(quantize))
     s = layout.summary()
@@ -567,7 +567,7 @@ def kernels(arch):
     """Compile every kernel with NVRTC; print registers, shared memory and spills (exit 1 on a spill). Kernels
     that have no version for the arch (wgmma: sm_90 only) are skipped with a note."""
     require_stdout()
-    from ..kernel_report import compile_all, skipped
+    from ..bench.kernels import compile_all, skipped
 
     reports = compile_all(arch)
     out(f"{'kernel':<22} {'file':<14} {'defines':<31} {'regs':>5} {'smem B':>7} {'stack B':>8} {'spill st/ld':>12}")
@@ -600,7 +600,7 @@ def perplexity(model_dir, file, as_ids, stride, device, max_seq_len, tokenizer, 
     --stride ids apart, each id once with the context its window gives it (HuggingFace's perplexity guide).
     Options that choose how the model is loaded go to `load` as they are (`load_options`)."""
     from ..llama import prompt_ids as checked_ids
-    from ..logprobs import windows
+    from ..runtime.logprobs import windows
 
     data = _read_input(file)
     ids: list[int] = []

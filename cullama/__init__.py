@@ -8,12 +8,12 @@ __all__ = ["Llama", "LlamaConfig", "Generation", "CullamaError", "PRESETS", "pre
 
 # The public names are imported on first use (PEP 562), not with the package: `cullama` on the command line
 # imports nothing heavy before its Ctrl-C handling is in place, so an early Ctrl-C exits 130 in one line.
-_HOMES = {"Llama": "llama", "LlamaConfig": "config", "PRESETS": "config", "preset": "config",
-          "Generation": "generate", "CullamaError": "errors"}
+_HOMES = {"Llama": "llama", "LlamaConfig": "model.config", "PRESETS": "model.config", "preset": "model.config",
+          "Generation": "generation.generate", "CullamaError": "common.errors"}
 
 
 def __getattr__(name: str):
-    if name not in _HOMES:  # a submodule, as `import cullama; cullama.config.LlamaConfig` had it when imported eagerly
+    if name not in _HOMES:  # a subpackage, as `import cullama; cullama.model.config.LlamaConfig` reads it
         if name.startswith("_") or importlib.util.find_spec(f"{__name__}.{name}") is None:
             raise AttributeError(f"module 'cullama' has no attribute {name!r}")
         return importlib.import_module(f".{name}", __name__)

@@ -15,17 +15,18 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from . import checkpoint, device as devices, logprobs as scoring, plan as plans
-from .config import LlamaConfig, from_pretrained as read_config, preset
-from .errors import OptionError, PromptError
-from .generate import Generation, GenerationOptions, GenerationStream, Runner, RunnerGuard
-from .backends import make_backend
-from .engine import PlanRunner
-from .sampling import INT32_MAX, is_int
-from .speculative import SpeculativeDecoder, SpeculativeOptions, SpeculativeStream
-from .batch import BatchedStream, BatchSession
-from .weights import check_quantize, checkpoint_layout, config_layout, load_checkpoint, random_weights
-from .tokenizer import TokenizerBase, find_tokenizer, load_tokenizer
+from .model import checkpoint
+from .runtime import device as devices, logprobs as scoring, plan as plans
+from .model.config import LlamaConfig, from_pretrained as read_config, preset
+from .common.errors import OptionError, PromptError
+from .generation.generate import Generation, GenerationOptions, GenerationStream, Runner, RunnerGuard
+from .runtime.backends import make_backend
+from .runtime.engine import PlanRunner
+from .runtime.sampling import INT32_MAX, is_int
+from .generation.speculative import SpeculativeDecoder, SpeculativeOptions, SpeculativeStream
+from .generation.batch import BatchedStream, BatchSession
+from .model.weights import check_quantize, checkpoint_layout, config_layout, load_checkpoint, random_weights
+from .text.tokenizer import TokenizerBase, find_tokenizer, load_tokenizer
 
 Progress = Callable[[int, int], None]  # (bytes done, bytes total) while weights load
 # The caller's own check, run before the weights load: (config, tokenizer or None, context in tokens)
@@ -51,7 +52,7 @@ class Llama:
 
     @property
     def layout(self):
-        """The device layout of the weights (cullama.layout.Layout): what the model runs in (layout.describe(),
+        """The device layout of the weights (cullama.model.layout.Layout): what the model runs in (layout.describe(),
         layout.summary()), its bytes."""
         return self.runner.layout
 
@@ -64,7 +65,7 @@ class Llama:
         """Load an HF-format LLaMA checkpoint directory (safetensors) onto `device` ("auto", "cpu", "cuda").
 
         Plain checkpoints (FP16, BF16, FP32) run in FP16, or with quantize="int8" | "int4" quantized on load
-        (int8 per output channel, int4 in groups of 128 along the inputs: cullama/layout.py); AWQ and GPTQ
+        (int8 per output channel, int4 in groups of 128 along the inputs: cullama/model/layout.py); AWQ and GPTQ
         checkpoints run as they are stored (quantize must then be None). `llm.layout` says what it runs in.
 
         What can be checked without the weights is checked before they load, in this order: the paths' types,
@@ -79,7 +80,7 @@ class Llama:
         only); one with another vocabulary size or other pieces is refused before any weight loads.
 
         max_batch: sequences decoded at once (1 to plan.MAX_SLOTS; a KV cache of the context each, counted in the
-        memory check): generate(list_of_prompts) and batch() run that many together (cullama/batch.py).
+        memory check): generate(list_of_prompts) and batch() run that many together (cullama/generation/batch.py).
         prefill_chunk: prompt rows per prefill pass (1 to plan.MAX_PREFILL_CHUNK), for every generation of this
         model, solo and batched alike (a prompt's answer can depend on it); None: 256 with max_batch 1 (the fastest
         first token), else the rule of plan.batch_prefill_chunk (64 for a 7B model in FP16), which keeps the running
@@ -199,13 +200,13 @@ class Llama:
         then prefills only what is new); off by default, since reused K and V can differ from a fresh
         prefill's in the last FP16 bit.
         speculative: None (plain decoding, the default), "ngram" (prompt lookup), "draft" (the draft model
-        of from_pretrained(draft_model=...)) or a drafter object (cullama.drafters): each target pass checks
+        of from_pretrained(draft_model=...)) or a drafter object (cullama.generation.drafters): each target pass checks
         draft_tokens (1..8, default 4) drafted tokens at once, and adaptive_draft moves that number with the
         recent acceptance. Greedy output is the same as plain decoding's; `result.speculative` holds the
         statistics (method, k, steps, drafted, accepted, tokens per step).
         logprobs: None (off), or N from 0 to 20: `result.logprobs` holds each generated token's log-probability
         (TokenLogprob, EOS's too) and its N most likely alternatives, under the model's raw softmax (before the
-        repetition penalty, temperature, top-k and top-p; cullama/logprobs.py), computed on the device beside the
+        repetition penalty, temperature, top-k and top-p; cullama/runtime/logprobs.py), computed on the device beside the
         token (speculative decoding: from the verify rows). prompt_logprobs: the same for every prompt id
         (`result.prompt_logprobs`, None for the first), from the prompt's one prefill (the whole prompt is then
         prefilled, whatever reuse_cache says); with max_new_tokens=0 the prompt is only scored.
@@ -235,7 +236,7 @@ class Llama:
         return (self.runner, detok, self.encode(prompt), options, self.eos_ids, self.guard), spec, reuse_cache
 
     def batch(self) -> BatchSession:
-        """A session that decodes many generations at once, up to the model's max_batch (cullama/batch.py): its
+        """A session that decodes many generations at once, up to the model's max_batch (cullama/generation/batch.py): its
         submit(prompt, **options) takes stream()'s options, and each request's tokens are the ones it gets alone
         (the same seed, the same tokens), whoever it runs with. reuse_cache is ignored there (every prompt is
         prefilled in full, into its own slot)."""
@@ -285,7 +286,7 @@ class Llama:
         """The log-probability of every prompt token given the ones before it (token ids, or text, which gets
         BOS), with the `top` (0 to 20) most likely ids at each position: [None (nothing predicts the first
         token), TokenLogprob, ...], one per token. One prefill whose rows are reduced on the device, under the
-        model's raw softmax (cullama/logprobs.py). At most the context's tokens (perplexity() takes any length).
+        model's raw softmax (cullama/runtime/logprobs.py). At most the context's tokens (perplexity() takes any length).
         Ends an unfinished stream, like any generation, and leaves nothing to decode from."""
         if scoring.checked_top(top, "top") is None:
             raise OptionError("top", f"must be an integer from 0 to {scoring.MAX_TOP}, got None")
@@ -302,7 +303,7 @@ class Llama:
     def perplexity(self, prompt: str | Sequence[int], stride: int | None = None) -> scoring.Perplexity:
         """The perplexity of a text (with BOS) or of token ids, of any length: windows of the whole context
         (max_seq_len), `stride` ids apart (default half the context), each id scored once with the context its
-        window gives it, as HuggingFace's perplexity guide does (cullama.logprobs.windows). One prefill per window;
+        window gives it, as HuggingFace's perplexity guide does (cullama.runtime.logprobs.windows). One prefill per window;
         holds the model throughout."""
         context = self.runner.max_seq_len
         stride = context // 2 if stride is None else stride
@@ -356,7 +357,7 @@ def checked_path(value, name: str) -> Path | None:
 
 def check_draft(path: str | os.PathLike, config: LlamaConfig, tokenizer: TokenizerBase | None) -> None:
     """ConfigError, before any weight loads, for a draft model that does not share the target's vocabulary."""
-    from .drafters import check_draft_vocabulary
+    from .generation.drafters import check_draft_vocabulary
 
     draft_config = read_config(path)
     draft_tok = load_tokenizer(path) if find_tokenizer(path) is not None else None

@@ -3,7 +3,7 @@
 //   attention_prefill_mma   a prompt chunk: row r (position start + r) attends causally to its keys
 //
 // The same parameters, function and output as attention_prefill (attention.cu), whose NumPy twin is this
-// kernel's twin too (cullama/ops/attention_mma.py): out_rows[r] = softmax(q_rows[r] · K^T * scale) · V over
+// kernel's twin too (cullama/runtime/ops/attention_mma.py): out_rows[r] = softmax(q_rows[r] · K^T * scale) · V over
 // the keys max(0, n - window)..n - 1, n = min(start + r + 1, max_seq), of the query head's kv head (window: the
 // sliding window; >= max_seq: every key from 0), FP16 out, for rows r < n_rows; rows >= n_rows are neither read
 // nor written. Any scale (it is applied before the row maximum).
@@ -12,7 +12,7 @@
 // gridDim.x * GROUP * HEAD_DIM; k_cache, v_cache [n_kv_heads, max_seq, HEAD_DIM] FP16 (this layer's, already
 // holding the chunk's keys); query head h uses kv head h / GROUP. Base pointers 16-byte aligned.
 //
-// Variants (compile-time defines, defaults in brackets; cullama/ops/attention_mma.py lists those compiled):
+// Variants (compile-time defines, defaults in brackets; cullama/runtime/ops/attention_mma.py lists those compiled):
 //   HEAD_DIM  [128]  16, 32, 64 or 128. Not 8: the k of m16n8k16 is 16, so Q·K^T needs HEAD_DIM >= 16; the
 //                    plan keeps the scalar attention_prefill for head_dim 8 (e.g. stories260K).
 //   GROUP     [1]    query heads per kv head: 1, 2, 4 or 8
@@ -80,12 +80,12 @@
 //   P -> A (the C-to-A reuse): S's n8 tiles 2 kk and 2 kk + 1 cover keys 16 kk .. 16 kk + 15, and C[g][2t, 2t+1]
 //     of tile 2 kk is A[g][2t, 2t+1] of step kk: a0 = (c0, c1) of tile 2 kk, a1 = (c2, c3) of it, a2 = (c0, c1)
 //     of tile 2 kk + 1, a3 = (c2, c3) of it (am_p_tile, am_p_elem), packed by cvt.rn.f16x2.f32.
-// tests/test_attention_mma.py compiles the block marked "layout" below on the host and runs a lane-level NumPy
+// tests/runtime/ops/test_attention_mma.py compiles the block marked "layout" below on the host and runs a lane-level NumPy
 // emulation of this kernel on those functions (PTX fragment semantics, cp.async/barrier hazards) against the
 // twin.
 #include "mma.cuh"
 
-// ---- layout: begin (plain C++; tests/test_attention_mma.py compiles this block on the host) -------------
+// ---- layout: begin (plain C++; tests/runtime/ops/test_attention_mma.py compiles this block on the host) -------------
 #ifndef HEAD_DIM
 #define HEAD_DIM 128
 #endif
@@ -99,7 +99,7 @@
 #define AM_FN __device__ __forceinline__
 #endif
 
-#define AM_THREADS (32 * WARPS)                             // THREADS in cullama/ops/attention_mma.py
+#define AM_THREADS (32 * WARPS)                             // THREADS in cullama/runtime/ops/attention_mma.py
 #define AM_BLOCK_Q (16 * WARPS)                             // queries (row, head) per block
 #define AM_ROWS (AM_BLOCK_Q / GROUP)                        // prompt rows per block: rows_per_block()
 #define AM_TILE_K 64                                        // keys per tile

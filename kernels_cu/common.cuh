@@ -39,7 +39,7 @@ __device__ __forceinline__ void unpack8(uint4 v, float (&f)[8]) {
 
 // The row stride of a verify step's logits [rows, V]: V rounded up to 4 floats, so that every row starts
 // 16-byte aligned (sample reads float4s; at a stride of V, rows r >= 1 would be misaligned when V % 4 != 0,
-// and a misaligned float4 load faults). cullama/ops/gemv.py logits_stride is the same rule.
+// and a misaligned float4 load faults). cullama/runtime/ops/gemv.py logits_stride is the same rule.
 __device__ __forceinline__ size_t logits_stride(int V) { return (size_t)((V + 3) & ~3); }
 
 // Weights are read exactly once per decode step: stream them past L1 so that they do not evict
@@ -116,7 +116,7 @@ __device__ __forceinline__ float block_max(float v, float* scratch) {
     return v;
 }
 
-// The counter-based RNG of cullama.sampling.uniform: splitmix64's finaliser of seed * golden + counter
+// The counter-based RNG of cullama.runtime.sampling.uniform: splitmix64's finaliser of seed * golden + counter
 // + 1 (all mod 2^64), its top 24 bits as a float in [0, 1), exact. No state: replayable in a graph.
 __device__ __forceinline__ float uniform(uint64_t seed, uint64_t counter) {
     uint64_t z = seed * 0x9E3779B97F4A7C15ull + counter + 1ull;

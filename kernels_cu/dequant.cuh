@@ -1,4 +1,4 @@
-// dequant.cuh — INT4 / INT8 weight codes to FP16 in registers, in cullama/quant.py's device format; shared by
+// dequant.cuh — INT4 / INT8 weight codes to FP16 in registers, in cullama/model/quant.py's device format; shared by
 // gemv_quant.cu (decode: then to float32, products in float32) and gemm_quant.cu (prefill: FP16 tiles for mma).
 //
 // A 32-bit word of qweight holds 32 / BITS codes interleaved (quant.py ORDER) so that codes 2s and 2s + 1 sit in
@@ -9,7 +9,7 @@
 //   4 bits: pair s = lop3(w >> 4s, 0x000F000F, 0x64006400) = ((w >> 4s) & 0x000F000F) | 0x64006400,  s = 0..3
 //   8 bits: pair s = prmt(w, 0x64646464): bytes s and s + 2 of w, each under a byte 0x64,             s = 0..1
 // Templates take the code width as CODE_BITS (the kernels define BITS as a macro). The executor maps the inline PTX
-// below (cullama/emu/ptx.h, "quantized weights" section).
+// below (cullama/runtime/emu/ptx.h, "quantized weights" section).
 #pragma once
 #include "common.cuh"
 

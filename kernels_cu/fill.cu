@@ -4,7 +4,7 @@
 //   fill_uniform   out[i] = mean + std * sqrt(3) * (2 u - 1) in FP16, u = uniform(seed, i): a uniform distribution
 //                  with the given mean and standard deviation. out: n FP16 values.
 //   fill_words     out[i] = 32 random bits (the top 16 of uniform's 24 at counters 2i and 2i + 1): quantized codes,
-//                  eight 4-bit or four 8-bit to a word (cullama/quant.py). out: n uint32 words.
+//                  eight 4-bit or four 8-bit to a word (cullama/model/quant.py). out: n uint32 words.
 //   fill_qparams   out[i] = (scale, zero): scale fill_uniform's value i, zero the constant `zero` (an integer, as
 //                  quantized (scale, zero) pairs hold it). out: `pairs` pairs of FP16.
 #include "common.cuh"

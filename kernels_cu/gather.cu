@@ -4,7 +4,7 @@
 //   gather_f16   FP16 rows: a prefill chunk's input to it (gemm_quant.cu)
 //
 // A GPTQ checkpoint with desc_act orders a linear's input channels by group (g_idx); the loader sorts the stored
-// columns once so that each group's columns are contiguous (cullama/quant.py's layout), keeping perm [K] int32:
+// columns once so that each group's columns are contiguous (cullama/model/quant.py's layout), keeping perm [K] int32:
 // stored column k is input channel perm[k]. The plan gathers the linear's input through it first.
 // Launch: grid (T) = one block per token row (no argument says T: the twins read it off the grid), THREADS (256)
 // threads striding over k. No variants.

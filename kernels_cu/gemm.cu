@@ -7,7 +7,7 @@
 // C float32 row-major, row stride N. Any M >= 1, N >= 1: edge tiles are zero-filled on load and
 // bounds-checked on store. No compile-time variants.
 // Launch: grid (ceil(N / 128), ceil(M / 64), S), THREADS (256) threads; see GEMM_TILE_M / GEMM_TILE_N /
-// GEMM_THREADS and gemm_splits (which picks S) in cullama/plan.py.
+// GEMM_THREADS and gemm_splits (which picks S) in cullama/runtime/plan.py.
 // The split-K contract, the block's warps and the fragment layouts are in gemm.cuh (shared with gemm_quant.cu,
 // the same product on INT4 / INT8 weights); here, W's cp.async tiles and the pipeline around them.
 #include "gemm.cuh"

@@ -2,7 +2,7 @@
 // copied into shared memory by cp.async; gemm_quant.cu: INT4 / INT8, dequantized into shared memory as FP16): the
 // block tile and its warps, A's cp.async ring, the block's K range under split-K, one K tile's ldmatrix + mma.sync,
 // and the epilogue with the deterministic split-K combine. Their product, launch and split-K contract are one:
-// cullama/prefill_kernels.py's GemmKernel geometry applies to both.
+// cullama/runtime/prefill_kernels.py's GemmKernel geometry applies to both.
 //
 // Split-K (S = gridDim.z > 1; deterministic). Block z takes K range [z Kz, min(K, (z + 1) Kz)), Kz =
 // ceil(K / S) rounded up to a multiple of TILE_K (a range may be empty: its partial is 0). Each block
@@ -49,7 +49,7 @@
 #pragma once
 #include "mma.cuh"
 
-#define TILE_M 64    // GEMM_TILE_M in cullama/plan.py
+#define TILE_M 64    // GEMM_TILE_M in cullama/runtime/plan.py
 #define TILE_N 128   // GEMM_TILE_N
 #define THREADS 256  // GEMM_THREADS
 #define TILE_K 32    // K per pipeline stage: 4 chunks of 8 halves (16 B) per row

@@ -3,13 +3,13 @@
 //
 //   gemm_quant   C[M, N] = A[M, K] · W[N, K]^T   (+ C when accumulate != 0),   W[n, k] = fp16((q - zero) * scale)
 //
-// Parameters: gemm.cu's with W replaced by cullama/quant.py's device format and the group size last: qweight
+// Parameters: gemm.cu's with W replaced by cullama/model/quant.py's device format and the group size last: qweight
 // [N, K * BITS / 32] uint32 (16-byte vectors of CODES = 128 / BITS codes), qparams [N, K / group, 2] FP16 (scale,
-// zero). Variants: BITS (4 | 8), a compile-time define (cullama/ops/gemm_quant.py).
+// zero). Variants: BITS (4 | 8), a compile-time define (cullama/runtime/ops/gemm_quant.py).
 // Shapes: A [>= M, K] FP16 and C [>= M, N] float32 as in gemm.cu; K % CODES == 0, group % CODES == 0, K % group
 // == 0 (quant.py's contract: a 16-byte vector of codes lies in one group); any M >= 1, N >= 1.
 // Launch and split-K: exactly gemm.cu's (grid (ceil(N / 128), ceil(M / 64), S), THREADS (256) threads, workspace
-// and tile_count as gemm.cuh says), so cullama/prefill_kernels.py's MMA_GEMM geometry and split rule apply.
+// and tile_count as gemm.cuh says), so cullama/runtime/prefill_kernels.py's MMA_GEMM geometry and split rule apply.
 // Block (gemm.cuh's 64 x 128 tile, 8 warps of 32 x 32): per K tile of 32, A's tile and the W tile's codes (128
 // rows x 16 bytes at 4 bits, 32 at 8) arrive by cp.async in a STAGES-deep ring; then each thread dequantizes 16
 // codes of one W row (thread t: row t / 2, codes 16 (t % 2) ..) into the block's FP16 W tile: (q - zero) exactly

@@ -4,14 +4,14 @@
 //
 // The same function, parameters and contract as gemm (gemm.cu), only a bigger block tile and the wgmma
 // path: the plan may launch either. Compiled for the arch-specific target sm_90a only (wgmma.mma_async
-// exists nowhere else; cullama/ops/gemm_wgmma.py sets ARCH_SPECIFIC).
+// exists nowhere else; cullama/runtime/ops/gemm_wgmma.py sets ARCH_SPECIFIC).
 //
 // Shapes (as gemm): A (activations, M = prompt rows) and W (weights) FP16 row-major, row stride K, with
 // K % 8 == 0 and 16-byte aligned base pointers (every 8-half chunk of a row is one 16-byte copy); C
 // float32 row-major, row stride N. Any M >= 1, N >= 1: edge tiles are zero-filled on load (rows past M
 // or N, columns past this block's K range) and bounds-checked on store.
 //
-// Variants (compile-time defines, defaults in brackets; cullama/ops/gemm_wgmma.py lists those compiled):
+// Variants (compile-time defines, defaults in brackets; cullama/runtime/ops/gemm_wgmma.py lists those compiled):
 //   GW_TILE_N      [192]  block tile N = the wgmma's N (64, 128, 192 or 256): 128 x 192 default, see below
 //   GW_WARPGROUPS  [2]    consumer warpgroups: block tile M = 64 x GW_WARPGROUPS, 128 threads each
 //   GW_STAGES      [5]    shared-memory ring depth (>= 3): GW_STAGES - 2 K tiles in flight; at most what
@@ -20,7 +20,7 @@
 //                         layout, kept as a fallback (bank conflicts on the cp.async writes)
 // Launch: grid (ceil(N / GW_TILE_N), ceil(M / GW_TILE_M), S), GW_THREADS threads, GW_SMEM_BYTES of DYNAMIC
 // shared memory (over 48 KB: the function must first be allowed it, cuFuncSetAttribute(
-// CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES), cullama/backends/func_attr.py). Defaults: 256 threads,
+// CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES), cullama/runtime/backends/func_attr.py). Defaults: 256 threads,
 // 5 x (128 + 192) x 128 B + 1024 B of alignment slack = 205824 B; one block per SM.
 //
 // Why 128 x 192 (LLaMA-2-7B at a 256-row prefill chunk, 132 SMs, one block each): tiles of qkv (N 12288)
@@ -58,7 +58,7 @@
 // STAGES - 2 tiles of loads are in flight. Every warpgroup issues its wgmma even when its 64 rows all lie
 // at or past M (they are zeros, never stored): under a branch that ptxas cannot prove warpgroup-uniform
 // it serializes every wgmma of the kernel (C7518, "wgmma.mma_async instructions are serialized"), which
-// tests/test_gemm_wgmma.py checks the compile log for.
+// tests/runtime/ops/test_gemm_wgmma.py checks the compile log for.
 //
 // Section numbers below are those of PTX ISA 9.0 (they move between versions; the titles do not).
 // Shared-memory layout (PTX ISA 9.7.15.5.1.2 "Shared Memory Matrix Layout", K-major, both operands): the
@@ -79,7 +79,7 @@
 //   Warpgroup g's A operand of k16 step j: start = A tile + 64 g rows (8192 B, 8 atoms) + 32 j bytes (128B
 //   swizzle: the hardware adds the row and chunk offsets, then XORs the absolute address, so advancing
 //   the start by 32 B selects chunks 2j, 2j + 1 of every row) or + 256 j (no swizzle: two core matrices).
-//   B operand of step j: W tile + the same k offset, GW_TILE_N rows. tests/test_gemm_wgmma.py compiles the
+//   B operand of step j: W tile + the same k offset, GW_TILE_N rows. tests/runtime/ops/test_gemm_wgmma.py compiles the
 //   block marked "layout" below on the host and checks, for every element of every operand of every k16
 //   step, that the byte the descriptor makes the tensor core read is the byte this kernel's cp.async wrote.
 // Accumulators (PTX ISA 9.7.15.5.1.1.1, "WGMMA .m64nNk16 register fragment layout for accumulator
@@ -88,7 +88,7 @@
 // so acc[2p], acc[2p + 1] are two adjacent columns of one row (a float2 of the workspace).
 #include "mma.cuh"
 
-// ---- layout: begin (plain C++; tests/test_gemm_wgmma.py compiles this block on the host) -------------
+// ---- layout: begin (plain C++; tests/runtime/ops/test_gemm_wgmma.py compiles this block on the host) -------------
 #ifndef GW_TILE_N
 #define GW_TILE_N 192
 #endif
@@ -105,7 +105,7 @@
 #define GW_FN __device__ __forceinline__
 #endif
 
-#define GW_TILE_M (64 * GW_WARPGROUPS)   // TILE_M in cullama/ops/gemm_wgmma.py
+#define GW_TILE_M (64 * GW_WARPGROUPS)   // TILE_M in cullama/runtime/ops/gemm_wgmma.py
 #define GW_THREADS (128 * GW_WARPGROUPS) // THREADS
 #define GW_TILE_K 64                     // K per stage: one 128-byte row (the 128-byte swizzle width)
 #define GW_ROW_BYTES 128

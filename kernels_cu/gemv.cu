@@ -23,8 +23,8 @@
 // order, with explicit fmaf (NVRTC would contract a*b + c on its own, and could decide differently when the
 // code around it differs), then the same warp butterfly and the same sum over warps in order; the epilogues'
 // arithmetic is explicit too (__fadd_rn, __fmul_rn, __fdiv_rn: nothing left to contract). So a verify step's and a
-// batched step's logits equal the plain steps' bit for bit (tests/test_verify.py, tests/test_batch_kernels.py;
-// tests/test_sass_dataflow.py compares the variants' machine code).
+// batched step's logits equal the plain steps' bit for bit (tests/runtime/test_verify.py, tests/runtime/ops/test_batch_kernels.py;
+// tests/runtime/test_sass_dataflow.py compares the variants' machine code).
 // Overlap: each kernel lets the next one launch at once (pdl_launch_dependents) and issues its first
 // batch of weight loads before pdl_wait(), so under programmatic dependent launch (the decode graph's
 // `overlap` mode) a block streams its weights while the previous kernel's tail runs.

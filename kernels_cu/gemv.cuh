@@ -60,7 +60,7 @@ __device__ __forceinline__ void reduced(const RowSums& sums, int t, float (&dot)
 }
 
 // The epilogues' arithmetic is explicit (__fadd_rn, __fmul_rn, __fdiv_rn): nothing for ptxas to contract one way
-// in one variant and another way in another (tests/test_sass_dataflow.py).
+// in one variant and another way in another (tests/runtime/test_sass_dataflow.py).
 __device__ __forceinline__ float rms_scale(float ss, int K, float eps) {
     return rsqrtf(__fadd_rn(__fdiv_rn(ss, (float)K), eps));
 }

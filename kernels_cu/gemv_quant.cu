@@ -7,11 +7,11 @@
 //   gemv_gate_up_silu  h = silu(W_gate · n) * (W_up · n),  n = rmsnorm(x)
 // (no gemv_logits: the lm_head stays FP16, as AWQ and GPTQ keep it; gemv.cu's runs it)
 //
-// Weights, cullama/quant.py's device format: qweight [M, K * BITS / 32] uint32, each row K / CODES 16-byte vectors
+// Weights, cullama/model/quant.py's device format: qweight [M, K * BITS / 32] uint32, each row K / CODES 16-byte vectors
 // of CODES = 128 / BITS codes (32 or 16) interleaved for dequant.cuh; qparams [M, K / group, 2] FP16 (scale, zero);
 // W[r, k] = (q - zero) * scale. Parameters are gemv.cu's with W replaced by (qweight, qparams) and `group` last.
 // Variants (compile-time): BITS (4 | 8), ROWS (output rows per block, even), UNROLL (vectors per row per thread in
-// one batch of loads), TOKENS (1..9); cullama/ops/gemv_quant.py chooses them (defines, rows_per_block).
+// one batch of loads), TOKENS (1..9); cullama/runtime/ops/gemv_quant.py chooses them (defines, rows_per_block).
 // Launch: gemv.cu's: 1-D grid, THREADS (128) threads; qkv ceil(pairs / PAIRS), residual ceil(M / ROWS), gate_up
 // ceil(ff / PAIRS) blocks. Each block owns ROWS rows; its threads sweep K together, thread i taking vectors i,
 // i + THREADS, ... of every row, ROWS x UNROLL streaming 16-byte code loads and as many 4-byte (scale, zero) loads
@@ -24,7 +24,7 @@
 // acc = fmaf(part, scale, acc). So W is never formed: the float32 result differs from Σ W[r, k] x_k (quant.py's
 // exact weights, the twin) by float32 rounding only. Row t's arithmetic is exactly the one-row kernel's whatever
 // TOKENS, ROWS and UNROLL are (gemv.cu's argument: the same vectors per thread in the same order, explicit fmaf,
-// the same reduction), so a verify step equals the plain steps bit for bit (tests/test_sass_dataflow.py compares the
+// the same reduction), so a verify step equals the plain steps bit for bit (tests/runtime/test_sass_dataflow.py compares the
 // variants' machine code, QUAD_UNROLL's rolled loop against the unrolled one iteration by iteration).
 // Overlap: as gemv.cu, the first batch of code and (scale, zero) loads is issued before pdl_wait().
 #ifndef BITS

@@ -6,11 +6,11 @@
 //   silu_mul_rows   h_rows[r, i] = fp16(silu(gate) * up), gate|up = gu_rows[r, i], gu_rows[r, ff + i]
 //
 // Launch: grid (n) = one block per token row (the launch's row count is its grid; the NumPy twins get
-// it as `grid`), THREADS (256, ROW_THREADS in cullama/plan.py) threads sweep the row. No variants.
+// it as `grid`), THREADS (256, ROW_THREADS in cullama/runtime/plan.py) threads sweep the row. No variants.
 // Each kernel waits (pdl_wait) before it reads anything, and lets the next kernel launch at once: under
 // programmatic dependent launch (overlap mode) the GEMM after it streams its weights meanwhile.
 // Shapes: rows are contiguous with the row strides given below; d % 8 == 0 and ff % 8 == 0 (16-byte
-// vectors; cullama.plan.check_supported guarantees both), hd even. The same math as gemv.cu's fused
+// vectors; cullama.runtime.plan.check_supported guarantees both), hd even. The same math as gemv.cu's fused
 // decode kernels (rmsnorm in gemv_* and bias + RoPE + cache write in gemv_qkv_rope), on whole rows.
 #include "common.cuh"
 #include "rope.cuh"

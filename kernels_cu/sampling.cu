@@ -1,5 +1,5 @@
 // sampling.cu — the decode step's last kernel: the next token, picked on the device exactly as
-// cullama.sampling.sample (the NumPy specification) picks it, then the next step set up.
+// cullama.runtime.sampling.sample (the NumPy specification) picks it, then the next step set up.
 //
 //   sample         token = sample(logits, params, seen, step); state[TOKEN] = token; state[STEP] += 1;
 //                  state[POS] += 1; seen[token] = 1; x[0:d] = embed[token] as float32 (the next input),
@@ -11,7 +11,7 @@
 //                  out = [1, NO_TOKEN] with state and seen as above.
 //   uniform_probe  out[0] = uniform(seed, step), one thread: the RNG bit for bit, for the tests
 //   logprobs       what the host needs for log-probabilities under the raw softmax (no penalty, no temperature),
-//                  a few bytes per row instead of the row: see the kernel (cullama/logprobs.py finishes them)
+//                  a few bytes per row instead of the row: see the kernel (cullama/runtime/logprobs.py finishes them)
 //
 // Launch: sample is ONE block of THREADS (1024) threads per token row, inside the decode CUDA graph after
 // gemv_logits, so every parameter is read from device memory: temperature, top_p, repetition penalty from
@@ -83,7 +83,7 @@
 #define ABSENT 0u  // the key of an id past V: below every real key
 #define NEG_INF_KEY 0x007fffffu  // float_key(-inf), and of NaN: the least key of a real id, never drawn
 #define NO_HIT 0x7fffffff
-#define NO_TOKEN (-1)  // cullama.sampling.NO_TOKEN: no logit can be drawn
+#define NO_TOKEN (-1)  // cullama.runtime.sampling.NO_TOKEN: no logit can be drawn
 #define NOT_AN_ID (-2)  // sample's marked[e]: draft e + 1 is outside [0, V)
 
 // Order-preserving key of a float; -0 becomes +0 first, since the spec compares floats; NaN is -inf.
@@ -115,7 +115,7 @@ __shared__ int* row_state;
 __device__ __forceinline__ uint64_t state_seed(const int* st) {
     return (uint64_t)(uint32_t)st[STATE_SEED_LO] | (uint64_t)(uint32_t)st[STATE_SEED_HI] << 32;
 }
-#define MAX_DRAFTS 8  // drafts before a row at most: cullama.plan.MAX_DRAFT
+#define MAX_DRAFTS 8  // drafts before a row at most: cullama.runtime.plan.MAX_DRAFT
 
 struct Transform {  // logit -> key: HF repetition penalty on seen ids, then / temperature (IEEE, as NumPy)
     const unsigned char* seen;  // the kernel's argument, every slot's
@@ -491,7 +491,7 @@ extern "C" __global__ void uniform_probe(unsigned long long seed, int step, floa
 #define LP_TARGET 2
 #define LP_TARGET_ID 3
 #define LP_TOP 4
-#define LP_MAX_TOP 20  // cullama.logprobs.MAX_TOP: OpenAI's top_logprobs limit
+#define LP_MAX_TOP 20  // cullama.runtime.logprobs.MAX_TOP: OpenAI's top_logprobs limit
 #define LP_TOP_ID (LP_TOP + LP_MAX_TOP)
 #define LP_WIDTH (LP_TOP_ID + LP_MAX_TOP)
 

@@ -53,7 +53,7 @@ def stories_expected(stories_dir) -> dict:
 # CULLAMA_FAKE_GPU=1: the tests marked `gpu` run on the CPU against tests/fake_cupy.py, whose kernels are the
 # NumPy twins. That proves nothing about the kernels, but it runs every line of the GPU tests' own code
 # (arguments, shapes, fixtures), so a lent GPU's few minutes are not lost to a typo in a test.
-# CULLAMA_FAKE_GPU=emu: the same fake GPU, whose kernels are the real ones run by the CPU executor (cullama.emu).
+# CULLAMA_FAKE_GPU=emu: the same fake GPU, whose kernels are the real ones run by the CPU executor (cullama.runtime.emu).
 FAKE_GPU_MODE = os.environ.get("CULLAMA_FAKE_GPU")
 FAKE_GPU = FAKE_GPU_MODE in ("1", "emu")
 
@@ -63,10 +63,10 @@ def _install_fake_gpu() -> None:
     import sys
     import types
 
-    import fake_cupy
-    from cullama import device
-    from cullama.backends import driver
-    from cullama.registry import KernelLoader
+    from tests import fake_cupy
+    from cullama.runtime import device
+    from cullama.runtime.backends import driver
+    from cullama.runtime.registry import KernelLoader
 
     sys.modules["cupy"], sys.modules["cupyx"] = fake_cupy, fake_cupy.cupyx
 
@@ -91,7 +91,7 @@ if FAKE_GPU:
 
 def pytest_report_header(config):
     if FAKE_GPU_MODE == "emu":
-        return "CULLAMA_FAKE_GPU=emu: the fake GPU runs kernels_cu on the CPU executor (cullama.emu)"
+        return "CULLAMA_FAKE_GPU=emu: the fake GPU runs kernels_cu on the CPU executor (cullama.runtime.emu)"
     return None
 
 
@@ -99,8 +99,8 @@ def pytest_collection_modifyitems(config, items):
     """Tests marked `gpu` are skipped, with the reason, where CuPy sees no GPU; tests marked `emu` where there is
     no host C++ compiler for the CUDA emulator."""
     if any(item.get_closest_marker("emu") for item in items):
-        from cullama.emu import build
-        from cullama.errors import KernelError
+        from cullama.runtime.emu import build
+        from cullama.common.errors import KernelError
 
         try:
             build.compiler()
@@ -110,7 +110,7 @@ def pytest_collection_modifyitems(config, items):
                     item.add_marker(pytest.mark.skip(reason=str(exc)))
     if FAKE_GPU or not any(item.get_closest_marker("gpu") for item in items):
         return
-    from cullama.device import cuda_status
+    from cullama.runtime.device import cuda_status
 
     ok, why = cuda_status()
     if ok:
@@ -124,7 +124,7 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(scope="session")
 def kernels():
     """Loads kernels onto the GPU: kernels.function(KernelSpec) -> a CuPy RawKernel (gpu tests only)."""
-    from cullama.registry import KernelLoader
+    from cullama.runtime.registry import KernelLoader
 
     return KernelLoader()
 
@@ -165,7 +165,7 @@ def poisoned(cp, shape, dtype):
 # -- the test process's own signal state ------------------------------------------------------------------------
 # A child process inherits its parent's blocked signals and ignored ones across exec (a handler does not survive
 # exec; SIG_IGN and the mask do). A test that leaves SIGINT blocked or ignored in this process makes every later
-# child deaf to Ctrl-C (tests/test_cli_process.py's SIGINT test saw exactly that in whole-suite runs only): the
+# child deaf to Ctrl-C (tests/cli/test_cli_process.py's SIGINT test saw exactly that in whole-suite runs only): the
 # test that does it fails here, by name, at its teardown.
 def _sigint_deafness() -> str | None:
     """How SIGINT is kept from this thread ('blocked', 'ignored'), or None when it would arrive."""

@@ -1,5 +1,5 @@
 """The kernel checks that take a launcher (test_verify.py, test_batch_kernels.py, test_gemv_quant.py, ...) run on
-the CPU executor (cullama.emu), and the seeded bugs that show those checks have teeth: one text of kernels_cu
+the CPU executor (cullama.runtime.emu), and the seeded bugs that show those checks have teeth: one text of kernels_cu
 replaced in a copy of it, after which the check must fail."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from cullama import emu
+from cullama.runtime import emu
 from cullama.kernels_cu import SOURCE_DIR
 
 SEED = 7  # of the shuffled schedule

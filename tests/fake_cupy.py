@@ -16,7 +16,7 @@ used_bytes counts the device arrays alive. The device is small (DEVICE_MEMORY, L
 sizes by its memory or L2 stays small on a CPU.
 
 EMULATE (conftest sets it for CULLAMA_FAKE_GPU=emu): the kernels are the real ones, kernels_cu compiled for the
-CPU by cullama.emu, run in the warp schedule $CULLAMA_EMU_SCHEDULE (default forward, the fastest) instead of
+CPU by cullama.runtime.emu, run in the warp schedule $CULLAMA_EMU_SCHEDULE (default forward, the fastest) instead of
 their twins."""
 
 import collections
@@ -32,12 +32,12 @@ from functools import partial
 
 import numpy as np
 
-from cullama import emu, ops
+from cullama.runtime import emu, ops
 from cullama.kernels_cu import SOURCE_DIR
 
 __version__ = "0.0-fake"
 state = types.SimpleNamespace()
-EMULATE = False  # True: kernels run as emulated CUDA (cullama.emu), not as their NumPy twins
+EMULATE = False  # True: kernels run as emulated CUDA (cullama.runtime.emu), not as their NumPy twins
 EMU_SCHEDULE = os.environ.get("CULLAMA_EMU_SCHEDULE", "forward")
 
 
@@ -516,7 +516,7 @@ def _parse(source: str) -> None:
 
 
 def kernel_parameters(source: str, name: str) -> list:
-    """The C parameters of kernel `name` in kernels_cu/`source` (parsed as tests/test_contracts.py does):
+    """The C parameters of kernel `name` in kernels_cu/`source` (parsed as tests/runtime/test_contracts.py does):
     ("pointer", the NumPy dtype it points at, None for raw data) or ("scalar", its ctypes type)."""
     if (source, name) not in _kernels:
         _parse(source)
@@ -632,9 +632,9 @@ reset()
 
 def install(monkeypatch) -> types.SimpleNamespace:
     """This fake as CuPy for one test (monkeypatch undoes it all): a fresh device, KernelLoader loading fake kernels
-    (loader_function), and cullama.device seeing one GPU. Returns `state`, the device's record."""
-    from cullama import device
-    from cullama.registry import KernelLoader
+    (loader_function), and cullama.runtime.device seeing one GPU. Returns `state`, the device's record."""
+    from cullama.runtime import device
+    from cullama.runtime.registry import KernelLoader
 
     reset()
     monkeypatch.setitem(sys.modules, "cupy", sys.modules[__name__])

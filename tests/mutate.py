@@ -1,6 +1,6 @@
 """Mutation testing: put one small bug at a time into a module and see whether its tests notice.
 
-    .venv/bin/python tests/mutate.py cullama/sampling.py [--tests tests/test_sampling.py ...] [--limit N] [--jobs 1]
+    .venv/bin/python tests/mutate.py cullama/runtime/sampling.py [--tests tests/runtime/test_sampling.py ...] [--limit N] [--jobs 1]
 
 Each mutant changes one place of the module's code: a comparison flipped at its boundary (< and <=, > and >=,
 == and !=, is and is not, in and not in), `and` and `or` swapped, an arithmetic or bitwise operator swapped
@@ -8,7 +8,7 @@ Each mutant changes one place of the module's code: a comparison flipped at its 
 constant off by one either way, True and False swapped, a `not` dropped, min and max swapped, a returned value
 replaced by None. Docstrings, comments and other strings, f-strings and what is printed or logged are never
 mutated. The mutants run one at a time in a scratch copy of the repository (never the working tree: other
-runs may be going on in it), each against the module's tests (default: tests/test_<module>*.py) with
+runs may be going on in it), each against the module's tests (default: tests/**/test_<module>*.py) with
 `pytest -x` and a timeout, and are reported as killed (some test failed), survived (every test passed: a
 bug the tests let through, or an equivalent mutant) or timed out (counted as killed: the tests noticed
 something). Each survivor is printed with file:line and its mutation, then the score, killed / all.
@@ -276,9 +276,9 @@ def kill_group(proc: subprocess.Popen) -> None:
 
 
 def default_tests(module: Path) -> list[str]:
-    found = sorted(str(p.relative_to(REPO)) for p in (REPO / "tests").glob(f"test_{module.stem}*.py"))
+    found = sorted(str(p.relative_to(REPO)) for p in (REPO / "tests").rglob(f"test_{module.stem}*.py"))
     if not found:
-        sys.exit(f"mutate: no tests/test_{module.stem}*.py: name the tests to run with --tests")
+        sys.exit(f"mutate: no tests/**/test_{module.stem}*.py: name the tests to run with --tests")
     return found
 
 
@@ -295,7 +295,7 @@ def parse_lines(text: str | None):
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("module", help="the module to mutate, a path from the repository root")
-    parser.add_argument("--tests", nargs="+", help="test files (default: tests/test_<module>*.py)")
+    parser.add_argument("--tests", nargs="+", help="test files (default: tests/**/test_<module>*.py)")
     parser.add_argument("--limit", type=int, help="run only the first N mutants")
     parser.add_argument("--lines", help="only mutants on these lines, e.g. 40-60,72")
     parser.add_argument("--jobs", type=int, default=1, help="mutants run at once, each in its own copy")

@@ -1,5 +1,5 @@
 """AWQ- and GPTQ-format test checkpoints, packed here from the formats' definitions (issue 16, the docstring of
-cullama/quant_checkpoint.py) and nothing of cullama's reader: random codes, zeros, scales and act-order orders
+cullama/model/quant_checkpoint.py) and nothing of cullama's reader: random codes, zeros, scales and act-order orders
 whose weights the tests know exactly (Truth.weight), written as AutoAWQ / AutoGPTQ / GPTQModel store them.
 
     truth = write(path, CONFIG, Quantization("gptq", 4, 64, desc_act=True))
@@ -15,8 +15,8 @@ from pathlib import Path
 import numpy as np
 from safetensors.numpy import save_file
 
-from cullama.checkpoint import EMBED, FINAL_NORM, LM_HEAD, expected_shapes
-from cullama.config import LlamaConfig, Quantization
+from cullama.model.checkpoint import EMBED, FINAL_NORM, LM_HEAD, expected_shapes
+from cullama.model.config import LlamaConfig, Quantization
 
 AWQ_NIBBLE_OUTPUT = (0, 2, 4, 6, 1, 3, 5, 7)  # the output column (of 8) that nibble i of an AWQ word holds
 FUSED_INPUT = {"q_proj": "qkv", "k_proj": "qkv", "v_proj": "qkv", "gate_proj": "gate_up", "up_proj": "gate_up"}

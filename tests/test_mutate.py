@@ -6,7 +6,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
-import mutate
+from tests import mutate
 
 SOURCE = '''"""Docstring: a < b and c or d, x + 1."""
 import logging

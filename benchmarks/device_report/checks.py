@@ -1,6 +1,6 @@
 """Two checks of the GPU run that are not benchmarks of a kernel: what `cullama serve` adds per token (serve.json,
 benchmarks/serve_latency.py; issue 10) and whether the CPU executor agrees with the GPU on the tensor-core kernels
-(emu_vs_gpu.json, tests/test_emu_vs_gpu.py under `pytest -m gpu`; issue 8)."""
+(emu_vs_gpu.json, tests/runtime/emu/test_emu_vs_gpu.py under `pytest -m gpu`; issue 8)."""
 
 from __future__ import annotations
 

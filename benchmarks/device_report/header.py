@@ -98,7 +98,7 @@ def header(res: Results) -> list[str]:
         lines.append(f"- **clocks** (device properties): SM {value('sm_clock_mhz')} MHz, memory "
                      f"{value('memory_clock_mhz')} MHz")
     bws = [(n, bandwidth_of(n, r)) for n, r in recs.items()]
-    lines.append("- **read bandwidth** (cullama.bench.measure_bandwidth, measured by each step): "
+    lines.append("- **read bandwidth** (cullama.bench.latency.measure_bandwidth, measured by each step): "
                  + (", ".join(f"{n.removesuffix('.json')} {tb_s(b)}" for n, b in bws) if bws else DASH))
     if "summary.txt" in res.side:
         lines.append(f"- **steps** (summary.txt): {steps_summary(res.side['summary.txt']) or DASH}")

@@ -26,7 +26,7 @@ FILES = {
     "compare.json": "benchmarks/compare_hf.py --quick",
     "speculative.json": "cullama bench --speculative replay --draft-tokens 4",
     "serve.json": "benchmarks/serve_latency.py --synthetic llama-2-7b",
-    "emu_vs_gpu.json": "pytest -m gpu (tests/test_emu_vs_gpu.py)",
+    "emu_vs_gpu.json": "pytest -m gpu (tests/runtime/emu/test_emu_vs_gpu.py)",
     "bench_llama3-8b.json": "cullama bench --synthetic llama3-8b",  # device_report/families.py
     "bench_llama3.2-1b.json": "cullama bench --synthetic llama3.2-1b",
     "batch.json": "cullama bench --batch 1,2,4,8,16",  # device_report/batching.py
@@ -152,14 +152,14 @@ def env_of(record: dict) -> dict:
 
 
 def bandwidth_of(name: str, record: dict) -> float | None:
-    """The read bandwidth (bytes/s) each step measured for itself (cullama.bench.measure_bandwidth)."""
+    """The read bandwidth (bytes/s) each step measured for itself (cullama.bench.latency.measure_bandwidth)."""
     if name in ("bench.json", "bench_overlap.json", "compare.json"):
         return num(as_dict(record.get("bandwidth")).get("bytes_per_s"))
     return num(record.get("read_bandwidth_bytes_per_s"))
 
 
 def bench_results(record: dict) -> list[dict]:
-    """bench.json's rows (cullama.bench.to_json: one per L), sorted by L."""
+    """bench.json's rows (cullama.bench.latency.to_json: one per L), sorted by L."""
     rows = [r for r in dicts(record.get("results")) if as_int(r.get("length")) is not None]
     return sorted(rows, key=lambda r: as_int(r["length"]))
 
@@ -182,14 +182,14 @@ def checkout_defaults() -> dict:
     """What this checkout makes default (the JSON files do not say): GEMV variant, prefill kernels, chunk."""
     out = {}
     try:
-        from cullama import plan
+        from cullama.runtime import plan
 
         out["gemv_variant"] = f"ROWS={plan.GEMV_ROWS} UNROLL={plan.GEMV_UNROLL}"
         out["prefill_chunk"] = plan.PREFILL_CHUNK
     except Exception:  # noqa: BLE001 - cullama not importable here: the report says "unknown"
         pass
     try:
-        from cullama.prefill_kernels import PrefillKernels
+        from cullama.runtime.prefill_kernels import PrefillKernels
 
         default = PrefillKernels()
         out["prefill_pair"] = (default.gemm, default.attention)

@@ -1,5 +1,5 @@
 """Speculative decoding (issue 9): the section and the targets of speculative.json, the record of
-`cullama bench --speculative replay --draft-tokens 4` (cullama/speculative_bench.py's to_json); the verify
+`cullama bench --speculative replay --draft-tokens 4` (cullama/bench/speculative.py's to_json); the verify
 step's targets prefer decode.json's verify graph timings (benchmarks/decode_step.py) where it has them."""
 
 from __future__ import annotations

@@ -28,10 +28,10 @@ from pydantic.fields import FieldInfo
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
-from ..errors import CullamaError, OptionError, PromptError
-from ..generate import GenerationOptions, check_prompt_fits
-from ..speculative import SpeculativeOptions
-from ..untrusted import shown
+from ..common.errors import CullamaError, OptionError, PromptError
+from ..generation.generate import GenerationOptions, check_prompt_fits
+from ..generation.speculative import SpeculativeOptions
+from ..common.untrusted import shown
 from . import BODY_TIMEOUT_S
 from .engine import Busy, Engine, Failed, Finished, Job, Piece, Refused, Stopped, Unavailable
 from .logprobs import Logprobs

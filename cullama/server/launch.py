@@ -28,8 +28,8 @@ from typing import Callable
 import uvicorn
 from uvicorn.protocols.http.auto import AutoHTTPProtocol
 
-from ..config import from_pretrained as read_config
-from ..errors import CullamaError, OptionError
+from ..model.config import from_pretrained as read_config
+from ..common.errors import CullamaError, OptionError
 from . import BODY_TIMEOUT_S, SHUTDOWN_GRACE_S
 from .app import Settings, create_app
 from .engine import Engine
@@ -148,8 +148,8 @@ def serve(model_dir: str, host: str = "127.0.0.1", port: int = 8000, device: str
     load: a max_batch that does not fit is refused with the numbers); prefill_chunk: Llama.from_pretrained's (None:
     its rule, which the ready line reports)."""
     from ..llama import Llama, check_draft, checked_context, checked_max_batch, checked_prefill_chunk
-    from ..tokenizer import find_tokenizer, load_tokenizer
-    from ..weights import config_layout
+    from ..text.tokenizer import find_tokenizer, load_tokenizer
+    from ..model.weights import config_layout
 
     api_key = checked_api_key(api_key)
     max_batch, prefill_chunk = checked_max_batch(max_batch), checked_prefill_chunk(prefill_chunk)

@@ -9,7 +9,7 @@ the response shapes.
   the sampled token's included, as OpenAI's), text_offset (characters into the choice's text)}.
   lm-evaluation-harness's log-likelihood request (`echo: true, logprobs: 1, max_tokens: 1`, or 0) is this.
 
-The numbers are the library's (cullama/logprobs.py: the model's raw softmax, before temperature and the other
+The numbers are the library's (cullama/runtime/logprobs.py: the model's raw softmax, before temperature and the other
 sampling options), computed on the device; the engine thread only slices lists (Cursor), and the text of each
 token and the offsets are made here, on the HTTP side. Every token the model produced has its entry, the EOS that
 ended a generation too (as vLLM's), so `token_logprobs` holds the prompt's tokens and then the completion's.
@@ -22,7 +22,7 @@ import math
 import re
 from typing import Sequence
 
-from ..logprobs import MAX_TOP, TokenLogprob
+from ..runtime.logprobs import MAX_TOP, TokenLogprob
 
 MAX_COMPLETION_LOGPROBS = 5  # OpenAI's legacy completions API: logprobs <= 5
 MAX_TOP_LOGPROBS = MAX_TOP  # chat's top_logprobs <= 20, as OpenAI's

@@ -19,7 +19,7 @@ from . import logprobs as logprob_fields
 Number = Annotated[float, Field(strict=True, allow_inf_nan=False)]  # a JSON number; true/"1" are not
 MaxTokens = Annotated[StrictInt, Field(ge=1)]
 # Stop strings a request may give: OpenAI takes 4; code-completion clients send a dozen or so. The matcher's
-# work per token grows with the longest (cullama/stop_strings.py), and text that may begin one is held back.
+# work per token grows with the longest (cullama/text/stop_strings.py), and text that may begin one is held back.
 MAX_STOPS, MAX_STOP_CHARS = 16, 256
 
 # The error `type` OpenAI's API gives each status (clients key on the status; people read the type).

@@ -1,0 +1,1 @@
+"""The benchmarks of record: `cullama bench` (latency, batch, speculative) and `cullama kernels`."""

@@ -1,0 +1,50 @@
+"""Compile every kernel variant for an arch without a GPU and report its resources (`cullama kernels`)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from ..runtime import ops
+from ..runtime.registry import Resources, arch_number, compile_module, runs_on, target_arch
+
+
+@dataclasses.dataclass
+class KernelReport:
+    source: str
+    defines: tuple
+    name: str
+    resources: Resources
+
+    @property
+    def define_text(self) -> str:
+        return " ".join(f"{k}={v}" for k, v in self.defines) or "-"
+
+
+def variants(arch: str = "sm_90") -> list[tuple[str, tuple, str]]:
+    """(source, defines, NVRTC target) of every kernel variant its ops module declares that runs on `arch`: the
+    target is `arch`, or its arch-specific form (sm_90a) where the module sets ARCH_SPECIFIC."""
+    arch_number(arch)  # a KernelError for a malformed or too old arch
+    found = []
+    for stem in ops.STEMS:
+        module = ops.module(stem)
+        arch_specific = getattr(module, "ARCH_SPECIFIC", False)
+        if runs_on(arch, arch_specific):
+            found += [(module.SOURCE, tuple(d), target_arch(arch, arch_specific)) for d in module.VARIANTS]
+    return found
+
+
+def skipped(arch: str = "sm_90") -> list[str]:
+    """The kernel sources that have no version for `arch`, each with the reason (wgmma is sm_90a code)."""
+    return [f"{ops.module(stem).SOURCE}: sm_90a code (wgmma), Hopper only; the prefill uses gemm.cu (mma.sync) here"
+            for stem in ops.STEMS
+            if not runs_on(arch, getattr(ops.module(stem), "ARCH_SPECIFIC", False))]
+
+
+def compile_all(arch: str = "sm_90") -> list[KernelReport]:
+    """Every kernel in every variant of variants(arch), compiled with NVRTC."""
+    reports = []
+    for source, defines, target in variants(arch):
+        compiled = compile_module(source, defines, target)
+        for name, res in sorted(compiled.resources.items()):
+            reports.append(KernelReport(source, defines, name, res))
+    return reports

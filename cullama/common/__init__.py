@@ -1,0 +1,1 @@
+"""What every part of cullama may import: the error types and the reading of untrusted input."""

@@ -1,0 +1,305 @@
+"""The loader: a checkpoint's weights (or random ones) into the device layout that cullama/model/layout.py defines.
+
+One FP16 tensor's path (checkpoint.py reads the files, layout.py says where everything goes):
+
+    model.layers.3.mlp.up_proj.weight   [ff, d] in model-00002-of-00003.safetensors (F16, BF16 or F32)
+      -> Checkpoint.rows(name)          FP16 rows, a chunk at a time, checked finite
+      -> layout.parts(): field w_gate_up of layer 3, first row ff (q|k|v and gate|up are fused by rows)
+      -> the device layout: rows start at ff_dev instead (ff padded; down_proj gains zero columns)
+      -> layout.buffer_name(): "layers.3.w_gate_up"
+      -> backend.set(buffer, rows, row)
+
+A linear that is quantized (an AWQ or GPTQ checkpoint's, or any with quantize="int8" | "int4"), or whose rows or
+columns move (act-order), is built whole on the host first (linear_tensors: quant_checkpoint.read and
+quant.pack, or quant.quantize of its FP16 rows, a block of rows at a time) and then set.
+
+checkpoint_layout() makes the layout and, for a quantized checkpoint, runs the checks that read data (every scale
+finite, every g_idx a grouping, the parts of a fused linear sharing one g_idx) before any weight reaches the
+device. host_weights() gives the reference model the same weights in the model's own order (layout.model_weight).
+random_weights() makes synthetic weights of any shape where they live (no checkpoint).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from typing import Callable
+
+import numpy as np
+
+from . import layout as layouts, quant, quant_checkpoint
+from ..runtime import plan as plans
+from .checkpoint import BIAS_STD, Checkpoint, expected_shapes, open_checkpoint, quantized_linear
+from .config import LlamaConfig
+from ..common.errors import CheckpointError, OptionError
+from .layout import (BIAS, LINEARS, NORM_OF, PARTS, LayerWeights, Layout, Weights, buffer_name, fused_shapes,
+                     layer_fields, linear_parts, module_name, parts)
+from ..runtime.ops import fill as fill_twin
+from ..runtime.registry import KernelSpec
+
+Progress = Callable[[int, int], None]  # (FP16 bytes done, total)
+FILL = KernelSpec("fill.cu", "fill_uniform")
+FILL_WORDS, FILL_QPARAMS = KernelSpec("fill.cu", "fill_words"), KernelSpec("fill.cu", "fill_qparams")
+QUANTIZE_ROWS = 1024  # rows quantized at a time on load: bounds the float32 temporaries (16 MiB at K = 4096)
+
+
+def _fp16_bytes(config: LlamaConfig) -> int:
+    """What loading reads, in FP16 bytes of the model (the progress unit; a tied lm_head counts twice)."""
+    shapes = expected_shapes(config)
+    return sum(2 * math.prod(shapes[name]) for *_, name in parts(config))
+
+
+# ---------------------------------------------------------------------------------------------
+# The layout of a checkpoint
+
+
+def check_quantize(quantize) -> str | None:
+    """The quantize option, checked: None, "int8" or "int4"."""
+    if quantize is not None and quantize not in layouts.QUANTIZE:
+        raise OptionError("quantize", f"must be one of {', '.join(layouts.QUANTIZE)}, not {quantize!r}")
+    return quantize
+
+
+def config_layout(config: LlamaConfig, quantize: str | None = None) -> Layout:
+    """The layout the config and the quantize option give, before the checkpoint's data is read (act-order,
+    which g_idx decides, is added by checkpoint_layout): cheap, for the checks before any weight loads."""
+    check_quantize(quantize)
+    if config.quantization is not None:
+        if quantize is not None:
+            raise OptionError("quantize", f"{quantize} cannot apply to {config.name}: the checkpoint is already "
+                                          f"quantized ({config.quantization.describe()}) and runs as it is stored")
+        return layouts.from_checkpoint(config)
+    return layouts.fp16(config) if quantize is None else layouts.on_load(config, quantize)
+
+
+def checkpoint_layout(ckpt: Checkpoint, quantize: str | None = None) -> Layout:
+    """The checkpoint's device layout. A quantized checkpoint's scales and g_idx are read and checked here (a
+    CheckpointError naming the tensor), before any weight reaches the device."""
+    layout = config_layout(ckpt.config, quantize)
+    q = ckpt.config.quantization
+    if q is None:
+        return layout
+    shapes, permuted = expected_shapes(ckpt.config), set()
+    for i in range(ckpt.config.num_layers):
+        for field in LINEARS:
+            g_idx = {}
+            for part in PARTS[field]:
+                name = module_name(i, part)
+                if quantized_linear(ckpt.config, f"{name}.weight"):
+                    quant_checkpoint.check_data(q, name, *shapes[f"{name}.weight"], ckpt.stored, ckpt.directory)
+                    if q.method == "gptq":
+                        g_idx[name] = ckpt.stored(f"{name}.g_idx")
+            first, *others = g_idx.items() or [(None, None)]
+            for name, other in others:  # one input, so one order
+                if not np.array_equal(first[1], other):
+                    raise CheckpointError(f"{ckpt.directory}: {first[0]}.g_idx and {name}.g_idx differ, but the "
+                                          f"parts of {field} share one input (and so one act-order)")
+            if first[0] is not None and quant_checkpoint.perm_of(first[1]) is not None:
+                permuted.add((i, field))
+    return layouts.from_checkpoint(ckpt.config, permuted)
+
+
+# ---------------------------------------------------------------------------------------------
+# One linear, built on the host
+
+
+def _part_fp16(ckpt: Checkpoint, module: str) -> np.ndarray:
+    """A part as FP16 [N, K] in the model's input order: the stored weight, or a quantized part dequantized and
+    rounded to FP16 (a fused field that is only partly quantized is FP16)."""
+    if not quantized_linear(ckpt.config, f"{module}.weight"):
+        return ckpt.tensor(f"{module}.weight")
+    q = ckpt.config.quantization
+    codes, scale, zero, perm = quant_checkpoint.read(q, module, ckpt.stored)
+    w = quant.dequantize(quant.pack(codes, q.bits), quant.params(scale, zero), q.bits, np.float16)  # [N, K]
+    if perm is None:
+        return w
+    unsorted = np.empty_like(w)
+    unsorted[:, perm] = w  # column k holds input perm[k]
+    return unsorted
+
+
+def down_order(ckpt: Checkpoint, layout: Layout, layer: int) -> np.ndarray | None:
+    """down_proj's input order under act-order (its columns, and gate_proj's and up_proj's rows, are stored in
+    it), else None."""
+    if not layout.linear(layer, "w_down").permuted:
+        return None
+    return quant_checkpoint.perm_of(ckpt.stored(f"{module_name(layer, 'mlp.down_proj')}.g_idx"))
+
+
+def linear_tensors(ckpt: Checkpoint, layout: Layout, layer: int, field: str) -> dict[str, np.ndarray]:
+    """One linear's device buffers (name -> host array: layout.weight_names, perm_name, norm_name), in the
+    device layout: padded; w_gate_up's gate and up rows in down_order."""
+    linear = layout.linear(layer, field)
+    row_perm = down_order(ckpt, layout, layer) if field == "w_gate_up" else None
+    M, K = layout.shape(field)
+    pieces = linear_parts(layout, layer, field)
+    q = ckpt.config.quantization
+    if linear.format is not None and q is not None:  # the checkpoint's own codes, repacked
+        # K is never padded here (quant_checkpoint.check_sizes: the inputs are a multiple of 32); padded rows of
+        # gate and up get code 0, scale 0, zero 0: weights of exactly 0
+        codes = np.zeros((M, K), np.uint8)  # [M, K]
+        scale = np.zeros((M, K // linear.format.group), np.float16)  # [M, groups]
+        zero = np.zeros((M, K // linear.format.group), np.float32)  # [M, groups]
+        for module, start, rows in pieces:  # the parts share one input order, perm (checkpoint_layout)
+            c, s, z, perm = quant_checkpoint.read(q, module, ckpt.stored)
+            order = slice(None) if row_perm is None else row_perm
+            codes[start:start + rows], scale[start:start + rows] = c[order], s[order]
+            zero[start:start + rows] = z[order]
+        out = dict(zip(layout.weight_names(layer, field), (quant.pack(codes, q.bits), quant.params(scale, zero))))
+    else:
+        w = np.zeros((M, K), np.float16)  # [M, K] padded: zero rows and columns
+        for module, start, rows in pieces:
+            part = _part_fp16(ckpt, module)
+            w[start:start + rows, :part.shape[1]] = part[row_perm] if row_perm is not None else part
+        if linear.format is None:
+            out = {layout.weight_names(layer, field)[0]: w}
+        else:  # quantized on load, a block of rows at a time (quantize is row by row)
+            blocks = [quant.quantize(w[r:r + QUANTIZE_ROWS], linear.format) for r in range(0, M, QUANTIZE_ROWS)]
+            out = dict(zip(layout.weight_names(layer, field), map(np.concatenate, zip(*blocks))))
+        perm = None
+    if layout.perm_name(layer, field):
+        out[layout.perm_name(layer, field)] = perm
+        if field in NORM_OF:
+            norm = f"{module_name(layer, PARTS[NORM_OF[field]][0])}.weight"  # the norm fused into its kernels
+            out[layout.norm_name(layer, field)] = np.ascontiguousarray(ckpt.tensor(norm)[perm])
+    return out
+
+
+def _streams(ckpt: Checkpoint, layout: Layout, layer: int, field: str) -> bool:
+    """Whether a linear's FP16 rows go straight from the file to the device (no quantizing, no reordering,
+    no dequantized part)."""
+    return (layout.linear(layer, field).format is None
+            and not (field == "w_gate_up" and layout.linear(layer, "w_down").permuted)
+            and not any(quantized_linear(layout.config, f"{module}.weight")
+                        for module, _, _ in linear_parts(layout, layer, field)))
+
+
+# ---------------------------------------------------------------------------------------------
+# On the host
+
+
+def host_weights(ckpt: Checkpoint, progress: Progress | None = None, layout: Layout | None = None) -> Weights:
+    """The model's weights in its own order and shapes (layout.Weights), q|k|v and gate|up fused: FP16, and
+    float32 where the layout quantizes a linear (its exact dequantized values: what the kernels compute with).
+    progress(done_bytes, total_bytes) is called after each tensor, counting FP16 bytes."""
+    config = ckpt.config
+    layout = layout or checkpoint_layout(ckpt)
+    shapes, fused = expected_shapes(config), fused_shapes(config)
+    total, done = _fp16_bytes(config), 0
+    arrays: dict[tuple[str, int | None], np.ndarray] = {}
+    whole: dict[str, np.ndarray] = {}  # tensors used as they are, by HF name (tied lm_head)
+    for field, layer, row, name in parts(config):
+        if layer is not None and field in LINEARS and not _streams(ckpt, layout, layer, field):
+            if (field, layer) not in arrays:
+                arrays[field, layer] = layouts.model_weight(layout, layer, field,
+                                                            linear_tensors(ckpt, layout, layer, field),
+                                                            down_order(ckpt, layout, layer))
+        elif shapes[name] == fused[field]:  # a part that is the whole field: no copy needed
+            if name not in whole:
+                whole[name] = ckpt.tensor(name)
+            arrays[field, layer] = whole[name]
+        else:
+            if (field, layer) not in arrays:
+                arrays[field, layer] = np.empty(fused[field], np.float16)
+            for first, rows in ckpt.rows(name):
+                arrays[field, layer][row + first:row + first + len(rows)] = rows
+        done += 2 * math.prod(shapes[name])
+        if progress is not None:
+            progress(done, total)
+    layers = [LayerWeights(**{field: arrays[field, i] for field in layer_fields(config)})
+              for i in range(config.num_layers)]
+    return Weights(config=config, embed=arrays["embed", None], layers=layers,
+                   final_norm=arrays["final_norm", None], lm_head=arrays["lm_head", None])
+
+
+def load_weights(path: str | os.PathLike, config: LlamaConfig | None = None, progress: Progress | None = None,
+                 quantize: str | None = None) -> Weights:
+    """open_checkpoint + host_weights, for callers that do not need the note."""
+    ckpt = open_checkpoint(path, config)
+    return host_weights(ckpt, progress, checkpoint_layout(ckpt, quantize))
+
+
+# ---------------------------------------------------------------------------------------------
+# On the device
+
+
+def _padded(field: str, row: int, rows: np.ndarray, ff: int, ff_dev: int) -> tuple[int, np.ndarray]:
+    """Place checkpoint rows in the padded device layout: up rows start at ff_dev, not ff, and
+    down_proj rows gain zero columns."""
+    if ff == ff_dev:
+        return row, rows
+    if field == "w_gate_up" and row >= ff:
+        return row - ff + ff_dev, rows
+    if field == "w_down":
+        wide = np.zeros((rows.shape[0], ff_dev), np.float16)  # [n, ff_dev]
+        wide[:, :ff] = rows
+        return row, wide
+    return row, rows
+
+
+def load_checkpoint(backend, ckpt: Checkpoint, progress: Progress | None = None, layout: Layout | None = None) -> None:
+    """Weights onto the backend, in `layout` (default: the checkpoint's own, FP16 or as stored quantized). FP16
+    tensors are copied a chunk of rows at a time straight into their slice of the fused buffer (no host-side
+    concatenation), each chunk checked finite just before its copy; the CPU binds FP16 views where it can.
+    Quantized or reordered linears are built whole on the host (linear_tensors) and copied once."""
+    layout = layout or checkpoint_layout(ckpt)
+    cfg, dev = ckpt.config, layout.device
+    if backend.device == "cpu" and dev is cfg and layout.source == "float16":
+        weights = host_weights(ckpt, progress, layout)
+        backend.bind("embed", weights.embed)
+        backend.bind("final_norm", weights.final_norm)
+        backend.bind("lm_head", weights.lm_head)
+        for i, layer in enumerate(weights.layers):
+            for field in layer_fields(cfg):
+                backend.bind(buffer_name(field, i), getattr(layer, field))
+        return
+    backend.allocate(layout.buffers())  # zero-filled: padding stays zero
+    shapes = expected_shapes(cfg)
+    total, done = _fp16_bytes(cfg), 0
+    for field, layer, row, name in parts(cfg):
+        if layer is not None and field in LINEARS and not _streams(ckpt, layout, layer, field):
+            if row == 0:  # the field's first part: build it whole
+                for buffer, array in linear_tensors(ckpt, layout, layer, field).items():
+                    backend.set(buffer, array)
+        else:
+            for first, rows in ckpt.rows(name):
+                at, placed = _padded(field, row + first, rows, cfg.intermediate_size, dev.intermediate_size)
+                backend.set(buffer_name(field, layer), placed, row=at)
+        done += 2 * math.prod(shapes[name])
+        if progress:
+            progress(done, total)
+
+
+def random_weights(backend, model: LlamaConfig | Layout, seed: int = 0, std: float = 0.02) -> None:
+    """Synthetic weights of any shape (a config: FP16; a layout: in its formats), made where they live (on the
+    GPU for `bench --synthetic`) by kernels_cu/fill.cu or its twin: the same seed gives the same weights on both
+    devices. FP16 weights are uniform with standard deviation `std` (norm weights 1 +- 0.17, q/k/v biases 0 +-
+    0.87); quantized ones
+    random codes with zero 2**(bits - 1) and scales around std / the codes' standard deviation, so that they
+    spread about as much."""
+    layout = layouts.as_layout(model)
+    buffers = layout.buffers()
+    bits = {layout.weight_names(i, f)[1]: layout.linear(i, f).format.bits for i in range(layout.config.num_layers)
+            for f in LINEARS if layout.linear(i, f).format is not None}  # qparams buffer -> bits
+    if backend.device == "cuda":
+        backend.allocate(buffers)
+    for index, b in enumerate(buffers):
+        buffer_seed = np.uint64((seed * 1_000_003 + index) % 2**64)  # a stream of its own per buffer
+        if b.dtype == "uint32":  # codes
+            spec, args = FILL_WORDS, (np.uint64(math.prod(b.shape)), buffer_seed)
+        elif b.name in bits:  # (scale, zero) pairs
+            scale = std / ((1 << bits[b.name]) / math.sqrt(12))  # codes uniform in [0, 2**bits)
+            spec, args = FILL_QPARAMS, (np.uint64(math.prod(b.shape[:-1])), buffer_seed, np.float32(scale),
+                                        np.float32(scale / 10), np.float32(1 << (bits[b.name] - 1)))
+        else:  # norm weights near 1; biases around 0, as write_random's
+            mean, spread = (0.0, BIAS_STD) if b.name.endswith(BIAS) else (1.0, 0.1) if len(b.shape) == 1 \
+                else (0.0, std)
+            spec, args = FILL, (np.uint64(math.prod(b.shape)), buffer_seed, np.float32(mean), np.float32(spread))
+        if backend.device == "cpu":
+            array = np.empty(b.shape, b.dtype)
+            getattr(fill_twin, spec.name)(array, *(a.item() for a in args))
+            backend.bind(b.name, array)
+        else:
+            blocks = min(plans.cdiv(int(args[0]), fill_twin.THREADS), 4096)
+            backend.run(plans.Plan("fill", [plans.Launch(spec, (blocks, 1, 1), fill_twin.THREADS,
+                                                         (plans.Ref(b.name), *args))]))

@@ -1,0 +1,1 @@
+"""Text and token ids: the tokenizers (SentencePiece, tokenizer.json), chat templates and stop strings."""
