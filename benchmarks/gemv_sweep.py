@@ -144,7 +144,7 @@ def case(kernel: str, cfg, M: int, K: int, rng, max_seq: int = 64):
 
 def random_fp16(cp, loader, shape, seed: int, std: float = 0.02):
     """Random FP16 weights made on the GPU by kernels_cu/fill.cu (never zeros: they can time faster)."""
-    from cullama.model.weights import FILL
+    from cullama.runtime.load import FILL
 
     out = cp.empty(shape, dtype=cp.float16)
     loader.function(FILL)((1024,), (256,), (out, np.uint64(out.size), np.uint64(seed), np.float32(0), np.float32(std)))

@@ -2,7 +2,7 @@
 
 import sys
 
-INTERRUPTED = 130  # 128 + SIGINT, as a shell reports a command Ctrl-C stopped
+from ..common.errors import INTERRUPTED
 
 
 def run() -> None:

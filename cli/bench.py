@@ -4,11 +4,10 @@ the protocol is cullama.bench.latency. Progress goes to stderr, the table to std
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 
 import click
 
-from .main import PREFILL_CHUNK, QUANTIZE, NonEmptyPath, main, out, require_stdout
+from .common import PREFILL_CHUNK, QUANTIZE, Command, NonEmptyPath, out, require_stdout
 
 
 class BenchProgress:
@@ -29,7 +28,7 @@ class BenchProgress:
         click.echo(text, err=True)
 
 
-@main.command()
+@click.command(cls=Command)
 @click.option("--model", "model_dir", type=NonEmptyPath(), help="HF LLaMA checkpoint directory.")
 @click.option("--synthetic", help="Random weights of a preset's shape, no download "
                                   "[default: llama-2-7b on a GPU, tiny on the CPU].")

@@ -25,8 +25,10 @@ from .runtime.engine import PlanRunner
 from .runtime.sampling import INT32_MAX, is_int
 from .generation.speculative import SpeculativeDecoder, SpeculativeOptions, SpeculativeStream
 from .generation.batch import BatchedStream, BatchSession
-from .model.weights import check_quantize, checkpoint_layout, config_layout, load_checkpoint, random_weights
-from .text.tokenizer import TokenizerBase, find_tokenizer, load_tokenizer
+from .model.weights import check_quantize, checkpoint_layout, config_layout
+from .runtime.load import load_checkpoint, random_weights
+from .text.tokenizer import find_tokenizer, load_tokenizer
+from .text.tokenizer_base import TokenizerBase
 
 Progress = Callable[[int, int], None]  # (bytes done, bytes total) while weights load
 # The caller's own check, run before the weights load: (config, tokenizer or None, context in tokens)

@@ -5,7 +5,8 @@ from __future__ import annotations
 import dataclasses
 
 from ..runtime import ops
-from ..runtime.registry import Resources, arch_number, compile_module, runs_on, target_arch
+from ..runtime.registry import Resources, compile_module, runs_on, target_arch
+from ..runtime.device import arch_number
 
 
 @dataclasses.dataclass

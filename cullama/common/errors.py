@@ -1,7 +1,8 @@
 """Errors a user can cause. Each message is one line naming the file, tensor or option at fault.
 
 The CLI prints `error: <message>` and exits with the error's `exit_code` for any CullamaError: 2 for bad
-input (the default), 1 for a machine that cannot do it now (memory, a full disk, a closed output);
+input (the default), 1 for a machine that cannot do it now (memory, a full disk, a closed output), and
+INTERRUPTED (130) for a Ctrl-C;
 anything else is a bug and keeps its traceback.
 
 A message names an option in its reader's terms: written `option("tokenizer")`, str(error) says "the tokenizer
@@ -10,6 +11,7 @@ argument" (a Python caller's), `error.for_cli()` says "--tokenizer" (what the CL
 
 from .untrusted import printable
 
+INTERRUPTED = 130  # the exit code of a Ctrl-C: 128 + SIGINT, as a shell reports a command Ctrl-C stopped
 OPTION = "\0"  # brackets an option's Python name inside a message (no path, nor any shown value, holds a NUL)
 
 

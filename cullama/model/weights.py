@@ -16,7 +16,7 @@ quant.pack, or quant.quantize of its FP16 rows, a block of rows at a time) and t
 checkpoint_layout() makes the layout and, for a quantized checkpoint, runs the checks that read data (every scale
 finite, every g_idx a grouping, the parts of a fused linear sharing one g_idx) before any weight reaches the
 device. host_weights() gives the reference model the same weights in the model's own order (layout.model_weight).
-random_weights() makes synthetic weights of any shape where they live (no checkpoint).
+Putting them on a device is the runtime's (cullama/runtime/load.py: load_checkpoint, random_weights).
 """
 
 from __future__ import annotations
@@ -28,22 +28,17 @@ from typing import Callable
 import numpy as np
 
 from . import layout as layouts, quant, quant_checkpoint
-from ..runtime import plan as plans
-from .checkpoint import BIAS_STD, Checkpoint, expected_shapes, open_checkpoint, quantized_linear
+from .checkpoint import Checkpoint, expected_shapes, open_checkpoint, quantized_linear
 from .config import LlamaConfig
 from ..common.errors import CheckpointError, OptionError
-from .layout import (BIAS, LINEARS, NORM_OF, PARTS, LayerWeights, Layout, Weights, buffer_name, fused_shapes,
-                     layer_fields, linear_parts, module_name, parts)
-from ..runtime.ops import fill as fill_twin
-from ..runtime.registry import KernelSpec
+from .layout import (LINEARS, NORM_OF, PARTS, LayerWeights, Layout, Weights, fused_shapes, layer_fields, linear_parts,
+                     module_name, parts)
 
 Progress = Callable[[int, int], None]  # (FP16 bytes done, total)
-FILL = KernelSpec("fill.cu", "fill_uniform")
-FILL_WORDS, FILL_QPARAMS = KernelSpec("fill.cu", "fill_words"), KernelSpec("fill.cu", "fill_qparams")
 QUANTIZE_ROWS = 1024  # rows quantized at a time on load: bounds the float32 temporaries (16 MiB at K = 4096)
 
 
-def _fp16_bytes(config: LlamaConfig) -> int:
+def fp16_bytes(config: LlamaConfig) -> int:
     """What loading reads, in FP16 bytes of the model (the progress unit; a tied lm_head counts twice)."""
     shapes = expected_shapes(config)
     return sum(2 * math.prod(shapes[name]) for *_, name in parts(config))
@@ -165,7 +160,7 @@ def linear_tensors(ckpt: Checkpoint, layout: Layout, layer: int, field: str) -> 
     return out
 
 
-def _streams(ckpt: Checkpoint, layout: Layout, layer: int, field: str) -> bool:
+def streams(ckpt: Checkpoint, layout: Layout, layer: int, field: str) -> bool:
     """Whether a linear's FP16 rows go straight from the file to the device (no quantizing, no reordering,
     no dequantized part)."""
     return (layout.linear(layer, field).format is None
@@ -185,11 +180,11 @@ def host_weights(ckpt: Checkpoint, progress: Progress | None = None, layout: Lay
     config = ckpt.config
     layout = layout or checkpoint_layout(ckpt)
     shapes, fused = expected_shapes(config), fused_shapes(config)
-    total, done = _fp16_bytes(config), 0
+    total, done = fp16_bytes(config), 0
     arrays: dict[tuple[str, int | None], np.ndarray] = {}
     whole: dict[str, np.ndarray] = {}  # tensors used as they are, by HF name (tied lm_head)
     for field, layer, row, name in parts(config):
-        if layer is not None and field in LINEARS and not _streams(ckpt, layout, layer, field):
+        if layer is not None and field in LINEARS and not streams(ckpt, layout, layer, field):
             if (field, layer) not in arrays:
                 arrays[field, layer] = layouts.model_weight(layout, layer, field,
                                                             linear_tensors(ckpt, layout, layer, field),
@@ -217,89 +212,3 @@ def load_weights(path: str | os.PathLike, config: LlamaConfig | None = None, pro
     """open_checkpoint + host_weights, for callers that do not need the note."""
     ckpt = open_checkpoint(path, config)
     return host_weights(ckpt, progress, checkpoint_layout(ckpt, quantize))
-
-
-# ---------------------------------------------------------------------------------------------
-# On the device
-
-
-def _padded(field: str, row: int, rows: np.ndarray, ff: int, ff_dev: int) -> tuple[int, np.ndarray]:
-    """Place checkpoint rows in the padded device layout: up rows start at ff_dev, not ff, and
-    down_proj rows gain zero columns."""
-    if ff == ff_dev:
-        return row, rows
-    if field == "w_gate_up" and row >= ff:
-        return row - ff + ff_dev, rows
-    if field == "w_down":
-        wide = np.zeros((rows.shape[0], ff_dev), np.float16)  # [n, ff_dev]
-        wide[:, :ff] = rows
-        return row, wide
-    return row, rows
-
-
-def load_checkpoint(backend, ckpt: Checkpoint, progress: Progress | None = None, layout: Layout | None = None) -> None:
-    """Weights onto the backend, in `layout` (default: the checkpoint's own, FP16 or as stored quantized). FP16
-    tensors are copied a chunk of rows at a time straight into their slice of the fused buffer (no host-side
-    concatenation), each chunk checked finite just before its copy; the CPU binds FP16 views where it can.
-    Quantized or reordered linears are built whole on the host (linear_tensors) and copied once."""
-    layout = layout or checkpoint_layout(ckpt)
-    cfg, dev = ckpt.config, layout.device
-    if backend.device == "cpu" and dev is cfg and layout.source == "float16":
-        weights = host_weights(ckpt, progress, layout)
-        backend.bind("embed", weights.embed)
-        backend.bind("final_norm", weights.final_norm)
-        backend.bind("lm_head", weights.lm_head)
-        for i, layer in enumerate(weights.layers):
-            for field in layer_fields(cfg):
-                backend.bind(buffer_name(field, i), getattr(layer, field))
-        return
-    backend.allocate(layout.buffers())  # zero-filled: padding stays zero
-    shapes = expected_shapes(cfg)
-    total, done = _fp16_bytes(cfg), 0
-    for field, layer, row, name in parts(cfg):
-        if layer is not None and field in LINEARS and not _streams(ckpt, layout, layer, field):
-            if row == 0:  # the field's first part: build it whole
-                for buffer, array in linear_tensors(ckpt, layout, layer, field).items():
-                    backend.set(buffer, array)
-        else:
-            for first, rows in ckpt.rows(name):
-                at, placed = _padded(field, row + first, rows, cfg.intermediate_size, dev.intermediate_size)
-                backend.set(buffer_name(field, layer), placed, row=at)
-        done += 2 * math.prod(shapes[name])
-        if progress:
-            progress(done, total)
-
-
-def random_weights(backend, model: LlamaConfig | Layout, seed: int = 0, std: float = 0.02) -> None:
-    """Synthetic weights of any shape (a config: FP16; a layout: in its formats), made where they live (on the
-    GPU for `bench --synthetic`) by kernels_cu/fill.cu or its twin: the same seed gives the same weights on both
-    devices. FP16 weights are uniform with standard deviation `std` (norm weights 1 +- 0.17, q/k/v biases 0 +-
-    0.87); quantized ones
-    random codes with zero 2**(bits - 1) and scales around std / the codes' standard deviation, so that they
-    spread about as much."""
-    layout = layouts.as_layout(model)
-    buffers = layout.buffers()
-    bits = {layout.weight_names(i, f)[1]: layout.linear(i, f).format.bits for i in range(layout.config.num_layers)
-            for f in LINEARS if layout.linear(i, f).format is not None}  # qparams buffer -> bits
-    if backend.device == "cuda":
-        backend.allocate(buffers)
-    for index, b in enumerate(buffers):
-        buffer_seed = np.uint64((seed * 1_000_003 + index) % 2**64)  # a stream of its own per buffer
-        if b.dtype == "uint32":  # codes
-            spec, args = FILL_WORDS, (np.uint64(math.prod(b.shape)), buffer_seed)
-        elif b.name in bits:  # (scale, zero) pairs
-            scale = std / ((1 << bits[b.name]) / math.sqrt(12))  # codes uniform in [0, 2**bits)
-            spec, args = FILL_QPARAMS, (np.uint64(math.prod(b.shape[:-1])), buffer_seed, np.float32(scale),
-                                        np.float32(scale / 10), np.float32(1 << (bits[b.name] - 1)))
-        else:  # norm weights near 1; biases around 0, as write_random's
-            mean, spread = (0.0, BIAS_STD) if b.name.endswith(BIAS) else (1.0, 0.1) if len(b.shape) == 1 \
-                else (0.0, std)
-            spec, args = FILL, (np.uint64(math.prod(b.shape)), buffer_seed, np.float32(mean), np.float32(spread))
-        if backend.device == "cpu":
-            array = np.empty(b.shape, b.dtype)
-            getattr(fill_twin, spec.name)(array, *(a.item() for a in args))
-            backend.bind(b.name, array)
-        else:
-            blocks = min(plans.cdiv(int(args[0]), fill_twin.THREADS), 4096)
-            backend.run(plans.Plan("fill", [plans.Launch(spec, (blocks, 1, 1), fill_twin.THREADS,
-                                                         (plans.Ref(b.name), *args))]))

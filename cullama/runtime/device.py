@@ -14,6 +14,7 @@ import numpy as np
 from . import cache
 from ..common.errors import DeviceError, KernelError, OptionError, option
 
+MIN_ARCH = 80  # cp.async, ldmatrix and mma.sync (mma.cuh): Ampere (A100) and newer
 DEVICES = ("auto", "cpu", "cuda")
 # The CUDA extras (setup.cfg), one per CUDA major version: CuPy's wheel for it and the NVRTC wheel it loads.
 EXTRAS = {12: ("cuda12", "cupy-cuda12x", "nvidia-cuda-nvrtc-cu12"), 13: ("cuda13", "cupy-cuda13x", "nvidia-cuda-nvrtc")}
@@ -147,12 +148,20 @@ def cupy_or_why():
         return None, str(exc)
 
 
+def arch_number(arch: str) -> int:
+    """90 for "sm_90" or "sm_90a"; a KernelError for anything not of that form, or older than MIN_ARCH."""
+    if not re.fullmatch(r"sm_\d+a?", arch):
+        raise KernelError(f"--arch {arch!r} is not of the form sm_90")
+    number = int(arch[3:].rstrip("a"))
+    if number < MIN_ARCH:
+        raise KernelError(f"{arch}: cullama's kernels need sm_{MIN_ARCH} (A100) or newer (cp.async, mma.sync)")
+    return number
+
+
 def cuda_status() -> tuple[bool, str]:
     """(usable, why): a GPU is usable when CuPy imports, the driver reports at least one device, and the first
     is one cullama's kernels run on (sm_80 or newer). A cache that cannot be made on a machine with a CUDA
     driver raises its CacheError (cupy_or_why)."""
-    from .registry import arch_number
-
     cupy, why = cupy_or_why()
     if cupy is None:
         return False, why

@@ -32,12 +32,12 @@ from pathlib import Path
 from . import cache, elf
 from ..common.errors import DeviceError, KernelError
 from ..kernels_cu import SOURCE_DIR
+from .device import arch_number
 
 OPTIONS = ("--std=c++17", "-Xptxas=-v")  # -v: registers, smem and spills go to the log we parse
 # In every cache key: a new format never loads a file an older cullama wrote. 2: whole cubins (format 1's
 # came from CuPy's getCUBIN, one byte short).
 CACHE_FORMAT = 2
-MIN_ARCH = 80  # cp.async, ldmatrix and mma.sync (mma.cuh): Ampere (A100) and newer
 ARCH_SPECIFIC_ARCHS = ("sm_90",)  # the archs whose "a" target cullama's arch-specific kernels (wgmma) are for
 
 
@@ -52,16 +52,6 @@ class KernelSpec:
 
     def module_key(self) -> tuple:
         return (self.source, self.defines, self.arch_specific)
-
-
-def arch_number(arch: str) -> int:
-    """90 for "sm_90" or "sm_90a"; a KernelError for anything not of that form, or older than MIN_ARCH."""
-    if not re.fullmatch(r"sm_\d+a?", arch):
-        raise KernelError(f"--arch {arch!r} is not of the form sm_90")
-    number = int(arch[3:].rstrip("a"))
-    if number < MIN_ARCH:
-        raise KernelError(f"{arch}: cullama's kernels need sm_{MIN_ARCH} (A100) or newer (cp.async, mma.sync)")
-    return number
 
 
 def runs_on(arch: str, arch_specific: bool) -> bool:

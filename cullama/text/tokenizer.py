@@ -1,10 +1,11 @@
-"""Tokenizers: which file a checkpoint's tokenizer is, the chat, and the SentencePiece `tokenizer.model`.
+"""Tokenizers: which file a checkpoint's tokenizer is, and the SentencePiece `tokenizer.model`.
 
 A checkpoint's tokenizer is its `tokenizer.json` (HuggingFace's `tokenizers` library: tokenizer_json.py), else
 its `tokenizer.model` (SentencePiece, below), as transformers' AutoTokenizer prefers the first; `--tokenizer`
 names either file, or a directory holding one. The tokenizer's directory may hold a `tokenizer_config.json`
 (its special tokens, add_bos_token, a chat template) and the chat template files (chat_template.py). A chat
-goes through the template when there is one, else through LLaMA-2's format as Meta's code builds it.
+goes through the template when there is one, else through LLaMA-2's format as Meta's code builds it
+(tokenizer_base.py, which both tokenizers share).
 
 The SentencePiece tokenizer decodes as sentencepiece itself does (`decode` is `SentencePieceProcessor.decode`),
 so the text is exactly what HF / Meta code would print. Streaming has to agree with it to the character:
@@ -29,23 +30,18 @@ import codecs
 import functools
 import os
 import re
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 
 import sentencepiece as spm
 
+from ..common.errors import TokenizerError, option
+from ..common.untrusted import read_json
 from .chat_template import ChatTemplate, find as find_chat_template
-from ..common.errors import OptionError, PromptError, TokenizerError, option
-from ..common.untrusted import read_json, shown
+from .tokenizer_base import SPECIAL_TOKEN_KEYS, TokenizerBase, special_tokens
 
-# Meta's LLaMA-2 chat markers (llama/generation.py); they are plain text, BOS/EOS are ids.
-B_INST, E_INST = "[INST]", "[/INST]"
-B_SYS, E_SYS = "<<SYS>>\n", "\n<</SYS>>\n\n"
 MAX_MODEL_BYTES = 64 * 1024 * 1024  # LLaMA-2's tokenizer.model is 0.5 MB, the largest known ~5 MB
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model")  # a checkpoint's tokenizer: the first that is there
-# tokenizer_config.json's special tokens, which a chat template sees as variables of these names
-SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
-ROLES = ("system", "user", "assistant")
 
 
 def find_tokenizer(model_dir: str | os.PathLike[str]) -> Path | None:
@@ -74,22 +70,6 @@ def load_tokenizer(model_dir: str | os.PathLike[str],
     return Tokenizer(path, config, template, config_file)
 
 
-def special_tokens(config: Mapping, config_file: Path | str) -> dict[str, str]:
-    """tokenizer_config.json's special tokens ({"bos_token": "<s>", ...}); a token may be written as a string
-    or as transformers' AddedToken object ({"content": "<s>", ...}); null or absent is none."""
-    out = {}
-    for key in SPECIAL_TOKEN_KEYS:
-        value = config.get(key)
-        if isinstance(value, dict):
-            value = value.get("content")
-        if value is None:
-            continue
-        if not isinstance(value, str):
-            raise TokenizerError(f"{config_file}: {key} must be a string, got {shown(value, quote=True)}")
-        out[key] = value
-    return out
-
-
 def _read_config(directory: Path, config_file: Path) -> dict:
     """tokenizer_config.json ({} when there is none), with the special tokens it leaves out taken from an older
     checkpoint's special_tokens_map.json."""
@@ -103,55 +83,6 @@ def _read_config(directory: Path, config_file: Path) -> dict:
             raise TokenizerError(f"{map_file}: expected a JSON object, got {type(tokens).__name__}")
         config = {**{k: v for k, v in tokens.items() if k in SPECIAL_TOKEN_KEYS}, **config}
     return config
-
-
-class TokenizerBase:
-    """What every tokenizer has beside encoding and decoding: the fit to a model, chat prompts, id checks.
-    A tokenizer sets path, vocab_size, template and special_tokens, and has encode, encode_rendered, decode,
-    piece, stream_decoder and eos_ids."""
-
-    path: Path
-    vocab_size: int  # ids 0 .. vocab_size - 1
-    template: ChatTemplate | None = None  # the checkpoint's chat template; None: LLaMA-2's format
-    special_tokens: dict[str, str]  # what the template sees as bos_token, eos_token, ...
-
-    def check_fits(self, model_vocab_size: int, model: str = "the model") -> None:
-        """TokenizerError unless every piece has a row in the model's embedding and lm_head: a larger
-        tokenizer would hand the model ids past its vocabulary. (A model with more rows than pieces is
-        fine: some checkpoints pad their vocabulary, and the ids past the pieces are never sampled.)"""
-        if self.vocab_size > model_vocab_size:
-            raise TokenizerError(f"{self.path} has {self.vocab_size} pieces but {model} has a vocabulary of "
-                                 f"{model_vocab_size}: they do not belong together (name the model's own "
-                                 f"tokenizer with {option('tokenizer')})")
-
-    def chat_ids(self, messages: Sequence[dict], system: str | None = None) -> list[int]:
-        """Prompt ids for a chat, ready for the assistant's reply: the checkpoint's chat template rendered as
-        transformers' apply_chat_template(messages, add_generation_prompt=True) renders it, and its text
-        tokenized with the special tokens it spells; without a template, LLaMA-2's format, built exactly as
-        Meta's `chat_completion` builds it: each finished (user, assistant) exchange is
-        `<s>[INST] u [/INST] a </s>`, the last user turn `<s>[INST] u [/INST]`, a system prompt folded into
-        the first user turn."""
-        if self.template is not None:
-            chat = _checked_chat(messages, system)
-            if not any(m["role"] == "user" for m in chat):
-                raise PromptError("chat has no user message")
-            return self.encode_rendered(self.template.render(chat, self.special_tokens))
-        turns = _chat_turns(messages, system)
-        ids: list[int] = []
-        for user, answer in zip(turns[:-1:2], turns[1::2]):
-            ids += self.encode(f"{B_INST} {user.strip()} {E_INST} {answer.strip()} ", eos=True)
-        ids += self.encode(f"{B_INST} {turns[-1].strip()} {E_INST}")
-        return ids
-
-    def _checked(self, ids: Iterable[int]) -> list[int]:
-        # A model whose vocabulary is larger than the tokenizer's (some fine-tunes add pieces, some pad)
-        # can hand it an id it has no text for: say so in one line.
-        out = [int(i) for i in ids]
-        for i in out:
-            if not 0 <= i < self.vocab_size:
-                size = self.vocab_size
-                raise TokenizerError(f"token id {i} is outside {self.path} ({size} pieces)")
-        return out
 
 
 class Tokenizer(TokenizerBase):
@@ -362,51 +293,3 @@ def _utf8_prefix_ok(chunk: bytes) -> bool:
     except UnicodeDecodeError:
         return False
     return True
-
-
-def _checked_chat(messages: Sequence[dict], system: str | None) -> list[dict]:
-    """The messages as fresh {"role", "content"} dicts, checked: a list of dicts with a known role and a string
-    content, a system prompt first and once (the `system` argument becomes message 0)."""
-    if not isinstance(messages, Sequence) or isinstance(messages, (str, bytes)):
-        raise PromptError(f"chat messages must be a list of dicts, got {type(messages).__name__}")
-    if system is not None and not isinstance(system, str):
-        raise OptionError("system", f"must be a string (the system prompt) or None, got {type(system).__name__}")
-    chat = [] if system is None else [{"role": "system", "content": system}]
-    for i, message in enumerate(messages):
-        role = message.get("role") if isinstance(message, dict) else None
-        content = message.get("content") if isinstance(message, dict) else None
-        if role not in ROLES or not isinstance(content, str):
-            raise PromptError(
-                f"message {i} must be {{'role': 'system'|'user'|'assistant', 'content': str}}, "
-                f"got role {role!r} and content of type {type(content).__name__}"
-            )
-        if role == "system" and i != 0:
-            raise PromptError(f"message {i} has role 'system'; only the first message may")
-        if role == "system" and system is not None:
-            raise PromptError("system prompt given twice: as system= and as message 0")
-        chat.append({"role": role, "content": content})
-    return chat
-
-
-def _chat_turns(messages: Sequence[dict], system: str | None) -> list[str]:
-    """LLaMA-2's contents: user, assistant, ..., user, with the system prompt merged into the first."""
-    chat = _checked_chat(messages, system)
-    if chat and chat[0]["role"] == "system":
-        system, chat = chat[0]["content"], chat[1:]
-    first = len(messages) - len(chat)  # the index in `messages` of chat[0]
-    contents: list[str] = []
-    for i, message in enumerate(chat, start=first):
-        expected = "user" if len(contents) % 2 == 0 else "assistant"
-        if message["role"] != expected:
-            raise PromptError(
-                f"message {i} has role {message['role']!r} where {expected!r} was expected "
-                "(turns alternate user, assistant, ..., starting with user)"
-            )
-        contents.append(message["content"])
-    if not contents:
-        raise PromptError("chat has no user message")
-    if len(contents) % 2 == 0:
-        raise PromptError("the last chat message must have role 'user', not 'assistant'")
-    if system is not None:
-        contents[0] = B_SYS + system + E_SYS + contents[0]
-    return contents

@@ -30,7 +30,7 @@ from tokenizers import processors
 
 from .chat_template import ChatTemplate
 from ..common.errors import TokenizerError
-from .tokenizer import TokenizerBase, special_tokens
+from .tokenizer_base import TokenizerBase, special_tokens
 from ..common.untrusted import read_bounded, shown
 
 BYTE_PIECE = re.compile(r"<0x[0-9A-Fa-f]{2}>")

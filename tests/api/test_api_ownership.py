@@ -15,7 +15,7 @@ import cullama
 from cullama.model import checkpoint
 from cullama.runtime.backends.numpy_backend import NumpyBackend
 from cullama.runtime.engine import PlanRunner
-from cullama.model.weights import load_checkpoint
+from cullama.runtime.load import load_checkpoint
 from cullama.common.errors import SupersededError
 from cullama.runtime.plan import Plan
 from cullama.text.tokenizer import Tokenizer

@@ -23,7 +23,8 @@ from cullama.runtime.engine import PlanRunner
 from cullama.common.errors import CheckpointError, ConfigError
 from cullama.model.reference import ReferenceModel
 from cullama.runtime.sampling import SamplingParams
-from cullama.model.weights import host_weights, load_checkpoint
+from cullama.model.weights import host_weights
+from cullama.runtime.load import load_checkpoint
 from tests.conftest import shared_path
 from tests.quant_checkpoints import write as write_quantized
 from tests.model.test_checkpoint import WEIGHTS, add_tensor, edit_json, read_raw, write_raw

@@ -12,7 +12,8 @@ from cullama.runtime.backends.numpy_backend import NumpyBackend
 from cullama.model.checkpoint import write_random
 from cullama.model.config import preset
 from cullama.runtime.engine import PlanRunner
-from cullama.model.weights import load_checkpoint, load_weights
+from cullama.model.weights import load_weights
+from cullama.runtime.load import load_checkpoint
 from cullama.model.checkpoint import open_checkpoint
 from cullama.model.reference import ReferenceModel
 from cullama.runtime.sampling import SamplingParams

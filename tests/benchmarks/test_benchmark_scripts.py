@@ -15,7 +15,7 @@ import pytest
 from tests import fake_cupy
 from cullama.runtime.backends import pdl
 from cullama.model.config import preset
-from cullama.model.weights import FILL
+from cullama.runtime.load import FILL
 from cullama.common.errors import DeviceError
 from cullama.model import quant
 from cullama.runtime.ops import gemv as gemv_twins

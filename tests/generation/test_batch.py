@@ -16,7 +16,7 @@ from cullama.runtime.engine import PlanRunner
 from cullama.common.errors import OptionError, PromptError
 from cullama.generation.generate import GenerationOptions, RunnerGuard
 from cullama.runtime.sampling import NO_TOKEN, SamplingParams
-from cullama.model.weights import load_checkpoint
+from cullama.runtime.load import load_checkpoint
 
 # Prompts of several lengths, and options that make the requests end at different steps (max_new_tokens), so
 # requests join and leave while others run; more prompts than slots, so some wait for a slot and reuse one.

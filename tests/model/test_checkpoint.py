@@ -22,7 +22,8 @@ from cullama.model.checkpoint import (EMBED, FINAL_NORM, INDEX_FILE, LM_HEAD, ex
 from cullama.model.config import LlamaConfig, from_pretrained
 from cullama.common.errors import CheckpointError, ConfigError
 from cullama.model.layout import fused_shapes, parts
-from cullama.model.weights import host_weights, load_checkpoint, load_weights
+from cullama.model.weights import host_weights, load_weights
+from cullama.runtime.load import load_checkpoint
 
 SHARED = Path(__file__).resolve().parents[2].parent / "shared"
 # GQA (4 query heads over 2 kv heads) so that q, k and v have different row counts.

@@ -13,7 +13,8 @@ from cullama.runtime.backends.numpy_backend import NumpyBackend
 from cullama.model.checkpoint import open_checkpoint
 from cullama.model.config import Quantization, preset
 from cullama.common.errors import ConfigError
-from cullama.model.weights import checkpoint_layout, config_layout, host_weights, load_checkpoint
+from cullama.model.weights import checkpoint_layout, config_layout, host_weights
+from cullama.runtime.load import load_checkpoint
 
 LLAMA_7B = preset("llama-2-7b")
 

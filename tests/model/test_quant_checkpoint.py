@@ -18,7 +18,8 @@ from cullama.runtime.backends.numpy_backend import NumpyBackend
 from cullama.model.checkpoint import open_checkpoint
 from cullama.model.config import Quantization, from_pretrained
 from cullama.common.errors import CheckpointError, ConfigError, OptionError
-from cullama.model.weights import checkpoint_layout, host_weights, load_checkpoint
+from cullama.model.weights import checkpoint_layout, host_weights
+from cullama.runtime.load import load_checkpoint
 from tests.quant_checkpoints import CONFIG, variants, write
 
 GPTQ_ACT = Quantization("gptq", 4, 64, "gptq", sym=False, desc_act=True)

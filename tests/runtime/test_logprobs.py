@@ -18,7 +18,7 @@ from cullama.runtime.engine import PlanRunner
 from cullama.common.errors import OptionError, PromptError
 from cullama.runtime.logprobs import MAX_TOP, Perplexity, TokenLogprob, perplexity, windows
 from cullama.runtime.sampling import SamplingParams
-from cullama.model.weights import load_checkpoint
+from cullama.runtime.load import load_checkpoint
 
 from tests.conftest import GOLDEN_NAMES, load_golden
 

@@ -11,7 +11,8 @@ from cullama.runtime.backends.numpy_backend import NumpyBackend
 from cullama.model.checkpoint import open_checkpoint
 from cullama.model.config import preset
 from cullama.runtime.engine import PlanRunner
-from cullama.model.weights import host_weights, load_checkpoint
+from cullama.model.weights import host_weights
+from cullama.runtime.load import load_checkpoint
 from cullama.common.errors import KernelError
 from cullama.runtime.prefill_kernels import PrefillKernels
 from cullama.model.reference import ReferenceModel

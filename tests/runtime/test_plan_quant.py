@@ -19,7 +19,8 @@ from cullama.runtime.ops import gemv_quant
 from cullama.runtime.prefill_kernels import MMA_GEMM, PrefillKernels
 from cullama.model.reference import ReferenceModel
 from cullama.runtime.sampling import SamplingParams
-from cullama.model.weights import checkpoint_layout, host_weights, load_checkpoint
+from cullama.model.weights import checkpoint_layout, host_weights
+from cullama.runtime.load import load_checkpoint
 from tests.conftest import load_golden
 from tests.quant_checkpoints import CONFIG, write
 from tests.runtime.test_plan import fp16_close

@@ -17,7 +17,7 @@ from cullama.runtime.backends.numpy_backend import NumpyBackend
 from cullama.model.checkpoint import open_checkpoint
 from cullama.model.config import preset
 from cullama.runtime.engine import PlanRunner
-from cullama.model.weights import load_checkpoint, random_weights
+from cullama.runtime.load import load_checkpoint, random_weights
 from cullama.common.errors import GenerationError, KernelError, PromptError
 from cullama.runtime.ops import attention as attention_twin, gemv as gemv_twin, sampling as sample_twin
 from cullama.model.reference import rope_tables

@@ -10,7 +10,7 @@ from cullama.runtime.backends.numpy_backend import NumpyBackend
 from cullama.model.checkpoint import open_checkpoint
 from cullama.runtime.engine import PlanRunner
 from cullama.runtime.sampling import SamplingParams
-from cullama.model.weights import load_checkpoint
+from cullama.runtime.load import load_checkpoint
 from tests.runtime.backends.test_cuda_host import fake as fake  # noqa: F401 - the fixture, as test_cuda_host.py has it
 
 PROMPTS = [[1, 403, 407], [1, 29, 4, 13, 99], [1, 77]]

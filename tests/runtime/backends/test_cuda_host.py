@@ -16,7 +16,7 @@ from cullama.runtime.backends.numpy_backend import NumpyBackend
 from cullama.model.checkpoint import open_checkpoint
 from cullama.runtime.engine import PlanRunner
 from cullama.model.layout import device_config
-from cullama.model.weights import FILL, load_checkpoint
+from cullama.runtime.load import FILL, load_checkpoint
 from cullama.common.errors import KernelError, PromptError
 from cullama.runtime.sampling import SamplingParams
 

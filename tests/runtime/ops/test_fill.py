@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from cullama.model import layout as layouts, quant
-from cullama.model.weights import FILL, FILL_QPARAMS, FILL_WORDS, random_weights
+from cullama.runtime.load import FILL, FILL_QPARAMS, FILL_WORDS, random_weights
 from cullama.runtime.ops import fill as twin
 from cullama.runtime.sampling import uniform
 from tests.conftest import poisoned
