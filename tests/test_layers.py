@@ -1,5 +1,5 @@
-"""The house's plan holds: every import in cullama/ and cli/ runs down its layers (cullama/__init__.py's map), no
-module imports a sibling part or a part above it, and no two modules import each other, directly or round about
+"""The house's plan holds: every import in cullama/ and cli/ runs down its layers (the README's map, "Development"),
+no module imports a sibling part or a part above it, and no two modules import each other, directly or round about
 (imports inside functions included: a circle is a circle whenever it closes)."""
 
 import ast
@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-# What each part may import beside its own modules: cullama/__init__.py's map, bottom up.
+# What each part may import beside its own modules: the README's map, bottom up (test_the_readme_map_is_this_one).
 BELOW = {"common": set(), "kernels_cu": set(), "model": {"common"}, "text": {"common"},
          "runtime": {"model", "common", "kernels_cu"}}
 BELOW["generation"] = {"runtime", "text"} | BELOW["runtime"]
@@ -129,3 +129,30 @@ def test_the_layer_check_sees_an_import_up(tmp_path):
     (fake / "bad.py").write_text("from ..runtime import plan\n")
     (edge,) = imports("cullama.model.bad", fake / "bad.py", {"cullama.runtime.plan"})
     assert edge[0] == "cullama.runtime.plan" and part(edge[0]) not in BELOW["model"]
+
+
+def readme_map() -> dict[str, set[str]]:
+    """The README's map: part -> the parts its "imports" column names ("X, Y and below": X, Y and what they may
+    import)."""
+    text = (REPO / "README.md").read_text()
+    table = text[text.index("| folder | its job | imports |"):].split("\n\n")[0].splitlines()[2:]
+    found = {}
+    for row in table:
+        folder, _, imports_ = (cell.strip() for cell in row.strip("|").split("|"))
+        name = folder.split("`")[1].rstrip("/").removeprefix("cullama/").removesuffix(".py")
+        said = imports_.replace("nothing of cullama's", "").replace("nothing", "")
+        if said == "all of the above":
+            found[name] = set().union(*found.values(), found)
+            continue
+        below = said.endswith(" and below")  # "runtime, text and below": each named part and what it may import
+        parts = set()
+        for item in said.removesuffix(" and below").split(","):
+            item = item.strip().removesuffix(".py")
+            if item:
+                parts |= {item} | (found[item] if below else set())
+        found[name] = parts
+    return found
+
+
+def test_the_readme_map_is_this_one():
+    assert readme_map() == BELOW

@@ -286,7 +286,7 @@ def test_the_cli_refuses_a_qwen2_sliding_window_in_one_line(tmp_path):
 
 # -- the presets `cullama bench --synthetic NAME` runs ------------------------------------------------------------
 # (preset, FP16 bytes a decode step reads in GB, the floor in ms at the H200's 4.44 TB/s, int8 GB, int4 GB): the
-# README's table. LLaMA-3-8B's lm_head alone is 128,256 x 4096 x 2 bytes = 1.05 GB of its 15.01.
+# docs/models.md's table. LLaMA-3-8B's lm_head alone is 128,256 x 4096 x 2 bytes = 1.05 GB of its 15.01.
 PRESET_FLOORS = [("llama3-8b", 15.01, 3.38, 8.04, 4.76), ("llama3.2-1b", 2.47, 0.56, 1.50, 1.04),
                  ("mistral-7b", 14.22, 3.20, 7.25, 3.97), ("qwen2.5-7b", 14.14, 3.18, 7.62, 4.56)]
 

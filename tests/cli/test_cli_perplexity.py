@@ -1,4 +1,4 @@
-"""`cullama perplexity` on the CPU: stories260K's story as ids (the README's figure), its options in --json, text
+"""`cullama perplexity` on the CPU: stories260K's story as ids (docs/logprobs.md's figure), its options in --json, text
 through the tokenizer from a file and from standard input, and each bad input as one line with exit code 2,
 before any weight loads."""
 

@@ -89,7 +89,7 @@ def test_chunk_boundaries_change_nothing(stories_dir, stories, story):
 
 
 def test_perplexity_of_stories260k_on_its_story(stories, story):
-    """The README's figure: the whole story in one window (the context is 512)."""
+    """docs/logprobs.md's figure: the whole story in one window (the context is 512)."""
     result = stories.perplexity(story)
     by_hand = math.exp(-np.mean(log_softmax(stories.logits(story))[np.arange(len(story) - 1), story[1:]]))
     assert (result.tokens, result.windows, result.context, result.stride) == (256, 1, 512, 256)
