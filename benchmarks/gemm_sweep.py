@@ -218,8 +218,8 @@ def main(argv=None) -> int:
         if any(KERNELS[n].spec.arch_specific for n in names):
             wgmma.check_arch(loader.arch)  # a one-line error on anything but sm_90
         bps, bandwidth = read_bandwidth()
-        print(f"read bandwidth: {bps / 1e9:.0f} GB/s (cullama.bench.latency.measure_bandwidth, {bandwidth['statistic']}); "
-              f"SPLIT_K={prefill_kernels.SPLIT_K}; kernels {', '.join(names)}")
+        print(f"read bandwidth: {bps / 1e9:.0f} GB/s (cullama.bench.latency.measure_bandwidth, "
+              f"{bandwidth['statistic']}); SPLIT_K={prefill_kernels.SPLIT_K}; kernels {', '.join(names)}")
         rows = []
         record = {"model": args.model, "read_bandwidth_bytes_per_s": bps, "bandwidth": bandwidth,
                   "environment": environment(), "split_k": prefill_kernels.SPLIT_K, "kernels": names, "rows": rows}

@@ -15,11 +15,12 @@ previous one's tail). GB/s counts the FP16 weight bytes only (the vectors are < 
 traffic); % is of the read bandwidth as `cullama bench` measures it (cullama.bench.latency.measure_bandwidth).
 Before timing, each variant's output is checked against the kernel's NumPy twin. Run it on a GPU;
 without one it says so in one line.
---bits 4,8 sweeps gemv_quant.cu instead (W4A16 and W8A16: every variant of cullama.runtime.ops.gemv_quant.DECODE_VARIANTS
-for those bits, the four weight matrices: no quantized lm_head), with weights as on-load quantization makes them
-(Weights below: INT4 in groups of 128 along K, INT8 one group per row); GB/s is then the effective weight
-bandwidth, the bytes of codes and (scale, zero) pairs that a decode step reads (quant.QuantFormat.nbytes), and a
-shape the format cannot hold (K not a multiple of the 16-byte vector) is skipped with a line saying so.
+--bits 4,8 sweeps gemv_quant.cu instead (W4A16 and W8A16: every variant of
+cullama.runtime.ops.gemv_quant.DECODE_VARIANTS for those bits, the four weight matrices: no quantized lm_head), with
+weights as on-load quantization makes them (Weights below: INT4 in groups of 128 along K, INT8 one group per row); GB/s
+is then the effective weight bandwidth, the bytes of codes and (scale, zero) pairs that a decode step reads
+(quant.QuantFormat.nbytes), and a shape the format cannot hold (K not a multiple of the 16-byte vector) is skipped with
+a line saying so.
 """
 
 from __future__ import annotations
@@ -322,8 +323,8 @@ def main(argv=None) -> int:
         cfg, loader = device_config(preset(args.model)), KernelLoader()
         pdl = overlap_launcher(loader)
         bps, bandwidth = read_bandwidth()
-        print(f"read bandwidth: {bps / 1e9:.0f} GB/s (cullama.bench.latency.measure_bandwidth, {bandwidth['statistic']}); "
-              f"overlapped launches: {'timed too' if pdl else 'not on ' + loader.arch}")
+        print(f"read bandwidth: {bps / 1e9:.0f} GB/s (cullama.bench.latency.measure_bandwidth, "
+              f"{bandwidth['statistic']}); overlapped launches: {'timed too' if pdl else 'not on ' + loader.arch}")
         rows, skipped = [], []
         record = {"model": args.model, "plan_variant": plan_variant(args.bits),
                   "read_bandwidth_bytes_per_s": bps, "bandwidth": bandwidth, "environment": environment(),

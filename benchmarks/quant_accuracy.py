@@ -1,4 +1,5 @@
-"""Accuracy of quantized models, on the CPU (no GPU needed): docs/quantization.md's tables, from ../shared's checkpoints.
+"""Accuracy of quantized models, on the CPU (no GPU needed): docs/quantization.md's tables, from ../shared's
+checkpoints.
 
     python benchmarks/quant_accuracy.py [--shared DIR] [--sample-tokens N]
 

@@ -208,8 +208,8 @@ class Llama:
         statistics (method, k, steps, drafted, accepted, tokens per step).
         logprobs: None (off), or N from 0 to 20: `result.logprobs` holds each generated token's log-probability
         (TokenLogprob, EOS's too) and its N most likely alternatives, under the model's raw softmax (before the
-        repetition penalty, temperature, top-k and top-p; cullama/runtime/logprobs.py), computed on the device beside the
-        token (speculative decoding: from the verify rows). prompt_logprobs: the same for every prompt id
+        repetition penalty, temperature, top-k and top-p; cullama/runtime/logprobs.py), computed on the device beside
+        the token (speculative decoding: from the verify rows). prompt_logprobs: the same for every prompt id
         (`result.prompt_logprobs`, None for the first), from the prompt's one prefill (the whole prompt is then
         prefilled, whatever reuse_cache says); with max_new_tokens=0 the prompt is only scored.
 
@@ -238,8 +238,8 @@ class Llama:
         return (self.runner, detok, self.encode(prompt), options, self.eos_ids, self.guard), spec, reuse_cache
 
     def batch(self) -> BatchSession:
-        """A session that decodes many generations at once, up to the model's max_batch (cullama/generation/batch.py): its
-        submit(prompt, **options) takes stream()'s options, and each request's tokens are the ones it gets alone
+        """A session that decodes many generations at once, up to the model's max_batch (cullama/generation/batch.py):
+        its submit(prompt, **options) takes stream()'s options, and each request's tokens are the ones it gets alone
         (the same seed, the same tokens), whoever it runs with. reuse_cache is ignored there (every prompt is
         prefilled in full, into its own slot)."""
         return BatchSession(self.runner, self.guard, self._batched_stream)
@@ -305,8 +305,8 @@ class Llama:
     def perplexity(self, prompt: str | Sequence[int], stride: int | None = None) -> scoring.Perplexity:
         """The perplexity of a text (with BOS) or of token ids, of any length: windows of the whole context
         (max_seq_len), `stride` ids apart (default half the context), each id scored once with the context its
-        window gives it, as HuggingFace's perplexity guide does (cullama.runtime.logprobs.windows). One prefill per window;
-        holds the model throughout."""
+        window gives it, as HuggingFace's perplexity guide does (cullama.runtime.logprobs.windows). One prefill per
+        window; holds the model throughout."""
         context = self.runner.max_seq_len
         stride = context // 2 if stride is None else stride
         if not is_int(stride) or not 1 <= stride <= context:

@@ -53,7 +53,8 @@ def stories_expected(stories_dir) -> dict:
 # CULLAMA_FAKE_GPU=1: the tests marked `gpu` run on the CPU against tests/fake_cupy.py, whose kernels are the
 # NumPy twins. That proves nothing about the kernels, but it runs every line of the GPU tests' own code
 # (arguments, shapes, fixtures), so a lent GPU's few minutes are not lost to a typo in a test.
-# CULLAMA_FAKE_GPU=emu: the same fake GPU, whose kernels are the real ones run by the CPU executor (cullama.runtime.emu).
+# CULLAMA_FAKE_GPU=emu: the same fake GPU, whose kernels are the real ones run by the CPU executor
+# (cullama.runtime.emu).
 FAKE_GPU_MODE = os.environ.get("CULLAMA_FAKE_GPU")
 FAKE_GPU = FAKE_GPU_MODE in ("1", "emu")
 

@@ -1,6 +1,7 @@
 """Mutation testing: put one small bug at a time into a module and see whether its tests notice.
 
-    .venv/bin/python tests/mutate.py cullama/runtime/sampling.py [--tests tests/runtime/test_sampling.py ...] [--limit N] [--jobs 1]
+    .venv/bin/python tests/mutate.py cullama/runtime/sampling.py [--tests tests/runtime/test_sampling.py ...]
+        [--limit N] [--jobs 1]
 
 Each mutant changes one place of the module's code: a comparison flipped at its boundary (< and <=, > and >=,
 == and !=, is and is not, in and not in), `and` and `or` swapped, an arithmetic or bitwise operator swapped

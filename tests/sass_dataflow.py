@@ -1,7 +1,7 @@
 """The floating-point dataflow of a kernel's machine code (SASS, from `cuobjdump -sass`), for comparing two
 compiled variants of one kernel: does every value they compute come out of the same chain of floating-point
-operations? The CPU executor (cullama.runtime.emu) compiles kernels without FMA contraction, so it cannot see what the GPU
-compiler does to a*b + c (fused or not) or to a sum's order in one variant and not in another; this sees it.
+operations? The CPU executor (cullama.runtime.emu) compiles kernels without FMA contraction, so it cannot see what the
+GPU compiler does to a*b + c (fused or not) or to a sum's order in one variant and not in another; this sees it.
 
 What it proves: every floating-point operation of one variant, with the whole chains of operations that feed it,
 is an operation of the other variant and the other way round, apart from the cuts below: so a contraction that

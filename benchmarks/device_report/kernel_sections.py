@@ -129,8 +129,8 @@ def section_gemv(res: Results) -> list[str]:
                      fmt(d and d.get("gb_s"), 0) + ("" if d is None or d.get("check_ok") is True else " (WRONG)"),
                      fmt(gemv_pct(d, bw), 1, " %"), fmt(ratio(best and best.get("gb_s"), d and d.get("gb_s")), 3, "x")])
     lines = [f"GB/s of the FP16 weights per launch (CUDA graph rotating over copies beyond the L2); read bandwidth "
-             f"{tb_s(bw)}; default variant {default or 'unknown (cullama not importable)'} (cullama.runtime.plan at this "
-             f"checkout: gemv.json does not record it).", ""]
+             f"{tb_s(bw)}; default variant {default or 'unknown (cullama not importable)'} (cullama.runtime.plan at "
+             f"this checkout: gemv.json does not record it).", ""]
     lines += table(["shape", "kernel", "fastest correct", "us", "GB/s", "% read bw", "default GB/s",
                     "default % bw", "fastest / default"], rows, right=set(range(3, 9)))
     variants = []

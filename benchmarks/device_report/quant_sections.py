@@ -59,8 +59,8 @@ def section_gemv_quant(res: Results) -> list[str]:
                      fmt(gemv_pct(d, bw), 1, " %"), fmt(ratio(fp16, best and best.get("us")), 2, "x")])
     lines = [f"Effective GB/s: the bytes a decode step reads per launch (codes and (scale, zero) pairs: INT4 groups "
              f"of 128, INT8 per row), CUDA graph rotating over copies beyond the L2; read bandwidth {tb_s(bw)}; "
-             f"default: this checkout's cullama.runtime.ops.gemv_quant.defines; x FP16: the fastest FP16 GEMV on the same "
-             f"shape (gemv.json) over this one's time.", ""]
+             f"default: this checkout's cullama.runtime.ops.gemv_quant.defines; x FP16: the fastest FP16 GEMV on the "
+             f"same shape (gemv.json) over this one's time.", ""]
     lines += table(["bits shape", "kernel", "fastest correct", "us", "GB/s", "% read bw", "default GB/s",
                     "default % bw", "x FP16"], rows, right=set(range(3, 9)))
     for label, rs in shapes.items():

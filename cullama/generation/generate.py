@@ -53,7 +53,7 @@ class Runner(Protocol):
     def logits(self, token_ids: Sequence[int]) -> np.ndarray: ...
 
 
-WAITING = object()  # what a stream yields while its next token is not there yet (cullama/generation/batch.py's streams only)
+WAITING = object()  # what a stream yields while its next token is not there yet (generation/batch.py's streams only)
 
 
 class RunnerGuard:
@@ -103,7 +103,7 @@ class Generation:
     timings: Timings
     seed: int | None = None  # the sampling seed used (drawn at random when none was given)
     stop_string: str | None = None  # the stop string that ended it (finish_reason "stop")
-    speculative: dict | None = None  # speculative decoding's statistics (cullama/generation/speculative.py); None when off
+    speculative: dict | None = None  # speculative decoding's statistics (generation/speculative.py); None when off
     # logprobs=N: one per token the model produced, token_ids' and the EOS that ended the generation, if one did
     logprobs: list[TokenLogprob] | None = None
     # prompt_logprobs=N: one per prompt id, None for the first (nothing predicts it)

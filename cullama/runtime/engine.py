@@ -439,7 +439,7 @@ class PlanRunner:
         self._x_of = self.slot  # the sample kernel wrote its next input
         return accepted
 
-    # -- batched decoding (cullama/generation/batch.py) ------------------------------------------------------------------
+    # -- batched decoding (cullama/generation/batch.py) -------------------------------------------------------
     def set_batch(self, slots: Sequence[int]) -> None:
         """The sequences the next batch_step()s decode, in row order: each must have a sampled token to decode
         from (a start() or a finished Prefill). Call it when the batch's composition changes, not per step: it
@@ -494,7 +494,8 @@ class PlanRunner:
         return tokens
 
     def batch_scores(self) -> np.ndarray | None:
-        """The last batch_step's rows of the logprobs kernel (cullama.runtime.logprobs.from_rows), if it asked for them."""
+        """The last batch_step's rows of the logprobs kernel (cullama.runtime.logprobs.from_rows), if it asked for
+        them."""
         return self._batch_scores
 
     def logits(self, token_ids: Sequence[int]) -> np.ndarray:

@@ -2,8 +2,8 @@
 
 With max_batch 1 (`--max-batch 1`) it runs one generation at a time: requests wait in a FIFO queue bounded by
 `max_queue` (past it `submit` raises Busy, a 429), and the engine thread takes them one by one. With max_batch B > 1
-it runs up to B together in a batch session (cullama/generation/batch.py: iteration-level scheduling, each request's tokens
-exactly its solo tokens): a request joins the batch as soon as one of its slots is free, and the queue bounds the
+it runs up to B together in a batch session (cullama/generation/batch.py: iteration-level scheduling, each request's
+tokens exactly its solo tokens): a request joins the batch as soon as one of its slots is free, and the queue bounds the
 requests waiting past the batch. The metrics count the rows of every decode step (cullama_decode_batch_size) and the
 requests running (cullama_running_requests). The HTTP side never runs the model or waits on the device (it only
 tokenizes the prompt, on a worker thread): it submits a Job and awaits the job's events (Piece..., then one of

@@ -1,5 +1,5 @@
-"""Accuracy of quantized models through the public API (docs/quantization.md's figures; benchmarks/quant_accuracy.py prints
-them all): the AWQ and GPTQ goldens against HuggingFace's own FP32 answers, and int8 / int4 quantized on load
+"""Accuracy of quantized models through the public API (docs/quantization.md's figures; benchmarks/quant_accuracy.py
+prints them all): the AWQ and GPTQ goldens against HuggingFace's own FP32 answers, and int8 / int4 quantized on load
 against FP16 on the same checkpoint (logit deviation, top-1 agreement, stories260K's perplexity)."""
 
 from __future__ import annotations
@@ -40,7 +40,8 @@ def deviation(base, quantized, ids) -> tuple[float, float]:
     return worst, agree
 
 
-# (name, quantize) -> (largest relative logit deviation, least top-1 agreement) as measured (docs/quantization.md), with room
+# (name, quantize) -> (largest relative logit deviation, least top-1 agreement) as measured (docs/quantization.md),
+# with room
 BOUNDS = {("tiny-mha", "int8"): (0.03, 0.99), ("tiny-mha", "int4"): (0.45, 0.45),
           ("tiny-gqa-sharded", "int8"): (0.06, 0.93), ("tiny-gqa-sharded", "int4"): (0.5, 0.3)}
 

@@ -41,7 +41,8 @@ def test_installed_wheel_runs_outside_the_source_tree(wheel, tmp_path):
                               str(wheel)], capture_output=True, text=True)
     assert install.returncode == 0, install.stderr
     env = {**os.environ, "PYTHONPATH": str(target)}
-    probe = ("import cullama, cullama.runtime.registry as r, cullama.runtime.backends.numpy_backend as b, cullama.runtime.ops.gemv as g; "
+    probe = ("import cullama, cullama.runtime.registry as r, cullama.runtime.backends.numpy_backend as b, "
+             "cullama.runtime.ops.gemv as g; "
              "assert all(m.__file__.startswith(cullama.__path__[0]) for m in (r, b, g)), 'mixed install'; "
              "print(cullama.__file__); print(sorted(r.sources()))")
     shown = subprocess.run([sys.executable, "-c", probe], cwd=tmp_path, env=env, capture_output=True, text=True)

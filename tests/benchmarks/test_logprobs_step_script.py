@@ -1,5 +1,6 @@
-"""benchmarks/logprobs_step.py end to end on the CPU against the fake CuPy (as tests/benchmarks/test_benchmark_scripts.py runs
-the other scripts): every graph it times is captured once per name, the rows say what the kernel and the host add."""
+"""benchmarks/logprobs_step.py end to end on the CPU against the fake CuPy (as
+tests/benchmarks/test_benchmark_scripts.py runs the other scripts): every graph it times is captured once per name, the
+rows say what the kernel and the host add."""
 
 import json
 

@@ -23,7 +23,7 @@ from cullama.cli.main import main as cli
 from cullama.model.config import preset
 from cullama.runtime.device import environment
 from tests.benchmarks.test_benchmark_scripts import BENCHMARKS, DECODE_ARGS, run_main
-from tests.benchmarks.test_benchmark_scripts import fake as fake  # noqa: F401 - the fixture, as test_benchmark_scripts.py has it
+from tests.benchmarks.test_benchmark_scripts import fake as fake  # noqa: F401 - the fixture
 
 import summarize  # noqa: E402 - benchmarks/ is on sys.path (test_benchmark_scripts puts it there)
 

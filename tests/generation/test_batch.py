@@ -1,6 +1,6 @@
-"""Batched decoding end to end (cullama/generation/batch.py, the runner's slots): every request gets exactly the tokens it gets
-alone, greedy and seeded sampling alike, with requests joining and leaving mid-run; on the numpy backend here, on
-the CUDA backend (a GPU, or the fake one: CULLAMA_FAKE_GPU=emu runs the real kernels) in test_batch_cuda_host."""
+"""Batched decoding end to end (cullama/generation/batch.py, the runner's slots): every request gets exactly the tokens
+it gets alone, greedy and seeded sampling alike, with requests joining and leaving mid-run; on the numpy backend here,
+on the CUDA backend (a GPU, or the fake one: CULLAMA_FAKE_GPU=emu runs the real kernels) in test_batch_cuda_host."""
 
 from __future__ import annotations
 

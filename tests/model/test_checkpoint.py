@@ -17,8 +17,8 @@ from safetensors import safe_open
 from safetensors.numpy import load_file
 
 from cullama.model import checkpoint as checkpoint_module
-from cullama.model.checkpoint import (EMBED, FINAL_NORM, INDEX_FILE, LM_HEAD, expected_shapes, layer_name, open_checkpoint,
-                                write_random)
+from cullama.model.checkpoint import (EMBED, FINAL_NORM, INDEX_FILE, LM_HEAD, expected_shapes, layer_name,
+                                      open_checkpoint, write_random)
 from cullama.model.config import LlamaConfig, from_pretrained
 from cullama.common.errors import CheckpointError, ConfigError
 from cullama.model.layout import fused_shapes, parts

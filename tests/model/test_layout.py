@@ -1,5 +1,5 @@
-"""The device weight layout (cullama/model/layout.py): buffers, formats, padding, bytes and the floor they imply, for FP16,
-on-load int8 / int4 and act-order layouts."""
+"""The device weight layout (cullama/model/layout.py): buffers, formats, padding, bytes and the floor they imply, for
+FP16, on-load int8 / int4 and act-order layouts."""
 
 from __future__ import annotations
 

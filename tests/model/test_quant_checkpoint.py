@@ -1,7 +1,8 @@
-"""AWQ and GPTQ checkpoints read as they are (cullama/model/quant_checkpoint.py, the loader and the config): every format
-variant loads to exactly the weights the format says, bit for bit, on the device and for the reference; older dumps'
-own quantization files; modules_to_not_convert; and every refusal is one line naming the key or tensor, before any
-weight reaches the device. The checkpoints are packed by tests/quant_checkpoints.py from the formats' definitions."""
+"""AWQ and GPTQ checkpoints read as they are (cullama/model/quant_checkpoint.py, the loader and the config): every
+format variant loads to exactly the weights the format says, bit for bit, on the device and for the reference; older
+dumps' own quantization files; modules_to_not_convert; and every refusal is one line naming the key or tensor, before
+any weight reaches the device. The checkpoints are packed by tests/quant_checkpoints.py from the formats'
+definitions."""
 
 from __future__ import annotations
 

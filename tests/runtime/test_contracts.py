@@ -174,8 +174,8 @@ def test_every_plan_kernel_may_overlap():
     assert "gemm_quant" in int4 and int4 <= plans.OVERLAP_SAFE
 
 
-# The quantized kernels' weights by parameter name (cullama/model/quant.py's qweight and qparams; gather's perm): whether or
-# not a plan launches them yet, they may read these, and only these, before pdl_wait().
+# The quantized kernels' weights by parameter name (cullama/model/quant.py's qweight and qparams; gather's perm):
+# whether or not a plan launches them yet, they may read these, and only these, before pdl_wait().
 QUANT_WEIGHTS = {"gemv_quant.cu": {"qweight", "qparams"}, "gemm_quant.cu": {"qweight", "qparams"}, "gather.cu": {"perm"}}
 
 

@@ -1,7 +1,7 @@
-"""Log-probabilities in the library (cullama/runtime/logprobs.py, PlanRunner.score / start(logprobs=...), Llama.logprobs,
-Llama.perplexity, stream(logprobs=, prompt_logprobs=)): against a NumPy log-softmax of HuggingFace's FP32 logits
-(the goldens) and of cullama's own logits, through decode steps, verify steps (speculative decoding), prefill
-chunks and the CUDA backend's queued-ahead steps (on the fake GPU), and the sliding-window perplexity."""
+"""Log-probabilities in the library (cullama/runtime/logprobs.py, PlanRunner.score / start(logprobs=...),
+Llama.logprobs, Llama.perplexity, stream(logprobs=, prompt_logprobs=)): against a NumPy log-softmax of HuggingFace's
+FP32 logits (the goldens) and of cullama's own logits, through decode steps, verify steps (speculative decoding),
+prefill chunks and the CUDA backend's queued-ahead steps (on the fake GPU), and the sliding-window perplexity."""
 
 from __future__ import annotations
 

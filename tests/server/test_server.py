@@ -13,7 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from tests.serving import stories_client, stories_oracle, stories_server  # noqa: F401  (fixtures: client, oracle, server)
+from tests.serving import stories_client, stories_oracle, stories_server  # noqa: F401  (fixtures)
 
 pytest.importorskip("fastapi", reason="the serve extra is not installed (pip install -e '.[test]')")
 openai = pytest.importorskip("openai", reason="the openai client is a test dependency (pip install -e '.[test]')")

@@ -18,7 +18,8 @@ from click.testing import CliRunner  # noqa: E402
 from cullama.cli.main import main  # noqa: E402
 from cullama.server.engine import Busy, Engine, Failed, Finished, Job, Piece, Refused, Stopped  # noqa: E402
 from cullama.server.metrics import Metrics  # noqa: E402
-from tests.generation.test_batch import batched, solo  # noqa: E402,F401 - the library's batch tests' models (max_batch 4, and 1)
+# the library's batch tests' models (max_batch 4, and 1)
+from tests.generation.test_batch import batched, solo  # noqa: E402,F401
 
 PROMPTS = [[1], [1, 403], [1, 403, 407], [1, 29, 4], [1, 500, 2, 17], [1, 77]]
 OPTIONS = [dict(max_new_tokens=n, temperature=t, seed=s) for n, t, s in

@@ -11,7 +11,7 @@ import math
 
 import pytest
 
-from tests.serving import stories_client, stories_oracle, stories_server  # noqa: F401  (fixtures: client, oracle, server)
+from tests.serving import stories_client, stories_oracle, stories_server  # noqa: F401  (fixtures)
 
 pytest.importorskip("fastapi", reason="the serve extra is not installed (pip install -e '.[test]')")
 pytest.importorskip("openai", reason="the openai client is a test dependency (pip install -e '.[test]')")

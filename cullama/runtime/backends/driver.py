@@ -2,7 +2,8 @@
 (backends/pdl.py), cuFuncSetAttribute (backends/func_attr.py), cuEventRecordWithFlags
 (benchmarks/decode_step.py), and here cuGetErrorString and cuDriverGetVersion. libcuda is present wherever a
 GPU is, so this adds no dependency; tests hand these modules a stand-in library instead. Every function's
-argtypes and restype are set before its first call (tests/runtime/backends/test_driver.py checks them against cuda.h)."""
+argtypes and restype are set before its first call (tests/runtime/backends/test_driver.py checks them against
+cuda.h)."""
 
 from __future__ import annotations
 

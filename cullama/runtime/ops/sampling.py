@@ -36,8 +36,8 @@ def sample(logits, seen, state, fparams, embed, x, step_rows, ids, picks, out, a
     where the pick is NO_TOKEN). ids, out and arrivals are not used.
 
     verify 1 (n rows of one slot, rows[0]'s: a decode step, n = 1, or a verify step): row r: picks[r] =
-    cullama.runtime.sampling.sample(logits[r], params, seen | ids[1..r], state[STEP] + r, draft=ids[r + 1] if r + 1 < n).
-    Then n' - 1 = how many leading drafts ids[1..] equal the pick of the row before them, out = [n', ids[1..n'-1],
+    cullama.runtime.sampling.sample(logits[r], params, seen | ids[1..r], state[STEP] + r, draft=ids[r + 1] if r + 1 <
+    n). Then n' - 1 = how many leading drafts ids[1..] equal the pick of the row before them, out = [n', ids[1..n'-1],
     picks[n'-1]], and as n' decode steps would: state[TOKEN] = picks[n'-1], state[STEP] += n', state[POS] += n',
     seen[those n' tokens] = 1, x[0] = embed[picks[n'-1]] as float32, all in place; arrivals is left at 0. Where the
     last pick is NO_TOKEN (every logit of its row NaN or -inf), it is not marked seen and x = 0. A draft outside

@@ -1,6 +1,7 @@
 """Batched decoding through the CUDA backend: its host code on the CPU against tests/fake_cupy.py (the `fake`
 fixture: the NumPy twins as kernels), and the GPU test (marked gpu) that CULLAMA_FAKE_GPU=emu runs on the real
-kernels (tests/runtime/emu/test_emu_end_to_end.py). Each sequence of a batched step gets bit for bit what its solo steps give."""
+kernels (tests/runtime/emu/test_emu_end_to_end.py). Each sequence of a batched step gets bit for bit what its solo steps
+give."""
 
 import numpy as np
 import pytest

@@ -201,7 +201,8 @@ def test_nothing_is_written_outside_the_cache_directory(tmp_path):
     (src / "toy.cu").write_text(TOY)
     env = clean_env(HOME=str(home))
     assert cullama("info", env=env).returncode == 0  # imports CuPy, which makes its cache directory at once
-    compile_toy = (f"from pathlib import Path; from cullama.runtime import registry; registry.SOURCE_DIR = Path({str(src)!r}); "
+    compile_toy = (f"from pathlib import Path; from cullama.runtime import registry; "
+                   f"registry.SOURCE_DIR = Path({str(src)!r}); "
                    "print(registry.compile_module('toy.cu', (), 'sm_90').cubin_path)")
     done = subprocess.run([sys.executable, "-c", compile_toy], capture_output=True, text=True, env=env, timeout=300)
     assert done.returncode == 0, done.stderr

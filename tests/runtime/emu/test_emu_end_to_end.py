@@ -1,7 +1,7 @@
 """The GPU tests end to end on the real kernels: with CULLAMA_FAKE_GPU=emu (tests/conftest.py) the fake CuPy's
-kernels are kernels_cu compiled for the CPU by cullama.runtime.emu, so these GPU tests run every kernel of a plan, through
-the CUDA backend, its captured graphs and all, on the CPU, in the fastest schedule (forward). CI runs those it can
-afford (about two and a half minutes of CPU): stories260K's 256 greedy ids (its documented output), the golden
+kernels are kernels_cu compiled for the CPU by cullama.runtime.emu, so these GPU tests run every kernel of a plan,
+through the CUDA backend, its captured graphs and all, on the CPU, in the fastest schedule (forward). CI runs those it
+can afford (about two and a half minutes of CPU): stories260K's 256 greedy ids (its documented output), the golden
 checkpoints' logits against HuggingFace's, graph replay against eager launches and the NumPy backend, prefix
 reuse, a two-layer model against the reference, verify steps and batched steps against plain steps (bit for bit,
 through their graphs; a prompt of several chunks joining a batch), and the kernel tests at their GPU shapes
@@ -20,14 +20,17 @@ SELECTED = [f"{MODEL}test_stories260k_greedy_ids", f"{MODEL}test_logits_within_f
             f"{MODEL}test_graph_replay_equals_eager_launches_and_the_numpy_backend",
             f"{MODEL}test_prefix_reuse_matches_a_fresh_prefill",
             f"{MODEL}test_two_layers_of_llama2_7b_shape_match_the_reference",
-            "tests/runtime/ops/test_fill.py", "tests/runtime/ops/test_prefill.py", "tests/runtime/ops/test_attention.py", "tests/runtime/ops/test_attention_mma.py",
-            "tests/runtime/ops/test_gemv.py", "tests/bench/test_bench.py", "tests/runtime/ops/test_sampling_kernel.py::test_greedy_kernel_is_exact",
+            "tests/runtime/ops/test_fill.py", "tests/runtime/ops/test_prefill.py",
+            "tests/runtime/ops/test_attention.py", "tests/runtime/ops/test_attention_mma.py",
+            "tests/runtime/ops/test_gemv.py", "tests/bench/test_bench.py",
+            "tests/runtime/ops/test_sampling_kernel.py::test_greedy_kernel_is_exact",
             "tests/runtime/ops/test_sampling_kernel.py::test_non_finite_logits_as_the_twin",
             "tests/runtime/ops/test_sampling_kernel.py::test_uniform_probe_is_bit_exact",
             "tests/runtime/test_verify.py::test_gpu_stories260k_verify_is_the_plain_steps_bit_for_bit[penalty]",
             "tests/runtime/backends/test_batch_cuda_host.py::test_gpu_batched_steps_equal_solo_steps",
-            "tests/runtime/backends/test_batch_cuda_host.py::test_gpu_a_prompt_of_several_chunks_joining_gets_its_solo_tokens"]
-DESELECTED = ["tests/runtime/ops/test_gemv.py::test_gpu_gate_up_and_logits[11008-4096-32000]"]  # 20 s of a 32000 x 4096 GEMV
+            "tests/runtime/backends/test_batch_cuda_host.py::"
+            "test_gpu_a_prompt_of_several_chunks_joining_gets_its_solo_tokens"]
+DESELECTED = ["tests/runtime/ops/test_gemv.py::test_gpu_gate_up_and_logits[11008-4096-32000]"]  # 20 s: 32000 x 4096
 
 
 @pytest.mark.emu

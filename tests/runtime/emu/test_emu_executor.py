@@ -473,8 +473,9 @@ def test_a_compile_error_is_one_line_naming_the_source(probes, tmp_path):
 def test_the_portable_fiber_switch_runs_the_kernels_too():
     """Off x86-64 the fibers switch with makecontext + _setjmp / _longjmp: forced here (CULLAMA_EMU_PORTABLE=1,
     a fresh process: one runtime per process), on kernels with barriers, shuffles, cp.async and mma."""
-    code = ("from tests.runtime.emu import test_emu_kernels as k; k.check_prefill('shuffled'); k.check_gemm(k.MMA_GEMM.spec, 64, 128, 256, 0, "
-            "'reverse', cases=k.GEMM_CASES[:2]); k.check_sample(k.SAMPLE_OPTIONS[3], 1000, 'forward', draws=1)")
+    code = ("from tests.runtime.emu import test_emu_kernels as k; k.check_prefill('shuffled'); "
+            "k.check_gemm(k.MMA_GEMM.spec, 64, 128, 256, 0, 'reverse', cases=k.GEMM_CASES[:2]); "
+            "k.check_sample(k.SAMPLE_OPTIONS[3], 1000, 'forward', draws=1)")
     env = {**os.environ, "CULLAMA_EMU_PORTABLE": "1", "PYTHONPATH": str(REPO)}
     done = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True,
                           timeout=600)

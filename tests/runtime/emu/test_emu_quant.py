@@ -1,7 +1,7 @@
-"""The quantized kernels as written (gemv_quant.cu, gemm_quant.cu, gather.cu), run on the CPU by cullama.runtime.emu: every
-variant against its twin in every warp schedule, outputs NaN-poisoned (tests/runtime/ops/test_gemv_quant.py's checks), a verify
-launch's token rows against one-row launches bit for bit, and seeded bugs (a wrong nibble order, a zero off by one,
-a group index off by one, a missed tail, ...) that those checks must catch."""
+"""The quantized kernels as written (gemv_quant.cu, gemm_quant.cu, gather.cu), run on the CPU by cullama.runtime.emu:
+every variant against its twin in every warp schedule, outputs NaN-poisoned (tests/runtime/ops/test_gemv_quant.py's
+checks), a verify launch's token rows against one-row launches bit for bit, and seeded bugs (a wrong nibble order, a
+zero off by one, a group index off by one, a missed tail, ...) that those checks must catch."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
-"""The executor's mapping of the quantized kernels' PTX (cullama/runtime/emu/ptx.h, "quantized weights"), each against the
-PTX ISA's definition written here independently in NumPy, over every immediate or a truth table:
+"""The executor's mapping of the quantized kernels' PTX (cullama/runtime/emu/ptx.h, "quantized weights"), each against
+the PTX ISA's definition written here independently in NumPy, over every immediate or a truth table:
     lop3.b32       every immLut (256) on the truth-table inputs and on random words
     prmt.b32       every selector of the default mode (2^16) on words whose bytes all differ, sign bits mixed
     add / sub / mul.rn.f16x2   every FP16 value against 64 others (specials included), rounded once to nearest

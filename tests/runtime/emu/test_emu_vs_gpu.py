@@ -1,5 +1,5 @@
-"""The CPU executor (cullama.runtime.emu) against the GPU on the same inputs, for the kernels whose inline PTX the executor
-models from the ISA's text rather than from a run: mma.sync + ldmatrix (gemm.cu, attention_mma.cu), wgmma with
+"""The CPU executor (cullama.runtime.emu) against the GPU on the same inputs, for the kernels whose inline PTX the
+executor models from the ISA's text rather than from a run: mma.sync + ldmatrix (gemm.cu, attention_mma.cu), wgmma with
 its shared-memory descriptors and swizzle (gemm_wgmma.cu), the quantized kernels' lop3, prmt and FP16x2
 arithmetic (gemv_quant.cu: float32 only after that, so the executor must give the GPU's bits exactly; gemm_quant.cu,
 with mma.sync), and the canonical NaN of its FP16 conversions, bit for bit. A layout the executor gets wrong would
@@ -147,7 +147,8 @@ def same_bits(what: str, gpu: np.ndarray, cpu: np.ndarray) -> None:
 def test_nan_conversions_on_the_executor_equal_the_gpu(kernels):
     """A NaN of any sign and payload through cvt.f32.f16 (embed_rows widens every FP16 NaN) and cvt.rn.f16.f32
     (rope_kv_rows stores v unrotated after the bias's add.rn, q and k after more arithmetic on NaNs): the executor
-    gives the canonical NaN (0x7FFFFFFF, 0x7FFF), which must be the GPU's bit for bit (cullama/runtime/emu/emu_abi.h)."""
+    gives the canonical NaN (0x7FFFFFFF, 0x7FFF), which must be the GPU's bit for bit
+    (cullama/runtime/emu/emu_abi.h)."""
     halves = np.concatenate([np.arange(0x7C01, 0x8000), np.arange(0xFC01, 0x10000), [0x7C00, 0x3C00]])
     embed = halves.astype(np.uint16).view(np.float16).reshape(1, -1)  # [1, 2048]: every FP16 NaN
     d = embed.shape[1]

@@ -1,7 +1,7 @@
 """gemm_quant.cu: the twin against float64 math on quant.py's FP16-rounded weights (CPU); the kernel against the
-twin with and without split-K (check_gemm_quant: on the CPU executor in tests/runtime/emu/test_emu_quant.py, on a GPU here with
-the LLaMA-2-7B shapes). Prefill logits equal to decode logits within the FP16 tolerance is the model's business
-(the plan's tests); its per-matrix part is here: gemm_quant's rows against gemv_quant's on the same weights
+twin with and without split-K (check_gemm_quant: on the CPU executor in tests/runtime/emu/test_emu_quant.py, on a GPU
+here with the LLaMA-2-7B shapes). Prefill logits equal to decode logits within the FP16 tolerance is the model's
+business (the plan's tests); its per-matrix part is here: gemm_quant's rows against gemv_quant's on the same weights
 (check_prefill_rows_equal_decode_rows: twins, executor, GPU)."""
 
 from __future__ import annotations

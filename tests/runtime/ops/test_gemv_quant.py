@@ -1,7 +1,7 @@
 """gemv_quant.cu: the twins against the reference's math on the dequantized weights (CPU); the kernels against the
 twins, and a verify launch's token rows against one-row launches bit for bit: the check_* functions, which run on
-the CPU executor in tests/runtime/emu/test_emu_quant.py (every variant and warp schedule, with seeded bugs they must catch)
-and on a GPU here (`pytest -m gpu`, with the LLaMA-2-7B shapes)."""
+the CPU executor in tests/runtime/emu/test_emu_quant.py (every variant and warp schedule, with seeded bugs they must
+catch) and on a GPU here (`pytest -m gpu`, with the LLaMA-2-7B shapes)."""
 
 from __future__ import annotations
 

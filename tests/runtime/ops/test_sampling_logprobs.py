@@ -216,8 +216,8 @@ def test_kernel_matches_twin_on_the_gpu(kernels, V, stride, rows, top, kind):
     check_against_spec(out, logits, targets, V, top)
 
 
-# Seeded bugs the executor check must catch (as tests/runtime/emu/test_emu_mutations.py does for the other kernels): (id,
-# original text, replacement, the schedules that must catch it: a race in every one, a wrong result in one);
+# Seeded bugs the executor check must catch (as tests/runtime/emu/test_emu_mutations.py does for the other kernels):
+# (id, original text, replacement, the schedules that must catch it: a race in every one, a wrong result in one);
 # each original must be in sampling.cu exactly once.
 MUTATIONS = [
     ("top-pass-takes-the-last-pick-again", "best = r < below && r > best ? r : best;",

@@ -1,5 +1,5 @@
-"""Non-finite logits, in the spec (cullama.runtime.sampling.sample) and in the sample kernel's twin: NaN counts as -inf, a
--inf token is never drawn, +inf tokens share the mass equally (greedy: the lowest id), and where every logit is NaN
+"""Non-finite logits, in the spec (cullama.runtime.sampling.sample) and in the sample kernel's twin: NaN counts as -inf,
+a -inf token is never drawn, +inf tokens share the mass equally (greedy: the lowest id), and where every logit is NaN
 or -inf the answer is NO_TOKEN, which the host turns into a one-line GenerationError; never an index out of bounds.
 The kernel itself is checked against the twin on the same inputs in test_sampling_kernel.py (GPU, or the CPU
 executor once it runs kernels)."""
