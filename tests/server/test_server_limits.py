@@ -126,7 +126,9 @@ def test_a_signal_stops_accepting_ends_the_running_and_waiting_requests_and_exit
         proc.process.send_signal(sig)
         rest = running.rest().decode()  # the stream ends at its next token, saying why
         assert '"message":"the server is shutting down"' in rest and rest.endswith("data: [DONE]\n\n")
-        assert rest.count('"text"') < 100  # of 400: the tokens made while the signal reached the engine
+        # of 400: the tokens made while the signal reached the engine (113 on a 2-core machine running four other
+        # test suites; a few otherwise): the stream ended long before its end, not at it
+        assert rest.count('"text"') < 300
         thread.join(30)
         assert queued[0][0] == 503 and json.loads(queued[0][2])["error"]["message"] == "the server is shutting down"
         assert proc.process.wait(15) == 0
