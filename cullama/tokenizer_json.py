@@ -235,10 +235,16 @@ def _read(path: Path) -> tokenizers.Tokenizer:
     except UnicodeDecodeError as exc:
         raise TokenizerError(f"{path} is not a tokenizer.json (invalid UTF-8 at byte {exc.start})") from None
     try:
-        return tokenizers.Tokenizer.from_str(text)
+        tok = tokenizers.Tokenizer.from_str(text)
     except Exception as exc:  # the library raises a bare Exception with serde's message
         message = " ".join(str(exc).split())[:200]
         raise TokenizerError(f"{path} is not a tokenizer.json the tokenizers library can read ({message})") from None
+    # A file saved after enable_truncation / enable_padding keeps them, and the library would then cut or pad
+    # every prompt. transformers switches both off on each call it is not asked for them
+    # (PreTrainedTokenizerFast.set_truncation_and_padding), so its ids are the whole text's: so are ours.
+    tok.no_truncation()
+    tok.no_padding()
+    return tok
 
 
 def _bytes_to_chars() -> dict[str, int]:

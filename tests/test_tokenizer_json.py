@@ -117,6 +117,28 @@ def test_add_bos_token_in_tokenizer_config_decides(tmp_path):
         assert load_tokenizer(tmp_path).encode("Once") == expected, flags
 
 
+@pytest.mark.parametrize("setting", [
+    {"truncation": {"direction": "Right", "max_length": 2, "strategy": "LongestFirst", "stride": 0}},
+    {"padding": {"strategy": {"Fixed": 64}, "direction": "Right", "pad_to_multiple_of": None, "pad_id": 0,
+                 "pad_type_id": 0, "pad_token": "!"}},
+    {"padding": {"strategy": "BatchLongest", "direction": "Left", "pad_to_multiple_of": 8, "pad_id": 0,
+                 "pad_type_id": 0, "pad_token": "!"}},
+])
+def test_truncation_and_padding_saved_in_the_file_change_no_id(tmp_path, setting):
+    # A tokenizer.json saved after enable_truncation / enable_padding carries them; transformers' encode and
+    # apply_chat_template switch both off on every call unless asked (set_truncation_and_padding), so its ids
+    # are the whole text's, unpadded (issue 30 item 1: max_length 2 made a 42-token prompt 2 ids).
+    copy_golden("tiny-llama3", tmp_path)
+    spec = json.loads((tmp_path / "tokenizer.json").read_text())
+    (tmp_path / "tokenizer.json").write_text(json.dumps({**spec, **setting}))
+    tok, ref = load_tokenizer(tmp_path), golden("tiny-llama3")[1]
+    for case in ref["texts"]:
+        assert tok.encode(case["text"]) == case["ids"], case["text"]
+    for case in ref["chats"]:
+        assert tok.chat_ids(case["messages"]) == case["ids"]
+    assert tok.encode("") == [tok.bos_id]
+
+
 # -- streaming ----------------------------------------------------------------------------------
 
 
