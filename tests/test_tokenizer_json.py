@@ -337,6 +337,18 @@ def test_bad_tokenizer_config_is_one_line(tmp_path, config, why):
     assert "\n" not in str(info.value)
 
 
+def test_a_post_processor_id_outside_the_vocabulary_is_refused_naming_it(tmp_path):
+    # issue 30 item 8: it failed at the model, as "token id 99999 is outside the vocabulary [0, 506)"
+    copy_golden("tiny-llama3", tmp_path)
+    spec = json.loads((tmp_path / "tokenizer.json").read_text())
+    spec["post_processor"]["processors"][1]["special_tokens"]["<|begin_of_text|>"]["ids"] = [99999]
+    (tmp_path / "tokenizer.json").write_text(json.dumps(spec))
+    with pytest.raises(TokenizerError) as info:
+        load_tokenizer(tmp_path)
+    assert str(info.value) == (f"{tmp_path / 'tokenizer.json'}: its post_processor adds token id 99999, outside "
+                               "its vocabulary [0, 506)")
+
+
 def test_special_tokens_map_json_fills_in(tmp_path):
     copy_golden("tiny-llama3", tmp_path, files=("tokenizer.json",))
     (tmp_path / "special_tokens_map.json").write_text(json.dumps({"eos_token": {"content": "<|eot_id|>"}}))
