@@ -87,7 +87,7 @@ class ChatTemplate:
                      "add_generation_prompt": True}
         try:
             with _Budget(RENDER_SECONDS):
-                return _joined(self._template.generate(**variables))
+                text = _joined(self._template.generate(**variables))
         except _Refused as exc:
             raise PromptError(f"{self.source}: the chat template refuses these messages: {exc}") from None
         except _TooCostly as exc:
@@ -98,6 +98,18 @@ class ChatTemplate:
         except Exception as exc:  # a template is code: anything it raises is its failure, in one line
             raise TokenizerError(f"{self.source}: the chat template failed: {type(exc).__name__}: "
                                  f"{_one_line(str(exc))}") from None
+        return self._unicode(text)
+
+    def _unicode(self, text: str) -> str:
+        """`text`, once it is known to be Unicode that a tokenizer can take: a template can spell a lone UTF-16
+        surrogate ('\\ud800' in its source), which no tokenizer encodes (the tokenizers library raised a
+        TypeError). The messages and special tokens are checked before, so it is the template's doing."""
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise TokenizerError(f"{self.source}: the chat template made text that is not valid Unicode (character "
+                                 f"{exc.start} is the lone surrogate U+{ord(text[exc.start]):04X})") from None
+        return text
 
 
 def find(directory: Path, tokenizer_config: Mapping, config_file: Path) -> ChatTemplate | None:

@@ -159,6 +159,15 @@ def test_a_failing_template_is_one_line(source, why):
     assert "\n" not in str(info.value)
 
 
+@pytest.mark.parametrize("source", ["{{ '\\ud800' }}", "a\ud800", "{{ bos_token }}{{ '\\udfff' }}"])
+def test_a_lone_surrogate_in_the_text_is_one_line(source):
+    # issue 30 item 2: no tokenizer encodes it (the tokenizers library raised a TypeError, the CLI printed 46 lines)
+    with pytest.raises(TokenizerError) as info:
+        render(source, bos_token="<s>")
+    assert str(info.value).startswith("T.jinja: the chat template made text that is not valid Unicode (character ")
+    assert str(info.value).endswith(" is the lone surrogate U+D800)") or str(info.value).endswith("U+DFFF)")
+
+
 @pytest.mark.parametrize("source, why", [
     ("{% for %}", "Expected an expression, got 'end of statement block' (line 1)"),
     ("\n{{ x|no_such_filter }}", "No filter named 'no_such_filter'. (line 2)"),
@@ -426,6 +435,8 @@ def test_sentencepiece_with_meta_template_gives_meta_ids(llama2_with_template):
     ([{"role": "user", "content": None}], None, "content of type NoneType"),
     ([CHAT[0], *USER], "Be brief.", "system prompt given twice"),
     ([*USER, CHAT[0]], None, "message 1 has role 'system'; only the first message may"),
+    ([{"role": "user", "content": "a\udc80"}], None, "message 0 is not valid Unicode (it holds a lone surrogate)"),
+    (USER, "\ud800", "the system prompt is not valid Unicode (it holds a lone surrogate)"),
 ])
 def test_messages_are_checked_before_the_template(llama2_with_template, messages, system, why):
     templated, _ = llama2_with_template
@@ -462,6 +473,29 @@ def test_cli_chat_with_a_template_that_raises_is_one_line(model_with_template):
     assert result.exit_code == 2
     assert result.output.strip().splitlines()[-1] == f"error: {model_with_template / 'tokenizer_config.json'}: the " \
                                                      "chat template refuses these messages: this model does not chat"
+
+
+SURROGATE_ERROR = "tokenizer_config.json: the chat template made text that is not valid Unicode (character 2 is the " \
+                  "lone surrogate U+D800)"
+
+
+def test_a_lone_surrogate_from_a_template_is_one_line_from_the_cli_and_a_400_from_the_server(model_with_template):
+    # issue 30 item 2: a 46-line traceback from the CLI, a TypeError from the library, a 500 from the server
+    write_template(model_with_template, "{% for m in messages %}{{ m.content }}{% endfor %}{{ '\\ud800' }}")
+    result = CliRunner().invoke(main, ["generate", "--model", str(model_with_template), "--device", "cpu", "--chat",
+                                       "Hi"])
+    assert result.exit_code == 2
+    assert result.output.strip().splitlines() == [f"error: {model_with_template / SURROGATE_ERROR}"]
+
+    from cullama.server.app import prepare
+    from cullama.server.protocol import ApiError, ChatRequest
+
+    llm = cullama.Llama.from_pretrained(model_with_template, device="cpu")
+    with pytest.raises(TokenizerError, match=re.escape(SURROGATE_ERROR)):
+        llm.chat_ids(USER)
+    with pytest.raises(ApiError) as refused:
+        prepare(llm, ChatRequest.model_validate({"messages": USER}), chat=True, speculative={})
+    assert refused.value.status == 400 and refused.value.message == str(model_with_template / SURROGATE_ERROR)
 
 
 def test_cli_chat_turns_go_through_the_template(model_with_template):

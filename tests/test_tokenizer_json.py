@@ -323,6 +323,7 @@ def test_oversized_tokenizer_json_is_refused(tmp_path):
 @pytest.mark.parametrize("config, why", [
     ({"eos_token": "<|nope|>"}, 'eos_token "<|nope|>" is not a token of'),
     ({"bos_token": 5}, "bos_token must be a string, got 5"),
+    ({"eos_token": "<\ud800>"}, 'eos_token "<\\ud800>" is not valid Unicode (it holds a lone surrogate)'),
     ({"add_bos_token": "yes"}, "add_bos_token must be true or false"),
     ({"chat_template": [{"name": "tool_use", "template": "x"}]}, "none named \"default\""),
     ({"chat_template": "{% for %}"}, "the chat template does not compile"),
