@@ -322,6 +322,25 @@ def test_numbers_that_overflow_in_generation_give_no_numpy_warning(tmp_path):
         assert np.isnan(llm.logits([1, 2, 3])).all()
 
 
+@pytest.mark.parametrize("q", [GPTQ_ACT, Quantization("awq", 4, 64)])
+def test_a_stray_fp16_weight_beside_a_quantized_linear_is_refused_naming_both(tmp_path, device_never_used, q):
+    # issue 30 item 7: q_proj.weight next to q_proj.qweight / qzeros / scales was ignored without a word
+    module = "model.layers.0.self_attn.q_proj"
+    write(tmp_path, CONFIG, q)
+    edit_tensors(tmp_path, lambda t: t.update({f"{module}.weight": np.zeros((128, 128), np.float16)}))
+    assert refused(tmp_path) == f"{tmp_path / 'model.safetensors'}: {module}.weight and {module}.qweight are both " \
+                                "stored: a linear is either FP16 or quantized, not both (which one is meant?)"
+
+
+def test_a_packed_linear_beside_its_fp16_weight_is_refused_where_the_config_keeps_it_fp16(tmp_path,
+                                                                                          device_never_used):
+    # the other way round: modules_to_not_convert keeps down_proj FP16, and a qweight of it is there too
+    write(tmp_path, CONFIG, Quantization("gptq", 4, 64, not_converted=("down_proj",)))
+    module = "model.layers.1.mlp.down_proj"
+    edit_tensors(tmp_path, lambda t: t.update({f"{module}.qweight": np.zeros((32, 128), np.int32)}))
+    assert f"{module}.weight and {module}.qweight are both stored" in refused(tmp_path)
+
+
 def test_non_quantized_tensors_of_an_unsupported_dtype_are_refused(tmp_path, device_never_used):
     write(tmp_path, CONFIG, GPTQ_ACT)
     edit_tensors(tmp_path, lambda t: t.update({"model.norm.weight": t["model.norm.weight"].astype(np.float64)}))
