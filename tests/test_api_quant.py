@@ -78,4 +78,9 @@ def test_the_accuracy_script_prints_the_readme_tables(capsys, monkeypatch):
     out = capsys.readouterr().out
     assert re.search(r"\| tiny-awq-g64 \| awq int4 g64 \| 0\.00[01]\d \| 72 of 72 \|", out)
     assert re.search(r"\| tiny-gptq-asym-g128 \| gptq int4 g128 \| 0\.00[01]\d \| 72 of 72 \|", out)
-    assert "| float16 | 1.580 |" in out and "| int4 g64 / int4 g96 (quantized on load) | 1.728 |" in out
+    # the README's figures, printed to 3 decimals from float32 products that BLAS orders by machine and version:
+    # each within the 0.002 test_on_load_quantization_against_fp16_on_stories260k allows, not to the last digit
+    fp16 = re.search(r"^\| float16 \| (\d\.\d{3}) \|", out, re.M)
+    int4 = re.search(r"^\| int4 g64 / int4 g96 \(quantized on load\) \| (\d\.\d{3}) \|", out, re.M)
+    assert fp16 and float(fp16[1]) == pytest.approx(1.580, abs=0.002), out
+    assert int4 and float(int4[1]) == pytest.approx(1.728, abs=0.002), out
