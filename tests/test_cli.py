@@ -366,7 +366,7 @@ def test_standard_input_that_cannot_be_read(stories_dir, monkeypatch):
     from cullama.cli import main as cli
 
     class Failing:
-        def read(self):
+        def read(self, size=-1):  # as a file's: item 4 reads at most MAX_INPUT_BYTES + 1
             raise OSError(errno.EIO, "Input/output error")
 
         readline = read
