@@ -351,7 +351,8 @@ def main(argv=None) -> int:
         if r["check_ok"] and r["gb_s"] > best.get(key, {"gb_s": 0})["gb_s"]:
             best[key] = r
     quantized = args.bits != [16]
-    print(f"{'shape':<22} {'kernel':<18} {'variant':<{24 if quantized else 16}} {'us':>8} {'min-max us':>15} "
+    width = max([24 if quantized else 16, *(len(r["variant"]) for r in rows)])  # "ROWS=8 UNROLL=2 MIN_BLOCKS=4"
+    print(f"{'shape':<22} {'kernel':<18} {'variant':<{width}} {'us':>8} {'min-max us':>15} "
           f"{'GB/s':>7} {'% bw':>6} {'ov GB/s':>7} {'ov % bw':>7}  check")
     for r in rows:
         mark = "*" if best.get((r["bits"], r["shape"])) is r else " "
@@ -359,7 +360,7 @@ def main(argv=None) -> int:
         check = "ok" if r["check_ok"] else f"WRONG (rel err {r['check_rel_err']:.1e})"
         overlap = ("-", "-") if r["gb_s_overlap"] is None else \
             (f"{r['gb_s_overlap']:.0f}", f"{100 * r['gb_s_overlap'] * 1e9 / bps:.1f}%")
-        print(f"{r['shape']:<22} {r['kernel']:<18} {r['variant']:<{24 if quantized else 16}} {r['us']:>8.1f} "
+        print(f"{r['shape']:<22} {r['kernel']:<18} {r['variant']:<{width}} {r['us']:>8.1f} "
               f"{spread:>15} {r['gb_s']:>7.0f} {r['pct_read_bw']:>5.1f}%{mark} {overlap[0]:>7} {overlap[1]:>7} {check}")
     print(f"* fastest correct variant per shape{' and bits' if quantized else ''}; the plan uses "
           f"{plan_variant(args.bits)}; {'GB/s: effective (codes and (scale, zero) pairs); ' if quantized else ''}"

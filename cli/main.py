@@ -24,8 +24,18 @@ from . import bench
 from .common import PREFILL_CHUNK, QUANTIZE, Group, NonEmptyPath, note, out, require_stdout, show_version
 
 
+MAX_INPUT_BYTES = 64 << 20  # the most one input (a prompt, a chat line, perplexity's text or ids) may hold
+
+
+def too_long(what: str) -> PromptError:
+    """The error for an input past MAX_INPUT_BYTES (/dev/zero, a mistaken file): refused, never read to its end."""
+    return PromptError(f"{what} holds more than {MAX_INPUT_BYTES >> 20} MiB, the most cullama reads from one input "
+                       "(some 16M tokens, far past any model's context)")
+
+
 class TextInput:
-    """Standard input as text: bytes that are not UTF-8 become U+FFFD, and a note says so once."""
+    """Standard input as text: bytes that are not UTF-8 become U+FFFD, and a note says so once. A read stops
+    past MAX_INPUT_BYTES, with an error."""
 
     def __init__(self):
         self.noted = False
@@ -44,9 +54,12 @@ class TextInput:
 
     def _read(self, method: str) -> bytes | str:
         try:
-            return getattr(self.binary or sys.stdin, method)()
+            data = getattr(self.binary or sys.stdin, method)(MAX_INPUT_BYTES + 1)
         except OSError as exc:  # a directory given as input, a device that fails
             raise PromptError(f"cannot read standard input: {exc.strerror or exc}") from None
+        if len(data) > MAX_INPUT_BYTES:  # characters, on a text stream: at least as many bytes
+            raise too_long("standard input" if method == "read" else "a line of standard input")
+        return data
 
     def read(self) -> str:
         return self._text(self._read("read"))
@@ -518,9 +531,12 @@ def _read_input(file: str) -> str:
     if file == "-":
         return TextInput().read()
     try:
-        data = Path(file).read_bytes()
+        with open(Path(file), "rb") as fh:
+            data = fh.read(MAX_INPUT_BYTES + 1)  # /dev/zero ends here, not in a full memory
     except OSError as exc:
         raise PromptError(f"cannot read {file}: {exc.strerror or exc}") from None
+    if len(data) > MAX_INPUT_BYTES:
+        raise too_long(file)
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError:

@@ -283,6 +283,10 @@ def _validate(config: LlamaConfig, infos: dict[str, TensorInfo], where: Path) ->
         if layer and int(layer.group(1)) >= config.num_layers:
             raise _error(info.file, shown(name), f"layer beyond num_hidden_layers={config.num_layers} of the config")
     for name, shape in expected.items():
+        packed = f"{name.removesuffix('.weight')}.qweight"
+        if name in infos and packed in infos:  # both forms of one linear: which is meant cannot be told
+            raise _error(infos[name].file, f"{name} and {packed} are both stored: a linear is either FP16 or "
+                                           "quantized, not both (which one is meant?)")
         if quantized_linear(config, name):
             found = lambda n: (infos[n].dtype, infos[n].shape) if n in infos else None  # noqa: E731
             quant_checkpoint.check(config.quantization, name.removesuffix(".weight"), *shape, found, where)

@@ -39,6 +39,7 @@ from ..common.errors import CheckpointError
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # output column (of 8) held by nibble i of an AWQ word
 STORED = {"awq": ("qweight", "qzeros", "scales"), "gptq": ("qweight", "qzeros", "scales", "g_idx")}
 DTYPES = {"qweight": "I32", "qzeros": "I32", "scales": "F16", "g_idx": "I32"}
+FP16_OVERFLOW = 65520.0  # the least magnitude that rounds to inf in FP16 (65504 is its largest finite value)
 
 
 def group_size(q: Quantization, K: int) -> int:
@@ -136,10 +137,11 @@ def check_data(q: Quantization, module: str, N: int, K: int, tensor: Callable[[s
                                   f"of {g} (values {int(g_idx.min())} to {int(g_idx.max())})")
 
 
-def read(q: Quantization, module: str, tensor: Callable[[str], np.ndarray]) -> tuple:
+def read(q: Quantization, module: str, tensor: Callable[[str], np.ndarray], where=None) -> tuple:
     """One linear as (codes [N, K] uint8, scale [N, G] float16, zero [N, G] float32, perm [K] int32 or None),
     its inputs already in the order perm gives (groups contiguous): W[:, perm][n, k] = (codes[n, k] - zero[n,
-    k // g]) * scale[n, k // g]. tensor(name) reads a stored tensor; check and check_data have passed."""
+    k // g]) * scale[n, k // g]. tensor(name) reads a stored tensor; check and check_data have passed. A weight
+    FP16 cannot hold is a CheckpointError naming the scale (check_fp16); `where` names the checkpoint in it."""
     qweight, qzeros, scales = (tensor(f"{module}.{s}") for s in ("qweight", "qzeros", "scales"))
     if q.method == "awq":
         codes, zeros = unpack_awq(qweight, qzeros, q.bits)
@@ -150,4 +152,28 @@ def read(q: Quantization, module: str, tensor: Callable[[str], np.ndarray]) -> t
         if perm is not None:
             codes = codes[:, perm]
     zero = zeros.astype(np.float32) + (1 if q.zero_stored_minus_one else 0)  # 4 bits: a stored 15 is 16
-    return codes, np.ascontiguousarray(scales.T), zero, perm
+    scale = np.ascontiguousarray(scales.T)
+    check_fp16(module, codes, scale, zero, perm, where)
+    return codes, scale, zero, perm
+
+
+def check_fp16(module: str, codes: np.ndarray, scale: np.ndarray, zero: np.ndarray, perm, where=None) -> None:
+    """CheckpointError unless every weight (code - zero) * scale rounds to a finite FP16: the prefill GEMM takes
+    its weights in FP16, where one past 65504 is inf and the model's numbers then NaN (finite scales of 65504
+    passed check_data, and generation failed with "no token can be drawn"). Exact, from each group's codes
+    farthest from its zero; the arguments as read() has them (codes in perm's order, groups contiguous)."""
+    N, K = codes.shape
+    grouped = codes.reshape(N, scale.shape[1], -1)  # [N, G, g]
+    far = np.maximum(np.abs(grouped.max(axis=2) - zero), np.abs(grouped.min(axis=2) - zero))  # [N, G] float32
+    bad = np.flatnonzero(far * np.abs(scale.astype(np.float32)) >= FP16_OVERFLOW)  # exact: 9 bits times 11
+    if not bad.size:
+        return
+    n, group = (int(i) for i in np.unravel_index(int(bad[0]), far.shape))
+    offsets = grouped[n, group].astype(np.float32) - zero[n, group]
+    j = int(np.argmax(np.abs(offsets)))
+    k = group * grouped.shape[2] + j
+    k = k if perm is None else int(perm[k])  # the input's index in the model's order
+    weight = float(offsets[j] * scale[n, group].astype(np.float32))
+    raise CheckpointError(f"{f'{where}: ' if where else ''}{module}.scales[{group}, {n}] is "
+                          f"{float(scale[n, group]):g}: the weight [{n}, {k}] dequantizes to {weight:g}, past FP16's "
+                          "largest value (65504)")

@@ -104,7 +104,7 @@ def _part_fp16(ckpt: Checkpoint, module: str) -> np.ndarray:
     if not quantized_linear(ckpt.config, f"{module}.weight"):
         return ckpt.tensor(f"{module}.weight")
     q = ckpt.config.quantization
-    codes, scale, zero, perm = quant_checkpoint.read(q, module, ckpt.stored)
+    codes, scale, zero, perm = quant_checkpoint.read(q, module, ckpt.stored, ckpt.directory)
     w = quant.dequantize(quant.pack(codes, q.bits), quant.params(scale, zero), q.bits, np.float16)  # [N, K]
     if perm is None:
         return w
@@ -136,7 +136,7 @@ def linear_tensors(ckpt: Checkpoint, layout: Layout, layer: int, field: str) -> 
         scale = np.zeros((M, K // linear.format.group), np.float16)  # [M, groups]
         zero = np.zeros((M, K // linear.format.group), np.float32)  # [M, groups]
         for module, start, rows in pieces:  # the parts share one input order, perm (checkpoint_layout)
-            c, s, z, perm = quant_checkpoint.read(q, module, ckpt.stored)
+            c, s, z, perm = quant_checkpoint.read(q, module, ckpt.stored, ckpt.directory)
             order = slice(None) if row_perm is None else row_perm
             codes[start:start + rows], scale[start:start + rows] = c[order], s[order]
             zero[start:start + rows] = z[order]

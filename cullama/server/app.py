@@ -358,16 +358,26 @@ async def whole_answer(answer: Answer, job: Job, event, scores: Logprobs) -> JSO
 
 async def stream_events(answer: Answer, job: Job, event, scores: Logprobs):
     """The SSE body: chunks as the text becomes final, the finish reason, the usage if asked, [DONE]. An echo's
-    prompt text (and its log-probabilities) goes with the first chunk."""
-    first = True
+    prompt text (and its log-probabilities) goes with the first chunk. With log-probabilities, each chunk's
+    tokens spell its text (Logprobs.spelled): text that ends inside a token waits for the rest of it."""
+    first, prompt = True, None  # prompt: the prompt's log-probabilities, until a chunk carries them
     while True:
         if isinstance(event, Piece):
-            yield sse(answer.chunk(scores.prefix + event.text if first else event.text, first=first,
-                                   logprobs=scores.value(event.logprobs, event.prompt_logprobs)))
-            first = False
+            prompt = prompt or event.prompt_logprobs
+            text, records = scores.spelled(event.text, event.logprobs) if scores.top is not None else \
+                (event.text, ())
+            if text or records:
+                yield sse(answer.chunk(scores.prefix + text if first else text, first=first,
+                                       logprobs=scores.value(records, prompt)))
+                first, prompt = False, None
         elif isinstance(event, Finished):
-            rest = scores.value(event.logprobs, event.prompt_logprobs) \
-                if event.logprobs or event.prompt_logprobs else None  # the tokens no piece carried (an EOS)
+            prompt = prompt or event.prompt_logprobs
+            text, records = scores.rest(event.logprobs) if scores.top is not None else ("", ())
+            if text:  # held back to the end: its own chunk, with every token not yet sent
+                yield sse(answer.chunk(scores.prefix + text if first else text, first=first,
+                                       logprobs=scores.value(records, prompt)))
+                first, prompt, records = False, None, ()
+            rest = scores.value(records, prompt) if records or prompt else None  # the tokens no piece carried (an EOS)
             yield sse(answer.chunk(scores.prefix if first and scores.prefix else None, event.finish_reason,
                                    first=first, logprobs=rest))
             if answer.include_usage:

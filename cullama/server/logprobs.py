@@ -108,10 +108,42 @@ class Logprobs:
         self.chat, self.top, self.texts, self.tokenizer = chat, top, TokenTexts(tokenizer), tokenizer
         self._offset = 0  # characters of the choice's text before the next token (completions)
         self._decoder = tokenizer.stream_decoder() if tokenizer is not None else None
+        # a stream's chunks (spelled): its text and tokens received, not yet sent, each token with its text
+        self._speller = tokenizer.stream_decoder() if tokenizer is not None else None
+        self._text, self._tokens = "", []
         self.prompt_ids, self.prefix, self._prompt_offsets = list(prompt_ids), "", [0] * len(prompt_ids)
         if echo and tokenizer is not None:  # the prompt as the tokenizer decodes it: the offsets agree with it
             self._prompt_offsets, self.prefix = self._offsets(prompt_ids)
             self._offset = len(self.prefix)  # the completion's own text starts afresh, as the library's does
+
+    def spelled(self, text: str, records: Sequence[TokenLogprob]) -> tuple[str, list[TokenLogprob]]:
+        """Of a stream's new text and new tokens, what a chunk may carry now: text that ends where a token's ends,
+        and the tokens that spell it (OpenAI's chunks). The library streams text as it becomes final, which may
+        end inside a token (a possible stop string held back) or hold a token's text back for a later one; the
+        rest waits here for the next event, or for `rest`. A token is read as the library's stream decoder reads
+        it (a first space dropped, a character split over tokens given by its last), and one whose text is empty
+        (a skipped special token, the first bytes of a character) goes with the next that shows text."""
+        self._text += text
+        self._tokens += [(r, self._speller.push(r.token) if self._speller else "") for r in records]
+        if self._speller is None:  # no tokenizer, no text: every entry at once
+            return self.rest(())
+        count = chars = end = 0
+        for k, (_, token_text) in enumerate(self._tokens, 1):
+            end += len(token_text)
+            if end > len(self._text):
+                break
+            if token_text:
+                count, chars = k, end
+        sent, self._text = self._text[:chars], self._text[chars:]
+        records, self._tokens = [r for r, _ in self._tokens[:count]], self._tokens[count:]
+        return sent, records
+
+    def rest(self, records: Sequence[TokenLogprob]) -> tuple[str, list[TokenLogprob]]:
+        """At the stream's end: the text and the tokens still held (with `records`, those no chunk carried: an
+        EOS, the tokens a stop string cut), all of them."""
+        text, held = self._text, [r for r, _ in self._tokens] + list(records)
+        self._text, self._tokens = "", []
+        return text, held
 
     def _offsets(self, ids: Sequence[int]) -> tuple[list[int], str]:
         """Where each id's text starts, as a stream decoder assigns it (a character split over byte pieces

@@ -15,8 +15,10 @@ ends in time however it is nested. No value it builds is larger than MAX_CHARS c
 (counted as often as they appear, so that a list holding itself twice, forty times over, is 2**40 items):
 what can make a value larger than its operands (`+`, `*`, `%`, `**`, `~`, filters, method calls) is checked
 before it runs where its size can be told from its operands, and after; what is compared or hashed is checked
-first, since comparing nested values is C-level work the trace cannot stop; and a render prints no more than
-MAX_CHARS in all, blocks that `set` captures included.
+first, since comparing nested values is C-level work the trace cannot stop; a render prints no more than
+MAX_CHARS in all, blocks that `set` captures included; and the values it builds (slices too) add up to no more
+than MAX_RENDER_CHARS, however many it keeps. MAX_RENDERS render at once, so renders on many threads (the
+server's) hold together at most MAX_RENDERS times that.
 
 Every failure is one line naming the file: a template that does not compile is a TokenizerError when the
 tokenizer loads; one that fails while rendering is a TokenizerError too, except `raise_exception`, the
@@ -47,6 +49,10 @@ from ..common.errors import PromptError, TokenizerError
 from ..common.untrusted import read_json
 
 MAX_CHARS = 8 << 20  # the longest string, list or output a render builds: 2M tokens and more, past any context
+# what one render may build in all, each value counted once as it is made: a long chat's template copies its
+# messages a few times (a slice, a trim, a join), 8M characters of them at most (and the output apart)
+MAX_RENDER_CHARS = 8 * MAX_CHARS
+MAX_RENDERS = 2  # renders at once in a process (the server's worker threads): pure Python, the GIL runs one
 RENDER_SECONDS = 5.0  # LLaMA-3.1's template renders a 200-message chat in ~60 ms (2 busy CPU cores)
 TEMPLATE_CODE = "<template>"  # the file name of the Python code jinja2 compiles a template to
 MAX_ITEMS = 1 << 17  # the most objects a value a render builds may hold (counted as often as they appear)
@@ -86,8 +92,8 @@ class ChatTemplate:
         variables = {**special_tokens, "messages": messages, "tools": None, "documents": None,
                      "add_generation_prompt": True}
         try:
-            with _Budget(RENDER_SECONDS):
-                return _joined(self._template.generate(**variables))
+            with _RENDERS, _Budget(RENDER_SECONDS):
+                text = _joined(self._template.generate(**variables))
         except _Refused as exc:
             raise PromptError(f"{self.source}: the chat template refuses these messages: {exc}") from None
         except _TooCostly as exc:
@@ -98,6 +104,18 @@ class ChatTemplate:
         except Exception as exc:  # a template is code: anything it raises is its failure, in one line
             raise TokenizerError(f"{self.source}: the chat template failed: {type(exc).__name__}: "
                                  f"{_one_line(str(exc))}") from None
+        return self._unicode(text)
+
+    def _unicode(self, text: str) -> str:
+        """`text`, once it is known to be Unicode that a tokenizer can take: a template can spell a lone UTF-16
+        surrogate ('\\ud800' in its source), which no tokenizer encodes (the tokenizers library raised a
+        TypeError). The messages and special tokens are checked before, so it is the template's doing."""
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise TokenizerError(f"{self.source}: the chat template made text that is not valid Unicode (character "
+                                 f"{exc.start} is the lone surrogate U+{ord(text[exc.start]):04X})") from None
+        return text
 
 
 def find(directory: Path, tokenizer_config: Mapping, config_file: Path) -> ChatTemplate | None:
@@ -167,13 +185,35 @@ def _size(value) -> int:
 
 def _sized(value):
     """`value` unchanged, once its size is known to be within MAX_CHARS."""
+    _checked_size(value)
+    return value
+
+
+def _checked_size(value) -> int:
+    """_size(value) of a string or container (0 for anything else), once it is known to be within MAX_CHARS."""
     if type(value) is str:  # the common case, first
-        too_large = len(value) > MAX_CHARS
+        size = len(value)
+    elif isinstance(value, (list, tuple, dict, set, frozenset, str, int, Namespace)):
+        size = _size(value)
     else:
-        too_large = isinstance(value, (list, tuple, dict, set, frozenset, str, int, Namespace)) and \
-            _size(value) > MAX_CHARS
-    if too_large:
+        return 0
+    if size > MAX_CHARS:
         raise _TooCostly(f"it built a value of more than {MAX_CHARS} characters or {MAX_ITEMS} items")
+    return 0 if isinstance(value, int) else size  # an int's memory is bounded by MAX_INT_BITS
+
+
+def _built(value):
+    """`value`, a value the render made (what an operator, a call, a filter or a slice gives), once its size is
+    within MAX_CHARS and, added to all the render made before, within MAX_RENDER_CHARS. Each value counts when it
+    is made, however long the render then keeps it, so what a render holds at once (in variables, namespaces,
+    lists) is within that bound too; a value given back unchanged (`messages|first`) counts again, which only
+    makes the bound tighter."""
+    size = _checked_size(value)
+    budget = getattr(_active, "budget", None)
+    if budget is not None and size:
+        budget.built += size
+        if budget.built > MAX_RENDER_CHARS:
+            raise _TooCostly(f"it built more than {MAX_RENDER_CHARS} characters in all")
     return value
 
 
@@ -260,7 +300,8 @@ def _check_format(text: str) -> bool:
 
 
 class _Budget:
-    """A render's budget: its time, and what it prints (`printed`, kept by _printed).
+    """A render's budget: its time, what it prints (`printed`, kept by _printed) and what it builds (`built`,
+    kept by _built).
 
     A render still running RENDER_SECONDS after it started is stopped: sys.settrace (this thread only) looks at
     the clock at every Python call, and at every line of the template's own code, so a loop ends in time
@@ -268,7 +309,7 @@ class _Budget:
     there (a debugger, coverage) is put back afterwards."""
 
     def __init__(self, seconds: float) -> None:
-        self.seconds, self.printed = seconds, 0
+        self.seconds, self.printed, self.built = seconds, 0, 0
 
     def __enter__(self) -> None:
         self.end = time.monotonic() + self.seconds
@@ -292,6 +333,9 @@ class _Budget:
 
 
 _active = threading.local()  # .budget: the _Budget of the render running in this thread
+# Renders wait their turn, MAX_RENDERS at a time, so that together they hold at most MAX_RENDERS times what one
+# may build (the server renders on up to 32 worker threads); their time runs from their turn.
+_RENDERS = threading.BoundedSemaphore(MAX_RENDERS)
 
 
 # -- the sandbox ---------------------------------------------------------------------------------
@@ -329,9 +373,9 @@ class _GenerationTag(jinja2.ext.Extension):
 
 
 class _CodeGenerator(CodeGenerator):
-    """jinja2's, but `a ~ b` joins through the environment (size-checked) instead of a plain str join, and the
-    values compared (`==`, `in`, ...) and used as dict keys are size-checked first: comparing or hashing
-    nested values is C-level work that nothing else would bound."""
+    """jinja2's, but `a ~ b` joins through the environment (size-checked) instead of a plain str join, a slice is
+    counted as built, and the values compared (`==`, `in`, ...) and used as dict keys are size-checked first:
+    comparing or hashing nested values is C-level work that nothing else would bound."""
 
     def visit_Concat(self, node: jinja2.nodes.Concat, frame) -> None:
         self.write("environment.concat_values((")
@@ -339,6 +383,15 @@ class _CodeGenerator(CodeGenerator):
             self.visit(arg, frame)
             self.write(", ")
         self.write("))")
+
+    def visit_Getitem(self, node: jinja2.nodes.Getitem, frame) -> None:
+        # jinja2 writes a slice as Python's `a[i:j]`, past environment.getitem: a copy, counted as built
+        if not isinstance(node.arg, jinja2.nodes.Slice):
+            super().visit_Getitem(node, frame)
+            return
+        self.write("environment.built(")
+        super().visit_Getitem(node, frame)
+        self.write(")")
 
     def visit_Compare(self, node: jinja2.nodes.Compare, frame) -> None:
         self.write("(")
@@ -391,12 +444,14 @@ class _Sandbox(ImmutableSandboxedEnvironment):
 
     @staticmethod
     def concat_values(values) -> str:
-        return _joined(str(_sized(v)) for v in values)
+        return _built(_joined(str(_sized(v)) for v in values))
 
     operand = staticmethod(_sized)
+    built = staticmethod(_built)
 
     def getitem(self, obj, argument):
-        return super().getitem(obj, _sized(argument))  # a key is hashed
+        item = super().getitem(obj, _sized(argument))  # a key is hashed
+        return _built(item) if isinstance(argument, slice) else item  # a slice (of constants, folded) is a copy
 
     def unsafe_undefined(self, obj, attribute):
         # jinja2 returns an Undefined that fails only when used: a template that reaches for an object's
@@ -405,7 +460,7 @@ class _Sandbox(ImmutableSandboxedEnvironment):
 
     def call_binop(self, context, operator, left, right):
         _check_binop(operator, left, right)
-        return _sized(super().call_binop(context, operator, left, right))
+        return _built(super().call_binop(context, operator, left, right))
 
     def call(__self, __context, __obj, *args, **kwargs):  # noqa: N805 (jinja2's own signature)
         subject = getattr(__obj, "__self__", None)  # a method's object ("a".replace: "a") is an argument too
@@ -413,7 +468,7 @@ class _Sandbox(ImmutableSandboxedEnvironment):
         if name == "join" and isinstance(subject, str) and len(args) == 1:
             args = (list(args[0]),)  # the parts, counted before they are joined
         _check_arguments(args if subject is None else (subject, *args), kwargs, widths=name in WIDTH_CALLS)
-        return _sized(super().call(__context, __obj, *args, **kwargs))
+        return _built(super().call(__context, __obj, *args, **kwargs))
 
     def wrap_str_format(self, value):
         # jinja2 sandboxes str.format and str.format_map: their format string must not ask for a huge width,
@@ -457,7 +512,7 @@ def _bounded(function, name: str):
 
     def bounded(*args, **kwargs):
         _check_arguments(args, kwargs, widths=name in WIDTH_CALLS)
-        return _sized(function(*args, **kwargs))
+        return _built(function(*args, **kwargs))
 
     # keep jinja2's pass_context / pass_environment marks (they say what the first argument is)
     bounded.__dict__.update(getattr(function, "__dict__", {}))

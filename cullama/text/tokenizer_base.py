@@ -32,6 +32,9 @@ def special_tokens(config: Mapping, config_file: Path | str) -> dict[str, str]:
             continue
         if not isinstance(value, str):
             raise TokenizerError(f"{config_file}: {key} must be a string, got {shown(value, quote=True)}")
+        if not _is_unicode(value):  # JSON's "\ud800": a chat template would print it, no tokenizer reads it
+            raise TokenizerError(f"{config_file}: {key} {shown(value, quote=True)} is not valid Unicode (it holds a "
+                                 "lone surrogate)")
         out[key] = value
     return out
 
@@ -92,6 +95,8 @@ def _checked_chat(messages: Sequence[dict], system: str | None) -> list[dict]:
         raise PromptError(f"chat messages must be a list of dicts, got {type(messages).__name__}")
     if system is not None and not isinstance(system, str):
         raise OptionError("system", f"must be a string (the system prompt) or None, got {type(system).__name__}")
+    if system is not None and not _is_unicode(system):
+        raise PromptError("the system prompt is not valid Unicode (it holds a lone surrogate)")
     chat = [] if system is None else [{"role": "system", "content": system}]
     for i, message in enumerate(messages):
         role = message.get("role") if isinstance(message, dict) else None
@@ -101,12 +106,24 @@ def _checked_chat(messages: Sequence[dict], system: str | None) -> list[dict]:
                 f"message {i} must be {{'role': 'system'|'user'|'assistant', 'content': str}}, "
                 f"got role {role!r} and content of type {type(content).__name__}"
             )
+        if not _is_unicode(content):  # a lone surrogate: no tokenizer encodes it
+            raise PromptError(f"message {i} is not valid Unicode (it holds a lone surrogate)")
         if role == "system" and i != 0:
             raise PromptError(f"message {i} has role 'system'; only the first message may")
         if role == "system" and system is not None:
             raise PromptError("system prompt given twice: as system= and as message 0")
         chat.append({"role": role, "content": content})
     return chat
+
+
+def _is_unicode(text: str) -> bool:
+    """Whether `text` is valid Unicode: no lone UTF-16 surrogate, which Python's strings may hold and JSON may
+    spell ("\\ud800"), but which no tokenizer takes."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def _chat_turns(messages: Sequence[dict], system: str | None) -> list[str]:

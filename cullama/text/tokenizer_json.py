@@ -52,6 +52,7 @@ class JsonTokenizer(TokenizerBase):
         self.bos_id = self._token_id("bos_token", config_file)
         self.eos_id = self._token_id("eos_token", config_file)
         self._set_post_processor(config or {}, config_file)
+        self._check_post_processor()
         self._special_ids = {i for i, t in self._tok.get_added_tokens_decoder().items() if t.special}
         # the decoder's own JSON (its pickled state), not the whole tokenizer's: LLaMA-3's is 9 MB
         decoders = _decoder_types(json.loads(self._tok.decoder.__getstate__()) if self._tok.decoder else None)
@@ -141,6 +142,16 @@ class JsonTokenizer(TokenizerBase):
             self._tok.post_processor = processors.TemplateProcessing(single=single, pair=pair, special_tokens=specials)
         except Exception as exc:  # a token the template syntax cannot hold (e.g. one with a space)
             raise TokenizerError(f"{config_file}: add_bos_token / add_eos_token: {exc}") from None
+
+    def _check_post_processor(self) -> None:
+        """TokenizerError unless the ids the post-processor adds around every text (encoding '' gives just them)
+        are tokens: its special_tokens name any ids, and one past the vocabulary would only fail later, at the
+        model, as a prompt id out of range with no word of where it came from."""
+        added = self._tok.encode("", add_special_tokens=True).ids
+        bad = [i for i in added if not 0 <= i < self.vocab_size]
+        if bad:
+            raise TokenizerError(f"{self.path}: its post_processor adds token id {bad[0]}, outside its vocabulary "
+                                 f"[0, {self.vocab_size})")
 
     def _find_filler(self) -> int | None:
         """An ordinary token whose text is plain ASCII letters or digits and that nothing merges with: the
@@ -235,10 +246,16 @@ def _read(path: Path) -> tokenizers.Tokenizer:
     except UnicodeDecodeError as exc:
         raise TokenizerError(f"{path} is not a tokenizer.json (invalid UTF-8 at byte {exc.start})") from None
     try:
-        return tokenizers.Tokenizer.from_str(text)
+        tok = tokenizers.Tokenizer.from_str(text)
     except Exception as exc:  # the library raises a bare Exception with serde's message
         message = " ".join(str(exc).split())[:200]
         raise TokenizerError(f"{path} is not a tokenizer.json the tokenizers library can read ({message})") from None
+    # A file saved after enable_truncation / enable_padding keeps them, and the library would then cut or pad
+    # every prompt. transformers switches both off on each call it is not asked for them
+    # (PreTrainedTokenizerFast.set_truncation_and_padding), so its ids are the whole text's: so are ours.
+    tok.no_truncation()
+    tok.no_padding()
+    return tok
 
 
 def _bytes_to_chars() -> dict[str, int]:

@@ -291,6 +291,18 @@ def test_stdin_that_is_not_utf8_is_decoded_with_a_note(stories_dir):
     assert json.loads(result.stdout)["prompt_ids"] == tok.encode("Once upon \ufffd\ufffd a time")
 
 
+@pytest.mark.parametrize("command, what", [("generate", "standard input"), ("chat", "a line of standard input")])
+def test_endless_standard_input_stops_at_the_cap(stories_dir, monkeypatch, command, what):
+    # issue 30 item 4's sibling: `cullama generate < /dev/zero` read to the end of memory too
+    from cullama.cli import main as cli
+
+    monkeypatch.setattr(cli, "MAX_INPUT_BYTES", 1 << 20)
+    result = run(command, "--model", stories_dir, "--device", "cpu", input=b"x" * (2 << 20))
+    assert result.exit_code == 2
+    assert result.stderr.splitlines()[-1] == f"error: {what} holds more than 1 MiB, the most cullama reads from one " \
+                                             "input (some 16M tokens, far past any model's context)"
+
+
 def test_an_undecodable_argument_is_decoded_with_a_note(stories_dir):
     result = run("generate", "--model", stories_dir, "--device", "cpu", "--max-new-tokens", 3, "Once \udcff")
     assert result.exit_code == 0, result.output
@@ -354,7 +366,7 @@ def test_standard_input_that_cannot_be_read(stories_dir, monkeypatch):
     from cullama.cli import main as cli
 
     class Failing:
-        def read(self):
+        def read(self, size=-1):  # as a file's: item 4 reads at most MAX_INPUT_BYTES + 1
             raise OSError(errno.EIO, "Input/output error")
 
         readline = read

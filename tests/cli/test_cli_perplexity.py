@@ -80,6 +80,33 @@ def test_bad_input_is_one_line_before_the_weights_load(stories_dir, tmp_path, mo
     assert len(result.stderr.strip().splitlines()) <= 2  # a note about the weights' dtype at most, and the error
 
 
+@pytest.mark.parametrize("args", [["/dev/zero"], ["--ids", "/dev/zero"], ["-"], ["--ids", "-"]])
+def test_an_endless_input_stops_at_the_cap_named_in_one_line(stories_dir, monkeypatch, args):
+    # issue 30 item 4: /dev/zero was read to the end of memory (10.8 GB in 30 s; 18 GB with --ids)
+    from cullama import llama
+    from cullama.cli import main as cli
+
+    monkeypatch.setattr(cli, "MAX_INPUT_BYTES", 1 << 20)
+    monkeypatch.setattr(llama, "load_checkpoint", lambda *a, **k: pytest.fail("the weights were loaded"))
+    result = run("perplexity", "--model", stories_dir, "--device", "cpu", *args, input=b"\0" * (2 << 20))
+    what = "standard input" if args[-1] == "-" else "/dev/zero"
+    assert result.exit_code == 2 and result.stderr.splitlines() == [
+        f"error: {what} holds more than 1 MiB, the most cullama reads from one input (some 16M tokens, far past any "
+        "model's context)"]
+
+
+def test_an_input_of_the_cap_is_read(stories_dir, tmp_path, monkeypatch):
+    from cullama.cli import main as cli
+
+    ids = "1 403 407 " * 6
+    monkeypatch.setattr(cli, "MAX_INPUT_BYTES", len(ids))
+    (tmp_path / "in").write_text(ids)
+    assert run("perplexity", "--model", stories_dir, "--device", "cpu", "--ids", tmp_path / "in").exit_code == 0
+    (tmp_path / "in").write_text(ids + "1")
+    result = run("perplexity", "--model", stories_dir, "--device", "cpu", "--ids", tmp_path / "in")
+    assert result.exit_code == 2 and "error: " + str(tmp_path / "in") + " holds more than " in result.stderr
+
+
 def test_a_file_that_cannot_be_read(stories_dir, tmp_path):
     result = run("perplexity", "--model", stories_dir, tmp_path / "missing.txt")
     assert result.exit_code == 2 and "cannot read" in result.stderr and "missing.txt" in result.stderr

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import warnings
 
 import numpy as np
 import pytest
@@ -18,7 +19,7 @@ from cullama.model import layout as layouts, quant, quant_checkpoint
 from cullama.runtime.backends.numpy_backend import NumpyBackend
 from cullama.model.checkpoint import open_checkpoint
 from cullama.model.config import Quantization, from_pretrained
-from cullama.common.errors import CheckpointError, ConfigError, OptionError
+from cullama.common.errors import CheckpointError, ConfigError, GenerationError, OptionError
 from cullama.model.weights import checkpoint_layout, host_weights
 from cullama.runtime.load import load_checkpoint
 from tests.quant_checkpoints import CONFIG, variants, write
@@ -284,6 +285,62 @@ def test_bad_scales_and_groupings_are_refused_before_any_weight_reaches_the_devi
     write(tmp_path, CONFIG, GPTQ_ACT)
     edit_tensors(tmp_path, change)
     assert needle in refused(tmp_path)
+
+
+@pytest.mark.parametrize("q", [GPTQ_ACT, Quantization("awq", 4, 64)])
+def test_a_scale_whose_weight_fp16_cannot_hold_is_refused_naming_it(tmp_path, q):
+    # issue 30 item 6: every scale 65504 passed the checks; generation then failed with "no token can be drawn"
+    # after four NumPy warnings. The bound is exact: the group's code farthest from its zero, times the scale.
+    truth = write(tmp_path, CONFIG, q)[Q]
+    group, n = 1, 3
+    members = np.flatnonzero(truth.g_idx == group)  # the inputs of group 1, in the model's order
+    offsets = truth.codes[n, members].astype(np.float32) - truth.zeros[group, n]
+    j = int(np.argmax(np.abs(offsets)))
+    far, k = float(abs(offsets[j])), int(members[j])
+    fits = np.float16(65519 / far)  # rounded down to FP16 below: far * fits < 65520 still rounds to 65504
+    fits = fits if far * float(fits) < 65520 else np.nextafter(fits, np.float16(0))
+    past = np.nextafter(fits, np.float16(np.inf))  # the next FP16 scale: far * past rounds to inf
+    assert far * float(past) >= 65520
+    edit_tensors(tmp_path, lambda t: _set(t, f"{Q}.scales", (group, n), fits))
+    cullama.Llama.from_pretrained(tmp_path, device="cpu")
+    edit_tensors(tmp_path, lambda t: _set(t, f"{Q}.scales", (group, n), past))
+    weight = offsets[j] * np.float32(past)
+    assert refused(tmp_path) == f"{tmp_path}: {Q}.scales[{group}, {n}] is {float(past):g}: the weight [{n}, {k}] " \
+                                f"dequantizes to {weight:g}, past FP16's largest value (65504)"
+    edit_tensors(tmp_path, lambda t: t.update({f"{Q}.scales": np.full_like(t[f"{Q}.scales"], 65504)}))
+    assert refused(tmp_path).startswith(f"{tmp_path}: {Q}.scales[0, 0] is 65504: the weight [0, ")
+
+
+def test_numbers_that_overflow_in_generation_give_no_numpy_warning(tmp_path):
+    # weights FP16 holds, large enough that the activations overflow: the one error, and no RuntimeWarning
+    write(tmp_path, CONFIG, Quantization("awq", 4, 64))
+    edit_tensors(tmp_path, lambda t: t.update({name: np.full_like(t[name], 4000) for name in t
+                                               if name.endswith(".scales")}))
+    llm = cullama.Llama.from_pretrained(tmp_path, device="cpu")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with pytest.raises(GenerationError, match="no token can be drawn"):
+            llm.generate([1, 2, 3], max_new_tokens=2)
+        assert np.isnan(llm.logits([1, 2, 3])).all()
+
+
+@pytest.mark.parametrize("q", [GPTQ_ACT, Quantization("awq", 4, 64)])
+def test_a_stray_fp16_weight_beside_a_quantized_linear_is_refused_naming_both(tmp_path, device_never_used, q):
+    # issue 30 item 7: q_proj.weight next to q_proj.qweight / qzeros / scales was ignored without a word
+    module = "model.layers.0.self_attn.q_proj"
+    write(tmp_path, CONFIG, q)
+    edit_tensors(tmp_path, lambda t: t.update({f"{module}.weight": np.zeros((128, 128), np.float16)}))
+    assert refused(tmp_path) == f"{tmp_path / 'model.safetensors'}: {module}.weight and {module}.qweight are both " \
+                                "stored: a linear is either FP16 or quantized, not both (which one is meant?)"
+
+
+def test_a_packed_linear_beside_its_fp16_weight_is_refused_where_the_config_keeps_it_fp16(tmp_path,
+                                                                                          device_never_used):
+    # the other way round: modules_to_not_convert keeps down_proj FP16, and a qweight of it is there too
+    write(tmp_path, CONFIG, Quantization("gptq", 4, 64, not_converted=("down_proj",)))
+    module = "model.layers.1.mlp.down_proj"
+    edit_tensors(tmp_path, lambda t: t.update({f"{module}.qweight": np.zeros((32, 128), np.int32)}))
+    assert f"{module}.weight and {module}.qweight are both stored" in refused(tmp_path)
 
 
 def test_non_quantized_tensors_of_an_unsupported_dtype_are_refused(tmp_path, device_never_used):

@@ -94,7 +94,9 @@ def test_perplexity_of_stories260k_on_its_story(stories, story):
     by_hand = math.exp(-np.mean(log_softmax(stories.logits(story))[np.arange(len(story) - 1), story[1:]]))
     assert (result.tokens, result.windows, result.context, result.stride) == (256, 1, 512, 256)
     assert abs(result.perplexity - by_hand) <= 1e-5 * by_hand
-    assert round(result.perplexity, 3) == 1.580
+    # the README's 1.580, within what BLAS's order of float32 sums moves it between machines (1.5799 here, 1.5800
+    # elsewhere: tests/test_cli_perplexity.py); round() would flip wherever the figure sits near 1.5795
+    assert result.perplexity == pytest.approx(1.580, abs=1e-3)
 
 
 def test_sliding_window_perplexity_is_huggingfaces_loop(stories_dir, story):

@@ -145,6 +145,34 @@ def test_chat_logprobs_whole_and_streamed(client, oracle):
     assert all(c.top_logprobs == [] for c in bare.choices[0].logprobs.content)
 
 
+def test_each_streamed_chunks_tokens_spell_its_text(server, oracle):
+    """Issue 30 item 5: a token whose text a possible stop string held back had its entry in the chunk before its
+    text, and the text then came in a chunk with no entries. Each chunk's entries now spell its text (the first
+    one's space dropped, as the library's text starts afresh), as OpenAI streams them."""
+    reply = oracle.generate(STORY[:8], max_new_tokens=24, ignore_eos=True)
+    surfaces = [oracle.tokenizer.piece(i).replace("\u2581", " ") for i in reply.token_ids]
+    held = [k for k, surface in enumerate(surfaces[1:-1], 1) if len(surface.strip()) >= 3 and surface.isascii()]
+    assert len(held) >= 3
+    stops = [surfaces[k][-2:] + "\a" for k in held[:3]]  # each holds the end of a token back, never matches
+    for path in ("/v1/completions", "/v1/chat/completions"):
+        body = {"model": MODEL, "max_tokens": 24, "temperature": 0, "ignore_eos": True, "stop": stops}
+        if path == "/v1/completions":
+            body.update(prompt=STORY[:8], logprobs=0)
+        else:  # the chat template's prompt differs: only the spelling is compared
+            body.update(messages=[{"role": "user", "content": "Once upon a time"}], logprobs=True)
+        chunks = [chunk["choices"][0] for chunk in server.sse(path, body)]
+        *texts, last = [(chunk["text"], (chunk["logprobs"] or {}).get("tokens", [])) if "text" in chunk else
+                        (chunk["delta"].get("content"), [bytes(entry["bytes"]).decode() for entry in
+                                                         (chunk["logprobs"] or {}).get("content", [])])
+                        for chunk in chunks]
+        assert last in (("", []), (None, [])) and chunks[-1]["finish_reason"] == "length"
+        for i, (text, tokens) in enumerate(texts):
+            spelled = "".join(tokens)
+            assert (spelled.removeprefix(" ") if i == 0 else spelled) == text, (path, i, texts)
+        if path == "/v1/completions":
+            assert "".join(text for text, _ in texts) == reply.text
+
+
 # -- what stays refused --------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("path,fields,param", [

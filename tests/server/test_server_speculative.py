@@ -142,6 +142,27 @@ def test_a_stop_string_inside_a_burst_never_leaks(server, stories_expected):
     assert out["usage"] == usage
 
 
+def test_a_bursts_log_probabilities_spell_each_chunks_text_as_plain_decodings(server):
+    # Issue 30 item 5 under draft-model speculation: a burst's tokens arrive in one verify step, a possible stop
+    # string ("le gi", never written: "\a") holds " litt" back; each chunk's entries still spell its text, and the
+    # chunks and their entries are plain decoding's.
+    body = {"prompt": [1], "max_tokens": 24, "stop": ["le g\a", "ere w\a"], "logprobs": 1}
+
+    def chunks(fields):
+        out = server.sse("/v1/completions", {"model": MODEL, "temperature": 0, **body, **fields})
+        return [(c["choices"][0]["text"], (c["choices"][0]["logprobs"] or {}).get("tokens", []),
+                 (c["choices"][0]["logprobs"] or {}).get("token_logprobs", [])) for c in out]
+
+    drafted, plain = chunks({}), chunks({"speculative": "off"})
+    assert [c[:2] for c in drafted] == [c[:2] for c in plain]
+    assert [lp for c in drafted for lp in c[2]] == pytest.approx([lp for c in plain for lp in c[2]], abs=1e-5)
+    *texts, last = drafted
+    assert last[:2] == ("", [])
+    for i, (text, tokens, _) in enumerate(texts):
+        assert ("".join(tokens).removeprefix(" ") if i == 0 else "".join(tokens)) == text, (i, drafted)
+    assert any(len(tokens) > 1 for _, tokens, _ in texts)  # text held back: some chunk spells two tokens
+
+
 @pytest.mark.parametrize("n", [1, 2, 3, 7, 11])
 def test_max_tokens_is_never_exceeded_inside_a_burst(server, stories_expected, n):
     # With k = 4 a burst is 5 tokens: the last step drafts fewer so as to end on the n-th token exactly.

@@ -7,6 +7,8 @@ import json
 import re
 import shutil
 import sys
+import threading
+import tracemalloc
 from datetime import datetime
 
 import jinja2.ext
@@ -157,6 +159,15 @@ def test_a_failing_template_is_one_line(source, why):
         render(source)
     assert str(info.value).startswith("T.jinja: the chat template failed: ") and why in str(info.value)
     assert "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize("source", ["{{ '\\ud800' }}", "a\ud800", "{{ bos_token }}{{ '\\udfff' }}"])
+def test_a_lone_surrogate_in_the_text_is_one_line(source):
+    # issue 30 item 2: no tokenizer encodes it (the tokenizers library raised a TypeError, the CLI printed 46 lines)
+    with pytest.raises(TokenizerError) as info:
+        render(source, bos_token="<s>")
+    assert str(info.value).startswith("T.jinja: the chat template made text that is not valid Unicode (character ")
+    assert str(info.value).endswith(" is the lone surrogate U+D800)") or str(info.value).endswith("U+DFFF)")
 
 
 @pytest.mark.parametrize("source, why", [
@@ -397,6 +408,81 @@ def test_a_method_call_counts_its_object_and_joins_count_their_parts():
         "  x|a-  7|1"
 
 
+# -- what renders build in all (issue 30 item 3: many 8 MB values reached 2.1-2.4 GB in one render) --------------
+KEPT = "{% set a = 'x' * 8000000 %}"  # a value within the limit, then copies of it, each kept in a variable
+
+
+def traced_peak(work) -> int:
+    """The most bytes Python held at once (all threads) while `work()` ran, over what it held before."""
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        work()
+        return tracemalloc.get_traced_memory()[1] - before
+    finally:
+        tracemalloc.stop()
+
+
+@pytest.mark.parametrize("copy", ["a[{i}:]", "a + '{i}'", "a ~ {i}", "a|upper", "a.upper()", "[a ~ {i}]|first"])
+def test_what_one_render_builds_in_all_is_bounded(copy):
+    source = KEPT + "".join(f"{{% set b{i} = {copy.format(i=i)} %}}" for i in range(12))
+    stopped = f"^T.jinja: the chat template stopped: it built more than {chat_template.MAX_RENDER_CHARS} " \
+              "characters in all$"
+
+    def work():
+        with pytest.raises(TokenizerError, match=stopped):
+            render(source)
+
+    assert traced_peak(work) < chat_template.MAX_RENDER_CHARS + 2 * MAX  # 12 copies: 104 MB held before the bound
+
+
+def test_a_long_chat_through_a_template_that_copies_it_renders():
+    # a chat of nearly the longest text, each message copied a few times (a slice, strip, +), is within the bound
+    messages = [{"role": ("user", "assistant")[i % 2], "content": " x" * (MAX // 420)} for i in range(199)]
+    assert len(render(LLAMA2_TEMPLATE, [{"role": "system", "content": "Be brief."}, *messages], bos_token="<s>",
+                      eos_token="</s>")) > 0.9 * MAX
+
+
+def test_renders_take_turns_so_that_together_they_hold_what_two_may(monkeypatch):
+    # four chat requests at once held 1.77 GB: each holds what it built until its time runs out
+    monkeypatch.setattr(chat_template, "RENDER_SECONDS", 0.3)
+    template = ChatTemplate(KEPT + "{% set b = a ~ 1 %}{% for i in range(100000) %}{% for j in range(100000) %}"
+                            "{% endfor %}{% endfor %}", "T.jinja")  # 16 MB held until its time runs out
+    running, most, enter = [0], [0], chat_template._Budget.__enter__
+
+    def entering(budget):
+        running[0] += 1
+        most[0] = max(most[0], running[0])
+        return enter(budget)
+
+    def leaving(budget, *exc):
+        running[0] -= 1
+        sys.settrace(budget._previous)
+        chat_template._active.budget = None
+
+    monkeypatch.setattr(chat_template._Budget, "__enter__", entering)
+    monkeypatch.setattr(chat_template._Budget, "__exit__", leaving)
+    errors = []
+
+    def one():
+        try:
+            template.render(USER, {})
+        except TokenizerError as exc:
+            errors.append(str(exc))
+
+    def work():
+        threads = [threading.Thread(target=one) for _ in range(4)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+
+    peak = traced_peak(work)
+    assert errors == ["T.jinja: the chat template stopped: it ran for more than 0.3 s"] * 4
+    assert most[0] == chat_template.MAX_RENDERS == 2
+    assert peak < 3 * 16_000_000  # two renders' 16 MB each, never four
+
+
 # -- chats through a template --------------------------------------------------------------------
 
 
@@ -426,6 +512,8 @@ def test_sentencepiece_with_meta_template_gives_meta_ids(llama2_with_template):
     ([{"role": "user", "content": None}], None, "content of type NoneType"),
     ([CHAT[0], *USER], "Be brief.", "system prompt given twice"),
     ([*USER, CHAT[0]], None, "message 1 has role 'system'; only the first message may"),
+    ([{"role": "user", "content": "a\udc80"}], None, "message 0 is not valid Unicode (it holds a lone surrogate)"),
+    (USER, "\ud800", "the system prompt is not valid Unicode (it holds a lone surrogate)"),
 ])
 def test_messages_are_checked_before_the_template(llama2_with_template, messages, system, why):
     templated, _ = llama2_with_template
@@ -462,6 +550,29 @@ def test_cli_chat_with_a_template_that_raises_is_one_line(model_with_template):
     assert result.exit_code == 2
     assert result.output.strip().splitlines()[-1] == f"error: {model_with_template / 'tokenizer_config.json'}: the " \
                                                      "chat template refuses these messages: this model does not chat"
+
+
+SURROGATE_ERROR = "tokenizer_config.json: the chat template made text that is not valid Unicode (character 2 is the " \
+                  "lone surrogate U+D800)"
+
+
+def test_a_lone_surrogate_from_a_template_is_one_line_from_the_cli_and_a_400_from_the_server(model_with_template):
+    # issue 30 item 2: a 46-line traceback from the CLI, a TypeError from the library, a 500 from the server
+    write_template(model_with_template, "{% for m in messages %}{{ m.content }}{% endfor %}{{ '\\ud800' }}")
+    result = CliRunner().invoke(main, ["generate", "--model", str(model_with_template), "--device", "cpu", "--chat",
+                                       "Hi"])
+    assert result.exit_code == 2
+    assert result.output.strip().splitlines() == [f"error: {model_with_template / SURROGATE_ERROR}"]
+
+    from cullama.server.app import prepare
+    from cullama.server.protocol import ApiError, ChatRequest
+
+    llm = cullama.Llama.from_pretrained(model_with_template, device="cpu")
+    with pytest.raises(TokenizerError, match=re.escape(SURROGATE_ERROR)):
+        llm.chat_ids(USER)
+    with pytest.raises(ApiError) as refused:
+        prepare(llm, ChatRequest.model_validate({"messages": USER}), chat=True, speculative={})
+    assert refused.value.status == 400 and refused.value.message == str(model_with_template / SURROGATE_ERROR)
 
 
 def test_cli_chat_turns_go_through_the_template(model_with_template):

@@ -117,6 +117,28 @@ def test_add_bos_token_in_tokenizer_config_decides(tmp_path):
         assert load_tokenizer(tmp_path).encode("Once") == expected, flags
 
 
+@pytest.mark.parametrize("setting", [
+    {"truncation": {"direction": "Right", "max_length": 2, "strategy": "LongestFirst", "stride": 0}},
+    {"padding": {"strategy": {"Fixed": 64}, "direction": "Right", "pad_to_multiple_of": None, "pad_id": 0,
+                 "pad_type_id": 0, "pad_token": "!"}},
+    {"padding": {"strategy": "BatchLongest", "direction": "Left", "pad_to_multiple_of": 8, "pad_id": 0,
+                 "pad_type_id": 0, "pad_token": "!"}},
+])
+def test_truncation_and_padding_saved_in_the_file_change_no_id(tmp_path, setting):
+    # A tokenizer.json saved after enable_truncation / enable_padding carries them; transformers' encode and
+    # apply_chat_template switch both off on every call unless asked (set_truncation_and_padding), so its ids
+    # are the whole text's, unpadded (issue 30 item 1: max_length 2 made a 42-token prompt 2 ids).
+    copy_golden("tiny-llama3", tmp_path)
+    spec = json.loads((tmp_path / "tokenizer.json").read_text())
+    (tmp_path / "tokenizer.json").write_text(json.dumps({**spec, **setting}))
+    tok, ref = load_tokenizer(tmp_path), golden("tiny-llama3")[1]
+    for case in ref["texts"]:
+        assert tok.encode(case["text"]) == case["ids"], case["text"]
+    for case in ref["chats"]:
+        assert tok.chat_ids(case["messages"]) == case["ids"]
+    assert tok.encode("") == [tok.bos_id]
+
+
 # -- streaming ----------------------------------------------------------------------------------
 
 
@@ -301,6 +323,7 @@ def test_oversized_tokenizer_json_is_refused(tmp_path):
 @pytest.mark.parametrize("config, why", [
     ({"eos_token": "<|nope|>"}, 'eos_token "<|nope|>" is not a token of'),
     ({"bos_token": 5}, "bos_token must be a string, got 5"),
+    ({"eos_token": "<\ud800>"}, 'eos_token "<\\ud800>" is not valid Unicode (it holds a lone surrogate)'),
     ({"add_bos_token": "yes"}, "add_bos_token must be true or false"),
     ({"chat_template": [{"name": "tool_use", "template": "x"}]}, "none named \"default\""),
     ({"chat_template": "{% for %}"}, "the chat template does not compile"),
@@ -313,6 +336,18 @@ def test_bad_tokenizer_config_is_one_line(tmp_path, config, why):
         load_tokenizer(tmp_path)
     assert str(info.value).startswith(str(tmp_path / "tokenizer_config.json")) and why in str(info.value)
     assert "\n" not in str(info.value)
+
+
+def test_a_post_processor_id_outside_the_vocabulary_is_refused_naming_it(tmp_path):
+    # issue 30 item 8: it failed at the model, as "token id 99999 is outside the vocabulary [0, 506)"
+    copy_golden("tiny-llama3", tmp_path)
+    spec = json.loads((tmp_path / "tokenizer.json").read_text())
+    spec["post_processor"]["processors"][1]["special_tokens"]["<|begin_of_text|>"]["ids"] = [99999]
+    (tmp_path / "tokenizer.json").write_text(json.dumps(spec))
+    with pytest.raises(TokenizerError) as info:
+        load_tokenizer(tmp_path)
+    assert str(info.value) == (f"{tmp_path / 'tokenizer.json'}: its post_processor adds token id 99999, outside "
+                               "its vocabulary [0, 506)")
 
 
 def test_special_tokens_map_json_fills_in(tmp_path):

@@ -16,8 +16,11 @@ from .rows import row_positions
 
 SOURCE = "gemv.cu"
 # (ROWS, UNROLL) of a decode step (one token row): the plan's choice first; the others are the benchmark
-# sweep's candidates.
-DECODE_VARIANTS = [(("ROWS", r), ("UNROLL", u)) for r, u in ((4, 4), (2, 4), (4, 2), (8, 2), (2, 8))]
+# sweep's candidates. ROWS 8 UNROLL 2 holds 16 vectors of 8 rows: MIN_BLOCKS 5 leaves it 96 registers, which
+# ptxas (NVRTC 12.9) fits on sm_80 .. sm_90 but spills 48-64 bytes of gemv_qkv_rope on sm_100 and sm_120; with
+# 4 blocks an SM it spills nowhere (on sm_90 it still takes 96).
+DECODE_VARIANTS = [(("ROWS", r), ("UNROLL", u)) for r, u in ((4, 4), (2, 4), (4, 2), (2, 8))]
+DECODE_VARIANTS.insert(3, (("ROWS", 8), ("UNROLL", 2), ("MIN_BLOCKS", 4)))
 # A verify step's k + 1 token rows, k = 1..8, as cullama.runtime.plan.gemv builds them (plan.VERIFY_GEMV_ROWS and
 # VERIFY_GEMV_UNROLL; tests/runtime/test_verify.py checks that every verify plan's kernel is one of these).
 VERIFY_VARIANTS = [(("ROWS", 4), ("UNROLL", 2), ("TOKENS", t)) for t in range(2, 10)]
