@@ -248,7 +248,8 @@ async def generate(request: Request, model: type[GenerationRequest], engine: Eng
     job = Job(ids, options, asyncio.get_running_loop())
     echo = getattr(body, "echo", False)
     scoring = functools.partial(Logprobs, chat, options["logprobs"], echo, ids, engine.llm.tokenizer)
-    scores = await asyncio.to_thread(scoring) if echo else scoring()  # an echo decodes the whole prompt
+    # an echo decodes the whole prompt, and completions' logprobs read it too (their text_offset)
+    scores = await asyncio.to_thread(scoring) if echo or options["logprobs"] is not None else scoring()
     try:
         engine.submit(job)
     except Busy as exc:

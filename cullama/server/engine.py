@@ -237,13 +237,13 @@ class Engine:
         result = stream.result
         if result.finish_reason not in ("eos", "stop", "length"):  # a way to end that no request asked for
             return self._finish(job, Failed(f"the generation ended early ({result.finish_reason})"))
-        self._finish(job, Finished(result.finish_reason, len(job.prompt_ids), len(result.token_ids),
+        self._finish(job, Finished(result.finish_reason, len(job.prompt_ids), result.completion_tokens,
                                    **(scores.take() if scores else {})))
 
     def _measure(self, job: Job, started: float, result) -> None:
         """The tokens and timings of a generation, however it ended (Llama.stream's own timings)."""
         first_token_s = started - job.arrived + result.timings.prefill_s if result.timings.prefill_s else None
-        self.metrics.generated(len(result.token_ids), first_token_s, result.timings.token_s)
+        self.metrics.generated(result.completion_tokens, first_token_s, result.timings.token_s)
         if result.speculative is not None:
             self.metrics.speculated(result.speculative)
         elif self.max_batch == 1:  # each token after the first: a decode step of one row
@@ -341,7 +341,7 @@ class Engine:
         if stream.error is not None or result.finish_reason not in ("eos", "stop", "length"):
             what = type(stream.error).__name__ if stream.error is not None else result.finish_reason
             return self._close(job, Failed(f"the generation ended early ({what})"))
-        self._close(job, Finished(result.finish_reason, len(job.prompt_ids), len(result.token_ids),
+        self._close(job, Finished(result.finish_reason, len(job.prompt_ids), result.completion_tokens,
                                   **(scores.take() if scores else {})))
 
     def _close(self, job: Job, event: Event) -> None:
