@@ -144,6 +144,24 @@ class Engine:
             self._publish_load()
             self._lock.notify()
 
+    def submit_all(self, jobs: Sequence[Job]) -> None:
+        """Queue the rows of one request (n > 1, a list of prompts: server/choices.py) all together, each counting as a
+        request against --max-batch and --max-queue, or none of them: Busy where they do not all fit now."""
+        with self._lock:
+            if self._stopping:
+                raise Unavailable("the server is shutting down")
+            if self.state != "ready":
+                raise Unavailable("the model is still loading; GET /health answers 200 once it is ready"
+                                  if self.state == "loading" else "the model failed to load")
+            if len(self._waiting) + self._held() + len(jobs) > self.max_queue + self.max_batch:
+                raise Busy(f"the server is busy: {len(self._waiting)} requests are waiting (--max-queue "
+                           f"{self.max_queue}) and this one's {len(jobs)} choices do not fit behind them; retry later")
+            for job in jobs:
+                job.state = "waiting"
+                self._waiting.append(job)
+            self._publish_load()
+            self._lock.notify_all()
+
     def cancel(self, job: Job, reason: str = "cancelled") -> None:
         """Stop a job: out of the queue now, or between two tokens if it runs. Idempotent; a finished
         job is left alone."""
