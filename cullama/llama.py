@@ -76,9 +76,9 @@ class Llama:
         What can be checked without the weights is checked before they load, in this order: the paths' types,
         quantize, the device, the hub ids (downloaded where needed), config.json (with quantize) and the shapes
         cullama's kernels support, max_seq_len, the tokenizer (its pieces must be ids of the model's vocabulary; the
-        ids of a padded vocabulary past them are never sampled), the draft model's vocabulary, `check(config, tokenizer, context)` (the caller's own, e.g.
-        its prompt), the checkpoint's files and tensors (a quantized one's scales and g_idx read and checked), and
-        the memory the KV cache and the weights need.
+        ids of a padded vocabulary past them are never sampled), the draft model's vocabulary, `check(config,
+        tokenizer, context)` (the caller's own, e.g. its prompt), the checkpoint's files and tensors (a quantized
+        one's scales and g_idx read and checked), and the memory the KV cache and the weights need.
 
         draft_model: a smaller LLaMA checkpoint with the same tokenizer, loaded after this one on the same
         device with the same context, for speculative="draft" (as it is stored: quantize applies to this model
