@@ -7,7 +7,7 @@ import sys
 
 import click
 
-from .common import PREFILL_CHUNK, QUANTIZE, Command, NonEmptyPath, out, require_stdout
+from .common import MODEL_HELP, PREFILL_CHUNK, QUANTIZE, REVISION, Command, NonEmptyPath, out, require_stdout
 
 
 class BenchProgress:
@@ -29,7 +29,8 @@ class BenchProgress:
 
 
 @click.command(cls=Command)
-@click.option("--model", "model_dir", type=NonEmptyPath(), help="HF LLaMA checkpoint directory.")
+@click.option("--model", "model_dir", type=NonEmptyPath(), help=MODEL_HELP)
+@REVISION
 @click.option("--synthetic", help="Random weights of a preset's shape, no download "
                                   "[default: llama-2-7b on a GPU, tiny on the CPU].")
 @click.option("--device", default="auto", show_default=True, type=click.Choice(["auto", "cpu", "cuda"]))
@@ -54,17 +55,19 @@ class BenchProgress:
                    "greedy continuation, every draft accepted).")
 @click.option("--draft-tokens", type=int, help="--speculative: tokens drafted per step, 1 to 8 [default: 4].")
 @click.option("--adaptive-draft", is_flag=True, help="--speculative: move --draft-tokens with the recent acceptance.")
-@click.option("--draft-model", type=NonEmptyPath(), help="--speculative draft: the draft model's checkpoint directory.")
+@click.option("--draft-model", type=NonEmptyPath(),
+              help="--speculative draft: the draft model's checkpoint directory (or hub id).")
 @click.option("--verify-context", type=int, help="--speculative: context of the verify step timings [default: 500].")
 @click.option("--verify-reps", type=int, help="--speculative: timed verify calls per k [default: 20].")
 @click.option("--acceptance-model", type=NonEmptyPath(),
               help="--speculative: a real checkpoint (e.g. stories260K) on which ngram's tokens per step is measured "
                    "for the derived per-token figures.")
-def bench(model_dir, synthetic, device, lengths, samples, warmup, prompt_len, max_seq_len, json_path, quantize,
-          prefill_chunk, overlap, batch_sizes, **speculative):
+def bench(model_dir, revision, synthetic, device, lengths, samples, warmup, prompt_len, max_seq_len, json_path,
+          quantize, prefill_chunk, overlap, batch_sizes, **speculative):
     """Per-token decode latency (p50/p90/p99/max), tokens/s, GB/s and TTFT at each length."""
     require_stdout()
     from ..bench import latency as protocol
+    from ..model import hub
     from ..model.config import from_pretrained as read_config, preset
     from ..runtime.device import resolve
     from ..model.weights import config_layout
@@ -76,9 +79,11 @@ def bench(model_dir, synthetic, device, lengths, samples, warmup, prompt_len, ma
     command = {"model": model_dir, "synthetic": synthetic, "device": device, "lengths": lengths,
                "samples": samples, "warmup": warmup, "prompt_len": prompt_len, "max_seq_len": max_seq_len,
                "json": json_path, "quantize": quantize, "prefill_chunk": prefill_chunk, "overlap": overlap,
-               **speculative}
+               **speculative, **({"revision": revision} if revision is not None else {})}
     if model_dir is not None and synthetic is not None:
         raise PromptError("give either --model or --synthetic, not both")
+    if revision is not None and model_dir is None:
+        raise PromptError("--revision goes with --model")
     speculative_options(speculative)
     sizes = None
     if batch_sizes is not None:
@@ -98,7 +103,10 @@ def bench(model_dir, synthetic, device, lengths, samples, warmup, prompt_len, ma
     if fallback:
         tiny = " (the tiny preset: --device cpu --synthetic tiny)" if synthetic == "tiny" else ""
         BenchProgress.note(f"note: {fallback[0]}{tiny}")
-    config = read_config(model_dir) if model_dir is not None else preset(synthetic)
+    local = None if model_dir is None else hub.resolve(model_dir, revision)  # a hub id: its snapshot (a download)
+    if speculative["draft_model"] is not None:
+        speculative["draft_model"] = hub.resolve(speculative["draft_model"], what="draft model")
+    config = read_config(local) if local is not None else preset(synthetic)
     check_supported(config_layout(config, quantize).device)
     context = checked_context(config, max_seq_len)
     if sizes is not None:
@@ -109,16 +117,16 @@ def bench(model_dir, synthetic, device, lengths, samples, warmup, prompt_len, ma
     if speculative["speculative"]:
         check_speculative(speculative, context)
     if speculative["draft_model"] is not None:  # a draft that cannot speak the target's tokens, before any weight
-        has_tokenizer = model_dir is not None and find_tokenizer(model_dir) is not None
-        check_draft(speculative["draft_model"], config, load_tokenizer(model_dir) if has_tokenizer else None)
+        has_tokenizer = local is not None and find_tokenizer(local) is not None
+        check_draft(speculative["draft_model"], config, load_tokenizer(local) if has_tokenizer else None)
     bandwidth = None
     if dev == "cuda" and not speculative["speculative"] and sizes is None:  # before the weights (GiBs on any GPU)
         BenchProgress.note("measuring the read bandwidth of this GPU ...")
         bandwidth = protocol.measure_bandwidth()
     BenchProgress.note(f"loading {model_dir or 'synthetic ' + synthetic} on {dev} ...")
     slots = max(sizes) if sizes else 1
-    if model_dir is not None:
-        llm = Llama.from_pretrained(model_dir, device=dev, max_seq_len=max_seq_len, quantize=quantize, max_batch=slots,
+    if local is not None:
+        llm = Llama.from_pretrained(local, device=dev, max_seq_len=max_seq_len, quantize=quantize, max_batch=slots,
                                     prefill_chunk=prefill_chunk)
     else:
         llm = Llama.synthetic(synthetic, device=dev, max_seq_len=max_seq_len, quantize=quantize, max_batch=slots,

@@ -130,3 +130,10 @@ PREFILL_CHUNK = click.option(
          "else sized so that a joining prompt keeps the running requests within about two decode steps "
          "between tokens: 64 for a 7B model in FP16]. `cullama generate --prefill-chunk N` gives the answers of a "
          "server whose ready line says prefill chunk N.")
+
+
+# --model of every command that takes one: a checkpoint directory or a HuggingFace hub id (cullama/model/hub.py)
+MODEL_HELP = "HF LLaMA checkpoint directory, or a HuggingFace hub id (org/name: read from the local hub cache, " \
+             "downloaded where missing; the hub extra)."
+# --revision, beside it
+REVISION = click.option("--revision", help="The hub id's branch, tag or commit id [default: its default branch].")

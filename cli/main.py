@@ -21,7 +21,8 @@ import click
 from ..common.errors import INTERRUPTED, PromptError
 from ..server import BODY_TIMEOUT_S, SHUTDOWN_GRACE_S
 from . import bench
-from .common import PREFILL_CHUNK, QUANTIZE, Group, NonEmptyPath, note, out, require_stdout, show_version
+from .common import (MODEL_HELP, PREFILL_CHUNK, QUANTIZE, REVISION, Group, NonEmptyPath, note, out, require_stdout,
+                     show_version)
 
 
 MAX_INPUT_BYTES = 64 << 20  # the most one input (a prompt, a chat line, perplexity's text or ids) may hold
@@ -127,7 +128,8 @@ def parse_ids(text: str) -> list[int]:
 def shared_options(command):
     """The options `generate` and `chat` share: the model, the device and the sampling."""
     options = [
-        click.option("--model", "model_dir", required=True, type=NonEmptyPath(), help="HF LLaMA checkpoint directory."),
+        click.option("--model", "model_dir", required=True, type=NonEmptyPath(), help=MODEL_HELP),
+        REVISION,
         click.option("--max-new-tokens", default=256, show_default=True, type=int),
         click.option("--temperature", default=0.0, show_default=True, type=float, help="0 = greedy."),
         click.option("--top-k", default=0, show_default=True, type=int, help="0 = off."),
@@ -140,7 +142,7 @@ def shared_options(command):
         click.option("--device", default="auto", show_default=True, type=click.Choice(["auto", "cpu", "cuda"])),
         click.option("--max-seq-len", type=int, help="Context to allocate (default: the model's)."),
         click.option("--tokenizer", type=NonEmptyPath(), help="tokenizer.json or tokenizer.model (or a directory "
-                     "holding one) to use instead of the checkpoint's."),
+                     "holding one, or a hub id) to use instead of the checkpoint's."),
         QUANTIZE,
         PREFILL_CHUNK,
         click.option("--json", "as_json", is_flag=True, help="Print JSON: ids, text, finish reason, seed, timings, "
@@ -156,7 +158,8 @@ def speculative_flags(command):
                      help="Speculative decoding: each step checks drafted tokens in one pass (ngram: prompt "
                           "lookup; draft: --draft-model). Greedy output is unchanged."),
         click.option("--draft-model", type=NonEmptyPath(), help="A smaller LLaMA with the same tokenizer to draft "
-                                                              "tokens (implies --speculative draft)."),
+                                                              "tokens (implies --speculative draft; a directory or "
+                                                              "a hub id)."),
         click.option("--draft-tokens", type=int, help="Tokens drafted per step, 1 to 8 [default: 4]."),
         click.option("--adaptive-draft", is_flag=True, help="Move --draft-tokens with the recent acceptance."),
     ], command)
@@ -205,15 +208,17 @@ def pick_device(device: str) -> str:
     return resolve(device, on_fallback=note)
 
 
-def load(model_dir, device, max_seq_len, tokenizer, check=None, draft_model=None, quantize=None, prefill_chunk=None):
-    """The model (and its draft model), with a progress bar while the weights load and its notes said once."""
+def load(model_dir, device, max_seq_len, tokenizer, check=None, draft_model=None, quantize=None, prefill_chunk=None,
+         revision=None):
+    """The model (and its draft model), with a progress bar while the weights load and its notes said once; a hub
+    id's files are downloaded first where the cache lacks them (huggingface_hub's progress bars)."""
     from ..llama import Llama
 
     progress = LoadProgress("loading weights")
     try:
         llm = Llama.from_pretrained(model_dir, device=pick_device(device), max_seq_len=max_seq_len,
                                     tokenizer=tokenizer, progress=progress, check=check, draft_model=draft_model,
-                                    quantize=quantize, prefill_chunk=prefill_chunk)
+                                    quantize=quantize, prefill_chunk=prefill_chunk, revision=revision)
     finally:
         progress.close()
     for text in llm.notes:
@@ -258,7 +263,7 @@ def stream_out(stream, llm, as_json: bool) -> None:
 @click.option("--chat", is_flag=True, help="Wrap the prompt in the model's chat template (LLaMA-2's format "
               "when it has none).")
 @click.option("--system", help="System prompt for --chat.")
-def generate(model_dir, prompt, prompt_ids, chat, system, device, max_seq_len, tokenizer, quantize, as_json,
+def generate(model_dir, revision, prompt, prompt_ids, chat, system, device, max_seq_len, tokenizer, quantize, as_json,
              **kwargs):
     """Generate text from PROMPT (or standard input; an empty prompt starts from BOS alone)."""
     require_stdout()
@@ -293,14 +298,14 @@ def generate(model_dir, prompt, prompt_ids, chat, system, device, max_seq_len, t
         check_prompt_fits(len(request), context, options.max_new_tokens)
 
     llm = load(model_dir, device, max_seq_len, tokenizer, check, kwargs["draft_model"], quantize,
-               kwargs["prefill_chunk"])
+               kwargs["prefill_chunk"], revision)
     stream_out(llm.stream(request, **dataclasses.asdict(options), **spec), llm, as_json)
 
 
 @main.command()
 @shared_options
 @click.option("--system", help="System prompt for the whole conversation.")
-def chat(model_dir, system, device, max_seq_len, tokenizer, quantize, as_json, **kwargs):
+def chat(model_dir, revision, system, device, max_seq_len, tokenizer, quantize, as_json, **kwargs):
     """A multi-turn chat: each line of standard input is a user turn; replies stream back.
 
     The whole conversation goes through the model's chat template (LLaMA-2's format when it has none) at every
@@ -323,7 +328,7 @@ def chat(model_dir, system, device, max_seq_len, tokenizer, quantize, as_json, *
                               f"context of {context} tokens (--max-seq-len)")
 
     llm = load(model_dir, device, max_seq_len, tokenizer, check, kwargs["draft_model"], quantize,
-               kwargs["prefill_chunk"])
+               kwargs["prefill_chunk"], revision)
     interactive = sys.stdin is not None and sys.stdin.isatty()
     lines = TextInput().lines()
     messages: list[dict] = []
@@ -351,15 +356,17 @@ def chat(model_dir, system, device, max_seq_len, tokenizer, quantize, as_json, *
 
 
 @main.command()
-@click.option("--model", "model_dir", required=True, type=NonEmptyPath(), help="HF LLaMA checkpoint directory.")
+@click.option("--model", "model_dir", required=True, type=NonEmptyPath(), help=MODEL_HELP)
+@REVISION
 @click.option("--host", default="127.0.0.1", show_default=True,
               help="Address to listen on (loopback: this machine only).")
 @click.option("--port", default=8000, show_default=True, type=click.IntRange(0, 65535), help="0 = any free port.")
 @click.option("--device", default="auto", show_default=True, type=click.Choice(["auto", "cpu", "cuda"]))
 @click.option("--max-seq-len", type=int, help="Context to allocate (default: the model's).")
 @click.option("--tokenizer", type=NonEmptyPath(), help="tokenizer.json or tokenizer.model (or a directory holding "
-              "one) to use instead of the checkpoint's.")
-@click.option("--served-model-name", help="The model's name in the API [default: the directory's name].")
+              "one, or a hub id) to use instead of the checkpoint's.")
+@click.option("--served-model-name", help="The model's name in the API [default: the directory's name, or the hub "
+              "id].")
 @click.option("--max-queue", default=64, show_default=True, type=click.IntRange(min=0),
               help="Requests that may wait behind the running ones; past it, 429.")
 @click.option("--max-batch", default=8, show_default=True, type=click.IntRange(1, 64),
@@ -378,8 +385,8 @@ def chat(model_dir, system, device, max_seq_len, tokenizer, quantize, as_json, *
 @QUANTIZE
 @PREFILL_CHUNK
 @speculative_flags
-def serve(model_dir, host, port, device, max_seq_len, tokenizer, served_model_name, max_queue, max_batch, api_key,
-          allowed_hosts, allowed_origins, body_timeout, shutdown_grace, quantize, prefill_chunk, **flags):
+def serve(model_dir, revision, host, port, device, max_seq_len, tokenizer, served_model_name, max_queue, max_batch,
+          api_key, allowed_hosts, allowed_origins, body_timeout, shutdown_grace, quantize, prefill_chunk, **flags):
     """An OpenAI-compatible HTTP server: /v1/completions, /v1/chat/completions, /v1/models, /health, /metrics.
 
     Up to --max-batch generations decode together (each request's tokens are the ones it gets alone), the others
@@ -399,7 +406,7 @@ def serve(model_dir, host, port, device, max_seq_len, tokenizer, served_model_na
                         tokenizer=tokenizer, speculative=spec, draft_model=flags["draft_model"],
                         body_timeout=body_timeout, shutdown_grace=shutdown_grace,
                         allowed_hosts=listed(allowed_hosts), allowed_origins=listed(allowed_origins),
-                        quantize=quantize, max_batch=max_batch, prefill_chunk=prefill_chunk))
+                        quantize=quantize, max_batch=max_batch, prefill_chunk=prefill_chunk, revision=revision))
 
 
 def listed(values: tuple[str, ...]) -> tuple[str, ...]:
@@ -409,9 +416,11 @@ def listed(values: tuple[str, ...]) -> tuple[str, ...]:
 
 @main.command()
 @click.option("--model", "model_dir", type=NonEmptyPath(), help="Also say how this checkpoint's weights would run "
-                                                                "(read from its headers, no weight loads).")
+                                                                "(read from its headers, no weight loads; a "
+                                                                "directory or a hub id).")
+@REVISION
 @QUANTIZE
-def info(model_dir, quantize):
+def info(model_dir, revision, quantize):
     """Python, NumPy, CuPy, NVRTC and the GPU (or why there is none); with --model, the checkpoint's weights on
     the device: their format, bytes, and the floor a decode step's reads imply on an H200."""
     require_stdout()
@@ -419,7 +428,9 @@ def info(model_dir, quantize):
 
     if quantize is not None and model_dir is None:
         raise PromptError("--quantize goes with --model")
-    summary = model_summary(model_dir, quantize) if model_dir is not None else None  # a bad model: before anything
+    if revision is not None and model_dir is None:
+        raise PromptError("--revision goes with --model")
+    summary = model_summary(model_dir, quantize, revision) if model_dir is not None else None  # a bad model: first
 
     env = environment()
     for key, value in env.items():
@@ -435,15 +446,18 @@ def info(model_dir, quantize):
         click.echo(f"warning: {warning}", err=True)
 
 
-def model_summary(model_dir, quantize) -> dict:
+def model_summary(model_dir, quantize, revision=None) -> dict:
     """What `info --model` prints of a checkpoint: its device layout, read from the config and the headers (a
-    quantized checkpoint's scales and g_idx are read and checked too); no weight is loaded."""
+    quantized checkpoint's scales and g_idx are read and checked too); no weight is loaded (a hub id's files are
+    downloaded where the cache lacks them)."""
+    from ..model import hub
     from ..model.checkpoint import open_checkpoint
     from ..model.layout import H200_READ_BYTES_PER_S
     from ..runtime.memory import gib
     from ..model.weights import check_quantize, checkpoint_layout
 
-    layout = checkpoint_layout(open_checkpoint(model_dir), check_quantize(quantize))
+    check_quantize(quantize)
+    layout = checkpoint_layout(open_checkpoint(hub.resolve(model_dir, revision)), quantize)
     s = layout.summary()
     return {"model": model_dir, "weights": s["weights"],
             "linears": ", ".join(f"{n} x {name}" for name, n in s["linears"].items()),
@@ -477,7 +491,8 @@ def kernels(arch):
 
 
 @main.command()
-@click.option("--model", "model_dir", required=True, type=click.Path(), help="HF LLaMA checkpoint directory.")
+@click.option("--model", "model_dir", required=True, type=click.Path(), help=MODEL_HELP)
+@REVISION
 @click.argument("file", type=click.Path(allow_dash=True))
 @click.option("--ids", "as_ids", is_flag=True, help="FILE holds token ids (separated by spaces, commas or newlines), "
                                                     "not text.")

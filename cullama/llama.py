@@ -15,7 +15,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from .model import checkpoint
+from .model import checkpoint, hub
 from .runtime import device as devices, logprobs as scoring, plan as plans
 from .model.config import LlamaConfig, from_pretrained as read_config, preset
 from .common.errors import OptionError, PromptError
@@ -63,19 +63,22 @@ class Llama:
                         tokenizer: str | os.PathLike | None = None, progress: Progress | None = None,
                         check: Check | None = None, draft_model: str | os.PathLike | None = None,
                         quantize: str | None = None, max_batch: int = 1,
-                        prefill_chunk: int | None = None) -> "Llama":
-        """Load an HF-format LLaMA checkpoint directory (safetensors) onto `device` ("auto", "cpu", "cuda").
+                        prefill_chunk: int | None = None, revision: str | None = None) -> "Llama":
+        """Load an HF-format LLaMA checkpoint (safetensors) onto `device` ("auto", "cpu", "cuda"): a directory, or a
+        HuggingFace hub id ("meta-llama/Llama-2-7b-hf", at `revision`: a branch, tag or commit id) read from the
+        local hub cache and downloaded where it is missing, as transformers does (cullama/model/hub.py; the `hub`
+        extra). `draft_model` and `tokenizer` may be hub ids too (their default branch).
 
         Plain checkpoints (FP16, BF16, FP32) run in FP16, or with quantize="int8" | "int4" quantized on load
         (int8 per output channel, int4 in groups of 128 along the inputs: cullama/model/layout.py); AWQ and GPTQ
         checkpoints run as they are stored (quantize must then be None). `llm.layout` says what it runs in.
 
         What can be checked without the weights is checked before they load, in this order: the paths' types,
-        quantize, the device, config.json (with quantize) and the shapes cullama's kernels support, max_seq_len, the
-        tokenizer (its pieces must be ids of the model's vocabulary; the ids of a padded vocabulary past them are
-        never sampled), the draft model's vocabulary, `check(config, tokenizer, context)` (the caller's own, e.g.
-        its prompt), the checkpoint's files and tensors (a quantized one's scales and g_idx read and checked), and
-        the memory the KV cache and the weights need.
+        quantize, the device, the hub ids (downloaded where needed), config.json (with quantize) and the shapes
+        cullama's kernels support, max_seq_len, the tokenizer (its pieces must be ids of the model's vocabulary; the
+        ids of a padded vocabulary past them are never sampled), the draft model's vocabulary, `check(config,
+        tokenizer, context)` (the caller's own, e.g. its prompt), the checkpoint's files and tensors (a quantized
+        one's scales and g_idx read and checked), and the memory the KV cache and the weights need.
 
         draft_model: a smaller LLaMA checkpoint with the same tokenizer, loaded after this one on the same
         device with the same context, for speculative="draft" (as it is stored: quantize applies to this model
@@ -90,10 +93,16 @@ class Llama:
         notes: list[str] = []
         max_batch = checked_max_batch(max_batch)
         prefill_chunk = checked_prefill_chunk(prefill_chunk)
-        path, tokenizer = checked_path(path, "path"), checked_path(tokenizer, "tokenizer")
-        draft_model = checked_path(draft_model, "draft_model")
+        for value, name in ((path, "path"), (tokenizer, "tokenizer"), (draft_model, "draft_model")):
+            checked_path(value, name)  # its type, before it is read as a path or a hub id
         check_quantize(quantize)
         device = devices.resolve(device, on_fallback=notes.append)
+        # hub ids to their snapshots (a download, where the cache lacks them): after the cheap checks
+        path = checked_path(hub.resolve(path, revision), "path") if path is not None else None
+        if tokenizer is not None:
+            tokenizer = checked_path(hub.resolve(tokenizer, files=hub.TOKENIZER_FILES, what="tokenizer"), "tokenizer")
+        if draft_model is not None:
+            draft_model = checked_path(hub.resolve(draft_model, what="draft model"), "draft_model")
         config = read_config(path)
         plans.check_supported(config_layout(config, quantize).device)
         seq_len = checked_context(config, max_seq_len)

@@ -147,9 +147,10 @@ class ServerProcess:
         self._log.close()
 
 
-def run_serve(*args: str) -> subprocess.CompletedProcess:
+def run_serve(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
     """`cullama serve` expected to exit by itself (a bad option or model, a port in use)."""
-    return subprocess.run([sys.executable, "-c", CLI, "serve", *args], capture_output=True, text=True, timeout=60)
+    return subprocess.run([sys.executable, "-c", CLI, "serve", *args], capture_output=True, text=True, timeout=60,
+                          env=env)
 
 
 SAMPLE = re.compile(r'^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{(?:[a-zA-Z_][a-zA-Z0-9_]*="(?:[^"\\]|\\.)*",?)*\})? '

@@ -92,9 +92,11 @@ class Timings:
 
 @dataclasses.dataclass
 class Generation:
-    """One generation's outcome. `text` is what was streamed: it ends before `stop_string` when one matched,
-    while `token_ids` keeps every sampled id (those that spelled the stop string too: the model produced
-    them and the KV cache holds them); an EOS that ended the generation is in neither."""
+    """One generation's outcome. `text` is what was streamed: the completion's text as it reads after the prompt's
+    (its first piece keeps its space where the prompt has text: tokenizer.py), ending before `stop_string` when one
+    matched, while `token_ids` keeps every sampled id (those that spelled the stop string too: the model produced
+    them and the KV cache holds them); an EOS that ended the generation is in neither, but it counts in
+    `completion_tokens` (every token the model produced, as many as `logprobs` has entries)."""
 
     text: str
     token_ids: list[int]
@@ -109,10 +111,16 @@ class Generation:
     # prompt_logprobs=N: one per prompt id, None for the first (nothing predicts it)
     prompt_logprobs: list[TokenLogprob | None] | None = None
 
+    @property
+    def completion_tokens(self) -> int:
+        """Every token the model produced: token_ids and the EOS that ended the generation (OpenAI's and vLLM's
+        usage.completion_tokens; one a step, so len(timings.token_s) + 1 where any was produced)."""
+        return len(self.token_ids) + (self.finish_reason == "eos")
+
     def to_dict(self) -> dict:
         record = {"text": self.text, "token_ids": self.token_ids, "finish_reason": self.finish_reason,
                   "stop_string": self.stop_string, "seed": self.seed, "prompt_ids": self.prompt_ids,
-                  "timings": self.timings.to_dict()}
+                  "completion_tokens": self.completion_tokens, "timings": self.timings.to_dict()}
         return record if self.speculative is None else {**record, "speculative": self.speculative}
 
 
@@ -215,6 +223,8 @@ class GenerationStream:
             raise PromptError(f"the prompt has {len(prompt_ids)} tokens: prompt_logprobs scores at most the "
                               f"context of {runner.max_seq_len}")
         self.runner, self.detok, self.prompt_ids = runner, detokenizer, list(prompt_ids)
+        if detokenizer is not None:  # the completion's text is read in its prompt's context (tokenizer.py)
+            detokenizer.prime(self.prompt_ids)
         self.options = options.resolved()
         self.guard = guard or RunnerGuard()
         self.stop = StopMatcher(self.options.stop)

@@ -4,6 +4,7 @@
     responses.py  the answers: whole, streamed chunks, Server-Sent Events
     engine.py     the thread that owns the model: one generation at a time, a bounded FIFO queue, cancelling
     app.py        the routes, the API key, every error as OpenAI's error object
+    choices.py    n > 1 and lists of prompts: a row of the engine's batch per choice, answered as one
     metrics.py    Prometheus text for /metrics
     launch.py     the process: listen, load in the background, serve, stop on SIGINT/SIGTERM
 """

@@ -32,7 +32,7 @@ from ..common.errors import CullamaError, OptionError, PromptError
 from ..generation.generate import GenerationOptions, check_prompt_fits
 from ..generation.speculative import SpeculativeOptions
 from ..common.untrusted import shown
-from . import BODY_TIMEOUT_S
+from . import BODY_TIMEOUT_S, choices
 from .engine import Busy, Engine, Failed, Finished, Job, Piece, Refused, Stopped, Unavailable
 from .logprobs import Logprobs
 from .metrics import Metrics
@@ -244,11 +244,14 @@ async def generate(request: Request, model: type[GenerationRequest], engine: Eng
     raw = await read_body(request, settings.context, bodies, settings.body_timeout)
     # Parsing and tokenizing megabytes take a second: meanwhile the event loop goes on serving the others.
     body, ids, options = await asyncio.to_thread(admit, raw, model, engine, settings)
+    if isinstance(ids, choices.Choices):  # n > 1, or a list of prompts: a row of the batch per choice
+        return await generate_choices(request, ids, engine, settings)
     chat = isinstance(body, ChatRequest)
     job = Job(ids, options, asyncio.get_running_loop())
     echo = getattr(body, "echo", False)
     scoring = functools.partial(Logprobs, chat, options["logprobs"], echo, ids, engine.llm.tokenizer)
-    scores = await asyncio.to_thread(scoring) if echo else scoring()  # an echo decodes the whole prompt
+    # an echo decodes the whole prompt, and completions' logprobs read it too (their text_offset)
+    scores = await asyncio.to_thread(scoring) if echo or options["logprobs"] is not None else scoring()
     try:
         engine.submit(job)
     except Busy as exc:
@@ -284,7 +287,72 @@ def admit(raw: bytes, model: type[GenerationRequest], engine: Engine,
     if engine.state != "ready":
         raise ApiError(503, "the model is still loading; GET /health answers 200 once it is ready"
                        if engine.state == "loading" else "the model failed to load")
+    if choices.count(body, isinstance(body, ChatRequest)) != (1, 1):
+        return body, prepare_choices(engine, body, isinstance(body, ChatRequest), settings), None
     return (body, *prepare(engine.llm, body, isinstance(body, ChatRequest), settings.speculative))
+
+
+def prepare_choices(engine: Engine, body: GenerationRequest, chat: bool, settings: Settings) -> choices.Choices:
+    """A request of several choices (server/choices.py) prepared as `prepare` prepares one: each prompt checked and
+    tokenized (a 400 names the prompt at fault), its rows seeded; a 400 naming `n` or `prompt` where it has more
+    rows than the server can ever hold."""
+    prompts, n = choices.count(body, chat)
+    choices.check_capacity(prompts, n, engine.max_batch + engine.max_queue)
+    prepared = []
+    for i, prompt in enumerate([None] if chat else body.prompts()):
+        one = body if chat else body.model_copy(update={"prompt": prompt})
+        try:
+            prepared.append(prepare(engine.llm, one, chat, settings.speculative))
+        except ApiError as exc:
+            if prompts == 1:
+                raise
+            param = f"prompt.{i}" if exc.param == "prompt" else exc.param
+            raise ApiError(exc.status, f"prompt {i}: {exc.message}", param=param, code=exc.code) from None
+    return choices.Choices.build(body, chat, prepared, engine.llm.tokenizer)
+
+
+async def generate_choices(request: Request, prepared: choices.Choices, engine: Engine, settings: Settings):
+    """`generate` for a request of several choices: its rows queued together, their events answered as one."""
+    loop, events = asyncio.get_running_loop(), asyncio.Queue()
+    jobs = choices.jobs(prepared, loop, events)
+    try:
+        engine.submit_all(jobs)
+    except Busy as exc:
+        raise ApiError(429, str(exc), code="queue_full", headers={"Retry-After": "1"}) from None
+    except Unavailable as exc:
+        raise ApiError(503, str(exc)) from None
+
+    def cancel() -> None:
+        for job in jobs:
+            engine.cancel(job)  # a no-op once the job is done
+
+    async def watch() -> None:  # the client may leave while its jobs wait or run
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+        cancel()
+
+    async def closing_all(chunks):
+        try:
+            async for chunk in chunks:
+                yield chunk
+        finally:
+            watcher.cancel()
+            cancel()
+
+    watcher = asyncio.ensure_future(watch())
+    answer, streaming = Answer(prepared.chat, settings.model_name, prepared.body.include_usage()), False
+    try:
+        first = await events.get()
+        if prepared.body.stream and isinstance(first[1], (Piece, Finished)):
+            chunks = choices.stream_events(answer, prepared, events, first, job_error)
+            streaming = True
+            return StreamingResponse(closing_all(chunks), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        return await choices.whole_answer(answer, prepared, events, first, job_error)
+    finally:
+        if not streaming:
+            watcher.cancel()
+            cancel()
 
 
 def prepare(llm, body: GenerationRequest, chat: bool, speculative: dict) -> tuple[list[int], dict]:

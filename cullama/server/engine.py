@@ -144,6 +144,24 @@ class Engine:
             self._publish_load()
             self._lock.notify()
 
+    def submit_all(self, jobs: Sequence[Job]) -> None:
+        """Queue the rows of one request (n > 1, a list of prompts: server/choices.py) all together, each counting as a
+        request against --max-batch and --max-queue, or none of them: Busy where they do not all fit now."""
+        with self._lock:
+            if self._stopping:
+                raise Unavailable("the server is shutting down")
+            if self.state != "ready":
+                raise Unavailable("the model is still loading; GET /health answers 200 once it is ready"
+                                  if self.state == "loading" else "the model failed to load")
+            if len(self._waiting) + self._held() + len(jobs) > self.max_queue + self.max_batch:
+                raise Busy(f"the server is busy: {len(self._waiting)} requests are waiting (--max-queue "
+                           f"{self.max_queue}) and this one's {len(jobs)} choices do not fit behind them; retry later")
+            for job in jobs:
+                job.state = "waiting"
+                self._waiting.append(job)
+            self._publish_load()
+            self._lock.notify_all()
+
     def cancel(self, job: Job, reason: str = "cancelled") -> None:
         """Stop a job: out of the queue now, or between two tokens if it runs. Idempotent; a finished
         job is left alone."""
@@ -237,13 +255,13 @@ class Engine:
         result = stream.result
         if result.finish_reason not in ("eos", "stop", "length"):  # a way to end that no request asked for
             return self._finish(job, Failed(f"the generation ended early ({result.finish_reason})"))
-        self._finish(job, Finished(result.finish_reason, len(job.prompt_ids), len(result.token_ids),
+        self._finish(job, Finished(result.finish_reason, len(job.prompt_ids), result.completion_tokens,
                                    **(scores.take() if scores else {})))
 
     def _measure(self, job: Job, started: float, result) -> None:
         """The tokens and timings of a generation, however it ended (Llama.stream's own timings)."""
         first_token_s = started - job.arrived + result.timings.prefill_s if result.timings.prefill_s else None
-        self.metrics.generated(len(result.token_ids), first_token_s, result.timings.token_s)
+        self.metrics.generated(result.completion_tokens, first_token_s, result.timings.token_s)
         if result.speculative is not None:
             self.metrics.speculated(result.speculative)
         elif self.max_batch == 1:  # each token after the first: a decode step of one row
@@ -341,7 +359,7 @@ class Engine:
         if stream.error is not None or result.finish_reason not in ("eos", "stop", "length"):
             what = type(stream.error).__name__ if stream.error is not None else result.finish_reason
             return self._close(job, Failed(f"the generation ended early ({what})"))
-        self._close(job, Finished(result.finish_reason, len(job.prompt_ids), len(result.token_ids),
+        self._close(job, Finished(result.finish_reason, len(job.prompt_ids), result.completion_tokens,
                                   **(scores.take() if scores else {})))
 
     def _close(self, job: Job, event: Event) -> None:

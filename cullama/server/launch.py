@@ -28,6 +28,7 @@ from typing import Callable
 import uvicorn
 from uvicorn.protocols.http.auto import AutoHTTPProtocol
 
+from ..model import hub
 from ..model.config import from_pretrained as read_config
 from ..common.errors import CullamaError, OptionError
 from . import BODY_TIMEOUT_S, SHUTDOWN_GRACE_S
@@ -136,9 +137,11 @@ def serve(model_dir: str, host: str = "127.0.0.1", port: int = 8000, device: str
           api_key: str | None = None, tokenizer: str | None = None, speculative: dict | None = None,
           draft_model: str | None = None, quantize: str | None = None, body_timeout: float = BODY_TIMEOUT_S,
           shutdown_grace: float = SHUTDOWN_GRACE_S, allowed_hosts: tuple[str, ...] = (),
-          allowed_origins: tuple[str, ...] = (), max_batch: int = 8, prefill_chunk: int | None = None) -> int:
-    """Serve a checkpoint directory until SIGINT or SIGTERM; the exit status (0, or 2 / 1 when the model
-    failed to load).
+          allowed_origins: tuple[str, ...] = (), max_batch: int = 8, prefill_chunk: int | None = None,
+          revision: str | None = None) -> int:
+    """Serve a checkpoint directory (or a HuggingFace hub id at `revision`, downloaded before the socket listens
+    where the local cache lacks it: cullama/model/hub.py) until SIGINT or SIGTERM; the exit status (0, or 2 / 1 when
+    the model failed to load).
 
     speculative: Llama.stream's speculative keywords (speculative, draft_tokens, adaptive_draft), every
     request's default ({} or None: plain decoding); draft_model: the draft model's directory, loaded with
@@ -153,6 +156,11 @@ def serve(model_dir: str, host: str = "127.0.0.1", port: int = 8000, device: str
 
     api_key = checked_api_key(api_key)
     max_batch, prefill_chunk = checked_max_batch(max_batch), checked_prefill_chunk(prefill_chunk)
+    # a hub id's name is the id, as vLLM serves it; a directory's, its own name
+    name = served_model_name or (model_dir if hub.is_hub_id(model_dir) else Path(model_dir).resolve().name)
+    model_dir = hub.resolve(model_dir, revision)
+    tokenizer = None if tokenizer is None else hub.resolve(tokenizer, files=hub.TOKENIZER_FILES, what="tokenizer")
+    draft_model = None if draft_model is None else hub.resolve(draft_model, what="draft model")
     config = read_config(model_dir)  # a wrong directory is an error now, not after the socket is up
     context = checked_context(config, max_seq_len)
     config_layout(config, quantize)  # so is a quantize the checkpoint cannot take
@@ -161,7 +169,6 @@ def serve(model_dir: str, host: str = "127.0.0.1", port: int = 8000, device: str
                          "text into tokens and back, so it needs one (or name one with --tokenizer)")
     if draft_model is not None:  # a draft that cannot speak the target's tokens, too
         check_draft(draft_model, config, load_tokenizer(model_dir, override=tokenizer))
-    name = served_model_name or Path(model_dir).resolve().name
     settings = Settings(model_name=name, context=context, api_key=api_key, speculative=dict(speculative or {}),
                         body_timeout=body_timeout, hosts=tuple(allowed_hosts),
                         allowed_origins=tuple(allowed_origins))

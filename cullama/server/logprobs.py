@@ -107,21 +107,29 @@ class Logprobs:
     def __init__(self, chat: bool, top: int | None, echo: bool, prompt_ids: Sequence[int], tokenizer):
         self.chat, self.top, self.texts, self.tokenizer = chat, top, TokenTexts(tokenizer), tokenizer
         self._offset = 0  # characters of the choice's text before the next token (completions)
-        self._decoder = tokenizer.stream_decoder() if tokenizer is not None else None
-        # a stream's chunks (spelled): its text and tokens received, not yet sent, each token with its text
-        self._speller = tokenizer.stream_decoder() if tokenizer is not None else None
+        # the completion's text as the library reads it: in the prompt's context (its first piece keeps its space)
+        self._decoder = None
+        if tokenizer is not None and top is not None and not chat:
+            self._decoder = tokenizer.stream_decoder()
+            self._decoder.prime(prompt_ids)
+        # a stream's chunks (spelled): its text and tokens received, not yet sent, each token with its text as the
+        # library's primed stream decoder reads it
+        self._speller = None
+        if tokenizer is not None:
+            self._speller = tokenizer.stream_decoder()
+            self._speller.prime(prompt_ids)
         self._text, self._tokens = "", []
         self.prompt_ids, self.prefix, self._prompt_offsets = list(prompt_ids), "", [0] * len(prompt_ids)
         if echo and tokenizer is not None:  # the prompt as the tokenizer decodes it: the offsets agree with it
             self._prompt_offsets, self.prefix = self._offsets(prompt_ids)
-            self._offset = len(self.prefix)  # the completion's own text starts afresh, as the library's does
+            self._offset = len(self.prefix)  # the completion's text follows it: prefix + text = decode(all ids)
 
     def spelled(self, text: str, records: Sequence[TokenLogprob]) -> tuple[str, list[TokenLogprob]]:
         """Of a stream's new text and new tokens, what a chunk may carry now: text that ends where a token's ends,
         and the tokens that spell it (OpenAI's chunks). The library streams text as it becomes final, which may
         end inside a token (a possible stop string held back) or hold a token's text back for a later one; the
         rest waits here for the next event, or for `rest`. A token is read as the library's stream decoder reads
-        it (a first space dropped, a character split over tokens given by its last), and one whose text is empty
+        it (in the prompt's context, a character split over tokens given by its last), and one whose text is empty
         (a skipped special token, the first bytes of a character) goes with the next that shows text."""
         self._text += text
         self._tokens += [(r, self._speller.push(r.token) if self._speller else "") for r in records]
@@ -147,13 +155,13 @@ class Logprobs:
 
     def _offsets(self, ids: Sequence[int]) -> tuple[list[int], str]:
         """Where each id's text starts, as a stream decoder assigns it (a character split over byte pieces
-        belongs to its last one), and the whole text."""
+        belongs to its last one), and the text that is final with them: a character the completion's first ids
+        complete is the completion's (as GenerationStream's primed decoder gives it)."""
         decoder, pieces, offsets, position = self.tokenizer.stream_decoder(), [], [], 0
         for token in ids:
             offsets.append(position)
             pieces.append(decoder.push(token))
             position += len(pieces[-1])
-        pieces.append(decoder.flush())
         return offsets, "".join(pieces)
 
     def value(self, records: Sequence[TokenLogprob], prompt: Sequence[TokenLogprob | None] | None = None):

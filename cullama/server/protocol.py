@@ -3,7 +3,8 @@
 Types are checked strictly (a string is not a number, 1.0 is not an integer); the ranges of the sampling
 options are the library's own (GenerationOptions.checked), checked when the prompt is prepared. Unknown
 fields are ignored, as OpenAI's peers do, but a known field that asks for something cullama cannot do
-(`tools`, `n=2`, `echo` on a chat, ...) is refused by `check()` with a 400 naming it, rather than ignored.
+(`tools`, `echo` on a chat, ...) is refused by `check()` with a 400 naming it, rather than ignored. `n` > 1 and a
+list of prompts are served as rows of the engine's batch (server/choices.py).
 """
 
 from __future__ import annotations
@@ -114,9 +115,8 @@ class GenerationRequest(BaseModel):
 
     def check(self) -> None:
         """Raise ApiError (400, naming the field) for what the types allow but cullama does not serve."""
-        if self.n != 1:
-            raise ApiError(400, f"n must be 1, got {self.n}: cullama runs one generation per request "
-                                "(n > 1 and batch prompts are not supported)", param="n")
+        if self.n < 1:  # its top: what the server can hold at once (app.prepare_choices)
+            raise ApiError(400, f"n must be at least 1, got {self.n}", param="n")
         if self.stream_options is not None and not self.stream:
             raise ApiError(400, "stream_options is only allowed with stream: true", param="stream_options")
         for name, value in (self.model_extra or {}).items():
@@ -156,10 +156,11 @@ class GenerationRequest(BaseModel):
 
 
 class CompletionRequest(GenerationRequest):
-    """POST /v1/completions: `prompt` is a text or a list of token ids (BOS is added to a text only); a batch of
-    one of them is taken as that one (lm-evaluation-harness sends its token ids so)."""
+    """POST /v1/completions: `prompt` is a text or a list of token ids (BOS is added to a text only), or a list of
+    either (a batch: each prompt its own choices, server/choices.py); a batch of one is taken as that one
+    (lm-evaluation-harness sends its token ids so)."""
 
-    prompt: StrictStr | list[Any] = Field(description="a string or a list of token ids")
+    prompt: StrictStr | list[Any] = Field(description="a string, a list of token ids, or a list of either")
     # unset or null: 16, OpenAI's default for completions; 0 with echo: the prompt's log-probabilities only
     max_tokens: Annotated[StrictInt, Field(ge=0)] | None = None
     logprobs: StrictInt | None = None  # the sampled token's log-probability and this many more (0..5)
@@ -193,15 +194,34 @@ class CompletionRequest(GenerationRequest):
         if self.max_tokens == 0 and not self.echo:
             raise ApiError(400, "max_tokens 0 asks for nothing without echo: true (which scores the prompt)",
                            param="max_tokens")
-        if isinstance(self.prompt, list):
-            if any(isinstance(p, (str, list)) for p in self.prompt):
-                raise ApiError(400, "prompt must be one text or one list of token ids: batch prompts (a list of "
-                                    "texts or of id lists) and n > 1 are not supported", param="prompt")
+        if self.is_batch():
+            self.check_batch()
+        elif isinstance(self.prompt, list):
             if not all(isinstance(t, int) and not isinstance(t, bool) for t in self.prompt):
                 raise ApiError(400, "prompt must be a text or a list of integer token ids", param="prompt")
             if not self.prompt:
                 raise ApiError(400, "prompt is an empty list of token ids: give at least one (an empty text "
                                     "starts from BOS alone)", param="prompt")
+
+    def is_batch(self) -> bool:
+        """Whether `prompt` is a list of prompts (texts, or token-id lists) rather than one."""
+        return isinstance(self.prompt, list) and any(isinstance(p, (str, list)) for p in self.prompt)
+
+    def prompts(self) -> list:
+        """The prompts, each a text or a list of token ids: one, or a batch's in order."""
+        return list(self.prompt) if self.is_batch() else [self.prompt]
+
+    def check_batch(self) -> None:
+        """A batch is all texts or all token-id lists (OpenAI's two kinds), each id list non-empty, of integers."""
+        texts = all(isinstance(p, str) for p in self.prompt)
+        if not texts and not all(isinstance(p, list) for p in self.prompt):
+            raise ApiError(400, "prompt must be a list of texts or a list of token-id lists, not a mix of them and "
+                                "other values", param="prompt")
+        for i, ids in enumerate([] if texts else self.prompt):
+            if not ids:
+                raise ApiError(400, f"prompt.{i} is an empty list of token ids: give at least one", param=f"prompt.{i}")
+            if not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+                raise ApiError(400, f"prompt.{i} must be a list of integer token ids", param=f"prompt.{i}")
 
 
 class TextPart(BaseModel):

@@ -22,6 +22,11 @@ The stream decoder keeps the ids that are not final yet (at most the last three 
 unfinished character, plus the new id) and re-decodes only those, behind a short stand-in for
 the history that puts sentencepiece in the same state the full history would: one ordinary piece
 once any text was produced (nothing is "first" any more), else the few pieces that decoded to ''.
+
+A completion is decoded in its prompt's context (`prime(prompt_ids)` first), as transformers' `decode(prompt +
+completion)[len(decode(prompt)):]`, vLLM's detokenizer and OpenAI's API give it: after "Once upon a time" the piece
+"▁there" reads " there", where decoded alone its space would be dropped as the text's first. After a prompt that
+decodes to nothing (BOS alone) the first piece is the text's first, and drops it.
 """
 
 from __future__ import annotations
@@ -209,10 +214,23 @@ class StreamDecoder:
         self._context_text = ""  # decode(self._context), cut off the front of each re-decode
         self._pending: list[int] = []  # ids whose text is not final yet
         self._emitted_any = False
+        self._fresh = False  # primed, and nothing pushed since
+
+    def prime(self, ids: Iterable[int]) -> str:
+        """Take `ids` (a prompt) as the text so far, in one decode: what push() of each would do. Returns their text
+        that is final (all of it, but for a character whose bytes the ids after them may complete, which goes to
+        their text). A flush() with no push() since gives '': a completion of no tokens has no text. Ids the
+        tokenizer has none for (a padded vocabulary's) are left out."""
+        ids = [i for i in map(int, ids) if 0 <= i < self._tok.vocab_size]  # the others have no text
+        self._pending.extend(ids)
+        text = self._finish(len(self._pending) - self._unfinished_bytes())
+        self._fresh = True
+        return text
 
     def push(self, token_id: int) -> str:
         """Add one id; return the text that became final with it ('' if none did)."""
         (token_id,) = self._tok._checked([token_id])
+        self._fresh = False
         self._pending.append(token_id)
         if self._tok._byte(token_id) is None:
             # Any other piece ends the byte run before it, and its own surface is fixed now.
@@ -221,7 +239,7 @@ class StreamDecoder:
 
     def flush(self) -> str:
         """The rest of the text (an unfinished character becomes U+FFFD, as in decode); resets."""
-        text = self._finish(len(self._pending))
+        text = "" if self._fresh else self._finish(len(self._pending))
         self._reset()
         return text
 

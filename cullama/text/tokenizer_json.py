@@ -15,6 +15,11 @@ tokenizer.json) reads a run of byte pieces (`<0xE2>`) as one string, valid UTF-8
 so a run is held whole until a piece that is not a byte ends it. The decoder re-decodes only what is not final,
 behind one ordinary token that stands in for the history (so that a decoder that strips the first space
 strips it once); a run of bytes that never makes a character keeps only its unfinished tail.
+
+A completion is decoded in its prompt's context (`prime(prompt_ids)` first), as transformers' `decode(prompt +
+completion)[len(decode(prompt)):]` and vLLM give it: a decoder that strips the first space (Metaspace, or
+LLaMA-2's Strip) strips only the text's first, so the completion's first piece keeps its space after a prompt that
+has text. A byte-level BPE (LLaMA-3, Qwen2) strips nothing: there the context changes nothing.
 """
 
 from __future__ import annotations
@@ -183,10 +188,30 @@ class JsonStreamDecoder:
         self._pending: list[int] = []  # ids whose text is not all final
         self._shown = 0  # characters of the pending ids' text already returned
         self._emitted_any = False
+        self._fresh = False  # primed, and nothing pushed since
+
+    def prime(self, ids: Iterable[int]) -> str:
+        """Take `ids` (a prompt) as the text so far: what push() of each would do, in one decode. Returns their
+        text that is final (all of it, but for a character whose bytes the ids after them may complete, which goes to
+        their text). A flush() with no push() since gives '': a completion of no tokens has no text. Ids the
+        tokenizer has none for (a padded vocabulary's) are left out."""
+        ids = [i for i in map(int, ids) if 0 <= i < self._tok.vocab_size]  # the others have no text
+        cut = len(ids)  # ids[cut:]: a trailing run whose text may still change (a byte run, ByteFallback)
+        while cut and ids[cut - 1] in self._held:
+            cut -= 1
+        text = ""
+        if cut:
+            self._pending.extend(ids[:cut - 1])  # their text is what push(ids[cut - 1]) makes final
+            text = self.push(ids[cut - 1])
+        for token in ids[cut:]:
+            self.push(token)  # each is held: ''
+        self._fresh = True
+        return text
 
     def push(self, token_id: int) -> str:
         """Add one id; return the text that became final with it ('' if none did)."""
         (token_id,) = self._tok._checked([token_id])
+        self._fresh = False
         self._pending.append(token_id)
         if token_id in self._held:
             return ""  # a byte run's text can still change as a whole
@@ -202,7 +227,7 @@ class JsonStreamDecoder:
 
     def flush(self) -> str:
         """The rest of the text (an unfinished character becomes U+FFFD, as in decode); resets."""
-        text = self._text()[self._shown:]
+        text = "" if self._fresh else self._text()[self._shown:]
         self._reset()
         return text
 

@@ -190,6 +190,32 @@ def test_a_stop_string_cuts_the_text_not_the_ids(stories, stories_expected):
     assert stories.generate("", max_new_tokens=5).to_dict()["stop_string"] is None
 
 
+def test_the_text_reads_after_the_prompts_and_stop_strings_see_it_so(stories):
+    """The completion's first piece keeps its space after a prompt with text (stories260K's "...there was" goes on
+    " a little girl", not "a little girl"): transformers' decode(prompt + completion)[len(decode(prompt)):], as the
+    stream shows it and as stop strings are matched in it."""
+    prompt = [1, 403, 407, 261, 378, 432, 383, 286]  # "Once upon a time, there was"
+    out = stories.generate(prompt, max_new_tokens=6)
+    decode = stories.tokenizer.decode
+    assert out.text == decode(prompt + out.token_ids)[len(decode(prompt)):] == " a little girl named"
+    stream = stories.stream(prompt, max_new_tokens=6)
+    assert "".join(stream) == out.text and stream.result.text == out.text
+    assert stories.generate(prompt, max_new_tokens=6, stop=" a").text == ""  # the space is there to match
+    assert stories.generate([1], max_new_tokens=3).text == "Once upon a"  # after BOS alone: the text's start
+
+
+def test_completion_tokens_count_the_eos_as_the_logprobs_do(stories):
+    plain = stories.generate([1], max_new_tokens=10)
+    llm = cullama.Llama(dataclasses.replace(stories.config, eos_token_ids=(plain.token_ids[3],)), stories.runner,
+                        stories.tokenizer, "cpu")
+    ended = llm.generate([1], max_new_tokens=10, logprobs=0)
+    assert ended.finish_reason == "eos" and ended.token_ids == plain.token_ids[:3]
+    assert ended.completion_tokens == len(ended.logprobs) == len(ended.timings.token_s) + 1 == 4
+    assert ended.to_dict()["completion_tokens"] == 4 and plain.completion_tokens == len(plain.token_ids) == 10
+    cut = llm.generate([1], max_new_tokens=10, stop="upon", logprobs=0)  # a stop string's ids stay counted
+    assert cut.finish_reason == "stop" and cut.completion_tokens == len(cut.logprobs) == len(cut.token_ids) == 2
+
+
 # -- checked at load, before the weights ----------------------------------------------------------------
 @pytest.fixture
 def weights_never_load(monkeypatch):

@@ -38,6 +38,13 @@ def test_stop_string_ends_the_stream(stories_dir):
     assert doc["text"] == "Once upon a time, there was a little girl named "
 
 
+def test_the_completion_reads_after_the_prompt(stories_dir):
+    # "...there was" goes on " a little girl": the first piece keeps its space, as transformers reads it
+    result = run("generate", "--model", stories_dir, "--device", "cpu", "--max-new-tokens", 5, "--prompt-ids",
+                 "1,403,407,261,378,432,383,286")
+    assert result.exit_code == 0 and result.stdout == " a little girl\n", result.output
+
+
 @pytest.mark.parametrize("name", ["tiny-mha", "tiny-gqa-sharded"])
 def test_golden_greedy_ids_by_prompt_ids(name):
     directory, cases, _ = load_golden(name)

@@ -230,11 +230,14 @@ BAD_REQUESTS = [  # (what, path, body, status, param)
     ("a JSON array", "/v1/completions", b"[1, 2]", 400, None),
     ("a wrong type", "/v1/completions", {"prompt": [1], "max_tokens": "ten"}, 400, "max_tokens"),
     ("a negative max_tokens", "/v1/completions", {"prompt": [1], "max_tokens": -5}, 400, "max_tokens"),
-    ("n=2", "/v1/completions", {"prompt": [1], "n": 2}, 400, "n"),
+    ("n=0", "/v1/completions", {"prompt": [1], "n": 0}, 400, "n"),
+    ("n past what the server holds", "/v1/completions", {"prompt": [1], "n": 73}, 400, "n"),  # 8 running, 64 waiting
     ("logprobs past 5", "/v1/completions", {"prompt": [1], "logprobs": 6}, 400, "logprobs"),
     ("tools", "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
                                        "tools": [{"type": "function"}]}, 400, "tools"),
-    ("a batch of prompts", "/v1/completions", {"prompt": ["a", "b"]}, 400, "prompt"),
+    ("a batch of texts and ids", "/v1/completions", {"prompt": ["a", [1]]}, 400, "prompt"),
+    ("a batch with an empty id list", "/v1/completions", {"prompt": [[1], []]}, 400, "prompt.1"),
+    ("a batch with a prompt over the context", "/v1/completions", {"prompt": [[1], [1] * 600]}, 400, "prompt.1"),
     ("a token id outside the vocabulary", "/v1/completions", {"prompt": [1, 512]}, 400, "prompt"),
     ("an out-of-range top_p", "/v1/completions", {"prompt": [1], "top_p": 1.5}, 400, "top_p"),
     ("an assistant turn first", "/v1/chat/completions", {"messages": [{"role": "assistant", "content": "x"}]},
@@ -285,8 +288,8 @@ def test_a_bad_request_gets_its_4xx_as_an_openai_error(server, what, path, body,
 def test_after_bad_requests_a_wrong_method_is_405_and_a_normal_request_still_works(server, client):
     status, _, raw = server.request("GET", "/v1/completions")
     assert status == 405 and json.loads(raw)["error"]["message"]
-    with pytest.raises(openai.BadRequestError, match="n must be 1"):
-        client.completions.create(model=MODEL, prompt=[1], n=2)
+    with pytest.raises(openai.BadRequestError, match="n must be at least 1"):
+        client.completions.create(model=MODEL, prompt=[1], n=0)
     with pytest.raises(openai.NotFoundError, match="does not exist"):
         client.completions.create(model="gpt-4", prompt=[1])
     out = client.completions.create(model=MODEL, prompt=[1], max_tokens=4, temperature=0)
@@ -326,7 +329,7 @@ def test_metrics_parse_as_prometheus_text_and_move_with_the_requests(server, cli
     assert status == 200 and headers["content-type"].startswith("text/plain; version=0.0.4")
     before = server.metrics()  # parse_prometheus checks the format as it reads
     out = client.completions.create(model=MODEL, prompt=ONCE, max_tokens=7, temperature=0)
-    assert server.request("POST", "/v1/completions", {"prompt": [1], "n": 3})[0] == 400
+    assert server.request("POST", "/v1/completions", {"prompt": [1], "n": 0})[0] == 400
     after = server.metrics()
 
     def moved(name):

@@ -107,6 +107,25 @@ def test_the_queue_bounds_the_requests_past_the_batch(llm):
     asyncio.run(main())
 
 
+def test_a_request_of_several_rows_queues_all_of_them_or_none(llm):
+    """n x prompts rows (server/choices.py) count as that many requests: max_queue 2 and max_batch 2 hold 4 rows; a
+    request of 3 rows goes in beside one of 1, the next of 1 is a 429 and leaves nothing queued."""
+    engine = Engine(lambda: llm, 2, Metrics(), 2)
+    engine.state = "ready"  # its thread not started: every job stays queued
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        engine.submit_all([Job(p, {}, loop) for p in PROMPTS[:3]])
+        engine.submit(Job(PROMPTS[3], {}, loop))
+        with pytest.raises(Busy, match="this one's 2 choices do not fit"):
+            engine.submit_all([Job(p, {}, loop) for p in PROMPTS[4:6]])
+        assert len(engine._waiting) == 4
+        with pytest.raises(Busy):
+            engine.submit(Job(PROMPTS[4], {}, loop))
+
+    asyncio.run(main())
+
+
 @pytest.mark.parametrize("bad", ["0", "65", "x"])
 def test_max_batch_bad_values_are_one_line_errors(bad, tmp_path):
     out = CliRunner().invoke(main, ["serve", "--model", str(tmp_path), "--max-batch", bad])

@@ -31,7 +31,7 @@ UNIONS = [  # (model, body, param, message)
     (CompletionRequest, {"prompt": [1], "stop": 5}, "stop", "stop must be a string or a list of strings"),
     (CompletionRequest, {"prompt": [1], "stop": ["a", 1]}, "stop",
      "stop must be a string or a list of strings (stop.1: Input should be a valid string)"),
-    (CompletionRequest, {"prompt": 1}, "prompt", "prompt must be a string or a list of token ids"),
+    (CompletionRequest, {"prompt": 1}, "prompt", "prompt must be a string, a list of token ids, or a list of either"),
     (ChatRequest, {"messages": [{"role": "user", "content": 5}]}, "messages.0.content",
      'messages.0.content must be a string or a list of {"type": "text", "text": ...} parts'),
     (ChatRequest, {"messages": [{"role": "user", "content": "x"}, {"role": "user", "content": [{"type": "image"}]}]},

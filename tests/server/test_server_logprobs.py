@@ -78,7 +78,9 @@ def test_completion_logprobs_through_the_openai_client(client, oracle):
     text = out.choices[0].text
     assert lp.text_offset[0] == 0 and lp.text_offset == sorted(lp.text_offset)
     for token, start, end in zip(lp.tokens, lp.text_offset, lp.text_offset[1:] + [len(text)]):
-        assert text[start:end] == (token.lstrip(" ") if start == 0 else token)  # the first piece's space: dropped
+        assert text[start:end] == token  # the first piece's space too: the text is read after the prompt's
+    assert text.startswith(" ") and text == oracle.tokenizer.decode(STORY[:6] + expected.token_ids)[
+        len(oracle.tokenizer.decode(STORY[:6])):]  # transformers' decode(prompt + completion)[len(decode(prompt)):]
 
 
 def test_streamed_completion_logprobs_add_up_to_the_whole(server):
@@ -99,8 +101,9 @@ def test_streamed_completion_logprobs_add_up_to_the_whole(server):
 
 def test_echo_tokens_and_offsets_spell_the_text(server, oracle):
     """An echo's entries, the prompt's and then the completion's: each id's token text, and its text_offset where
-    that token's text stands in the choice's text (a control piece has none; the first piece of the prompt and of
-    the completion, which starts afresh as the library's text does, without its space)."""
+    that token's text stands in the choice's text (a control piece has none; the first piece of the prompt, the
+    text's first, without its space; the completion's first, read after the prompt's text, with it): the text is
+    decode(prompt + completion), not "...there wasa little"."""
     prompt, n = STORY[:8], 8
     status, answer = post(server, "/v1/completions", {"model": MODEL, "prompt": prompt, "max_tokens": 6,
                                                       "temperature": 0, "logprobs": 1, "echo": True})
@@ -110,8 +113,9 @@ def test_echo_tokens_and_offsets_spell_the_text(server, oracle):
     texts = TokenTexts(oracle.tokenizer)
     assert tokens == [texts(i)[0] for i in prompt + oracle.generate(prompt, max_new_tokens=6).token_ids]
     spelled = [text[start:end] for start, end in zip(offsets, offsets[1:] + [len(text)])]
-    assert spelled == ["", tokens[1].lstrip(" "), *tokens[2:n], tokens[n].lstrip(" "), *tokens[n + 1:]]
+    assert spelled == ["", tokens[1].lstrip(" "), *tokens[2:n], *tokens[n:]]
     assert offsets[n] == len(oracle.tokenizer.decode(prompt))
+    assert text == oracle.tokenizer.decode(prompt + oracle.generate(prompt, max_new_tokens=6).token_ids)
 
 
 def test_echo_without_logprobs_is_the_prompt_text(client, oracle):
@@ -182,7 +186,7 @@ def test_each_streamed_chunks_tokens_spell_its_text(server, oracle):
     ("/v1/completions", {"top_logprobs": 2}, "top_logprobs"),
     ("/v1/completions", {"max_tokens": 0}, "max_tokens"),
     ("/v1/completions", {"echo": "yes"}, "echo"),
-    ("/v1/completions", {"prompt": [[1, 2], [1, 3]]}, "prompt"),
+    ("/v1/completions", {"prompt": [[1, 2], []]}, "prompt.1"),
     ("/v1/chat/completions", {"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
     ("/v1/chat/completions", {"top_logprobs": 2}, "top_logprobs"),
     ("/v1/chat/completions", {"logprobs": 1}, "logprobs"),

@@ -162,6 +162,52 @@ def test_stream_work_stays_bounded(llama):
     assert text + decoder.flush() == llama.decode(ids)
 
 
+# -- a completion in its prompt's context ------------------------------------------------------------
+
+
+@pytest.mark.parametrize("seed", range(3))
+@pytest.mark.parametrize("name", ["llama", "tiny", "tiny_squeezed"])
+def test_prime_is_pushing_the_prompt(request, name, seed):
+    """prime(prompt) returns what pushing each prompt id returns together, and leaves the decoder where they leave it:
+    the completion's pieces are the same, and prompt text + completion text is decode(prompt + completion)."""
+    tok = request.getfixturevalue(name)
+    rng = np.random.default_rng(seed)
+    for _ in range(150):
+        prompt, completion = (random_ids(tok, rng, int(rng.integers(0, 16))) for _ in range(2))
+        pushed, primed = tok.stream_decoder(), tok.stream_decoder()
+        before = "".join(pushed.push(i) for i in prompt)
+        assert primed.prime(prompt) == before, prompt
+        after = [primed.push(i) for i in completion] + [primed.flush()]
+        assert after == [pushed.push(i) for i in completion] + [pushed.flush() if completion else ""], completion
+        if completion:
+            assert before + "".join(after) == tok.decode(prompt + completion)
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_a_completion_reads_as_transformers_reads_it_after_its_prompt(tok, text):
+    """decode(prompt + completion)[len(decode(prompt)):], transformers' text of a completion: the first piece keeps its
+    space ("Hello world" then "▁Hello" reads " Hello", not "Hello"), as vLLM and OpenAI give it."""
+    prompt, completion = tok.encode(text), tok.encode("Hello world", bos=False)
+    decoder = tok.stream_decoder()
+    assert decoder.prime(prompt) == tok.decode(prompt)
+    read = "".join(decoder.push(i) for i in completion) + decoder.flush()
+    assert read == tok.decode(prompt + completion)[len(tok.decode(prompt)):] == " Hello world"
+    bos = tok.stream_decoder()  # after BOS alone the completion is the text's start: no space
+    assert bos.prime([tok.bos_id]) == "" and "".join(bos.push(i) for i in completion) == "Hello world"
+    empty = tok.stream_decoder()
+    assert empty.prime(prompt) == tok.decode(prompt) and empty.flush() == ""  # no tokens, no text
+
+
+def test_a_character_the_completion_completes_is_the_completions(llama):
+    euro = [3 + b for b in "€".encode()]
+    prompt = llama.encode("Price:") + euro[:2]
+    decoder = llama.stream_decoder()
+    assert decoder.prime(prompt) == "Price:"  # the two bytes wait for the third
+    assert [decoder.push(euro[2]), decoder.push(llama.encode("5", bos=False)[-1]), decoder.flush()] == \
+        ["€", "5", ""] and llama.decode(prompt + euro[2:]) == "Price:€"
+    assert llama.stream_decoder().prime([5, llama.vocab_size, 40000]) == llama.decode([5])  # no text: left out
+
+
 # -- chat template -----------------------------------------------------------------------------
 
 

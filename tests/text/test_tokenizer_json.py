@@ -277,6 +277,42 @@ def test_a_byte_level_tokenizer_without_a_stand_in_keeps_its_history(tmp_path):
     assert "".join(stream(tok, ids)) == tok.decode(ids)
 
 
+@pytest.mark.parametrize("skip", [True, False])
+def test_prime_is_pushing_the_prompt(tokenizer, skip):
+    """prime(prompt) returns what pushing each prompt id returns together, and leaves the decoder where they leave it:
+    the completion's pieces are the same, and prompt text + completion text is decode(prompt + completion)."""
+    rng = np.random.default_rng(11)
+    for _ in range(150):
+        prompt, completion = (random_ids(tokenizer, rng, int(rng.integers(0, 16))) for _ in range(2))
+        pushed, primed = (tokenizer.stream_decoder(skip_special_tokens=skip) for _ in range(2))
+        before = "".join(pushed.push(i) for i in prompt)
+        assert primed.prime(prompt) == before, prompt
+        after = [primed.push(i) for i in completion] + [primed.flush()]
+        assert after == [pushed.push(i) for i in completion] + [pushed.flush() if completion else ""], completion
+        if completion:
+            assert before + "".join(after) == tokenizer.decode(prompt + completion, skip_special_tokens=skip)
+
+
+def test_a_completion_keeps_its_first_space_after_a_prompt(byte_fallback, tmp_path):
+    """LLaMA-2's tokenizer.json (Strip) and a Metaspace decoder strip the text's first space only: after a prompt,
+    the completion's first piece keeps it, as transformers' decode(prompt + completion)[len(decode(prompt)):]."""
+    prompt, completion = byte_fallback.encode("the"), byte_fallback.encode(" the a", bos=False)
+    decoder = byte_fallback.stream_decoder()
+    assert decoder.prime(prompt) == "the" == byte_fallback.decode(prompt)
+    read = "".join(decoder.push(i) for i in completion) + decoder.flush()
+    assert read == byte_fallback.decode(prompt + completion)[len("the"):] == "  the a"
+    assert "".join(stream(byte_fallback, completion)) == " the a"  # alone: its first space is the text's
+    pieces = HFTokenizer(models.WordLevel(vocab={"<unk>": 0, "<s>": 1, "\u2581the": 2, "\u2581cat": 3, "x": 4},
+                                          unk_token="<unk>"))
+    pieces.decoder = decoders.Metaspace()
+    pieces.add_special_tokens([AddedToken(t, normalized=False, special=True) for t in ("<unk>", "<s>")])
+    pieces.save(str(tmp_path / "tokenizer.json"))
+    metaspace = load_tokenizer(tmp_path).stream_decoder()
+    assert metaspace.prime([1, 2]) == "the" and metaspace.push(3) == " cat"
+    after_bos = load_tokenizer(tmp_path).stream_decoder()
+    assert after_bos.prime([1]) == "" and after_bos.push(3) == "cat"  # nothing before it: the text's first
+
+
 def test_out_of_range_id(tokenizer):
     with pytest.raises(TokenizerError, match=f"token id {tokenizer.vocab_size} is outside .*tokenizer.json"):
         tokenizer.decode([5, tokenizer.vocab_size])
