@@ -393,10 +393,12 @@ METAVAR = re.compile(r"^[A-Z][A-Z_]*$")  # N, KEY, PATH, DIR, NAMES, ...
 def check_synopsis(words: list[str]) -> str:
     command, ctx = click_command(words[1])
     options = {opt: param for param in command.params for opt in (*param.opts, *param.secondary_opts)}
+    arguments = sum(1 for param in command.params if param.param_type_name == "argument")
     words = iter(w.strip("[]") for w in words[2:] if w.strip("[]|"))
     for word in words:
         if not word.startswith("--"):
-            continue  # an argument
+            assert arguments, f"cullama {command.name} takes no argument: {word!r} is no option's value"
+            continue
         name, _, value = word.partition("=")
         assert name in options, f"cullama {command.name} has no option {name}"
         param = options[name]
