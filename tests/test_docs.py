@@ -5,10 +5,10 @@ The examples are found by reading the markdown, so a new one is a new test case 
   uses an earlier one's `llm`), which starts empty: each page's Python must be complete;
 - ```sh / ```bash blocks, and the indented blocks (4 spaces or more, after a blank line) outside fences: each command
   one case (`\\` and deeper-indented lines continue it; a trailing `# comment` is not part of it).
-A case is named page:line, so a failure says where the example is. The docs' placeholders are run as WORKSPACE and
-SUBSTITUTIONS below say; how each kind of command runs is `run_command`'s docstring. An example that cannot run on
-the CPU goes in NEEDS_GPU with the reason and the GPU test that covers it (none today). When an example fails, fix
-the doc, not this file."""
+A case is named page:line, so a failure says where the example is. The docs' placeholders are run as WORKSPACE,
+HUB, FILES and SUBSTITUTIONS below say; how each kind of command runs is `run_command`'s docstring. An example that
+cannot run on the CPU goes in NEEDS_GPU with the reason and the GPU test that covers it (none today). When an example
+fails, fix the doc, not this file."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ import json
 import os
 import re
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
@@ -26,7 +27,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO, SHARED, shared_path
+from tests.conftest import REPO, shared_path
 
 PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
 
@@ -44,6 +45,10 @@ WORKSPACE = {
     "Llama-2-7B-AWQ": "golden/tiny-awq-g64",
     "Llama-2-7B-GPTQ": "golden/tiny-gptq-asym-g128",
 }
+# The hub ids the docs use: a HuggingFace hub cache in the working directory (HF_HUB_CACHE, HF_HUB_OFFLINE=1) holds
+# each as a snapshot (branch main) of links to a checkpoint in ../shared, so `--model org/name` loads without a network.
+HUB = {"TinyLlama/TinyLlama-1.1B-Chat-v1.0": "models/stories260K"}
+HUB_COMMIT = "0123456789abcdef0123456789abcdef01234567"
 # The files examples read, written into the working directory from stories260K's documented greedy output
 # (its README: 256 ids after BOS, and their text).
 FILES = {
@@ -174,12 +179,12 @@ def blocks_of(name: str, text: str):
     lines = text.splitlines()
     examples, strays = [], []
     blocks, covered = fenced_blocks(lines)
-    for line, lang, text in blocks:
+    for line, lang, body in blocks:
         if lang in PYTHON_LANGUAGES:
-            examples.append(Example(name, line, "python", text))
+            examples.append(Example(name, line, "python", body))
         elif lang in SHELL_LANGUAGES:
-            body = list(enumerate(text.splitlines(), line + 1))
-            examples += [Example(name, n, "shell", c) for n, c in commands(body)]
+            numbered = list(enumerate(body.splitlines(), line + 1))
+            examples += [Example(name, n, "shell", c) for n, c in commands(numbered)]
         elif lang not in NOT_EXAMPLES:
             strays.append((line, f"a ```{lang} block"))
     for block in indented_lines(lines, covered):
@@ -219,6 +224,13 @@ def workspace(tmp_path_factory) -> Path:
             (directory / file.name).symlink_to(file)
         if not any((directory / f).exists() for f in ("tokenizer.json", "tokenizer.model")):
             byte_level_tokenizer(directory / "tokenizer.json")
+    for repo_id, source in HUB.items():
+        repo = root / "hub" / ("models--" + repo_id.replace("/", "--"))
+        (repo / "snapshots" / HUB_COMMIT).mkdir(parents=True)
+        for file in shared_path(source).iterdir():
+            (repo / "snapshots" / HUB_COMMIT / file.name).symlink_to(file)
+        (repo / "refs").mkdir()
+        (repo / "refs" / "main").write_text(HUB_COMMIT)
     for name, make in FILES.items():
         (root / name).write_text(make(expected))
     return root
@@ -236,11 +248,20 @@ def docs_server(workspace, tmp_path_factory):
 
 @pytest.fixture
 def on_the_cpu(workspace, monkeypatch):
-    """In the workspace, with `auto` meaning the CPU even where a GPU is (the docs' examples run on the CPU)."""
+    """In the workspace, with `auto` meaning the CPU even where a GPU is (the docs' examples run on the CPU), and
+    the workspace's hub cache the only one, offline (huggingface_hub reads the variables once, at its import)."""
     from cullama.runtime import device
 
     monkeypatch.chdir(workspace)
     monkeypatch.setattr(device, "cuda_status", lambda: (False, "tests/test_docs.py runs the docs on the CPU"))
+    monkeypatch.setenv("HF_HUB_CACHE", str(workspace / "hub"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    try:
+        from huggingface_hub import constants
+    except ImportError:  # the hub extra: without it, a hub id is one line naming the extra
+        return workspace
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(workspace / "hub"))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
     return workspace
 
 
@@ -266,6 +287,13 @@ def test_example(example: Example, on_the_cpu, request):
 
 
 _PAGES: dict[str, dict] = {}  # page -> {"namespace": ..., "ran": {line: None or the error}}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _pages_forgotten():
+    """The pages' namespaces (their models) go when the module ends."""
+    yield
+    _PAGES.clear()
 
 
 def run_python(example: Example, request) -> str:
@@ -404,7 +432,8 @@ def check_synopsis(words: list[str]) -> str:
         param = options[name]
         if getattr(param, "is_flag", False) or getattr(param, "count", False):
             continue
-        value = value or next(words)
+        value = value or next(words, "")
+        assert value, f"{name} takes a value, and the synopsis ends"
         if not METAVAR.match(value):
             for alternative in value.split("|"):
                 param.type.convert(alternative, param, ctx)  # click's BadParameter names the option
@@ -441,6 +470,8 @@ def check_script(interpreter: str, args: list[str]) -> str:
 
 
 def run_curl(args: list[str], env: dict) -> str:
+    if shutil.which("curl") is None:
+        pytest.skip("curl is not installed")
     done = subprocess.run(["curl", "-sS", "--fail-with-body", *args], capture_output=True, text=True, timeout=300,
                           env={**os.environ, **env})
     assert done.returncode == 0, f"curl exited {done.returncode}: {done.stderr}{done.stdout}"
