@@ -81,8 +81,8 @@ class BatchedStream(GenerationStream):
     it (pump); it is not iterated by its owner. `decoder`: speculative decoding's, when the request asked for it."""
 
     def __init__(self, runner: Runner, detokenizer, prompt_ids: list[int], options: GenerationOptions,
-                 eos_ids, guard: RunnerGuard, decoder: SpeculativeDecoder | None = None):
-        super().__init__(runner, detokenizer, prompt_ids, options, eos_ids, guard)
+                 eos_ids, guard: RunnerGuard, mask=None, decoder: SpeculativeDecoder | None = None):
+        super().__init__(runner, detokenizer, prompt_ids, options, eos_ids, guard, mask)
         self.decoder = decoder
         self.inbox: collections.deque = collections.deque()  # delivered tokens (or a _Failed), not consumed yet
         self.records: collections.deque[scoring.TokenLogprob] = collections.deque()  # their log-probabilities
@@ -273,7 +273,8 @@ class BatchSession:
             o = head.options
             try:
                 self._prefill = self.runner.begin_score(head.prompt_ids, o.prompt_logprobs) if head.scored_only \
-                    else self.runner.begin(head.prompt_ids, o.sampling, False, o.logprobs, o.prompt_logprobs)
+                    else self.runner.begin(head.prompt_ids, o.sampling, False, o.logprobs, o.prompt_logprobs,
+                                           head.mask)
             except Exception as exc:
                 head.deliver([_Failed(exc)])
                 self._collect(pieces, head, head.pump())

@@ -202,8 +202,9 @@ class SpeculativeStream(GenerationStream):
     """A GenerationStream whose tokens come from drafts checked by verify steps (see the module doc)."""
 
     def __init__(self, runner: Runner, detokenizer, prompt_ids: list[int], options: GenerationOptions,
-                 eos_ids: Sequence[int], guard: RunnerGuard | None = None, *, drafter: Drafter, length: DraftLength):
-        super().__init__(runner, detokenizer, prompt_ids, options, eos_ids, guard)
+                 eos_ids: Sequence[int], guard: RunnerGuard | None = None, mask=None, *, drafter: Drafter,
+                 length: DraftLength):
+        super().__init__(runner, detokenizer, prompt_ids, options, eos_ids, guard, mask)
         self.decoder = SpeculativeDecoder(runner, drafter, length)
 
     def _token(self, i: int, budget: int) -> int:
