@@ -166,9 +166,9 @@ class Llama:
         or 1-D integer array) are checked against the vocabulary and taken as they are."""
         return prompt_ids(prompt, self.config.vocab_size, self.tokenizer)
 
-    def chat_ids(self, messages: list[dict], system: str | None = None) -> list[int]:
+    def chat_ids(self, messages: list[dict], system: str | None = None, tools: list | None = None) -> list[int]:
         """Prompt ids for a chat, ready for the reply: the checkpoint's chat template, else LLaMA-2's format
-        (see TokenizerBase.chat_ids)."""
+        (see TokenizerBase.chat_ids: `tools` and the messages of tool calls go to a template that reads them)."""
         if self.tokenizer is None:
             raise PromptError("chat_ids() needs a tokenizer and this model has none: put its tokenizer.json or "
                               "tokenizer.model in its directory or load it with tokenizer=PATH")
@@ -177,7 +177,14 @@ class Llama:
         for i, message in enumerate(messages if isinstance(messages, (list, tuple)) else ()):
             if isinstance(message, dict) and isinstance(message.get("content"), str):
                 check_text(message["content"], f"message {i}")
-        return self.tokenizer.chat_ids(messages, system=system)
+        return self.tokenizer.chat_ids(messages, system=system, tools=tools)
+
+    def tool_format(self):
+        """How this model's replies spell tool calls (cullama/text/tools.py): its chat template's format."""
+        from .text.tools import tool_format
+
+        template = getattr(self.tokenizer, "template", None)
+        return tool_format(template.text if template is not None else None)
 
     def fit_chat(self, messages: list[dict], system: str | None, reply_tokens: int) -> tuple[list[int], int]:
         """Prompt ids for a chat whose history may have outgrown the context: the oldest exchanges (a user

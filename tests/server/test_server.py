@@ -232,8 +232,9 @@ BAD_REQUESTS = [  # (what, path, body, status, param)
     ("a negative max_tokens", "/v1/completions", {"prompt": [1], "max_tokens": -5}, 400, "max_tokens"),
     ("n=2", "/v1/completions", {"prompt": [1], "n": 2}, 400, "n"),
     ("logprobs past 5", "/v1/completions", {"prompt": [1], "logprobs": 6}, 400, "logprobs"),
-    ("tools", "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
-                                       "tools": [{"type": "function"}]}, 400, "tools"),
+    ("a tool without its function", "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
+                                                             "tools": [{"type": "function"}]}, 400, "tools.0.function"),
+    ("tools on /v1/completions", "/v1/completions", {"prompt": [1], "tools": [{"type": "function"}]}, 400, "tools"),
     ("a batch of prompts", "/v1/completions", {"prompt": ["a", "b"]}, 400, "prompt"),
     ("a token id outside the vocabulary", "/v1/completions", {"prompt": [1, 512]}, 400, "prompt"),
     ("an out-of-range top_p", "/v1/completions", {"prompt": [1], "top_p": 1.5}, 400, "top_p"),
@@ -261,7 +262,7 @@ BAD_REQUESTS = [  # (what, path, body, status, param)
     ("an assistant turn that called tools", "/v1/chat/completions", {"messages": [
         {"role": "user", "content": "2+2?"}, {"role": "assistant", "content": None, "tool_calls": [
             {"id": "c1", "type": "function", "function": {"name": "add", "arguments": "{}"}}]},
-        {"role": "tool", "content": "4", "tool_call_id": "c1"}]}, 400, "messages.1.tool_calls"),
+        {"role": "tool", "content": "4", "tool_call_id": "c1"}]}, 400, "messages"),  # LLaMA-2's format has none
 ]
 
 
