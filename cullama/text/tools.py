@@ -109,7 +109,7 @@ class ToolFormat:
             calls.append(call)
             rest = rest[end:].lstrip()
             if rest.startswith("]"):
-                return None, calls
+                return (None, calls) if not rest[1:].strip() else (text, [])
             if not rest.startswith(","):
                 return text, []
             rest = rest[1:].lstrip()
@@ -146,8 +146,7 @@ def _call_at(text: str) -> tuple[ToolCall | None, int]:
         close = len(rest) - len(rest.lstrip())
         if isinstance(args, dict) and rest[close:close + 1] == "}":
             return ToolCall(name, text[head.end():end]), end + close + 1
-        return None, 0
-    try:
+    try:  # not in the format's own shape (another order, arguments as a string): read through json
         value, end = json.JSONDecoder().raw_decode(text)
     except ValueError:
         return None, 0
@@ -298,10 +297,10 @@ class ToolStreamer:
         head = HEAD.match(text)
         if head is not None and head.end() == len(text):  # the spaces after its colon may go on
             return False
-        if head is None:
-            if len(text) < 64 and _may_become_head(text):
+        if head is None or text[head.end()] != "{":  # (arguments that are no object: a string of JSON, ...)
+            if head is None and len(text) < 64 and _may_become_head(text):
                 return False
-            self.mode, self.block = "held", ""  # not the format's own head: the call is read once it ends
+            self.mode, self.block = "held", ""  # not the format's own shape: the call is read once it ends
             return True
         name = json.loads(f'"{head.group(1)}"')
         self._begin(events, name)
