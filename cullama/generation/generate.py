@@ -32,7 +32,7 @@ from typing import Iterator, Protocol, Sequence
 
 import numpy as np
 
-from ..common.errors import OptionError, PromptError, SupersededError
+from ..common.errors import OptionError, PromptError, SupersededError, option
 from ..runtime.logprobs import TokenLogprob, checked_top
 from ..runtime.sampling import SamplingParams, is_int
 from ..runtime.token_mask import TokenMask
@@ -176,7 +176,8 @@ class GenerationOptions:
         params.validate()
         ignore_eos = checked_flag("ignore_eos", o["ignore_eos"])
         if constraint is not None and ignore_eos:
-            raise OptionError("ignore_eos", f"cannot go with {constraint.option}: a constrained text ends with EOS")
+            raise OptionError("ignore_eos", f"cannot go with {option(constraint.option)}: a constrained text ends "
+                                            "with EOS")
         return cls(max_new_tokens=int(o["max_new_tokens"]), temperature=float(params.temperature),
                    top_k=int(params.top_k), top_p=float(params.top_p),
                    repetition_penalty=float(params.repetition_penalty),

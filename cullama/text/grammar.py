@@ -35,7 +35,7 @@ from typing import Sequence
 
 import numpy as np
 
-from ..common.errors import GenerationError, OptionError
+from ..common.errors import GenerationError, OptionError, option
 
 # json.dumps' style: what chat templates' tojson writes, and no whitespace to run away in
 JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
@@ -160,7 +160,7 @@ def checked_constraint(json_schema=None, regex=None, grammar=None, constraint=No
                                              ("constraint", constraint)) if value is not None}
     if len(given) > 1:
         first, second = list(given)[:2]
-        raise OptionError(second, f"cannot go with {first}: a generation takes one constraint")
+        raise OptionError(second, f"cannot go with {option(first)}: a generation takes one constraint")
     if not given:
         return None
     if constraint is not None:

@@ -154,7 +154,7 @@ def test_stream_pieces_and_logprobs_of_a_constrained_generation(stories):
     (dict(json_schema="{oops"), "json_schema", "json_schema is not JSON"),
     (dict(regex="(ab"), "regex", "regex cannot be enforced: "),
     (dict(grammar="start: nothing_here"), "grammar", "grammar cannot be enforced: "),
-    (dict(regex="a", json_schema={}), "regex", "regex cannot go with json_schema"),
+    (dict(regex="a", json_schema={}), "regex", "regex cannot go with the json_schema argument"),
     (dict(json_schema={}, ignore_eos=True), "ignore_eos", "a constrained text ends with EOS"),
     (dict(constraint=Constraint.json_schema({"type": "array", "uniqueItems": True})), "json_schema",
      "Unimplemented keys"),

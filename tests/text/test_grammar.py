@@ -153,8 +153,8 @@ def test_strict_false_ignores_what_cannot_be_enforced(model):
     (dict(json_schema=5), "json_schema", "must be a JSON schema"),
     (dict(regex=5), "regex", "must be a string"),
     (dict(grammar=b"start"), "grammar", "must be a string"),
-    (dict(regex="a", grammar="start: \"a\""), "grammar", "cannot go with regex"),
-    (dict(json_schema={}, constraint=Constraint.regex("a")), "constraint", "cannot go with json_schema"),
+    (dict(regex="a", grammar="start: \"a\""), "grammar", "cannot go with the regex argument"),
+    (dict(json_schema={}, constraint=Constraint.regex("a")), "constraint", "cannot go with the json_schema argument"),
     (dict(constraint={"type": "object"}), "constraint", "must be a cullama.Constraint"),
     (dict(regex="a" * (1 << 20 + 1)), "regex", "is longer than"),
 ])
