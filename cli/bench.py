@@ -7,7 +7,7 @@ import sys
 
 import click
 
-from .common import PREFILL_CHUNK, QUANTIZE, Command, NonEmptyPath, out, require_stdout
+from .common import PREFILL_CHUNK, QUANTIZE, Command, NonEmptyPath, option_file, out, require_stdout
 
 
 class BenchProgress:
@@ -185,11 +185,10 @@ def constrained_setup(json_schema, tokenizer, model_dir, config):
     from ..common.errors import PromptError
     from ..text.grammar import Constraint, Grammars
     from ..text.tokenizer import find_tokenizer, load_tokenizer
-    from .main import _constraint_file
 
     if json_schema is None:
         raise PromptError("--tokenizer goes with --json-schema")
-    text = _constraint_file(json_schema, "--json-schema")
+    text = option_file(json_schema, "--json-schema")
     if tokenizer is None and (model_dir is None or find_tokenizer(model_dir) is None):
         raise PromptError("--json-schema needs a tokenizer: the checkpoint's, or --tokenizer PATH (--synthetic has "
                           "none)")

@@ -21,7 +21,8 @@ import click
 from ..common.errors import INTERRUPTED, PromptError
 from ..server import BODY_TIMEOUT_S, SHUTDOWN_GRACE_S
 from . import bench
-from .common import PREFILL_CHUNK, QUANTIZE, Group, NonEmptyPath, note, out, require_stdout, show_version
+from .common import (PREFILL_CHUNK, QUANTIZE, Group, NonEmptyPath, note, option_file, out, require_stdout,
+                     show_version)
 
 
 class TextInput:
@@ -175,7 +176,7 @@ def constraint_options(kwargs: dict) -> dict:
     is one line naming it; the schema's JSON is checked here, the rest when the tokenizer is known)."""
     out = {}
     if kwargs["json_schema_file"] is not None:
-        text = _constraint_file(kwargs["json_schema_file"], "--json-schema")
+        text = option_file(kwargs["json_schema_file"], "--json-schema")
         try:
             out["json_schema"] = json.loads(text)
         except (ValueError, RecursionError) as exc:
@@ -183,19 +184,8 @@ def constraint_options(kwargs: dict) -> dict:
     if kwargs["regex"] is not None:
         out["regex"] = argument_text(kwargs["regex"], "--regex")
     if kwargs["grammar_file"] is not None:
-        out["grammar"] = _constraint_file(kwargs["grammar_file"], "--grammar")
+        out["grammar"] = option_file(kwargs["grammar_file"], "--grammar")
     return out
-
-
-def _constraint_file(file: str, flag: str) -> str:
-    from pathlib import Path
-
-    try:
-        return Path(file).read_text(encoding="utf-8")
-    except OSError as exc:
-        raise PromptError(f"cannot read {flag} {file}: {exc.strerror or exc}") from None
-    except UnicodeDecodeError:
-        raise PromptError(f"{flag} {file} is not UTF-8 text") from None
 
 
 def check_constraint(options, config, tok) -> None:
