@@ -10,6 +10,7 @@ One generation at a time per model (generate.RunnerGuard): a new generation ends
 from __future__ import annotations
 
 import os
+import threading
 from pathlib import Path
 from typing import Callable, Sequence
 
@@ -53,6 +54,7 @@ class Llama:
         # speculative="draft"'s model: its runner is driven only from this model's generations, under self.guard
         self.draft = draft
         self._grammars: Grammars | None = None
+        self._grammars_made = threading.Lock()  # a server's request threads may ask for it at once
 
     @property
     def layout(self):
@@ -151,14 +153,13 @@ class Llama:
     @property
     def grammars(self) -> Grammars:
         """The grammars compiled for this model (constrained decoding: cullama/text/grammar.py), made on first use."""
-        if self._grammars is None:
-            if self.tokenizer is None:
-                from .common.errors import OptionError
-
-                raise OptionError("constraint", "needs the model's tokenizer (a grammar is matched as text), and "
-                                                "this model has none")
-            self._grammars = Grammars(self.tokenizer, self.config.vocab_size, self.eos_ids)
-        return self._grammars
+        with self._grammars_made:
+            if self._grammars is None:
+                if self.tokenizer is None:
+                    raise OptionError("constraint", "needs the model's tokenizer (a grammar is matched as text), and "
+                                                    "this model has none")
+                self._grammars = Grammars(self.tokenizer, self.config.vocab_size, self.eos_ids)
+            return self._grammars
 
     # -- prompts ----------------------------------------------------------------------------
     def encode(self, prompt: str | Sequence[int] | np.ndarray) -> list[int]:
