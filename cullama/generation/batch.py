@@ -40,6 +40,9 @@ Design (issue 17):
   batching it without its verify steps would change its answer; a greedy one could be batched (its tokens are the
   plain greedy tokens), but its drafts would then be checked one token per step, a loss for it, and rows x (k + 1)
   verify rows per step are left for later (the H200 decides whether they pay).
+- A constrained request (a grammar's mask, text/grammar.py) is a row like another: the batched step splits at the
+  sample kernel where a row is constrained, its mask is computed on the host while the rows' forward runs, and only
+  its slot reads one (engine.py); its tokens are its solo ones.
 - One row that fails (no usable logit) fails its request alone; the others go on.
 
 The session holds the model (generate.RunnerGuard) from its first step on: a solo generation started meanwhile ends
