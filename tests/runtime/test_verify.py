@@ -631,10 +631,10 @@ def check_attention_rows(launch, hd, group, kv_heads, pos, rows, splits, window=
     np.testing.assert_allclose(out, twin_out, rtol=1e-3, atol=1e-4)
 
 
-def verify_sizes(V, D):
-    """The sample kernel's arguments after `arrivals` for a verify step over a seen [V] of one slot: masks (never read:
-    state[MASKED] is 0), V, d, seen_stride, mask_words, verify."""
-    return np.zeros(1, np.uint32), np.int32(V), np.int32(D), np.int32(V), np.int32(-(-V // 32)), np.int32(1)
+def verify_sizes(V, D, xp=np):
+    """The sample kernel's arguments after `arrivals` for a verify step over a seen [V] of one slot: masks (an `xp`
+    array, never read: state[MASKED] is 0), V, d, seen_stride, mask_words, verify."""
+    return xp.zeros(1, np.uint32), np.int32(V), np.int32(D), np.int32(V), np.int32(-(-V // 32)), np.int32(1)
 
 
 def check_greedy_sample_rows(launch, V, penalty, D=40):
@@ -791,7 +791,7 @@ def test_gpu_sampled_verify_row_is_distributed_as_p(kernels, draft):
     ids, picks, out = cp.asarray(np.array([0, draft], np.int32)), cp.zeros(2, np.int32), cp.zeros(3, np.int32)
     args = (logits, cp.zeros(V, np.uint8), state, cp.asarray(np.array([1.0, 1.0, 1.0, 0.0], np.float32)),
             cp.zeros((V, 8), np.float16), cp.zeros(8, np.float32), cp.asarray(verify_rows(2)), ids, picks, out,
-            cp.zeros(1, np.uint32), *verify_sizes(V, 8))
+            cp.zeros(1, np.uint32), *verify_sizes(V, 8, cp))
     firsts, steps = [], 0
     for _ in range(n):
         fn((2,), (1024,), args)
