@@ -139,10 +139,11 @@ class PlanRunner:
         self._batch_scores: np.ndarray | None = None
         self._prefills: dict[tuple, plans.Plan] = {}
         self.prefill_kernels = default_for(getattr(backend, "arch", None))  # the prompt path's GEMM and attention
-        self._queued: int | None = None  # the token slot of a decode step already queued for `last`
+        # the token slot of a decode step already queued for `last` (FORWARD: a constrained step's forward, alone)
+        self._queued: int | str | None = None
         self._slot = 0  # the token slot the next queued step uses (two alternate)
         self._verify_plans: dict[tuple, plans.Plan] = {}  # (k, slot) -> the verify step of k drafts
-        self._splits: dict[str, tuple[plans.Plan, plans.Plan]] = {}  # plan name -> its two parts (split_at_sample)
+        self._splits: dict[str, tuple] = {}  # plan name -> its two parts (split_at_sample) and the plan itself
         # the plans with the logprobs kernel: the steps' (at most 21 alternatives' x 9 row counts), the prefills'
         self._scored_steps: dict[tuple, plans.Plan] = {}
         self._scored_prefills: dict[tuple, plans.Plan] = {}  # bounded as _prefills is
