@@ -10,7 +10,8 @@
 # benchmarks/decode_step.py (plain vs overlapped graph), logprobs_step.py (what logprobs=N adds to a step),
 # prefill_step.py (TTFT per prefill kernel pair),
 # gemv_sweep.py, gemm_sweep.py (mma vs wgmma), the same two on INT4 / INT8 weights (gemv_quant.cu, gemm_quant.cu),
-# `cullama bench --speculative replay`, serve_latency.py (what
+# `cullama bench --speculative replay`, `cullama bench --json-schema` (issue 27: a constrained token against a plain
+# one, target <= 1.05 at p50 and p99), serve_latency.py (what
 # `cullama serve` adds per token), `cullama bench --batch` and serve_load.py (batched decode) and
 # compare_hf.py --quick. Each step runs under `timeout` inside one overall
 # budget (BUDGET_S, default 500 s), and a failing step does not stop the next. `pytest -m gpu` also runs the CPU
@@ -20,7 +21,7 @@
 # report.md and results.tgz (bench.json, bench_int4.json, bench_int8.json, bench_overlap.json, decode.json,
 # prefill.json, gemv.json, gemm.json, gemv_quant.json, gemm_quant.json, compare.json, speculative.json,
 # serve.json, emu_vs_gpu.json, logprobs.json, bench_llama3-8b.json, bench_llama3.2-1b.json, batch.json,
-# serve_load.json;
+# serve_load.json, constrained.json;
 # re-packed after every step, so a run cut short
 # still returns what it finished). benchmarks/prepare_device.sh makes what to carry (.shared, .whl).
 # Environment: PYTHON (default python3), SKIP_INSTALL=1 (already installed), BENCH_SAMPLES (default 300),
@@ -97,6 +98,10 @@ else
         step serve-deps 60 "$PY" -m pip install -q --no-index --find-links .whl 'fastapi>=0.115' 'uvicorn>=0.30' \
             'pydantic>=2.7'
     fi
+    # constrained decoding's llguidance (the constrained extra; no PyTorch), from .whl too
+    if ! "$PY" -c 'import llguidance' 2>/dev/null && [ -d .whl ]; then
+        step grammar-deps 60 "$PY" -m pip install -q --no-index --find-links .whl 'llguidance>=1.1'
+    fi
 fi
 step info 30 "${CULLAMA[@]}" info
 step kernels 100 "${CULLAMA[@]}" kernels --arch sm_90
@@ -131,6 +136,10 @@ LOOKUP=()
 step spec 40 "${CULLAMA[@]}" bench --speculative replay --draft-tokens 4 --lengths 100,500 --samples 500 \
     ${LOOKUP[@]+"${LOOKUP[@]}"} --json "$RESULTS/speculative.json"
 TOKENIZER=${CULLAMA_SHARED:-../shared}/tokenizers/llama2/tokenizer.model
+# Constrained decoding (issue 27): a token under a JSON schema (its mask computed while the forward runs) against a
+# plain one, trial after trial, on LLaMA-2-7B's shape with LLaMA-2's tokenizer (32,000 ids)
+step constrained 60 "${CULLAMA[@]}" bench --synthetic llama-2-7b --tokenizer "$TOKENIZER" \
+    --json-schema benchmarks/person.schema.json --lengths 10,100,500 --samples 300 --json "$RESULTS/constrained.json"
 step serve 45 "$PY" benchmarks/serve_latency.py --synthetic llama-2-7b --tokenizer "$TOKENIZER" --device cuda \
     --lengths 64,256 --requests 3 --json "$RESULTS/serve.json"
 # Batched decode (issue 17): the step per batch size, then 1..16 streaming clients through serve --max-batch 8

@@ -48,15 +48,16 @@ def state_and_params(option) -> tuple[np.ndarray, np.ndarray]:
 
 
 def one_row(xp):
-    """A decode step's rows table and verify arguments (rows, ids, picks, out, arrivals): one token row of slot 0,
-    no drafts."""
+    """A decode step's rows table, verify arguments and masks (rows, ids, picks, out, arrivals, masks): one token row
+    of slot 0, no drafts, no mask (state[MASKED] is 0)."""
     return (xp.zeros((1, 2), np.int32), xp.zeros(1, np.int32), xp.zeros(1, np.int32), xp.zeros(2, np.int32),
-            xp.zeros(1, np.uint32))
+            xp.zeros(1, np.uint32), xp.zeros(1, np.uint32))
 
 
 def sizes(V: int) -> tuple:
-    """The sample kernel's last arguments for one slot's seen [V]: V, d, seen_stride, verify (1: a decode step)."""
-    return np.int32(V), np.int32(D), np.int32(V), np.int32(1)
+    """The sample kernel's last arguments for one slot's seen [V]: V, d, seen_stride, mask_words, verify (1: a decode
+    step)."""
+    return np.int32(V), np.int32(D), np.int32(V), np.int32(-(-V // 32)), np.int32(1)
 
 
 def cpu_ms(V: int, option, reps: int) -> float:

@@ -7,7 +7,8 @@ import sys
 
 import click
 
-from .common import MODEL_HELP, PREFILL_CHUNK, QUANTIZE, REVISION, Command, NonEmptyPath, out, require_stdout
+from .common import (MODEL_HELP, PREFILL_CHUNK, QUANTIZE, REVISION, Command, NonEmptyPath, option_file, out,
+                     require_stdout)
 
 
 class BenchProgress:
@@ -62,8 +63,14 @@ class BenchProgress:
 @click.option("--acceptance-model", type=NonEmptyPath(),
               help="--speculative: a real checkpoint (e.g. stories260K) on which ngram's tokens per step is measured "
                    "for the derived per-token figures.")
+@click.option("--json-schema", "json_schema", metavar="FILE",
+              help="Benchmark constrained decoding instead: per-token p50/p99 under the JSON schema in FILE against "
+                   "plain decoding, trial after trial, and the host's time per mask.")
+@click.option("--tokenizer", type=NonEmptyPath(),
+              help="--json-schema: the tokenizer the grammar is matched with (default: the checkpoint's; --synthetic "
+                   "has none: e.g. the LLaMA-2 tokenizer.model for llama-2-7b).")
 def bench(model_dir, revision, synthetic, device, lengths, samples, warmup, prompt_len, max_seq_len, json_path,
-          quantize, prefill_chunk, overlap, batch_sizes, **speculative):
+          quantize, prefill_chunk, overlap, batch_sizes, json_schema, tokenizer, **speculative):
     """Per-token decode latency (p50/p90/p99/max), tokens/s, GB/s and TTFT at each length."""
     require_stdout()
     from ..bench import latency as protocol
@@ -79,12 +86,15 @@ def bench(model_dir, revision, synthetic, device, lengths, samples, warmup, prom
     command = {"model": model_dir, "synthetic": synthetic, "device": device, "lengths": lengths,
                "samples": samples, "warmup": warmup, "prompt_len": prompt_len, "max_seq_len": max_seq_len,
                "json": json_path, "quantize": quantize, "prefill_chunk": prefill_chunk, "overlap": overlap,
-               **speculative, **({"revision": revision} if revision is not None else {})}
+               "json_schema": json_schema, "tokenizer": tokenizer, **speculative,
+               **({"revision": revision} if revision is not None else {})}
     if model_dir is not None and synthetic is not None:
         raise PromptError("give either --model or --synthetic, not both")
     if revision is not None and model_dir is None:
         raise PromptError("--revision goes with --model")
     speculative_options(speculative)
+    if json_schema is not None and (batch_sizes is not None or speculative["speculative"]):
+        raise PromptError("--json-schema goes with neither --batch nor --speculative")
     sizes = None
     if batch_sizes is not None:
         from ..bench import batch as batch_bench
@@ -116,11 +126,14 @@ def bench(model_dir, revision, synthetic, device, lengths, samples, warmup, prom
 
     if speculative["speculative"]:
         check_speculative(speculative, context)
+    constrained = None
+    if json_schema is not None or tokenizer is not None:
+        constrained = constrained_setup(json_schema, tokenizer, model_dir, config)
     if speculative["draft_model"] is not None:  # a draft that cannot speak the target's tokens, before any weight
         has_tokenizer = local is not None and find_tokenizer(local) is not None
         check_draft(speculative["draft_model"], config, load_tokenizer(local) if has_tokenizer else None)
     bandwidth = None
-    if dev == "cuda" and not speculative["speculative"] and sizes is None:  # before the weights (GiBs on any GPU)
+    if dev == "cuda" and not speculative["speculative"] and sizes is None and constrained is None:  # before the weights
         BenchProgress.note("measuring the read bandwidth of this GPU ...")
         bandwidth = protocol.measure_bandwidth()
     BenchProgress.note(f"loading {model_dir or 'synthetic ' + synthetic} on {dev} ...")
@@ -142,6 +155,9 @@ def bench(model_dir, revision, synthetic, device, lengths, samples, warmup, prom
     label = model_dir or f"{synthetic} (synthetic)"
     if sizes is not None:
         return batch_report(llm, label, dev, overlapped, sizes, samples, warmup, prompt_len, json_path, command)
+    if constrained is not None:
+        return constrained_report(llm, label, dev, overlapped, constrained, lengths, samples, warmup, prompt_len,
+                                  json_path, command)
     if speculative["speculative"]:
         return speculative_bench(llm, label, dev, lengths, samples, warmup, prompt_len, json_path,
                                  {"command": command, "overlap": overlapped}, **speculative_defaults(speculative))
@@ -170,6 +186,48 @@ def batch_report(llm, label, dev, overlapped, sizes, steps, warmup, prompt_len, 
         protocol.write_record({"kind": "batch", "model": label, "device": dev, "environment": environment(),
                                "options": {"command": command, "overlap": overlapped, "prefill_chunk": chunk},
                                "sizes": records}, json_path)
+        BenchProgress.note(f"wrote {json_path}")
+
+
+def constrained_setup(json_schema, tokenizer, model_dir, config):
+    """(the model's Grammars, the constraint) for --json-schema, compiled before any weight loads (one line, exit 2,
+    for a file that cannot be read, a schema that cannot be enforced, no tokenizer)."""
+    from ..common.errors import PromptError
+    from ..text.grammar import Constraint, Grammars
+    from ..text.tokenizer import find_tokenizer, load_tokenizer
+
+    if json_schema is None:
+        raise PromptError("--tokenizer goes with --json-schema")
+    text = option_file(json_schema, "--json-schema")
+    if tokenizer is None and (model_dir is None or find_tokenizer(model_dir) is None):
+        raise PromptError("--json-schema needs a tokenizer: the checkpoint's, or --tokenizer PATH (--synthetic has "
+                          "none)")
+    tok = load_tokenizer(model_dir, override=tokenizer) if model_dir is not None else load_tokenizer(tokenizer)
+    tok.check_fits(config.vocab_size)
+    grammars = Grammars(tok, config.vocab_size, (*config.eos_token_ids, *tok.eos_ids))
+    constraint = Constraint.json_schema(text)
+    grammars.check(constraint)
+    return grammars, constraint
+
+
+def constrained_report(llm, label, dev, overlapped, constrained, lengths, samples, warmup, prompt_len, json_path,
+                       command) -> None:
+    """`cullama bench --json-schema`: cullama.bench.constrained's run, its table to stdout, its record to --json."""
+    from ..bench import constrained as protocol, latency
+    from ..runtime.device import environment
+
+    grammars, constraint = constrained
+    records = protocol.run(llm.runner, grammars, constraint, lengths, samples, warmup, prompt_len,
+                           llm.config.vocab_size, progress=BenchProgress())
+    target = "the GPU target, <= 1.05 at p50 and p99, is for a GPU run" if dev == "cpu" else \
+        "target <= 1.05 at p50 and p99"
+    out(protocol.format_table(records, f"cullama bench --json-schema: {label}, {dev}"
+                                       f"{', overlap on' if overlapped else ''}; constrained / plain per token "
+                                       f"({target})"))
+    if json_path:
+        latency.write_record({**latency.record_header(protocol.SCHEMA, dev, label, llm.config,
+                                                      {"command": command, "overlap": overlapped}),
+                              "schema_text": repr(constraint), "results": records}, json_path)
         BenchProgress.note(f"wrote {json_path}")
 
 

@@ -18,6 +18,19 @@ def note(text: str) -> None:
     click.echo(f"note: {text}", err=True)
 
 
+def option_file(file: str, flag: str) -> str:
+    """The text of the file an option names (--json-schema FILE, --grammar FILE); one line naming both where it
+    cannot be read."""
+    from pathlib import Path
+
+    try:
+        return Path(file).read_text(encoding="utf-8")
+    except OSError as exc:
+        raise PromptError(f"cannot read {flag} {file}: {exc.strerror or exc}") from None
+    except UnicodeDecodeError:
+        raise PromptError(f"{flag} {file} is not UTF-8 text") from None
+
+
 def friendly_errors(command):
     """A CullamaError becomes one line and its exit code, Ctrl-C exit code 130: never a traceback. The
     options it names are said as their flags (--top-p, not top_p)."""

@@ -21,8 +21,8 @@ import click
 from ..common.errors import INTERRUPTED, PromptError
 from ..server import BODY_TIMEOUT_S, SHUTDOWN_GRACE_S
 from . import bench
-from .common import (MODEL_HELP, PREFILL_CHUNK, QUANTIZE, REVISION, Group, NonEmptyPath, note, out, require_stdout,
-                     show_version)
+from .common import (MODEL_HELP, PREFILL_CHUNK, QUANTIZE, REVISION, Group, NonEmptyPath, note, option_file, out,
+                     require_stdout, show_version)
 
 
 MAX_INPUT_BYTES = 64 << 20  # the most one input (a prompt, a chat line, perplexity's text or ids) may hold
@@ -139,6 +139,11 @@ def shared_options(command):
                                               "records it)."),
         click.option("--stop", multiple=True, help="Stop when this text appears (repeatable)."),
         click.option("--ignore-eos", is_flag=True, help="Keep generating past the end-of-sequence token."),
+        click.option("--json-schema", "json_schema_file", metavar="FILE",
+                     help="Constrained decoding: the text is JSON valid against the JSON schema in FILE."),
+        click.option("--regex", help="Constrained decoding: the text matches this regular expression."),
+        click.option("--grammar", "grammar_file", metavar="FILE",
+                     help="Constrained decoding: the text follows the Lark grammar in FILE (llguidance's dialect)."),
         click.option("--device", default="auto", show_default=True, type=click.Choice(["auto", "cpu", "cuda"])),
         click.option("--max-seq-len", type=int, help="Context to allocate (default: the model's)."),
         click.option("--tokenizer", type=NonEmptyPath(), help="tokenizer.json or tokenizer.model (or a directory "
@@ -173,12 +178,41 @@ def apply(options: list, command):
 
 
 def generation_options(kwargs: dict, **more):
-    """The sampling and stop options, checked before anything loads (OptionError names the flag)."""
+    """The sampling, stop and constraint options, checked before anything loads (OptionError names the flag)."""
     from ..generation.generate import GenerationOptions
 
     keys = ("max_new_tokens", "temperature", "top_k", "top_p", "repetition_penalty", "seed", "ignore_eos")
     stop = [argument_text(s, "--stop") for s in kwargs["stop"]]
-    return GenerationOptions.checked(**{k: kwargs[k] for k in keys}, stop=stop, **more)
+    return GenerationOptions.checked(**{k: kwargs[k] for k in keys}, stop=stop, **constraint_options(kwargs), **more)
+
+
+def constraint_options(kwargs: dict) -> dict:
+    """`stream`'s constraint keywords from --json-schema FILE, --regex, --grammar FILE (a file that cannot be read
+    is one line naming it; the schema's JSON is checked here, the rest when the tokenizer is known)."""
+    out = {}
+    if kwargs["json_schema_file"] is not None:
+        text = option_file(kwargs["json_schema_file"], "--json-schema")
+        try:
+            out["json_schema"] = json.loads(text)
+        except (ValueError, RecursionError) as exc:
+            raise PromptError(f"--json-schema {kwargs['json_schema_file']} is not JSON: {exc}") from None
+    if kwargs["regex"] is not None:
+        out["regex"] = argument_text(kwargs["regex"], "--regex")
+    if kwargs["grammar_file"] is not None:
+        out["grammar"] = option_file(kwargs["grammar_file"], "--grammar")
+    return out
+
+
+def check_constraint(options, config, tok) -> None:
+    """The constraint compiles for this model's tokenizer (OptionError naming the flag): before the weights load."""
+    if options.constraint is None:
+        return
+    from ..common.errors import OptionError
+    from ..text.grammar import Grammars
+
+    if tok is None:
+        raise OptionError(options.constraint.option, "needs the model's tokenizer, and this model has none")
+    Grammars(tok, config.vocab_size, (*config.eos_token_ids, *tok.eos_ids)).check(options.constraint)
 
 
 def speculative_options(kwargs: dict) -> dict:
@@ -296,6 +330,7 @@ def generate(model_dir, revision, prompt, prompt_ids, chat, system, device, max_
         else:
             request[:] = checked_ids(prompt, config.vocab_size, tok)
         check_prompt_fits(len(request), context, options.max_new_tokens)
+        check_constraint(options, config, tok)
 
     llm = load(model_dir, device, max_seq_len, tokenizer, check, kwargs["draft_model"], quantize,
                kwargs["prefill_chunk"], revision)
@@ -326,6 +361,7 @@ def chat(model_dir, revision, system, device, max_seq_len, tokenizer, quantize, 
         if n >= context:
             raise PromptError(f"--system takes {n} tokens in the chat template, which leaves no room in the "
                               f"context of {context} tokens (--max-seq-len)")
+        check_constraint(options, config, tok)
 
     llm = load(model_dir, device, max_seq_len, tokenizer, check, kwargs["draft_model"], quantize,
                kwargs["prefill_chunk"], revision)

@@ -10,12 +10,12 @@ import importlib
 import importlib.util
 
 __version__ = "0.1.0"
-__all__ = ["Llama", "LlamaConfig", "Generation", "CullamaError", "PRESETS", "preset", "__version__"]
+__all__ = ["Llama", "LlamaConfig", "Generation", "CullamaError", "Constraint", "PRESETS", "preset", "__version__"]
 
 # The public names are imported on first use (PEP 562), not with the package: `cullama` on the command line
 # imports nothing heavy before its Ctrl-C handling is in place, so an early Ctrl-C exits 130 in one line.
 _HOMES = {"Llama": "llama", "LlamaConfig": "model.config", "PRESETS": "model.config", "preset": "model.config",
-          "Generation": "generation.generate", "CullamaError": "common.errors"}
+          "Generation": "generation.generate", "CullamaError": "common.errors", "Constraint": "text.grammar"}
 
 
 def __getattr__(name: str):

@@ -10,6 +10,7 @@ One generation at a time per model (generate.RunnerGuard): a new generation ends
 from __future__ import annotations
 
 import os
+import threading
 from pathlib import Path
 from typing import Callable, Sequence
 
@@ -27,6 +28,7 @@ from .generation.speculative import SpeculativeDecoder, SpeculativeOptions, Spec
 from .generation.batch import BatchedStream, BatchSession
 from .model.weights import check_quantize, checkpoint_layout, config_layout
 from .runtime.load import load_checkpoint, random_weights
+from .text.grammar import Grammars
 from .text.tokenizer import find_tokenizer, load_tokenizer
 from .text.tokenizer_base import TokenizerBase
 
@@ -51,6 +53,8 @@ class Llama:
         self.guard = RunnerGuard()  # one generation at a time on self.runner
         # speculative="draft"'s model: its runner is driven only from this model's generations, under self.guard
         self.draft = draft
+        self._grammars: Grammars | None = None
+        self._grammars_made = threading.Lock()  # a server's request threads may ask for it at once
 
     @property
     def layout(self):
@@ -155,15 +159,26 @@ class Llama:
         and the tokenizer's (tokenizer_config.json's eos_token: a chat template's end of turn), as vLLM stops."""
         return tuple(dict.fromkeys((*self.config.eos_token_ids, *(self.tokenizer.eos_ids if self.tokenizer else ()))))
 
+    @property
+    def grammars(self) -> Grammars:
+        """The grammars compiled for this model (constrained decoding: cullama/text/grammar.py), made on first use."""
+        with self._grammars_made:
+            if self._grammars is None:
+                if self.tokenizer is None:
+                    raise OptionError("constraint", "needs the model's tokenizer (a grammar is matched as text), and "
+                                                    "this model has none")
+                self._grammars = Grammars(self.tokenizer, self.config.vocab_size, self.eos_ids)
+            return self._grammars
+
     # -- prompts ----------------------------------------------------------------------------
     def encode(self, prompt: str | Sequence[int] | np.ndarray) -> list[int]:
         """Text -> ids with BOS where the tokenizer adds one (an empty text is BOS alone); ids (a list, tuple
         or 1-D integer array) are checked against the vocabulary and taken as they are."""
         return prompt_ids(prompt, self.config.vocab_size, self.tokenizer)
 
-    def chat_ids(self, messages: list[dict], system: str | None = None) -> list[int]:
+    def chat_ids(self, messages: list[dict], system: str | None = None, tools: list | None = None) -> list[int]:
         """Prompt ids for a chat, ready for the reply: the checkpoint's chat template, else LLaMA-2's format
-        (see TokenizerBase.chat_ids)."""
+        (see TokenizerBase.chat_ids: `tools` and the messages of tool calls go to a template that reads them)."""
         if self.tokenizer is None:
             raise PromptError("chat_ids() needs a tokenizer and this model has none: put its tokenizer.json or "
                               "tokenizer.model in its directory or load it with tokenizer=PATH")
@@ -172,7 +187,14 @@ class Llama:
         for i, message in enumerate(messages if isinstance(messages, (list, tuple)) else ()):
             if isinstance(message, dict) and isinstance(message.get("content"), str):
                 check_text(message["content"], f"message {i}")
-        return self.tokenizer.chat_ids(messages, system=system)
+        return self.tokenizer.chat_ids(messages, system=system, tools=tools)
+
+    def tool_format(self):
+        """How this model's replies spell tool calls (cullama/text/tools.py): its chat template's format."""
+        from .text.tools import tool_format
+
+        template = getattr(self.tokenizer, "template", None)
+        return tool_format(template.text if template is not None else None)
 
     def fit_chat(self, messages: list[dict], system: str | None, reply_tokens: int) -> tuple[list[int], int]:
         """Prompt ids for a chat whose history may have outgrown the context: the oldest exchanges (a user
@@ -202,7 +224,8 @@ class Llama:
                stop: str | Sequence[str] | None = (), ignore_eos: bool = False,
                reuse_cache: bool = False, speculative=None, draft_tokens: int | None = None,
                adaptive_draft: bool = False, logprobs: int | None = None,
-               prompt_logprobs: int | None = None) -> GenerationStream:
+               prompt_logprobs: int | None = None, json_schema: dict | str | None = None, regex: str | None = None,
+               grammar: str | None = None, constraint=None) -> GenerationStream:
         """Iterate over text pieces as they become final; the stream's `.result` is the Generation.
 
         Every option is checked here (OptionError, a PromptError, naming it), before anything runs.
@@ -221,13 +244,21 @@ class Llama:
         the token (speculative decoding: from the verify rows). prompt_logprobs: the same for every prompt id
         (`result.prompt_logprobs`, None for the first), from the prompt's one prefill (the whole prompt is then
         prefilled, whatever reuse_cache says); with max_new_tokens=0 the prompt is only scored.
+        Constrained decoding, at most one of: json_schema (a dict, or its JSON text: the text is JSON that
+        validates against it), regex (a regular expression the whole text matches), grammar (a Lark grammar,
+        llguidance's dialect), constraint (a cullama.Constraint: Constraint.json_schema(schema, strict=False)
+        ignores the keywords it cannot enforce, where json_schema= refuses them). Every token is drawn only from
+        the ids the grammar allows next (the mask reaches the sampler on the device; docs/usage.md), and the text
+        ends with EOS once the grammar is complete (max_new_tokens can cut it first: finish_reason "length").
+        Needs llguidance (pip install 'cullama[constrained]'); a schema, regex or grammar it cannot enforce is an
+        OptionError naming the option. Cannot go with ignore_eos.
 
         The stream starts computing at its first read, and from then on it owns the model until it ends:
         another generation started before that ends it (see the class docstring)."""
         args, spec, reuse_cache = self._stream_args(prompt, max_new_tokens, temperature, top_k, top_p,
                                                     repetition_penalty, seed, stop, ignore_eos, reuse_cache,
                                                     speculative, draft_tokens, adaptive_draft, logprobs,
-                                                    prompt_logprobs)
+                                                    prompt_logprobs, json_schema, regex, grammar, constraint)
         if spec is None:
             return GenerationStream(*args)
         return SpeculativeStream(*args, drafter=spec.drafter(self.draft.runner if self.draft else None, reuse_cache),
@@ -235,16 +266,20 @@ class Llama:
 
     def _stream_args(self, prompt, max_new_tokens=256, temperature=0.0, top_k=0, top_p=1.0, repetition_penalty=1.0,
                      seed=None, stop=(), ignore_eos=False, reuse_cache=False, speculative=None, draft_tokens=None,
-                     adaptive_draft=False, logprobs=None, prompt_logprobs=None):
+                     adaptive_draft=False, logprobs=None, prompt_logprobs=None, json_schema=None, regex=None,
+                     grammar=None, constraint=None):
         """stream()'s options checked and its prompt encoded: (the stream's arguments, the speculative options or
-        None, reuse_cache)."""
+        None, reuse_cache). A constraint is compiled here (once per model and grammar) and its matcher made."""
         options = GenerationOptions.checked(
             max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
             repetition_penalty=repetition_penalty, seed=seed, stop=stop, ignore_eos=ignore_eos,
-            reuse_cache=reuse_cache, logprobs=logprobs, prompt_logprobs=prompt_logprobs)
+            reuse_cache=reuse_cache, logprobs=logprobs, prompt_logprobs=prompt_logprobs, json_schema=json_schema,
+            regex=regex, grammar=grammar, constraint=constraint)
         spec = SpeculativeOptions.checked(speculative, draft_tokens, adaptive_draft)
+        ids = self.encode(prompt)
+        mask = None if options.constraint is None else self.grammars.matcher(options.constraint)
         detok = self.tokenizer.stream_decoder() if self.tokenizer else None
-        return (self.runner, detok, self.encode(prompt), options, self.eos_ids, self.guard), spec, reuse_cache
+        return (self.runner, detok, ids, options, self.eos_ids, self.guard, mask), spec, reuse_cache
 
     def batch(self) -> BatchSession:
         """A session that decodes many generations at once, up to the model's max_batch (cullama/generation/batch.py):

@@ -136,6 +136,7 @@ __device__ __forceinline__ float uniform(uint64_t seed, uint64_t counter) {
 #define STATE_TOP_K 3    // 0 = off
 #define STATE_SEED_LO 4  // the sampling seed, low and high 32 bits
 #define STATE_SEED_HI 5
+#define STATE_MASKED 6   // 1: constrained decoding, the slot's picks are limited by its mask rows (sampling.cu)
 #define STATE_LEN 8
 // float32 fparams[FPARAMS_LEN]:
 #define FP_TEMPERATURE 0  // 0 = greedy
@@ -143,7 +144,8 @@ __device__ __forceinline__ float uniform(uint64_t seed, uint64_t counter) {
 #define FP_REP_PENALTY 2  // 1 = off
 #define FPARAMS_LEN 4
 // Every buffer above is per sequence slot: state [slots, STATE_LEN], fparams [slots, FPARAMS_LEN], seen [slots,
-// seen_stride] (one slot: a plain decode step's), and the KV cache [layers, slots, kv_heads, max_seq, hd].
+// seen_stride] (one slot: a plain decode step's), masks [slots, MASK_ROWS, mask_words] (sampling.cu), and the KV
+// cache [layers, slots, kv_heads, max_seq, hd].
 
 // A step's token rows, int32 rows[R][ROW_FIELDS]: the slot of the sequence a row belongs to, and the row's offset
 // from that slot's position. A decode step is one row (slot, 0); a verify step k + 1 rows of one slot (offsets

@@ -4,7 +4,9 @@
 //   sample         token = sample(logits, params, seen, step); state[TOKEN] = token; state[STEP] += 1;
 //                  state[POS] += 1; seen[token] = 1; x[0:d] = embed[token] as float32 (the next input),
 //                  for the slot of each token row (rows table, common.cuh): its own params, seen and state.
-//                  Where no token can be drawn (every logit NaN or -inf): state[TOKEN] = NO_TOKEN (-1),
+//                  A slot whose state[MASKED] is set (constrained decoding) draws only the ids its mask row
+//                  allows: row r of the step reads masks[slot][offset r] (below); a slot without it reads no
+//                  mask at all. Where no token can be drawn (every logit NaN or -inf): state[TOKEN] = NO_TOKEN (-1),
 //                  seen untouched, x = 0; the host raises when it reads the token. Never an index out of
 //                  bounds: a verify's draft ids are bounded here too (the host refuses any outside [0, V)
 //                  first), one outside [0, V) makes every row's pick NO_TOKEN, so the step's answer is
@@ -19,7 +21,15 @@
 // logits [rows, V] float32 (row r at r * logits_stride(V): V rounded up to 4, so every row is 16-byte aligned),
 // seen [slots, seen_stride] uint8 (nonzero = seen; seen_stride >= V, a multiple of 4), embed [V, d] FP16, x [rows,
 // d] float32, state [slots, 8] int32, fparams [slots, 4] f32, rows [rows, ROW_FIELDS] int32, ids [rows] int32,
-// picks [rows] int32, out [1 + rows] int32, arrivals [1] uint32 (zero between launches).
+// picks [rows] int32, out [1 + rows] int32, arrivals [1] uint32 (zero between launches), masks [slots, MASK_ROWS,
+// mask_words] uint32 (mask_words = ceil(vocab / 32)).
+//
+// The allowed-token mask (constrained decoding: a grammar decides which ids may come next). Token row r of the step,
+// of slot s at offset o (the rows table), reads mask row masks[s][o] when state[s][MASKED] is 1: id i is allowed
+// where bit i & 31 of word i >> 5 is set (llguidance's bitmask, as the host computes it); a cleared bit makes the
+// id's logit -inf before anything else (its key is -inf's: never drawn, no part of top-k's count or top-p's mass,
+// the greedy argmax skips it), exactly as the spec's `allowed`. With state[MASKED] 0 no mask word is read, and the
+// row's pick is bit for bit what it was without masks.
 //
 // Two modes, by `verify`. 1: the rows are one sequence's, at offsets 0..rows - 1 (one row: a decode step; k + 1:
 // a speculative verify step, below), and the step ends as that many decode steps would (x: row 0). 0: a batched
@@ -116,12 +126,21 @@ __device__ __forceinline__ uint64_t state_seed(const int* st) {
     return (uint64_t)(uint32_t)st[STATE_SEED_LO] | (uint64_t)(uint32_t)st[STATE_SEED_HI] << 32;
 }
 #define MAX_DRAFTS 8  // drafts before a row at most: cullama.runtime.plan.MAX_DRAFT
+#define MASK_ROWS (MAX_DRAFTS + 1)  // a slot's mask rows (plan.VERIFY_ROWS): row o for its token row at offset o
+
+// This block's row of the masks (its slot's row at its offset) when the slot is constrained; set once by sample()
+// and read from shared memory, as row_logits.
+__shared__ const uint32_t* row_mask;
+
+// Whether id i is allowed by the row's mask (bit i & 31 of word i >> 5).
+__device__ __forceinline__ bool allowed(int i) { return (row_mask[i >> 5] >> (i & 31)) & 1u; }
 
 struct Transform {  // logit -> key: HF repetition penalty on seen ids, then / temperature (IEEE, as NumPy)
     const unsigned char* seen;  // the kernel's argument, every slot's
     int seen_at;  // where the row's slot's seen flags begin in it (an offset, not a pointer: fewer registers)
     int V;
     bool penalise, scale;  // scale: divide by the temperature (not on the greedy path)
+    bool masked;  // the row's slot is constrained: an id its mask row clears is -inf (row_mask)
     float penalty, temperature;
 
     // The key of id i < V.
@@ -129,7 +148,7 @@ struct Transform {  // logit -> key: HF repetition penalty on seen ids, then / t
         float v = row_logits[i];
         if (penalise && seen[seen_at + i]) v = penalised(v, penalty);
         if (scale) v = __fdiv_rn(v, temperature);
-        return float_key(v);
+        return masked && !allowed(i) ? NEG_INF_KEY : float_key(v);
     }
 
     // Keys of ids i..i+3 (i % 4 == 0); ABSENT past V. The same values as key1.
@@ -149,12 +168,15 @@ struct Transform {  // logit -> key: HF repetition penalty on seen ids, then / t
                 }
             }
         }
+        // ids i..i+3 are bits i & 31 .. (i & 31) + 3 of one word (i % 4 == 0): all of them allowed without a mask,
+        // and no word read past V (the greedy path's unrolled loads go there)
+        const uint32_t bits = masked && i < V ? row_mask[i >> 5] >> (i & 31) : 0xfu;
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
             float v = l[e];
             if ((s >> (8 * e)) & 0xffu) v = penalised(v, penalty);
             if (scale) v = __fdiv_rn(v, temperature);
-            k[e] = i + e < V ? float_key(v) : ABSENT;
+            k[e] = i + e >= V ? ABSENT : (bits >> e) & 1u ? float_key(v) : NEG_INF_KEY;
         }
     }
 };
@@ -372,7 +394,8 @@ extern "C" __global__ void __launch_bounds__(THREADS)
 sample(float* logits, unsigned char* __restrict__ seen, int* __restrict__ state,
        const float* __restrict__ fparams, const half_t* __restrict__ embed, float* __restrict__ x,
        const int* __restrict__ step_rows, const int* __restrict__ ids, int* picks, int* __restrict__ out,
-       unsigned int* arrivals, int V, int d, int seen_stride, int verify) {
+       unsigned int* arrivals, const unsigned int* __restrict__ masks, int V, int d, int seen_stride, int mask_words,
+       int verify) {
     __shared__ uint64_t scratch[WARPS];
     __shared__ int accepted[2];  // the last block's verdict: n, and the token that ends the accepted run
     __shared__ bool is_last;
@@ -406,15 +429,19 @@ sample(float* logits, unsigned char* __restrict__ seen, int* __restrict__ state,
             own[draft] = penalised(raw[e], penalty);
         }
     }
+    const bool masked = st[STATE_MASKED] != 0;
     if (threadIdx.x == 0) {
         row_logits = own;
         row_state = st;
+        // the slot's mask row at this token row's offset (masks [slots, MASK_ROWS, mask_words]); none unless masked
+        const int at = slot * MASK_ROWS + step_rows[row * ROW_FIELDS + ROW_OFFSET];
+        row_mask = masked ? masks + (size_t)at * mask_words : nullptr;
     }
     __syncthreads();
     bool drafts_are_ids = true;  // the same in every thread and every block: the branches below are uniform
 #pragma unroll
     for (int e = 0; e < MAX_DRAFTS; ++e) drafts_are_ids &= marked[e] != NOT_AN_ID;
-    const Transform tf{seen, seen_at, V, penalty != 1.f, !greedy, penalty, temperature};
+    const Transform tf{seen, seen_at, V, penalty != 1.f, !greedy, masked, penalty, temperature};
     const int front = offset + 1 < rows ? ids[offset + 1] : -1;  // this row's draft, if any
     // Every thread gets the token from the block reductions; those barriers also order every read of
     // state and seen above before the writes below (in a verify, the other blocks' reads come before their

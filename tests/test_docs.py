@@ -6,7 +6,7 @@ The examples are found by reading the markdown, so a new one is a new test case 
 - ```sh / ```bash blocks, and the indented blocks (4 spaces or more, after a blank line) outside fences: each command
   one case (`\\` and deeper-indented lines continue it; a trailing `# comment` is not part of it).
 A case is named page:line, so a failure says where the example is. The docs' placeholders are run as WORKSPACE,
-HUB, FILES and SUBSTITUTIONS below say; how each kind of command runs is `run_command`'s docstring. An example that
+HUB, FILES (and the files a page shows: shown_files) and SUBSTITUTIONS below say; how each kind of command runs is `run_command`'s docstring. An example that
 cannot run on the CPU goes in NEEDS_GPU with the reason and the GPU test that covers it (none today). When an example
 fails, fix the doc, not this file."""
 
@@ -233,7 +233,27 @@ def workspace(tmp_path_factory) -> Path:
         (repo / "refs" / "main").write_text(HUB_COMMIT)
     for name, make in FILES.items():
         (root / name).write_text(make(expected))
+    for name, text in shown_files().items():
+        (root / name).write_text(text)
     return root
+
+
+SHOWN_FILE = re.compile(r"`(?P<name>[\w.-]+)`:$")
+
+
+def shown_files() -> dict[str, str]:
+    """The files the docs show before their examples read them: a fenced block whose line before (blank lines
+    skipped) ends with "`NAME`:" is the content of NAME ("Save a schema as `person.json`:")."""
+    found = {}
+    for page in PAGES:
+        lines = page.read_text().splitlines()
+        for start, _, text in fenced_blocks(lines)[0]:
+            before = next((line for line in reversed(lines[:start - 1]) if line.strip()), "")
+            named = SHOWN_FILE.search(before.strip())
+            if named:
+                assert named["name"] not in found, f"{page.name}: {named['name']} is shown twice"
+                found[named["name"]] = text
+    return found
 
 
 @pytest.fixture(scope="module")

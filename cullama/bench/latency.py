@@ -142,23 +142,30 @@ def prompt_ids(n: int, vocab_size: int, seed: int = 0) -> list[int]:
 GREEDY = SamplingParams(temperature=0.0, seed=0)
 
 
+def trial(runner, prompt: Sequence[int], length: int, clock: Clock = time.perf_counter_ns, **start) -> list[int]:
+    """One trial: start (with `start`'s keywords: a constrained trial's mask), then `length` next() calls, each
+    queueing the following step before it waits; each token's latency (ns) from the previous token's arrival."""
+    runner.start(prompt, GREEDY, **start)
+    last = clock()  # the prefill's token arrived: the first decode step's clock starts here
+    times = []
+    for n in range(length):
+        runner.next(ahead=n + 1 < length)  # as GenerationStream: the next step queued behind this one
+        now = clock()
+        times.append(now - last)
+        last = now
+    if hasattr(runner, "drain"):
+        runner.drain()
+    return times
+
+
 def decode_latencies(runner, prompt: Sequence[int], length: int, samples: int, warmup: int,
                      clock: Clock = time.perf_counter_ns, progress: Progress | None = None) -> tuple[list[int], int]:
     """(latencies ns, timed trials): `warmup` + ceil(samples / length) trials of start + `length` next()."""
     trials = math.ceil(samples / length)
     latencies: list[int] = []
-    for trial in range(warmup + trials):
-        runner.start(prompt, GREEDY)
-        last = clock()  # the prefill's token arrived: the first decode step's clock starts here
-        times = []
-        for n in range(length):
-            runner.next(ahead=n + 1 < length)  # as GenerationStream: the next step queued behind this one
-            now = clock()
-            times.append(now - last)
-            last = now
-        if hasattr(runner, "drain"):
-            runner.drain()
-        if trial >= warmup:
+    for n in range(warmup + trials):
+        times = trial(runner, prompt, length, clock)
+        if n >= warmup:
             latencies.extend(times)
             if progress:
                 progress(length, "decode", len(latencies), trials * length)

@@ -68,7 +68,9 @@ class OptionError(PromptError):
         self.option, self.problem = option, problem
 
     def for_cli(self) -> str:
-        return printable(f"{flag(self.option)} {self.problem}")
+        parts = self.problem.split(OPTION)  # other options the problem names: their flags too
+        problem = "".join(flag(part) if i % 2 else part for i, part in enumerate(parts))
+        return printable(f"{flag(self.option)} {problem}")
 
 
 class SupersededError(CullamaError):

@@ -40,6 +40,9 @@ Design (issue 17):
   batching it without its verify steps would change its answer; a greedy one could be batched (its tokens are the
   plain greedy tokens), but its drafts would then be checked one token per step, a loss for it, and rows x (k + 1)
   verify rows per step are left for later (the H200 decides whether they pay).
+- A constrained request (a grammar's mask, text/grammar.py) is a row like another: the batched step splits at the
+  sample kernel where a row is constrained, its mask is computed on the host while the rows' forward runs, and only
+  its slot reads one (engine.py); its tokens are its solo ones.
 - One row that fails (no usable logit) fails its request alone; the others go on.
 
 The session holds the model (generate.RunnerGuard) from its first step on: a solo generation started meanwhile ends
@@ -81,8 +84,8 @@ class BatchedStream(GenerationStream):
     it (pump); it is not iterated by its owner. `decoder`: speculative decoding's, when the request asked for it."""
 
     def __init__(self, runner: Runner, detokenizer, prompt_ids: list[int], options: GenerationOptions,
-                 eos_ids, guard: RunnerGuard, decoder: SpeculativeDecoder | None = None):
-        super().__init__(runner, detokenizer, prompt_ids, options, eos_ids, guard)
+                 eos_ids, guard: RunnerGuard, mask=None, decoder: SpeculativeDecoder | None = None):
+        super().__init__(runner, detokenizer, prompt_ids, options, eos_ids, guard, mask)
         self.decoder = decoder
         self.inbox: collections.deque = collections.deque()  # delivered tokens (or a _Failed), not consumed yet
         self.records: collections.deque[scoring.TokenLogprob] = collections.deque()  # their log-probabilities
@@ -273,7 +276,8 @@ class BatchSession:
             o = head.options
             try:
                 self._prefill = self.runner.begin_score(head.prompt_ids, o.prompt_logprobs) if head.scored_only \
-                    else self.runner.begin(head.prompt_ids, o.sampling, False, o.logprobs, o.prompt_logprobs)
+                    else self.runner.begin(head.prompt_ids, o.sampling, False, o.logprobs, o.prompt_logprobs,
+                                           head.mask)
             except Exception as exc:
                 head.deliver([_Failed(exc)])
                 self._collect(pieces, head, head.pump())

@@ -32,9 +32,11 @@ from typing import Iterator, Protocol, Sequence
 
 import numpy as np
 
-from ..common.errors import OptionError, PromptError, SupersededError
+from ..common.errors import OptionError, PromptError, SupersededError, option
 from ..runtime.logprobs import TokenLogprob, checked_top
 from ..runtime.sampling import SamplingParams, is_int
+from ..runtime.token_mask import TokenMask
+from ..text.grammar import Constraint, checked_constraint
 from ..text.stop_strings import StopMatcher
 
 # Why a generation ended: "eos", "stop" (a stop string), "length" (max_new_tokens or the context), or early:
@@ -159,13 +161,19 @@ class GenerationOptions:
     reuse_cache: bool = False
     logprobs: int | None = None  # None = off; else each token's log-probability and that many alternatives (0..20)
     prompt_logprobs: int | None = None  # the same for every prompt id (the whole prompt is then prefilled)
+    # constrained decoding: what the text must match (cullama/text/grammar.py); `checked` also takes it as
+    # json_schema=, regex= or grammar= (at most one of the four)
+    constraint: Constraint | None = None
 
     @classmethod
     def checked(cls, **options) -> "GenerationOptions":
         """OptionError (a PromptError) naming the first option of a wrong type or out of range; the values
-        come back as plain Python types (a NumPy integer seed becomes an int)."""
+        come back as plain Python types (a NumPy integer seed becomes an int). A constraint is checked for its
+        type and form here, and compiled against the model's tokenizer later (Llama.stream)."""
         names = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(options) - names)
+        shorthand = {k: options.pop(k) for k in ("json_schema", "regex", "grammar") if k in options}
+        constraint = checked_constraint(**shorthand, constraint=options.pop("constraint", None))
+        unknown = sorted(set(options) - names - set(shorthand))
         if unknown:
             raise OptionError(unknown[0], f"is not an option (the options: {', '.join(sorted(names))})")
         o = {**{f.name: f.default for f in dataclasses.fields(cls)}, **options}
@@ -174,14 +182,17 @@ class GenerationOptions:
         params = SamplingParams(temperature=o["temperature"], top_k=o["top_k"], top_p=o["top_p"],
                                 repetition_penalty=o["repetition_penalty"], seed=o["seed"])
         params.validate()
+        ignore_eos = checked_flag("ignore_eos", o["ignore_eos"])
+        if constraint is not None and ignore_eos:
+            raise OptionError("ignore_eos", f"cannot go with {option(constraint.option)}: a constrained text ends "
+                                            "with EOS")
         return cls(max_new_tokens=int(o["max_new_tokens"]), temperature=float(params.temperature),
                    top_k=int(params.top_k), top_p=float(params.top_p),
                    repetition_penalty=float(params.repetition_penalty),
                    seed=None if params.seed is None else int(params.seed), stop=_stop_strings(o["stop"]),
-                   ignore_eos=checked_flag("ignore_eos", o["ignore_eos"]),
-                   reuse_cache=checked_flag("reuse_cache", o["reuse_cache"]),
+                   ignore_eos=ignore_eos, reuse_cache=checked_flag("reuse_cache", o["reuse_cache"]),
                    logprobs=checked_top(o["logprobs"], "logprobs"),
-                   prompt_logprobs=checked_top(o["prompt_logprobs"], "prompt_logprobs"))
+                   prompt_logprobs=checked_top(o["prompt_logprobs"], "prompt_logprobs"), constraint=constraint)
 
     def resolved(self) -> "GenerationOptions":
         """The same options with a seed: a random one when none was given, so that the run can be repeated."""
@@ -213,8 +224,14 @@ class GenerationStream:
     its next token; a newer generation on the same model ends it too (its next read raises SupersededError)."""
 
     def __init__(self, runner: Runner, detokenizer, prompt_ids: list[int], options: GenerationOptions,
-                 eos_ids: Sequence[int], guard: RunnerGuard | None = None):
+                 eos_ids: Sequence[int], guard: RunnerGuard | None = None, mask: TokenMask | None = None):
+        """`mask`: options.constraint's, a fresh one (Grammars.matcher): every token is one it allows."""
         check_prompt_fits(len(prompt_ids), runner.max_seq_len, options.max_new_tokens)
+        if (mask is None) != (options.constraint is None):
+            raise ValueError("a constrained generation needs its mask, and only it")
+        if mask is not None and not getattr(runner, "constrains", False):
+            raise OptionError(options.constraint.option, f"needs a runner that applies a grammar's mask "
+                                                         f"({type(runner).__name__} does not)")
         scored = options.logprobs is not None or options.prompt_logprobs is not None
         if scored and not hasattr(runner, "take_logprobs"):
             raise OptionError("logprobs" if options.logprobs is not None else "prompt_logprobs",
@@ -225,6 +242,7 @@ class GenerationStream:
         self.runner, self.detok, self.prompt_ids = runner, detokenizer, list(prompt_ids)
         if detokenizer is not None:  # the completion's text is read in its prompt's context (tokenizer.py)
             detokenizer.prime(self.prompt_ids)
+        self.mask = mask
         self.options = options.resolved()
         self.guard = guard or RunnerGuard()
         self.stop = StopMatcher(self.options.stop)
@@ -291,11 +309,12 @@ class GenerationStream:
         return self.runner.next(ahead=i + 1 < budget)
 
     def _scoring(self) -> dict:
-        """start()'s log-probability keywords: none unless asked for (any Runner takes that)."""
+        """start()'s log-probability and mask keywords: none unless asked for (any Runner takes that)."""
         o = self.options
+        keywords = {} if self.mask is None else {"mask": self.mask}
         if o.logprobs is None and o.prompt_logprobs is None:
-            return {}
-        return {"logprobs": o.logprobs, "prompt_logprobs": o.prompt_logprobs}
+            return keywords
+        return {**keywords, "logprobs": o.logprobs, "prompt_logprobs": o.prompt_logprobs}
 
     def _has_token(self, i: int) -> bool:
         """Whether token i can be had now (always, from the runner; a batched stream waits for its session)."""

@@ -14,6 +14,10 @@ end the text at that token (the rest of the burst is dropped); k shrinks near th
 `max_new_tokens` and of the context, so no step ever computes a token past either. The result
 carries the statistics: method, k, steps, drafted, accepted, tokens per step.
 
+A constrained generation (a grammar's mask: text/grammar.py) speculates too: PlanRunner.verify drops the drafts its
+grammar refuses (and those after them) before the step, and each verify row draws under the mask after the drafts
+before it, so greedy output is plain constrained greedy's (tests/generation/test_constrained.py).
+
 PlanRunner.verify is the batched step (one pass on the device). `sequential_verify` is its reference:
 up to k + 1 plain next() calls, stopping at the first mismatch; under greedy sampling the batched verify
 must return exactly what it returns (tests/generation/test_speculative.py checks it), and a runner without a
@@ -202,8 +206,9 @@ class SpeculativeStream(GenerationStream):
     """A GenerationStream whose tokens come from drafts checked by verify steps (see the module doc)."""
 
     def __init__(self, runner: Runner, detokenizer, prompt_ids: list[int], options: GenerationOptions,
-                 eos_ids: Sequence[int], guard: RunnerGuard | None = None, *, drafter: Drafter, length: DraftLength):
-        super().__init__(runner, detokenizer, prompt_ids, options, eos_ids, guard)
+                 eos_ids: Sequence[int], guard: RunnerGuard | None = None, mask=None, *, drafter: Drafter,
+                 length: DraftLength):
+        super().__init__(runner, detokenizer, prompt_ids, options, eos_ids, guard, mask)
         self.decoder = SpeculativeDecoder(runner, drafter, length)
 
     def _token(self, i: int, budget: int) -> int:

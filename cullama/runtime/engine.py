@@ -23,6 +23,15 @@ next's, verify's) come with its TokenLogprob, handed out in order by take_logpro
 plans with the logprobs kernel (one more launch in the decode graph, and a copy of a few hundred bytes beside the
 token's), and the others are left as they are. start(..., prompt_logprobs=N) also scores the prompt
 (`prompt_logprobs` after it). Off (None, the default), nothing is added to any step.
+
+Constrained decoding (runtime/token_mask.py): start(..., mask=M) makes the slot's every pick one that M allows. The
+slot's state[MASKED] is set, and each of its steps runs in two parts (plan.split_at_sample): the forward, then the
+sample kernel, between which the host hands M the last sampled token, has it write the next token's mask into the
+slot's mask row and copies that row over, so the mask is computed while the forward runs on the device. With
+`ahead`, the next step's forward is queued behind this step's sample, as a whole step is for a plain generation:
+the device runs it while the host reads the token, hands it to M and computes the mask after it. A verify step
+sends only the drafts M allows, and its rows' masks; a batched step splits where one of its rows is constrained.
+A slot without a mask runs the plans whole, as ever, and its sample kernel reads no mask.
 """
 
 from __future__ import annotations
@@ -36,10 +45,13 @@ from . import logprobs as scoring, memory, plan as plans
 from ..model.config import LlamaConfig
 from ..common.errors import GenerationError, PromptError
 from ..model.layout import Layout, as_layout
-from .ops.rows import (STATE_POS as POS, STATE_SEED_HI as SEED_HI, STATE_SEED_LO as SEED_LO,  # common.cuh's fields
-                       STATE_STEP as STEP, STATE_TOKEN as TOKEN, STATE_TOP_K as TOP_K)
+from .ops.rows import (STATE_MASKED as MASKED, STATE_POS as POS, STATE_SEED_HI as SEED_HI,  # common.cuh's fields
+                       STATE_SEED_LO as SEED_LO, STATE_STEP as STEP, STATE_TOKEN as TOKEN, STATE_TOP_K as TOP_K)
 from .prefill_kernels import PrefillKernels, default_for
 from .sampling import NO_TOKEN, Sampler, SamplingParams
+from .token_mask import TokenMask
+
+FORWARD = "forward"  # _queued: a constrained step's forward is queued for `last` (its sample is not)
 
 
 class _Sequence:
@@ -51,6 +63,8 @@ class _Sequence:
         self.logprobs: int | None = None  # this generation's alternatives per token; None: no log-probabilities
         self.records: list[scoring.TokenLogprob] = []  # the log-probabilities of tokens returned, not taken yet
         self.prompt_logprobs: list[scoring.TokenLogprob] = []  # the last scored prompt's (start or score): ids[1:]
+        # constrained decoding: the grammar's mask, which has accepted every sampled token but `last`; None: none
+        self.mask: TokenMask | None = None
 
 
 def _delegated(field: str) -> property:
@@ -81,6 +95,8 @@ class PlanRunner:
     and V rows were completely written (queued in full, on the GPU): it is cut back before a prefill or a step
     writes and extended after, so work cut short (a KeyboardInterrupt, an error) never leaves it claiming rows it
     overwrote. A start() or decode step cut short also drops `last`: decoding then needs a start()."""
+
+    constrains = True  # start() takes a grammar's mask (constrained decoding)
 
     def __init__(self, model: LlamaConfig | Layout, backend, max_seq_len: int, prefill_chunk: int | None = None,
                  weight_bytes: int = 0, sample_vocab: int | None = None, slots: int = 1):
@@ -123,9 +139,11 @@ class PlanRunner:
         self._batch_scores: np.ndarray | None = None
         self._prefills: dict[tuple, plans.Plan] = {}
         self.prefill_kernels = default_for(getattr(backend, "arch", None))  # the prompt path's GEMM and attention
-        self._queued: int | None = None  # the token slot of a decode step already queued for `last`
+        # the token slot of a decode step already queued for `last` (FORWARD: a constrained step's forward, alone)
+        self._queued: int | str | None = None
         self._slot = 0  # the token slot the next queued step uses (two alternate)
         self._verify_plans: dict[tuple, plans.Plan] = {}  # (k, slot) -> the verify step of k drafts
+        self._splits: dict[str, tuple] = {}  # plan name -> its two parts (split_at_sample) and the plan itself
         # the plans with the logprobs kernel: the steps' (at most 21 alternatives' x 9 row counts), the prefills'
         self._scored_steps: dict[tuple, plans.Plan] = {}
         self._scored_prefills: dict[tuple, plans.Plan] = {}  # bounded as _prefills is
@@ -139,6 +157,7 @@ class PlanRunner:
 
     cached = _delegated("cached")
     last = _delegated("last")
+    mask = _delegated("mask")
     _logprobs = _delegated("logprobs")
     _records = _delegated("records")
     prompt_logprobs = _delegated("prompt_logprobs")
@@ -157,8 +176,9 @@ class PlanRunner:
         if not 0 <= slot < self.slots:
             raise ValueError(f"slot {slot} is not one of this runner's {self.slots}")
         if slot != self._slot_now and self._queued is not None:  # a stream ended with a step queued ahead
-            with contextlib.suppress(GenerationError):  # its token is dropped (and a NO_TOKEN with it)
-                self.backend.token(self._queued)  # ordered before anything the other slot runs
+            if self._queued != FORWARD:
+                with contextlib.suppress(GenerationError):  # its token is dropped (and a NO_TOKEN with it)
+                    self.backend.token(self._queued)  # ordered before anything the other slot runs
             self.last, self._queued = None, None  # this slot's device state is a step ahead: it needs a start()
         self._slot_now = slot
 
@@ -221,9 +241,16 @@ class PlanRunner:
                 self.backend.set("prefill_targets", targets)
             sampled = logprobs if out == "sample" else None  # the first token's log-probabilities
             if sampled is None and prompt_logprobs is None:
-                self.backend.run(self._prefill_plan(start, n, out))
+                plan = self._prefill_plan(start, n, out)
             else:
-                self.backend.run(self._scored_prefill_plan(start, n, out, sampled, prompt_logprobs))
+                plan = self._scored_prefill_plan(start, n, out, sampled, prompt_logprobs)
+            if out == "sample" and self.mask is not None:  # the first token's mask, while the prompt runs
+                forward, sample = self._split(plan)
+                self.backend.run(forward)
+                self._put_mask(self.slot)
+                self.backend.run(sample)
+            else:
+                self.backend.run(plan)
             self.cached = list(ids[:start + n])  # this chunk's rows are written (queued in full, on the GPU)
             if prompt_logprobs is not None:
                 self.prompt_logprobs += scoring.from_rows(self.backend.read("logprob_rows")[:len(following)],
@@ -251,22 +278,25 @@ class PlanRunner:
         return self._scored_prefills[key]
 
     def start(self, prompt_ids: Sequence[int], params: SamplingParams, reuse: bool = False,
-              logprobs: int | None = None, prompt_logprobs: int | None = None) -> int:
+              logprobs: int | None = None, prompt_logprobs: int | None = None, mask: TokenMask | None = None) -> int:
         """Prefill the prompt and sample its first token. With `reuse`, the longest prefix of the prompt
         that the KV cache already holds (from the last generation) is not computed again: a chat turn
         prefills only what is new. The reused K and V may differ from a fresh prefill's in the last FP16
         bit, so a seeded run is reproducible only with reuse off (the default).
         logprobs: every token of this generation comes with its log-probabilities and that many alternatives
         (take_logprobs); prompt_logprobs: the prompt is scored too, into `prompt_logprobs` (its ids[1:]; the
-        whole prompt is then prefilled, whatever `reuse` says). None: off (0..20 alternatives: on)."""
-        prefill = self.begin(prompt_ids, params, reuse, logprobs, prompt_logprobs)
+        whole prompt is then prefilled, whatever `reuse` says). None: off (0..20 alternatives: on).
+        mask: constrained decoding, every token of this generation one that `mask` allows (the module docstring);
+        it must be fresh (nothing accepted): the first token is drawn from its fill()."""
+        prefill = self.begin(prompt_ids, params, reuse, logprobs, prompt_logprobs, mask)
         first = prefill.advance()
         while first is None:
             first = prefill.advance()
         return first
 
     def begin(self, prompt_ids: Sequence[int], params: SamplingParams, reuse: bool = False,
-              logprobs: int | None = None, prompt_logprobs: int | None = None) -> Prefill:
+              logprobs: int | None = None, prompt_logprobs: int | None = None,
+              mask: TokenMask | None = None) -> Prefill:
         """start() one prefill chunk at a time: the Prefill whose advance() runs the next chunk (the prompt is
         checked and the slot's sampling state set here; nothing runs on the device before the first advance)."""
         if not 0 < len(prompt_ids) < self.max_seq_len:
@@ -277,6 +307,7 @@ class PlanRunner:
         seed = p.seed & (2**64 - 1)
         state = np.zeros(8, dtype=np.int32)
         state[TOP_K] = min(p.top_k, self.sample_vocab)  # int32; at or above the vocabulary is off, as 0 is
+        state[MASKED] = mask is not None
         state[SEED_LO:SEED_HI + 1] = np.array([seed & 0xFFFFFFFF, seed >> 32], dtype=np.uint32).view(np.int32)
         prompt = list(prompt_ids)
         begin = min(common_prefix(self.cached, prompt), len(prompt) - 1) \
@@ -286,6 +317,7 @@ class PlanRunner:
         self.last, self._queued = None, None  # a step still queued is ordered before this prefill; dropped
         self.cached = prompt[:begin]
         self._logprobs, self._records, self.prompt_logprobs = logprobs, [], []
+        self.mask = mask
         self.backend.set("fparams", np.array([[p.temperature, p.top_p, p.repetition_penalty, 0]], np.float32),
                          self.slot)
         self.backend.set("seen", seen_row(sampler.seen, plans.seen_stride(self.cfg.vocab_size))[None], self.slot)
@@ -304,17 +336,62 @@ class PlanRunner:
         return self.last
 
     def _queue_step(self) -> int:
+        """Queue a whole decode step of `last` (forward and sample) and the copy of its token: its token slot."""
         slot, self._slot = self._slot, self._slot ^ 1
-        if self._x_of != self.slot:  # another sequence's step or prefill wrote x since: this one's input again
-            self.backend.set("verify_ids", np.array([self.last], np.int32))
-            self.backend.run(self._embed_x)
-            self._x_of = self.slot
+        self._embed_last()
         # writes the K and V of `last` at position len(cached)
         if self._logprobs is None:
             self.backend.launch_step(self._decode_of(self.slot), slot, seq=self.slot)
         else:  # the token's log-probabilities are copied out beside it: the next step overwrites logprob_step
             self.backend.launch_step(self.decode_plan(self._logprobs), slot, "logprob_step", seq=self.slot)
         return slot
+
+    def _embed_last(self) -> None:
+        if self._x_of != self.slot:  # another sequence's step or prefill wrote x since: this one's input again
+            self.backend.set("verify_ids", np.array([self.last], np.int32))
+            self.backend.run(self._embed_x)
+            self._x_of = self.slot
+
+    # -- constrained decoding: the steps in two parts, the mask between them --------------------------------------
+    def _split(self, plan: plans.Plan) -> tuple[plans.Plan, plans.Plan]:
+        """The plan's launches before its sample kernel and from it on, made once per plan (so the CUDA backend
+        captures each part's graph once)."""
+        parts = self._splits.get(plan.name)
+        if parts is None or parts[2] is not plan:
+            parts = self._splits[plan.name] = (*plans.split_at_sample(plan), plan)
+        return parts[0], parts[1]
+
+    def _queue_forward(self) -> str:
+        """Queue a constrained decode step's forward of `last` (it needs no mask): FORWARD."""
+        self._embed_last()
+        self.backend.replay(self._split(self.decode_plan(self._logprobs))[0])  # writes the K and V of `last`
+        return FORWARD
+
+    def _put_mask(self, slot: int, accept: int | None = None) -> None:
+        """Slot `slot`'s mask hands over `accept` (the token its next step samples after), writes the next token's
+        mask into the slot's mask row 0, and the row is queued onto the device."""
+        mask = self._seqs[slot].mask
+        if accept is not None:
+            mask.accept(accept)
+        mask.fill(self.backend.mask_rows(slot, 1)[0])
+        self.backend.upload_masks(slot, 1)
+
+    def _next_masked(self, ahead: bool) -> None:
+        """next() of a constrained slot: its forward (queued ahead, or now), its mask while the forward runs, its
+        sample; with `ahead`, the next forward behind it. Sets `last`."""
+        if self._queued is None:
+            self._queue_forward()
+        self._queued = None
+        self.cached.append(self.last)  # its forward is queued in full: its K and V row will be written
+        self._put_mask(self.slot, self.last)
+        slot, self._slot = self._slot, self._slot ^ 1
+        sample = self._split(self.decode_plan(self._logprobs))[1]
+        self.backend.launch_step(sample, slot, None if self._logprobs is None else "logprob_step", seq=self.slot)
+        if ahead and self.backend.asynchronous and len(self.cached) < self.max_seq_len:
+            self._queued = self._queue_forward()  # its input is the token being sampled: on the device already
+        self.last = self.backend.token(slot)
+        if self._logprobs is not None:
+            self._records += scoring.from_rows(self.backend.fetched(slot)[:1], self._logprobs)
 
     def decode_plan(self, logprobs: int | None = None) -> plans.Plan:
         """The decode step (`decode`), or with the logprobs kernel for `logprobs` alternatives: made once each, so
@@ -344,6 +421,9 @@ class PlanRunner:
         if self._queued is None and len(self.cached) >= self.max_seq_len:  # the step would write past the cache
             raise PromptError(f"the context of {self.max_seq_len} tokens is full")
         try:
+            if self.mask is not None:
+                self._next_masked(ahead)
+                return self.last
             if self._queued is None:
                 self._queued = self._queue_step()
             slot, self._queued = self._queued, None
@@ -360,8 +440,11 @@ class PlanRunner:
         return self.last
 
     def drain(self) -> None:
-        """Wait for a step queued ahead; the next next() returns its token without a launch."""
-        if self._queued is not None:
+        """Wait for a step queued ahead; the next next() returns its token without a launch (a constrained step's
+        forward: the next next() runs its sample)."""
+        if self._queued == FORWARD:
+            self.backend.synchronize()
+        elif self._queued is not None:
             self.backend.token(self._queued)
 
     # -- speculative decoding ----------------------------------------------------------------------
@@ -412,6 +495,8 @@ class PlanRunner:
         # back without it (a draft with no probability changes no draw), and the kernel sees only ids it draws.
         unsampled = [i for i, t in enumerate(drafts) if t >= self.sample_vocab]
         drafts = drafts[:unsampled[0]] if unsampled else drafts
+        if self.mask is not None and drafts:  # a draft the grammar refuses is never accepted, nor any after it
+            drafts = drafts[:max(0, self.mask.valid_prefix([self.last, *drafts]) - 1)]
         if len(drafts) > self.max_draft():
             raise PromptError(f"{len(drafts)} drafts at position {len(self.cached)} do not fit: at most "
                               f"{self.max_draft()} now (at most {plans.MAX_DRAFT}; the context is "
@@ -425,11 +510,17 @@ class PlanRunner:
             return [self.next()]
         try:
             rows = [self.last, *drafts]
-            if self._logprobs is None:
-                accepted = self.backend.verify(self.verify_plan(len(drafts)), rows)
-            else:  # row r's pick is accepted[r] for every accepted row
-                accepted = self.backend.verify(self._scored_verify_plan(len(drafts), self._logprobs), rows,
-                                               "logprob_step")
+            plan = self.verify_plan(len(drafts)) if self._logprobs is None else \
+                self._scored_verify_plan(len(drafts), self._logprobs)  # row r's pick is accepted[r]
+            fetch = None if self._logprobs is None else "logprob_step"
+            if self.mask is None:
+                accepted = self.backend.verify(plan, rows, fetch)
+            else:  # the rows' masks while the forward runs: row r's allows what may follow drafts[:r]
+                forward, sample = self._split(plan)
+                accepted = self.backend.verify(forward, rows, fetch, sample, lambda: self._put_draft_masks(drafts))
+                for token in accepted[:-1]:  # the accepted drafts (`last` before the masks); the new `last` waits
+                    self.mask.accept(token)
+            if fetch is not None:
                 self._records += scoring.from_rows(self.backend.fetched("verify")[:len(accepted)], self._logprobs)
         except BaseException:  # as in next(): a step cut short leaves the device state half advanced
             self.last, self._queued = None, None
@@ -438,6 +529,12 @@ class PlanRunner:
         self.last = accepted[-1]
         self._x_of = self.slot  # the sample kernel wrote its next input
         return accepted
+
+    def _put_draft_masks(self, drafts: list[int]) -> None:
+        """A constrained verify step's masks: `last` accepted, then row r = the mask after drafts[:r]."""
+        self.mask.accept(self.last)
+        self.mask.fill_drafts(drafts, self.backend.mask_rows(self.slot, len(drafts) + 1))
+        self.backend.upload_masks(self.slot, len(drafts) + 1)
 
     # -- batched decoding (cullama/generation/batch.py) -------------------------------------------------------
     def set_batch(self, slots: Sequence[int]) -> None:
@@ -481,7 +578,16 @@ class PlanRunner:
         scores = []
         for group, first in enumerate(range(0, len(self._batch), plans.VERIFY_ROWS)):
             rows = min(plans.VERIFY_ROWS, len(self._batch) - first)
-            self.backend.replay(self._batch_plan(rows, group, logprobs))
+            plan = self._batch_plan(rows, group, logprobs)
+            masked = [s for s in self._batch[first:first + rows] if self._seqs[s].mask is not None]
+            if not masked:
+                self.backend.replay(plan)
+            else:  # the constrained rows' masks while the group's forward runs
+                forward, sample = self._split(plan)
+                self.backend.replay(forward)
+                for s in masked:
+                    self._put_mask(s, self._seqs[s].last)
+                self.backend.replay(sample)
             if logprobs is not None:  # the next group overwrites logprob_step
                 scores.append(self.backend.read("logprob_step")[:rows])
         ids = self.backend.read("batch_ids").reshape(-1, plans.VERIFY_ROWS)
@@ -501,7 +607,7 @@ class PlanRunner:
     def logits(self, token_ids: Sequence[int]) -> np.ndarray:
         if not 0 < len(token_ids) <= self.max_seq_len:
             raise PromptError(f"logits() takes 1 to {self.max_seq_len} tokens, got {len(token_ids)}")
-        self.last, self._queued, self.cached = None, None, []  # nothing is sampled: decoding needs a start()
+        self.last, self._queued, self.cached, self.mask = None, None, [], None  # decoding needs a start()
         return np.concatenate(self._prefill(list(token_ids), "logits"))
 
     def score(self, token_ids: Sequence[int], top: int = 0) -> list[scoring.TokenLogprob]:
@@ -518,7 +624,7 @@ class PlanRunner:
         """score() one prefill chunk at a time: the Prefill whose last advance() returns the records."""
         if not 0 < len(token_ids) <= self.max_seq_len:
             raise PromptError(f"score() takes 1 to {self.max_seq_len} tokens, got {len(token_ids)}")
-        self.last, self._queued, self.cached = None, None, []  # nothing is sampled: decoding needs a start()
+        self.last, self._queued, self.cached, self.mask = None, None, [], None  # decoding needs a start()
         self._logprobs, self._records, self.prompt_logprobs = None, [], []
         return Prefill(self, self.slot, self._scored(list(token_ids), top))
 

@@ -27,6 +27,12 @@ kernel first puts the linear's input in its weight's input order (ops/gather.py)
 through the V both kernels take (their rows, and the row stride of a verify step's logits): a model whose
 vocabulary is padded past its tokenizer's pieces never samples an id that has no text.
 
+Constrained decoding (a grammar's allowed-token mask, sampling.cu): the sample kernel of every plan reads the mask rows
+of a slot whose state[MASKED] is set, masks[slot][offset], and no mask at all otherwise, so an unconstrained step is
+the same launches as ever. The host computes a constrained slot's next mask while the step's forward runs:
+`split_at_sample` cuts a plan into its launches before the sample kernel and those from it on, and the host copies the
+mask between the two (engine.py).
+
 Log-probabilities (cullama/runtime/logprobs.py) are launches added to these plans by the end of this module, never in
 them: `token_logprobs` after a step's sample (a decode step's row, a verify step's rows, a prefill's last row) into
 logprob_step, `prompt_logprobs` over a chunk's "logits" output into logprob_rows, each with N alternatives (0..20)
@@ -177,6 +183,9 @@ def runtime_buffers(model: LlamaConfig | Layout, max_seq: int, chunk: int | None
         Buffer("state", (slots, STATE_LEN), "int32", "state"),  # [slots, 8] see STATE_* in kernels_cu/common.cuh
         Buffer("fparams", (slots, FPARAMS_LEN), "float32", "state"),  # [slots, 4] temperature, top_p, penalty
         Buffer("seen", (slots, seen_stride(V)), "uint8", "state"),  # [slots, V rounded up to 4] 1: in the text
+        # [slots, VERIFY_ROWS, ceil(V / 32)] constrained decoding: slot s's allowed ids for its token row at offset o,
+        # one bit each (sampling.cu); read only for a slot whose state[MASKED] is set
+        Buffer("masks", (slots, VERIFY_ROWS, mask_words(V)), "uint32", "state"),
         # [slots, VERIFY_ROWS, (slot, offset)]: slot s's rows table for a decode or verify step (slot_rows_table)
         Buffer("slot_rows", (slots, VERIFY_ROWS, 2), "int32", "constant"),
         # batched decode (batch_plan): group g of up to VERIFY_ROWS rows, its rows table and each row's token (the
@@ -273,6 +282,20 @@ def _gathered_buffers(cfg: LlamaConfig, chunk: int) -> list[Buffer]:
             Buffer("verify_attn_out_perm", (VERIFY_ROWS, q), "float32", "activation"),  # [rows, heads * hd]
             Buffer("xn_rows_perm", (chunk, d), "float16", "activation"),  # [n, d] rmsnorm(x) in the input order
             Buffer("attn_rows_perm", (chunk, q), "float16", "activation")]  # [n, heads * hd]
+
+
+def mask_words(V: int) -> int:
+    """The uint32 words of one mask row over a vocabulary of V ids (a bit each): ceil(V / 32)."""
+    return -(-V // 32)
+
+
+def split_at_sample(plan: Plan) -> tuple[Plan, Plan]:
+    """(the launches before the plan's sample kernel, those from it on): a step whose sample needs a mask the host
+    computes while the first part runs. Named after the plan (the CUDA backend captures a graph per name)."""
+    at = next((i for i, launch in enumerate(plan.launches) if launch.spec == SAMPLE), None)
+    if at is None:
+        raise KernelError(f"{plan.name} has no sample kernel to split at")
+    return Plan(f"{plan.name}/forward", plan.launches[:at]), Plan(f"{plan.name}/sample", plan.launches[at:])
 
 
 def seen_stride(V: int) -> int:
@@ -514,7 +537,8 @@ def _logits_and_sample(cfg: LlamaConfig, x: Ref, logits: Ref = Ref("logits"), ro
                (x, Ref("final_norm"), lm_head, logits, i32(V), i32(d), f32(cfg.rms_norm_eps))),
         Launch(SAMPLE, (rows, 1, 1), SAMPLE_THREADS,
                (logits, Ref("seen"), Ref("state"), Ref("fparams"), Ref("embed"), next_x, step_rows,
-                *verify, i32(V), i32(d), i32(seen_stride(cfg.vocab_size)), i32(batch is None))),
+                *verify, Ref("masks"), i32(V), i32(d), i32(seen_stride(cfg.vocab_size)),
+                i32(mask_words(cfg.vocab_size)), i32(batch is None))),
     ]
 
 

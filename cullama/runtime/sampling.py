@@ -13,6 +13,10 @@ Non-finite logits have one rule, here and on the device: NaN counts as -inf; a t
 is -inf (after the penalty and the temperature) is never drawn; if the largest is +inf, the +inf
 tokens share the mass equally (greedy: the lowest such id). Where every logit is NaN or -inf, no
 token can be drawn: `sample` returns NO_TOKEN and the host raises (`drawn`).
+
+Constrained decoding (a grammar allows some ids only: cullama/text/grammar.py) is one more step before all
+of them: a disallowed id's logit is -inf (`allowed`), so it is never drawn, top-k counts and top-p's
+mass cover the allowed ids only, and greedy takes the best allowed id.
 """
 
 from __future__ import annotations
@@ -138,10 +142,12 @@ def _nucleus(p: np.ndarray, budget: np.float32) -> np.ndarray:
 
 
 def sample(logits: np.ndarray, params: SamplingParams, seen_mask: np.ndarray, step: int,
-           draft: int | None = None) -> int:
+           draft: int | None = None, allowed: np.ndarray | None = None) -> int:
     """Pick the next token id from one row of logits [vocab]. params.seed must be resolved.
 
     NaN logits count as -inf; NO_TOKEN where every logit is NaN or -inf (the module's rule).
+    `allowed` (bool [vocab], constrained decoding): the ids that may be drawn; every other id's logit is -inf
+    before anything else. None: every id.
 
     `draft` (speculative decoding: a drafted token for this position) moves the draft's bucket to the
     front of the inverse CDF: the draw returns the draft with probability p(draft), and otherwise a token
@@ -155,6 +161,8 @@ def sample(logits: np.ndarray, params: SamplingParams, seen_mask: np.ndarray, st
     #    NaN through the penalty and the temperature, so replacing it first or last is the same).
     l = np.asarray(logits, dtype=np.float32)
     l = np.where(np.isnan(l), np.float32(-np.inf), l)
+    if allowed is not None:  # 0. the grammar's mask
+        l = np.where(allowed, l, np.float32(-np.inf))
     if params.repetition_penalty != 1.0:
         l = apply_repetition_penalty(l, seen_mask, params.repetition_penalty)
     # 2. Greedy: the argmax, lowest index on ties (np.argmax returns the first).

@@ -39,6 +39,7 @@ from .metrics import Metrics
 from .protocol import ApiError, ChatRequest, CompletionRequest, GenerationRequest
 from .responses import SSE_DONE, Answer, sse
 from .sites import CrossSite, Sites
+from .structured import ToolReply, deltas, structured
 
 GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
 OPENAI_NAMES = {"max_new_tokens": "max_tokens"}  # Llama.stream's option names that the API spells otherwise
@@ -243,7 +244,7 @@ async def generate(request: Request, model: type[GenerationRequest], engine: Eng
     check_content_type(request)
     raw = await read_body(request, settings.context, bodies, settings.body_timeout)
     # Parsing and tokenizing megabytes take a second: meanwhile the event loop goes on serving the others.
-    body, ids, options = await asyncio.to_thread(admit, raw, model, engine, settings)
+    body, ids, options, tools = await asyncio.to_thread(admit, raw, model, engine, settings)
     if isinstance(ids, choices.Choices):  # n > 1, or a list of prompts: a row of the batch per choice
         return await generate_choices(request, ids, engine, settings)
     chat = isinstance(body, ChatRequest)
@@ -266,11 +267,11 @@ async def generate(request: Request, model: type[GenerationRequest], engine: Eng
         if body.stream and isinstance(first, (Piece, Finished)):
             # The status is known once the generation has produced something: an error before that is
             # still a proper 4xx/5xx rather than an event inside a 200 stream.
-            events = stream_events(answer, job, first, scores)
+            events = stream_events(answer, job, first, scores, tools)
             streaming = True  # from here the stream's own `finally` ends the watcher and the job
             return StreamingResponse(closing(events, engine, job, watcher), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        return await whole_answer(answer, job, first, scores)
+        return await whole_answer(answer, job, first, scores, tools)
     finally:
         if not streaming:
             watcher.cancel()
@@ -278,9 +279,10 @@ async def generate(request: Request, model: type[GenerationRequest], engine: Eng
 
 
 def admit(raw: bytes, model: type[GenerationRequest], engine: Engine,
-          settings: Settings) -> tuple[GenerationRequest, list[int], dict]:
-    """The request parsed and checked, its prompt's ids and the keyword arguments of Llama.stream, or the
-    ApiError that keeps it from queuing. On a worker thread: it reads the engine's state and model only."""
+          settings: Settings) -> tuple[GenerationRequest, list[int], dict, ToolReply | None]:
+    """The request parsed and checked, its prompt's ids, the keyword arguments of Llama.stream and how its tool
+    calls are read (None: it has none), or the ApiError that keeps it from queuing. On a worker thread: it reads the
+    engine's state and model only (and compiles the request's grammar, if it has one)."""
     body = parse(raw, model)
     body.check()
     check_model(body.model, settings)
@@ -288,7 +290,7 @@ def admit(raw: bytes, model: type[GenerationRequest], engine: Engine,
         raise ApiError(503, "the model is still loading; GET /health answers 200 once it is ready"
                        if engine.state == "loading" else "the model failed to load")
     if choices.count(body, isinstance(body, ChatRequest)) != (1, 1):
-        return body, prepare_choices(engine, body, isinstance(body, ChatRequest), settings), None
+        return body, prepare_choices(engine, body, isinstance(body, ChatRequest), settings), None, None
     return (body, *prepare(engine.llm, body, isinstance(body, ChatRequest), settings.speculative))
 
 
@@ -302,12 +304,15 @@ def prepare_choices(engine: Engine, body: GenerationRequest, chat: bool, setting
     for i, prompt in enumerate([None] if chat else body.prompts()):
         one = body if chat else body.model_copy(update={"prompt": prompt})
         try:
-            prepared.append(prepare(engine.llm, one, chat, settings.speculative))
+            ids, options, tools = prepare(engine.llm, one, chat, settings.speculative)
         except ApiError as exc:
             if prompts == 1:
                 raise
             param = f"prompt.{i}" if exc.param == "prompt" else exc.param
             raise ApiError(exc.status, f"prompt {i}: {exc.message}", param=param, code=exc.code) from None
+        if tools is not None:  # each choice's calls would need reading apart (server/structured.py): not yet
+            raise ApiError(400, "tools are served with one choice only (n = 1, one prompt)", param="n")
+        prepared.append((ids, options))
     return choices.Choices.build(body, chat, prepared, engine.llm.tokenizer)
 
 
@@ -355,12 +360,15 @@ async def generate_choices(request: Request, prepared: choices.Choices, engine: 
             cancel()
 
 
-def prepare(llm, body: GenerationRequest, chat: bool, speculative: dict) -> tuple[list[int], dict]:
-    """The prompt's ids and the keyword arguments of Llama.stream, checked by the library before the request
-    may queue: a 400 naming the field at fault. `speculative`: the server's default speculative keywords."""
+def prepare(llm, body: GenerationRequest, chat: bool, speculative: dict) -> tuple[list[int], dict, ToolReply | None]:
+    """The prompt's ids, the keyword arguments of Llama.stream and how the reply's tool calls are read (None: it
+    has none), checked by the library before the request may queue: a 400 naming the field at fault.
+    `speculative`: the server's default speculative keywords. response_format, tools and tool_choice become a
+    constraint (server/structured.py)."""
     param = "messages" if chat else "prompt"
+    constraint, tools, shown = structured(llm, body)
     try:
-        ids = llm.chat_ids([m.as_dict() for m in body.messages]) if chat else llm.encode(body.prompt)
+        ids = llm.chat_ids([m.as_dict() for m in body.messages], tools=shown) if chat else llm.encode(body.prompt)
     except CullamaError as exc:
         raise ApiError(400, str(exc), param=param) from None
     context = llm.runner.max_seq_len
@@ -368,6 +376,8 @@ def prepare(llm, body: GenerationRequest, chat: bool, speculative: dict) -> tupl
                "temperature": body.temperature, "top_k": body.top_k, "top_p": body.top_p,
                "repetition_penalty": body.repetition_penalty, "seed": body.seed, "stop": body.stops(),
                "ignore_eos": body.ignore_eos, **body.logprob_options()}
+    if constraint is not None:
+        options["constraint"] = constraint
     try:
         GenerationOptions.checked(**options)
     except OptionError as exc:
@@ -376,7 +386,7 @@ def prepare(llm, body: GenerationRequest, chat: bool, speculative: dict) -> tupl
     if options["prompt_logprobs"] is not None and len(ids) > context:  # echo scores the prompt in one prefill
         raise ApiError(400, f"this model's maximum context length is {context} tokens; the prompt has {len(ids)}, "
                             "too many to score (echo with logprobs)", param=param, code="context_length_exceeded")
-    return ids, {**options, **speculation(llm, body, speculative)}
+    return ids, {**options, **speculation(llm, body, speculative)}, tools
 
 
 def check_fits(prompt_tokens: int, context: int, max_new_tokens: int, limit: tuple[str, int] | None,
@@ -411,7 +421,7 @@ def speculation(llm, body: GenerationRequest, default: dict) -> dict:
     return {"speculative": spec.method, "draft_tokens": spec.draft_tokens, "adaptive_draft": spec.adaptive}
 
 
-async def whole_answer(answer: Answer, job: Job, event, scores: Logprobs) -> JSONResponse:
+async def whole_answer(answer: Answer, job: Job, event, scores: Logprobs, tools: ToolReply | None) -> JSONResponse:
     pieces, records, prompt = [], [], event.prompt_logprobs if isinstance(event, (Piece, Finished)) else None
     while isinstance(event, Piece):
         pieces.append(event.text)
@@ -419,18 +429,32 @@ async def whole_answer(answer: Answer, job: Job, event, scores: Logprobs) -> JSO
         event = await job.next_event()
     if isinstance(event, Finished):
         records += event.logprobs
-        return JSONResponse(answer.whole(scores.prefix + "".join(pieces), event.finish_reason, event.prompt_tokens,
-                                         event.completion_tokens, scores.value(records, prompt)))
+        text, finish, calls = scores.prefix + "".join(pieces), event.finish_reason, None
+        if tools is not None:
+            text, calls, n = tools.whole(text)
+            finish = tools.finish_reason(finish, n)
+        return JSONResponse(answer.whole(text, finish, event.prompt_tokens, event.completion_tokens,
+                                         scores.value(records, prompt), calls))
     return error_response(job_error(event))
 
 
-async def stream_events(answer: Answer, job: Job, event, scores: Logprobs):
+async def stream_events(answer: Answer, job: Job, event, scores: Logprobs, tools: ToolReply | None = None):
     """The SSE body: chunks as the text becomes final, the finish reason, the usage if asked, [DONE]. An echo's
     prompt text (and its log-probabilities) goes with the first chunk. With log-probabilities, each chunk's
-    tokens spell its text (Logprobs.spelled): text that ends inside a token waits for the rest of it."""
+    tokens spell its text (Logprobs.spelled): text that ends inside a token waits for the rest of it. With tools, the
+    text goes through the reply's ToolStreamer: content and tool-call deltas, each piece's log-probabilities on its
+    first chunk (or the next one)."""
     first, prompt = True, None  # prompt: the prompt's log-probabilities, until a chunk carries them
+    streamer = tools.streamer() if tools is not None else None
+    held = None  # log-probabilities of pieces that made no chunk yet (text a ToolStreamer holds back)
     while True:
-        if isinstance(event, Piece):
+        if isinstance(event, Piece) and streamer is not None:
+            logprobs = scores.value(event.logprobs, event.prompt_logprobs)
+            held = logprobs if held is None else _joined(held, logprobs)
+            for text, calls in deltas(streamer.push(event.text)):
+                yield sse(answer.chunk(text, first=first, logprobs=held, tool_calls=calls))
+                first, held = False, None
+        elif isinstance(event, Piece):
             prompt = prompt or event.prompt_logprobs
             text, records = scores.spelled(event.text, event.logprobs) if scores.top is not None else \
                 (event.text, ())
@@ -439,14 +463,24 @@ async def stream_events(answer: Answer, job: Job, event, scores: Logprobs):
                                        logprobs=scores.value(records, prompt)))
                 first, prompt = False, None
         elif isinstance(event, Finished):
-            prompt = prompt or event.prompt_logprobs
-            text, records = scores.rest(event.logprobs) if scores.top is not None else ("", ())
-            if text:  # held back to the end: its own chunk, with every token not yet sent
-                yield sse(answer.chunk(scores.prefix + text if first else text, first=first,
-                                       logprobs=scores.value(records, prompt)))
-                first, prompt, records = False, None, ()
-            rest = scores.value(records, prompt) if records or prompt else None  # the tokens no piece carried (an EOS)
-            yield sse(answer.chunk(scores.prefix if first and scores.prefix else None, event.finish_reason,
+            finish = event.finish_reason
+            if streamer is not None:
+                rest = scores.value(event.logprobs, event.prompt_logprobs) \
+                    if event.logprobs or event.prompt_logprobs else None  # the tokens no piece carried (an EOS)
+                rest = rest if held is None else _joined(held, rest)
+                for text, calls in deltas(streamer.finish()):
+                    yield sse(answer.chunk(text, first=first, logprobs=rest, tool_calls=calls))
+                    first, rest = False, None
+                finish = tools.finish_reason(finish, len(streamer.calls))
+            else:
+                prompt = prompt or event.prompt_logprobs
+                text, records = scores.rest(event.logprobs) if scores.top is not None else ("", ())
+                if text:  # held back to the end: its own chunk, with every token not yet sent
+                    yield sse(answer.chunk(scores.prefix + text if first else text, first=first,
+                                           logprobs=scores.value(records, prompt)))
+                    first, prompt, records = False, None, ()
+                rest = scores.value(records, prompt) if records or prompt else None  # tokens no piece carried (EOS)
+            yield sse(answer.chunk(scores.prefix if first and scores.prefix else None, finish,
                                    first=first, logprobs=rest))
             if answer.include_usage:
                 yield sse(answer.usage_chunk(event.prompt_tokens, event.completion_tokens))
@@ -459,6 +493,13 @@ async def stream_events(answer: Answer, job: Job, event, scores: Logprobs):
             yield SSE_DONE
             return
         event = await job.next_event()
+
+
+def _joined(a: dict | None, b: dict | None) -> dict | None:
+    """Two chat logprobs values ({"content": [...]}) as one."""
+    if a is None or b is None:
+        return a if b is None else b
+    return {**a, "content": [*(a.get("content") or []), *(b.get("content") or [])]}
 
 
 async def closing(events, engine: Engine, job: Job, watcher: asyncio.Future):

@@ -3,8 +3,9 @@
 Types are checked strictly (a string is not a number, 1.0 is not an integer); the ranges of the sampling
 options are the library's own (GenerationOptions.checked), checked when the prompt is prepared. Unknown
 fields are ignored, as OpenAI's peers do, but a known field that asks for something cullama cannot do
-(`tools`, `echo` on a chat, ...) is refused by `check()` with a 400 naming it, rather than ignored. `n` > 1 and a
-list of prompts are served as rows of the engine's batch (server/choices.py).
+(`echo` on a chat, `tools` on /v1/completions, ...) is refused by `check()` with a 400 naming it, rather than ignored.
+`n` > 1 and a list of prompts are served as rows of the engine's batch (server/choices.py); `response_format`, `tools`
+and `tool_choice` become a constraint in server/structured.py.
 """
 
 from __future__ import annotations
@@ -51,7 +52,7 @@ UNHONOURED: dict[str, tuple] = {
     "top_logprobs": (None,), "echo": (None, False), "best_of": (None, 1),
     "suffix": (None, ""), "logit_bias": (None, {}), "presence_penalty": (None, 0, 0.0),
     "frequency_penalty": (None, 0, 0.0), "tools": (None, []), "tool_choice": (None, "none"),
-    "functions": (None, []), "function_call": (None, "none"), "response_format": (None, {"type": "text"}),
+    "functions": (None, []), "function_call": (None, "none"),
     "audio": (None,), "modalities": (None, ["text"]), "prediction": (None,),
 }
 
@@ -63,6 +64,48 @@ def _asks_nothing(value: Any, inert: tuple) -> bool:
 
 class StreamOptions(BaseModel):
     include_usage: StrictBool = False
+
+
+class JsonSchemaFormat(BaseModel):
+    model_config = ConfigDict(extra="allow", populate_by_name=True)  # `description`: ignored
+
+    name: StrictStr | None = None  # OpenAI requires it; cullama does not need it
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: StrictBool | None = None  # null or absent: false, as OpenAI's
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's response_format: "text", "json_object", or "json_schema" with json_schema (server/structured.py)."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class Function(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    name: StrictStr
+    description: StrictStr | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema of the arguments; absent: none
+    strict: StrictBool | None = None
+
+
+class Tool(BaseModel):
+    type: Literal["function"]
+    function: Function
+
+    def openai(self) -> dict:
+        """The tool as the chat template gets it (transformers passes the request's dicts)."""
+        return {"type": "function", "function": self.function.model_dump(exclude_none=True)}
+
+
+class FunctionName(BaseModel):
+    name: StrictStr
+
+
+class NamedToolChoice(BaseModel):
+    type: Literal["function"]
+    function: FunctionName
 
 
 class GenerationRequest(BaseModel):
@@ -89,6 +132,8 @@ class GenerationRequest(BaseModel):
     speculative: Literal["ngram", "draft", "off"] | None = None
     draft_tokens: StrictInt | None = None
     adaptive_draft: StrictBool | None = None
+    # structured outputs (server/structured.py); /v1/completions takes it too, as vLLM's does
+    response_format: ResponseFormat | None = None
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -229,19 +274,45 @@ class TextPart(BaseModel):
     text: StrictStr
 
 
+class CalledFunction(BaseModel):
+    name: StrictStr
+    arguments: StrictStr | dict[str, Any] = Field(description="a JSON object's text (or the object)")
+
+
+class ToolCallIn(BaseModel):
+    """A call an assistant turn of the history made (OpenAI's `tool_calls` item)."""
+
+    model_config = ConfigDict(extra="allow")
+
+    id: StrictStr | None = None
+    type: Literal["function"] = "function"
+    function: CalledFunction
+
+
 class Message(BaseModel):
-    model_config = ConfigDict(extra="allow")  # e.g. `name`: ignored
+    model_config = ConfigDict(extra="allow")  # e.g. `refusal`: ignored
 
     role: StrictStr
     content: StrictStr | Annotated[list[TextPart], Field(fail_fast=True)] | None = Field(
         None, description='a string or a list of {"type": "text", "text": ...} parts')
+    tool_calls: list[ToolCallIn] | None = None  # an assistant turn that called tools
+    tool_call_id: StrictStr | None = None  # a `tool` message: the call it answers
+    name: StrictStr | None = None
 
     def as_dict(self) -> dict:
-        """{"role", "content": str} for Llama.chat_ids; `developer` is OpenAI's new name for `system`."""
+        """{"role", "content": str, and a tool call's or result's fields} for Llama.chat_ids; `developer` is OpenAI's
+        new name for `system`."""
         content = self.content
         if isinstance(content, list):
             content = "".join(part.text for part in content)
-        return {"role": "system" if self.role == "developer" else self.role, "content": content}
+        out = {"role": "system" if self.role == "developer" else self.role, "content": content}
+        if self.tool_calls:
+            out["tool_calls"] = [{"id": c.id, "type": "function", "function": c.function.model_dump()}
+                                 for c in self.tool_calls]
+        for key in ("tool_call_id", "name"):
+            if getattr(self, key) is not None and self.role == "tool":
+                out[key] = getattr(self, key)
+        return out
 
 
 class ChatRequest(GenerationRequest):
@@ -252,6 +323,10 @@ class ChatRequest(GenerationRequest):
     max_completion_tokens: MaxTokens | None = None  # OpenAI's newer name for max_tokens; it wins
     logprobs: StrictBool = False  # each generated token's log-probability
     top_logprobs: StrictInt | None = None  # and this many alternatives (0..20; needs logprobs)
+    tools: list[Tool] | None = None  # server/structured.py
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(
+        None, description='"none", "auto", "required" or {"type": "function", "function": {"name": ...}}')
+    parallel_tool_calls: StrictBool | None = None  # false: one call at most (null or absent: true)
 
     @field_validator("logprobs", mode="before")
     @classmethod
@@ -274,10 +349,12 @@ class ChatRequest(GenerationRequest):
             if not self.logprobs:
                 raise ApiError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
         for i, message in enumerate(self.messages):
-            for name in ("tool_calls", "function_call"):  # an assistant turn that called tools (content: null)
-                if (message.model_extra or {}).get(name) not in (None, []):
-                    raise ApiError(400, f"messages.{i}.{name}: tool calls are not supported by cullama, so a "
-                                        "conversation holding them cannot be continued", param=f"messages.{i}.{name}")
+            if (message.model_extra or {}).get("function_call") not in (None, []):  # the deprecated form of tool_calls
+                raise ApiError(400, f"messages.{i}.function_call: OpenAI's deprecated functions are not supported by "
+                                    "cullama; send tool_calls", param=f"messages.{i}.function_call")
+            if message.tool_calls and message.role != "assistant":
+                raise ApiError(400, f"messages.{i}.tool_calls: only an assistant message makes tool calls",
+                               param=f"messages.{i}.tool_calls")
             if message.role == "developer" and i > 0:
                 raise ApiError(400, f"messages.{i}.role: a developer message (OpenAI's newer name for a system "
                                     "message) may only come first: the chat template takes one system prompt, "

@@ -11,8 +11,9 @@ import json
 import time
 import uuid
 
-# The library's finish reasons in OpenAI's words: an EOS token and a stop string both end with "stop".
-FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length"}
+# The library's finish reasons in OpenAI's words: an EOS token and a stop string both end with "stop"; a reply
+# that calls tools ends with "tool_calls" (server/structured.py).
+FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length", "tool_calls": "tool_calls"}
 
 SSE_DONE = b"data: [DONE]\n\n"
 
@@ -40,28 +41,34 @@ class Answer:
     def _head(self, obj: str) -> dict:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
 
-    def whole(self, text: str, finish_reason: str, prompt_tokens: int, completion_tokens: int,
-              logprobs: dict | None = None) -> dict:
-        """The whole answer; `logprobs`: the choice's (server/logprobs.py), None where none was asked for."""
+    def whole(self, text: str | None, finish_reason: str, prompt_tokens: int, completion_tokens: int,
+              logprobs: dict | None = None, tool_calls: list[dict] | None = None) -> dict:
+        """The whole answer; `logprobs`: the choice's (server/logprobs.py), None where none was asked for;
+        `tool_calls`: the chat message's (OpenAI's shape), its content then the text before them or None."""
         finish = FINISH_REASONS[finish_reason]
         if self.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
-                      "finish_reason": finish}
+            message = {"role": "assistant", "content": text}
+            if tool_calls:
+                message["tool_calls"] = tool_calls
+            choice = {"index": 0, "message": message, "logprobs": logprobs, "finish_reason": finish}
         else:
             choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}
         return {**self._head("chat.completion" if self.chat else "text_completion"), "choices": [choice],
                 "usage": usage(prompt_tokens, completion_tokens)}
 
     def chunk(self, text: str | None, finish_reason: str | None = None, first: bool = False,
-              logprobs: dict | None = None) -> dict:
+              logprobs: dict | None = None, tool_calls: list[dict] | None = None) -> dict:
         """A streamed choice: `text` (None in the last chunk, which carries the finish reason), and the
         log-probabilities of its tokens where they were asked for. The first chat chunk also names the role,
-        as OpenAI's does."""
+        as OpenAI's does. `tool_calls`: a chat delta's (OpenAI's streamed shape: a call's first delta has its index,
+        id, type and name, the next ones its index and a fragment of its arguments)."""
         finish = FINISH_REASONS[finish_reason] if finish_reason else None
         if self.chat:
             delta = {} if text is None else {"content": text}
+            if tool_calls:
+                delta["tool_calls"] = tool_calls
             if first:
-                delta = {"role": "assistant", **delta}
+                delta = {"role": "assistant", **({"content": None} if tool_calls and text is None else {}), **delta}
             choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
             chunk = {**self._head("chat.completion.chunk"), "choices": [choice]}
         else:

@@ -5,8 +5,10 @@ then `tokenizer_config.json`'s "chat_template": a string, or a list of {"name", 
 is used. How it is rendered is transformers' `apply_chat_template`: jinja2's ImmutableSandboxedEnvironment
 with trim_blocks and lstrip_blocks, the loop controls (break, continue), `{% generation %}` (rendered as its
 body), `raise_exception`, `strftime_now` and transformers' `tojson` (no HTML escaping, its keyword options);
-the variables are `messages`, `tools` and `documents` (None), `add_generation_prompt` (True) and the
-tokenizer's special tokens (`bos_token`, `eos_token`, ...).
+the variables are `messages`, `tools` (the request's tool definitions, as OpenAI's API and transformers'
+`tools=` give them, else None) and `documents` (None), `add_generation_prompt` (True) and the tokenizer's special
+tokens (`bos_token`, `eos_token`, ...). A message may carry `tool_calls` (an assistant turn that called tools, each
+call's arguments a dict) or be a `tool` turn (a call's result): `supports` says whether the template reads them.
 
 A template is code from a file, so rendering it is bounded on top of the sandbox, which already refuses the
 internals of objects (`__class__`, `__globals__`, ...: here at once, as an error) and changes to lists and
@@ -70,6 +72,7 @@ class ChatTemplate:
 
     def __init__(self, text: str, source: Path | str) -> None:
         self.source = str(source)
+        self.text = text  # its source (what it can render: `supports`; its tool-call format: text/tools.py)
         if not isinstance(text, str):
             raise TokenizerError(f"{self.source}: the chat template must be a string, got {type(text).__name__}")
         if len(text) > MAX_SOURCE_CHARS:
@@ -86,10 +89,17 @@ class ChatTemplate:
             raise TokenizerError(f"{self.source}: the chat template does not compile: "
                                  f"{type(exc).__name__}: {_one_line(str(exc))}") from None
 
-    def render(self, messages: list[dict], special_tokens: Mapping[str, str]) -> str:
-        """The prompt text, as transformers' apply_chat_template(messages, add_generation_prompt=True) renders
-        it; PromptError when the template refuses the messages, TokenizerError when it fails otherwise."""
-        variables = {**special_tokens, "messages": messages, "tools": None, "documents": None,
+    def supports(self, feature: str) -> bool:
+        """Whether the template reads "tools" (the tool definitions), "tool_calls" (an assistant turn's calls) or
+        "tool" messages (a call's result): it names them (a template that does not would drop them, or fail)."""
+        if feature == "tool":
+            return re.search(r"""["']tool["']""", self.text) is not None
+        return re.search(rf"\b{feature}\b", self.text) is not None
+
+    def render(self, messages: list[dict], special_tokens: Mapping[str, str], tools: list | None = None) -> str:
+        """The prompt text, as transformers' apply_chat_template(messages, tools=tools, add_generation_prompt=True)
+        renders it; PromptError when the template refuses the messages, TokenizerError when it fails otherwise."""
+        variables = {**special_tokens, "messages": messages, "tools": tools or None, "documents": None,
                      "add_generation_prompt": True}
         try:
             with _RENDERS, _Budget(RENDER_SECONDS):

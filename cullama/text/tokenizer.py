@@ -166,6 +166,35 @@ class Tokenizer(TokenizerBase):
     def stream_decoder(self) -> StreamDecoder:
         return StreamDecoder(self)
 
+    # -- for grammars (text/grammar.py) ----------------------------------------------------------
+
+    @functools.cached_property
+    def token_table(self) -> tuple[tuple[bytes, ...], frozenset[int]]:
+        """(each id's bytes inside a text, the ids no text spells): '▁' is a space ('▁the' is b' the'), a byte piece
+        ('<0x0A>') its byte; control, unknown and unused pieces keep their own text but are in the second set."""
+        sp, tokens, special = self._sp, [], set()
+        for i in range(self.vocab_size):
+            piece = sp.id_to_piece(i)
+            if sp.is_byte(i):
+                tokens.append(bytes([int(piece[3:5], 16)]))
+            elif sp.is_control(i) or sp.is_unknown(i) or sp.is_unused(i):
+                tokens.append(piece.encode())
+                special.add(i)
+            else:
+                tokens.append(piece.replace("\u2581", " ").encode())
+        return tuple(tokens), frozenset(special)
+
+    def encode_inside(self, text: str) -> list[int]:
+        """`text`'s ids as sentencepiece reads it inside a longer text: without the '▁' it puts at a text's start
+        (encoded behind a newline, a byte piece no merge crosses, whose ids are then dropped)."""
+        if not text:
+            return []
+        behind, ids = self._sp.encode("\n"), self._sp.encode("\n" + text)
+        if ids[:len(behind)] == behind:
+            return ids[len(behind):]
+        ids = self._sp.encode(text)  # a model whose newline merges: drop the start's lone '▁' piece instead
+        return ids[1:] if ids and self._sp.id_to_piece(ids[0]) == "\u2581" else ids
+
     # -- internals -----------------------------------------------------------------------------
 
     @functools.cached_property

@@ -5,6 +5,7 @@ tokenizer_json.py (HuggingFace's tokenizer.json)."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 
@@ -58,18 +59,24 @@ class TokenizerBase:
                                  f"{model_vocab_size}: they do not belong together (name the model's own "
                                  f"tokenizer with {option('tokenizer')})")
 
-    def chat_ids(self, messages: Sequence[dict], system: str | None = None) -> list[int]:
+    def chat_ids(self, messages: Sequence[dict], system: str | None = None, tools: list | None = None) -> list[int]:
         """Prompt ids for a chat, ready for the assistant's reply: the checkpoint's chat template rendered as
-        transformers' apply_chat_template(messages, add_generation_prompt=True) renders it, and its text
-        tokenized with the special tokens it spells; without a template, LLaMA-2's format, built exactly as
+        transformers' apply_chat_template(messages, tools=tools, add_generation_prompt=True) renders it, and its
+        text tokenized with the special tokens it spells; without a template, LLaMA-2's format, built exactly as
         Meta's `chat_completion` builds it: each finished (user, assistant) exchange is
         `<s>[INST] u [/INST] a </s>`, the last user turn `<s>[INST] u [/INST]`, a system prompt folded into
-        the first user turn."""
+        the first user turn. With a template that reads them, an assistant message may carry `tool_calls`
+        (OpenAI's: each {"function": {"name", "arguments"}}, the arguments a dict or its JSON text) and a `tool`
+        message a call's result (`tool_call_id`, `name`); `tools` (OpenAI's tool definitions) go to the template
+        as they are."""
         if self.template is not None:
-            chat = _checked_chat(messages, system)
+            chat = _checked_chat(messages, system, self.template)
             if not any(m["role"] == "user" for m in chat):
                 raise PromptError("chat has no user message")
-            return self.encode_rendered(self.template.render(chat, self.special_tokens))
+            return self.encode_rendered(self.template.render(chat, self.special_tokens, tools))
+        if tools:
+            raise PromptError("tools need the model's chat template, and this model has none (LLaMA-2's format has "
+                              "no tool calls)")
         turns = _chat_turns(messages, system)
         ids: list[int] = []
         for user, answer in zip(turns[:-1:2], turns[1::2]):
@@ -88,9 +95,10 @@ class TokenizerBase:
         return out
 
 
-def _checked_chat(messages: Sequence[dict], system: str | None) -> list[dict]:
+def _checked_chat(messages: Sequence[dict], system: str | None, template: ChatTemplate | None = None) -> list[dict]:
     """The messages as fresh {"role", "content"} dicts, checked: a list of dicts with a known role and a string
-    content, a system prompt first and once (the `system` argument becomes message 0)."""
+    content, a system prompt first and once (the `system` argument becomes message 0). With a `template` that reads
+    them, an assistant turn's tool calls (its content may then be None) and `tool` messages too."""
     if not isinstance(messages, Sequence) or isinstance(messages, (str, bytes)):
         raise PromptError(f"chat messages must be a list of dicts, got {type(messages).__name__}")
     if system is not None and not isinstance(system, str):
@@ -101,13 +109,17 @@ def _checked_chat(messages: Sequence[dict], system: str | None) -> list[dict]:
     for i, message in enumerate(messages):
         role = message.get("role") if isinstance(message, dict) else None
         content = message.get("content") if isinstance(message, dict) else None
+        calls = message.get("tool_calls") if isinstance(message, dict) else None
+        if isinstance(content, str) and not _is_unicode(content):  # a lone surrogate: no tokenizer encodes it
+            raise PromptError(f"message {i} is not valid Unicode (it holds a lone surrogate)")
+        if role == "tool" or calls:
+            chat.append(_tool_message(i, message, template))
+            continue
         if role not in ROLES or not isinstance(content, str):
             raise PromptError(
                 f"message {i} must be {{'role': 'system'|'user'|'assistant', 'content': str}}, "
                 f"got role {role!r} and content of type {type(content).__name__}"
             )
-        if not _is_unicode(content):  # a lone surrogate: no tokenizer encodes it
-            raise PromptError(f"message {i} is not valid Unicode (it holds a lone surrogate)")
         if role == "system" and i != 0:
             raise PromptError(f"message {i} has role 'system'; only the first message may")
         if role == "system" and system is not None:
@@ -124,6 +136,48 @@ def _is_unicode(text: str) -> bool:
     except UnicodeEncodeError:
         return False
     return True
+
+
+def _tool_message(i: int, message: dict, template: ChatTemplate | None) -> dict:
+    """An assistant turn that called tools, or a tool's result, as the template reads it (the calls' arguments as
+    dicts, as transformers' templates take them); PromptError where the template cannot hold it."""
+    role, content = message.get("role"), message.get("content")
+    where = template.source if template is not None else "LLaMA-2's chat format"
+    if role == "tool":
+        if template is None or not template.supports("tool"):
+            raise PromptError(f"message {i} has role 'tool' (a tool call's result), which {where} does not hold")
+        if not isinstance(content, str):
+            raise PromptError(f"message {i}: a tool message's content must be a string, got {type(content).__name__}")
+        out = {"role": "tool", "content": content}
+        for key in ("tool_call_id", "name"):
+            if isinstance(message.get(key), str):
+                out[key] = message[key]
+        return out
+    if role != "assistant":
+        raise PromptError(f"message {i} has tool_calls: only an assistant message may")
+    if template is None or not template.supports("tool_calls"):
+        raise PromptError(f"message {i} holds tool calls, which {where} does not hold")
+    if content is not None and not isinstance(content, str):
+        raise PromptError(f"message {i}: content must be a string or None, got {type(content).__name__}")
+    calls = message["tool_calls"]
+    if not isinstance(calls, (list, tuple)):
+        raise PromptError(f"message {i}: tool_calls must be a list, got {type(calls).__name__}")
+    checked = []
+    for j, call in enumerate(calls):
+        function = call.get("function") if isinstance(call, dict) else None
+        name = function.get("name") if isinstance(function, dict) else None
+        arguments = function.get("arguments") if isinstance(function, dict) else None
+        if isinstance(arguments, str):
+            try:
+                arguments = json.loads(arguments)
+            except ValueError:
+                arguments = None
+        if not isinstance(name, str) or not isinstance(arguments, dict):
+            raise PromptError(f"message {i}: tool call {j} must be {{'function': {{'name': str, 'arguments': a JSON "
+                              "object (or its text)}}}}")
+        checked.append({"id": call.get("id") if isinstance(call.get("id"), str) else f"call_{j}", "type": "function",
+                        "function": {"name": name, "arguments": arguments}})
+    return {"role": "assistant", "content": content, "tool_calls": checked}
 
 
 def _chat_turns(messages: Sequence[dict], system: str | None) -> list[str]:

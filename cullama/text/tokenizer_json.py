@@ -116,6 +116,10 @@ class JsonTokenizer(TokenizerBase):
     def stream_decoder(self, skip_special_tokens: bool = True) -> JsonStreamDecoder:
         return JsonStreamDecoder(self, skip_special_tokens)
 
+    def json_text(self) -> str:
+        """The tokenizer as tokenizer.json text (what a grammar matcher reads: text/grammar.py)."""
+        return self._tok.to_str()
+
     # -- internals -----------------------------------------------------------------------------
 
     def _token_id(self, key: str, config_file) -> int | None:

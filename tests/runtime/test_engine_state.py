@@ -152,7 +152,7 @@ def test_the_kernel_reads_the_seed_that_start_wrote(llm, monkeypatch):
         for _ in range(3):
             emu.launch(KernelSpec("sampling.cu", "sample"), 1, SAMPLE_THREADS,
                        (logits, seen, state, fparams, embed, x, np.zeros((1, 2), np.int32), np.zeros(1, np.int32),
-                        np.zeros(1, np.int32), np.zeros(2, np.int32), np.zeros(1, np.uint32), np.int32(V), np.int32(D),
-                        np.int32(V), np.int32(1)), schedule="shuffled")
+                        np.zeros(1, np.int32), np.zeros(2, np.int32), np.zeros(1, np.uint32), np.zeros(1, np.uint32),
+                        np.int32(V), np.int32(D), np.int32(V), np.int32(-(-V // 32)), np.int32(1)), schedule="shuffled")
             tokens.append(int(state[engine.TOKEN]))
         assert tokens == flat_draws(SamplingParams(1.0, seed=seed), range(start, start + 3), V), hex(seed)

@@ -153,7 +153,8 @@ def run_sample_twin(logits, seen, state, fp, embed, ids):
     picks, arrivals = np.full(rows, -7, np.int32), np.zeros(1, np.uint32)
     V = logits.shape[1]
     sample_twin.sample(at_row_stride(logits[:rows]), seen, state, fp, embed, x, verify_rows(rows),
-                       np.asarray(ids, np.int32), picks, out, arrivals, V, embed.shape[1], V, 1, grid=(rows, 1, 1))
+                       np.asarray(ids, np.int32), picks, out, arrivals, *verify_sizes(V, embed.shape[1]),
+                       grid=(rows, 1, 1))
     return out, picks, x
 
 
@@ -506,11 +507,11 @@ def test_sampled_verify_is_distributed_as_plain_sampling(monkeypatch):
 
     real = sampling.sample
 
-    def residual_keeps_the_draft(logits, params, seen, step, draft=None):
-        token = real(logits, params, seen, step, draft)
+    def residual_keeps_the_draft(logits, params, seen, step, draft=None, allowed=None):
+        token = real(logits, params, seen, step, draft, allowed)
         if draft is None or token == draft:
             return token
-        return real(logits, params, seen, step + 1_000_003, None)
+        return real(logits, params, seen, step + 1_000_003, None, allowed)
 
     monkeypatch.setattr(sampling, "sample", residual_keeps_the_draft)
     slipped = [three_tokens(spec, p, drafts) for p in params[CHI_SEEDS:]]
@@ -630,9 +631,10 @@ def check_attention_rows(launch, hd, group, kv_heads, pos, rows, splits, window=
     np.testing.assert_allclose(out, twin_out, rtol=1e-3, atol=1e-4)
 
 
-def verify_sizes(V, D):
-    """The sample kernel's last arguments for a verify step over a seen [V] of one slot: V, d, seen_stride, verify."""
-    return np.int32(V), np.int32(D), np.int32(V), np.int32(1)
+def verify_sizes(V, D, xp=np):
+    """The sample kernel's arguments after `arrivals` for a verify step over a seen [V] of one slot: masks (an `xp`
+    array, never read: state[MASKED] is 0), V, d, seen_stride, mask_words, verify."""
+    return xp.zeros(1, np.uint32), np.int32(V), np.int32(D), np.int32(V), np.int32(-(-V // 32)), np.int32(1)
 
 
 def check_greedy_sample_rows(launch, V, penalty, D=40):
@@ -789,7 +791,7 @@ def test_gpu_sampled_verify_row_is_distributed_as_p(kernels, draft):
     ids, picks, out = cp.asarray(np.array([0, draft], np.int32)), cp.zeros(2, np.int32), cp.zeros(3, np.int32)
     args = (logits, cp.zeros(V, np.uint8), state, cp.asarray(np.array([1.0, 1.0, 1.0, 0.0], np.float32)),
             cp.zeros((V, 8), np.float16), cp.zeros(8, np.float32), cp.asarray(verify_rows(2)), ids, picks, out,
-            cp.zeros(1, np.uint32), *verify_sizes(V, 8))
+            cp.zeros(1, np.uint32), *verify_sizes(V, 8, cp))
     firsts, steps = [], 0
     for _ in range(n):
         fn((2,), (1024,), args)

@@ -233,8 +233,9 @@ BAD_REQUESTS = [  # (what, path, body, status, param)
     ("n=0", "/v1/completions", {"prompt": [1], "n": 0}, 400, "n"),
     ("n past what the server holds", "/v1/completions", {"prompt": [1], "n": 73}, 400, "n"),  # 8 running, 64 waiting
     ("logprobs past 5", "/v1/completions", {"prompt": [1], "logprobs": 6}, 400, "logprobs"),
-    ("tools", "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
-                                       "tools": [{"type": "function"}]}, 400, "tools"),
+    ("a tool without its function", "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
+                                                             "tools": [{"type": "function"}]}, 400, "tools.0.function"),
+    ("tools on /v1/completions", "/v1/completions", {"prompt": [1], "tools": [{"type": "function"}]}, 400, "tools"),
     ("a batch of texts and ids", "/v1/completions", {"prompt": ["a", [1]]}, 400, "prompt"),
     ("a batch with an empty id list", "/v1/completions", {"prompt": [[1], []]}, 400, "prompt.1"),
     ("a batch with a prompt over the context", "/v1/completions", {"prompt": [[1], [1] * 600]}, 400, "prompt.1"),
@@ -264,7 +265,7 @@ BAD_REQUESTS = [  # (what, path, body, status, param)
     ("an assistant turn that called tools", "/v1/chat/completions", {"messages": [
         {"role": "user", "content": "2+2?"}, {"role": "assistant", "content": None, "tool_calls": [
             {"id": "c1", "type": "function", "function": {"name": "add", "arguments": "{}"}}]},
-        {"role": "tool", "content": "4", "tool_call_id": "c1"}]}, 400, "messages.1.tool_calls"),
+        {"role": "tool", "content": "4", "tool_call_id": "c1"}]}, 400, "messages"),  # LLaMA-2's format has none
 ]
 
 

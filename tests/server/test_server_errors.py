@@ -178,13 +178,12 @@ def test_a_lone_surrogate_is_named_by_its_field(model, raw, param, start):
 @pytest.mark.parametrize("messages, param, words", [
     ([{"role": "user", "content": "hi"}, {"role": "developer", "content": "be brief"}], "messages.1.role",
      "a developer message (OpenAI's newer name for a system message) may only come first"),
-    ([{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": None, "tool_calls": [
-        {"id": "c1", "type": "function", "function": {"name": "add", "arguments": "{}"}}]},
-      {"role": "tool", "content": "4", "tool_call_id": "c1"}], "messages.1.tool_calls",
-     "tool calls are not supported by cullama"),
+    ([{"role": "user", "content": "2+2?", "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "add", "arguments": "{}"}}]}], "messages.0.tool_calls",
+     "only an assistant message makes tool calls"),
     ([{"role": "assistant", "content": None, "function_call": {"name": "f", "arguments": "{}"}}],
-     "messages.0.function_call", "tool calls are not supported by cullama"),
-], ids=["developer second", "tool_calls", "function_call"])
+     "messages.0.function_call", "OpenAI's deprecated functions are not supported by cullama"),
+], ids=["developer second", "tool_calls of a user", "function_call"])
 def test_a_message_the_template_cannot_hold_is_named(messages, param, words):
     body = ChatRequest.model_validate_json(json.dumps({"messages": messages}))
     with pytest.raises(ApiError) as refused:

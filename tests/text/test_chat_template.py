@@ -508,7 +508,7 @@ def test_sentencepiece_with_meta_template_gives_meta_ids(llama2_with_template):
 
 @pytest.mark.parametrize("messages, system, why", [
     ([{"role": "assistant", "content": "x"}], None, "chat has no user message"),
-    ([{"role": "tool", "content": "x"}], None, "message 0 must be {'role'"),
+    ([{"role": "tool", "content": "x"}], None, "message 0 has role 'tool'"),
     ([{"role": "user", "content": None}], None, "content of type NoneType"),
     ([CHAT[0], *USER], "Be brief.", "system prompt given twice"),
     ([*USER, CHAT[0]], None, "message 1 has role 'system'; only the first message may"),

@@ -439,7 +439,7 @@ def test_llama3_chat_through_the_server(llama3):
 
     _, ref = golden("tiny-llama3")
     body = ChatRequest.model_validate({"messages": ref["chats"][1]["messages"], "max_tokens": 4})
-    ids, _ = prepare(llama3, body, chat=True, speculative={})
+    ids, _, _ = prepare(llama3, body, chat=True, speculative={})
     assert ids == ref["chats"][1]["ids"]
 
 

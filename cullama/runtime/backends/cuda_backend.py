@@ -51,6 +51,8 @@ class CudaBackend:
         self._verify_ids = cupyx.empty_pinned((VERIFY_ROWS,), dtype=np.int32)
         self._verify_out = cupyx.empty_pinned((VERIFY_ROWS + 1,), dtype=np.int32)
         self._fetch_host: dict = {}  # slot (0, 1, "verify") -> pinned memory the step's `fetch` buffer lands in
+        self._mask_host = None  # pinned [slots, VERIFY_ROWS, words]: the mask rows on their way in (made on first use)
+        self._mask_sent: dict[int, object] = {}  # slot -> the event after its last mask copy
         self.overlap = False
         self._pdl = None  # the PdlLauncher, made on first use
         self.set_overlap(os.environ.get("CULLAMA_OVERLAP", "0") == "1" if overlap is None else overlap)
@@ -215,17 +217,49 @@ class CudaBackend:
         fetched; call after token(slot) (verify waits by itself)."""
         return self._fetch_host[slot].copy()
 
-    def verify(self, plan: Plan, ids, fetch: str | None = None) -> list[int]:
+    def mask_rows(self, slot: int, rows: int) -> np.ndarray:
+        """Pinned host rows [rows, words] for slot `slot`'s mask rows 0..rows-1, to fill and then upload_masks(slot,
+        rows): the grammar writes into them directly. Waits for the slot's last copy out of them (long done: a step
+        reads its token after its copy)."""
+        if self._mask_host is None:
+            import cupyx
+
+            device = self.arrays["masks"]
+            self._mask_host = cupyx.empty_pinned(device.shape, dtype=device.dtype)
+        sent = self._mask_sent.get(slot)
+        if sent is not None:
+            sent.synchronize()
+        return self._mask_host[slot, :rows]
+
+    def upload_masks(self, slot: int, rows: int) -> None:
+        """Queue the copy of slot `slot`'s filled mask rows 0..rows-1 onto the device (before the sample kernel that
+        reads them: the stream keeps the order)."""
+        runtime, device = self.cp.cuda.runtime, self.arrays["masks"]
+        nbytes = rows * device.shape[2] * 4
+        runtime.memcpyAsync(device[slot].data.ptr, self._mask_host[slot].ctypes.data, nbytes,
+                            runtime.memcpyHostToDevice, self.stream.ptr)
+        event = self._mask_sent.get(slot)
+        if event is None:
+            event = self._mask_sent[slot] = self.cp.cuda.Event(disable_timing=True)
+        event.record(self.stream)
+
+    def verify(self, plan: Plan, ids, fetch: str | None = None, sample: Plan | None = None,
+               between=None) -> list[int]:
         """A verify step (its graph, captured by plan name on first use) over the token rows `ids` (the last
         sampled token, then the drafts): the ids go in and the verdict comes back through pinned memory, a few
         bytes each way, around one graph replay; returns the accepted tokens. `fetch`: a buffer copied out
-        with the verdict, for fetched("verify")."""
+        with the verdict, for fetched("verify"). `sample`: the step is the graph of `plan` (its launches before
+        the sample kernel), between() on the host while it runs (a constrained step's masks: upload_masks), then
+        the graph of `sample` (plan.split_at_sample)."""
         runtime = self.cp.cuda.runtime
         rows = len(ids)
         self._verify_ids[:rows] = ids
         runtime.memcpyAsync(self.arrays["verify_ids"].data.ptr, self._verify_ids.ctypes.data, 4 * rows,
                             runtime.memcpyHostToDevice, self.stream.ptr)
         self.replay(plan)
+        if sample is not None:
+            between()
+            self.replay(sample)
         runtime.memcpyAsync(self._verify_out.ctypes.data, self.arrays["verify_out"].data.ptr, 4 * (rows + 1),
                             runtime.memcpyDeviceToHost, self.stream.ptr)
         if fetch is not None:

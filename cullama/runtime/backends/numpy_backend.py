@@ -63,6 +63,9 @@ class NumpyBackend:
 
     replay = run  # no graphs on the CPU: a decode step is just run
 
+    def synchronize(self) -> None:
+        """Every call returns with its work done."""
+
     def read_token(self, seq: int = 0) -> int:
         """The token sampled last for the sequence in slot `seq` (its state[TOKEN])."""
         return drawn(self._state_token(seq))
@@ -83,11 +86,23 @@ class NumpyBackend:
     def fetched(self, slot) -> np.ndarray:
         return self._fetched[slot]
 
-    def verify(self, plan: Plan, ids, fetch: str | None = None) -> list[int]:
+    def mask_rows(self, slot: int, rows: int) -> np.ndarray:
+        """The mask rows [rows, words] of `slot` for the host to fill (here the buffer itself: see CudaBackend)."""
+        return self.arrays["masks"][slot, :rows]
+
+    def upload_masks(self, slot: int, rows: int) -> None:
+        """The rows mask_rows(slot, rows) gave are filled (nothing to copy on the CPU)."""
+
+    def verify(self, plan: Plan, ids, fetch: str | None = None, sample: Plan | None = None,
+               between=None) -> list[int]:
         """Run a verify step over the token rows `ids` (the last sampled token, then the drafts); the tokens
-        it accepted. `fetch`: a buffer to copy out after it, for fetched("verify")."""
+        it accepted. `fetch`: a buffer to copy out after it, for fetched("verify"). `sample`: the step is `plan`
+        (its launches before the sample kernel), then between(), then `sample` (plan.split_at_sample)."""
         self.set("verify_ids", np.asarray(ids, dtype=np.int32))
         self.run(plan)
+        if sample is not None:
+            between()
+            self.run(sample)
         if fetch is not None:
             self._fetched["verify"] = self.read(fetch)
         out = self.arrays["verify_out"]

@@ -10,8 +10,16 @@ from .gemv import logit_rows
 SOURCE = "sampling.cu"
 VARIANTS = [()]
 
-from .rows import (FP_REP_PENALTY, FP_TEMPERATURE, FP_TOP_P, FPARAMS_LEN, ROW_SLOT, STATE_LEN,  # noqa: F401
-                   STATE_POS, STATE_SEED_HI, STATE_SEED_LO, STATE_STEP, STATE_TOKEN, STATE_TOP_K)
+from .rows import (FP_REP_PENALTY, FP_TEMPERATURE, FP_TOP_P, FPARAMS_LEN, ROW_OFFSET, ROW_SLOT,  # noqa: F401
+                   STATE_LEN, STATE_MASKED, STATE_POS, STATE_SEED_HI, STATE_SEED_LO, STATE_STEP, STATE_TOKEN,
+                   STATE_TOP_K)
+
+MASK_ROWS = 9  # a slot's rows of the masks buffer (sampling.cu MASK_ROWS = plan.VERIFY_ROWS)
+
+
+def mask_bits(words: np.ndarray, V: int) -> np.ndarray:
+    """bool [V] of one mask row (uint32 words): id i is allowed where bit i & 31 of word i >> 5 is set."""
+    return np.unpackbits(np.ascontiguousarray(words, dtype=np.uint32).view(np.uint8), bitorder="little")[:V] != 0
 
 
 def params_from(state: np.ndarray, fparams: np.ndarray) -> sampling.SamplingParams:
@@ -23,12 +31,14 @@ def params_from(state: np.ndarray, fparams: np.ndarray) -> sampling.SamplingPara
         seed=int(words[STATE_SEED_LO]) | int(words[STATE_SEED_HI]) << 32)
 
 
-def sample(logits, seen, state, fparams, embed, x, step_rows, ids, picks, out, arrivals, V, d, seen_stride, verify, *,
-           grid):
+def sample(logits, seen, state, fparams, embed, x, step_rows, ids, picks, out, arrivals, masks, V, d, seen_stride,
+           mask_words, verify, *, grid):
     """logits [n, V] f32 at row stride ops.gemv.logits_stride(V) (a decode step's: [V]), seen [slots, seen_stride]
     uint8, state [slots, 8] int32, fparams [slots, 4] f32, embed [V, d] f16, x [n, d] f32, step_rows [>= n, 2] int32
-    (slot, offset), ids [n] int32, picks [n] int32, out [1 + n] int32, arrivals [1]; n = grid[0] rows. A row's
-    params, seen and state are its slot's (rows[r, 0]).
+    (slot, offset), ids [n] int32, picks [n] int32, out [1 + n] int32, arrivals [1], masks [slots, MASK_ROWS,
+    mask_words] uint32; n = grid[0] rows. A row's params, seen and state are its slot's (rows[r, 0]); where that
+    slot's state[MASKED] is set, its sample() also takes allowed = mask_bits(masks[slot, offset]) (rows[r, 1]), and
+    otherwise no mask is read.
 
     verify 0 (a batched decode step, one row per slot): picks[r] = cullama.runtime.sampling.sample(logits[r], params,
     seen, state[STEP]) of row r's slot, and as one decode step of that slot would: state[TOKEN] = picks[r],
@@ -48,20 +58,29 @@ def sample(logits, seen, state, fparams, embed, x, step_rows, ids, picks, out, a
     seens, xs = seen.reshape(-1, int(seen_stride)), x.reshape(-1, int(d))
     table = np.asarray(step_rows).reshape(-1, 2)
     rows_logits = logit_rows(logits, V, n_rows)
+
+    def allowed(r: int, slot: int):  # token row r's mask, if its slot is constrained (else masks is not read)
+        if not states[slot, STATE_MASKED]:
+            return None
+        mask_rows = np.asarray(masks).reshape(-1, MASK_ROWS, int(mask_words))
+        return mask_bits(mask_rows[slot, int(table[r, ROW_OFFSET])], V)
+
     if not verify:
         for r in range(n_rows):
             slot = int(table[r, ROW_SLOT])
             _sample_rows(rows_logits[r:r + 1], seens[slot], states[slot], fps[slot], embed, xs[r], ids[:1], picks[r:],
-                         None, V, d)
+                         None, V, d, [allowed(r, slot)])
         return
     slot = int(table[0, ROW_SLOT])
-    _sample_rows(rows_logits, seens[slot], states[slot], fps[slot], embed, xs[0], ids, picks, out, V, d)
+    _sample_rows(rows_logits, seens[slot], states[slot], fps[slot], embed, xs[0], ids, picks, out, V, d,
+                 [allowed(r, slot) for r in range(n_rows)])
     arrivals[0] = 0
 
 
-def _sample_rows(rows_logits, seen, state, fparams, embed, x, ids, picks, out, V, d) -> None:
+def _sample_rows(rows_logits, seen, state, fparams, embed, x, ids, picks, out, V, d, allowed) -> None:
     """One sequence's step over its rows (1: a decode step; k + 1: a verify step), as `sample` says for verify 1;
-    seen [>= V], state [8], fparams [4], x [d] are that sequence's; out None: not written."""
+    seen [>= V], state [8], fparams [4], x [d] are that sequence's; allowed: each row's mask (None: unconstrained);
+    out None: not written."""
     rows, step = len(rows_logits), int(state[STATE_STEP])
     params, seen_mask = params_from(state, fparams), seen[:V] != 0
     drafts_are_ids = all(0 <= int(t) < V for t in ids[1:rows])
@@ -71,7 +90,8 @@ def _sample_rows(rows_logits, seen, state, fparams, embed, x, ids, picks, out, V
             continue
         before = seen_mask.copy()
         before[ids[1:r + 1]] = True  # the drafts before row r: accepted by the time its pick matters
-        picks[r] = sampling.sample(row[:V], params, before, step + r, int(ids[r + 1]) if r + 1 < rows else None)
+        picks[r] = sampling.sample(row[:V], params, before, step + r, int(ids[r + 1]) if r + 1 < rows else None,
+                                   allowed[r])
     n = 1
     while drafts_are_ids and n < rows and picks[n - 1] == ids[n]:
         n += 1

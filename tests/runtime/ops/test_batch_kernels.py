@@ -219,8 +219,8 @@ def run_sample(launch, logits_rows, seen, state, fparams, embed, table, verify):
     kernel_logits = at_row_stride(logits_rows)
     launch(plans.SAMPLE, (rows,), plans.SAMPLE_THREADS,
            (kernel_logits, seen, state, fparams, embed, x, np.array(table, np.int32), np.zeros(rows, np.int32), picks,
-            np.full(rows + 1, -7, np.int32), np.zeros(1, np.uint32), np.int32(V), np.int32(embed.shape[1]),
-            np.int32(seen.shape[1]), np.int32(verify)))
+            np.full(rows + 1, -7, np.int32), np.zeros(1, np.uint32), np.zeros(1, np.uint32), np.int32(V),
+            np.int32(embed.shape[1]), np.int32(seen.shape[1]), np.int32(-(-V // 32)), np.int32(verify)))
     np.testing.assert_array_equal(kernel_logits[:, :V], logits_rows)  # the logits are left as they were
     return picks, x
 

@@ -17,7 +17,7 @@ LAYOUT_PREFIXES = ("STATE_", "FP_", "FPARAMS_", "ROW_")
 def test_the_layout_is_common_cuhs():
     defines = {name: int(value) for name, value in DEFINE.findall((SOURCE_DIR / "common.cuh").read_text())}
     names = [name for name in vars(rows) if name.startswith(LAYOUT_PREFIXES)]
-    assert len(names) == 13  # six state fields and STATE_LEN, three fparams and FPARAMS_LEN, two row fields
+    assert len(names) == 14  # seven state fields and STATE_LEN, three fparams and FPARAMS_LEN, two row fields
     assert {name: getattr(rows, name) for name in names} == {name: defines[name] for name in names}
     assert defines["ROW_FIELDS"] == 2  # row_positions reads the table as [R, 2]
 

@@ -60,15 +60,15 @@ def fparams(temperature, top_p=1.0, penalty=1.0):
 
 
 def one_row(xp=np):
-    """A decode step's rows table and verify arguments (rows, ids, picks, out, arrivals): one token row of slot
-    0, no drafts."""
+    """A decode step's rows table, verify arguments and masks (rows, ids, picks, out, arrivals, masks): one token
+    row of slot 0, no drafts, no mask (state[MASKED] is 0: the masks are never read)."""
     return (xp.zeros((1, 2), np.int32), xp.zeros(1, np.int32), xp.zeros(1, np.int32), xp.zeros(2, np.int32),
-            xp.zeros(1, np.uint32))
+            xp.zeros(1, np.uint32), xp.zeros(1, np.uint32))
 
 
 def one_row_sizes(V, d):
-    """A decode step's last arguments (V, d, seen_stride, verify) over a seen [V] of one slot."""
-    return np.int32(V), np.int32(d), np.int32(V), np.int32(1)
+    """A decode step's last arguments (V, d, seen_stride, mask_words, verify) over a seen [V] of one slot."""
+    return np.int32(V), np.int32(d), np.int32(V), np.int32(-(-V // 32)), np.int32(1)
 
 
 def run_twin(logits, seen, state, fp, embed):
