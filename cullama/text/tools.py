@@ -80,9 +80,10 @@ class ToolFormat:
 
     def parse(self, text: str, named: str | None = None) -> tuple[str | None, list[ToolCall]]:
         """(the reply's content, its tool calls) read from its text; `named`: the json format's forced function
-        (the text is its arguments). A text with no call that parses is all content."""
+        (the text is its arguments, by the grammar: a reply cut at max_tokens is still that call, its arguments cut
+        too, as OpenAI's and as the streamer sends it). A text with no call that parses is all content."""
         if self.name == "json" and named is not None:
-            return (None, [ToolCall(named, text.strip())]) if _json_value(text) else (text, [])
+            return None, [ToolCall(named, text.strip())]
         if self.name == "hermes":
             start = text.find("<tool_call>")
             if start < 0:
@@ -116,14 +117,6 @@ class ToolFormat:
 
     def streamer(self, named: str | None = None) -> "ToolStreamer":
         return ToolStreamer(self, named)
-
-
-def _json_value(text: str) -> bool:
-    try:
-        json.loads(text)
-        return True
-    except ValueError:
-        return False
 
 
 def _call(text: str) -> ToolCall | None:

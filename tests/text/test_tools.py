@@ -108,6 +108,14 @@ def test_a_reply_in_another_shape_is_read_as_parse_reads_it(fmt, text, expected)
     assert streamed(fmt, text, random.Random(1)) == expected
 
 
+def test_a_named_call_cut_short_is_still_the_call_whole_and_streamed():
+    """A named function's reply in the plain JSON format is its arguments, by the grammar: cut by max_tokens it is
+    that call with its arguments cut (finish_reason "length"), whole as streamed, never text."""
+    cut = '{"city": "Par'
+    assert parsed(JSON, cut, "get_weather") == (None, [("get_weather", cut)])
+    assert streamed(JSON, cut, random.Random(0), "get_weather") == parsed(JSON, cut, "get_weather")
+
+
 def test_text_after_a_plain_json_call_list_makes_it_no_call():
     text = '[{"name": "g", "parameters": {}}] tail'
     assert parsed(JSON, text) == (text, [])
