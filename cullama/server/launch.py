@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Callable
 
 import uvicorn
-from uvicorn.protocols.http.auto import AutoHTTPProtocol
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from ..model import hub
 from ..model.config import from_pretrained as read_config
@@ -95,10 +95,12 @@ class Server(uvicorn.Server):
                 transport.close()
 
 
-class JsonErrors(AutoHTTPProtocol):
-    """uvicorn's HTTP protocol (httptools' where it is installed, else h11's), whose answer to a request it
-    cannot parse (a malformed request line, headers or body framing) is OpenAI's error object rather than
-    plain text. uvicorn tells it only that the request is malformed, not where."""
+class JsonErrors(H11Protocol):
+    """uvicorn's HTTP protocol on h11, whose answer to a request it cannot parse (a malformed request line,
+    headers or body framing) is OpenAI's error object rather than plain text. uvicorn tells it only that the
+    request is malformed, not where. h11 always, never uvicorn's pick (httptools wherever it is installed, as
+    `ray[serve]` and `uvicorn[standard]` install it): httptools serves an HTTP/1.1 request without a Host header,
+    which RFC 9112 and these servers refuse, so the same server would answer otherwise on another install."""
 
     def send_400_response(self, msg: str) -> None:
         cycle = getattr(self, "cycle", None)
