@@ -76,12 +76,13 @@ class Server(uvicorn.Server):
     whose body never comes would keep it waiting for ever (a second signal too): after `grace` seconds the
     connections still open are closed, as if their clients had left."""
 
-    def __init__(self, config: uvicorn.Config, engine: Engine, grace: float = SHUTDOWN_GRACE_S):
-        super().__init__(config)
+    def __init__(self, config: uvicorn.Config, engine: Engine | None, grace: float = SHUTDOWN_GRACE_S):
+        super().__init__(config)  # engine None: someone else stops the generations (cullama/replicas/launch.py)
         self.engine, self.grace = engine, grace
 
     async def shutdown(self, sockets=None):
-        self.engine.stop()
+        if self.engine is not None:
+            self.engine.stop()
         closing = asyncio.get_running_loop().call_later(self.grace, self.close_connections)
         try:
             await super().shutdown(sockets=sockets)
