@@ -400,10 +400,12 @@ def chat(model_dir, revision, system, device, max_seq_len, tokenizer, quantize, 
               "prints it) [default: start a local one].")
 @click.option("--ray-app", default="cullama", show_default=True, metavar="NAME",
               help="The Ray Serve application's name (one per `cullama serve --replicas` on a cluster).")
+@click.option("--replica-cpus", default=1.0, show_default=True, type=click.FloatRange(0),
+              help="CPUs Ray reserves for each replica (besides its GPU with --device cuda).")
 def serve(model_dir, revision, host, port, device, max_seq_len, tokenizer, served_model_name, max_queue, max_batch,
           api_key, allowed_hosts, allowed_origins, body_timeout, shutdown_grace, quantize, prefill_chunk, replicas,
           min_replicas, max_replicas, upscale_delay, downscale_delay, autoscale_window, ray_address, ray_app,
-          **flags):
+          replica_cpus, **flags):
     """An OpenAI-compatible HTTP server: /v1/completions, /v1/chat/completions, /v1/models, /health, /metrics.
 
     Up to --max-batch generations decode together (each request's tokens are the ones it gets alone), the others
@@ -426,7 +428,7 @@ def serve(model_dir, revision, host, port, device, max_seq_len, tokenizer, serve
     if replicas is None and not autoscaling:
         ctx = click.get_current_context()
         given = [f"--{name.replace('_', '-')}" for name in ("upscale_delay", "downscale_delay", "autoscale_window",
-                                                            "ray_address", "ray_app")
+                                                            "ray_address", "ray_app", "replica_cpus")
                  if ctx.get_parameter_source(name) != click.core.ParameterSource.DEFAULT]
         if given:
             raise click.UsageError(f"{given[0]} is an option of replicas: give --replicas N (or --min-replicas and "
@@ -446,7 +448,8 @@ def serve(model_dir, revision, host, port, device, max_seq_len, tokenizer, serve
                    f"'cullama[{extra}]'): {exc}", err=True)
         sys.exit(2)
     scaling = Scaling(replicas or 1, min_replicas, max_replicas, upscale_delay, downscale_delay, autoscale_window)
-    sys.exit(serve_replicas(model_dir, scaling, ray_address=ray_address, ray_app=ray_app, **options))
+    sys.exit(serve_replicas(model_dir, scaling, ray_address=ray_address, ray_app=ray_app, replica_cpus=replica_cpus,
+                            **options))
 
 
 def listed(values: tuple[str, ...]) -> tuple[str, ...]:

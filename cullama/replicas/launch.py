@@ -59,11 +59,12 @@ class RayError(CullamaError):
 
 def serve_replicas(model_dir: str, scaling: Scaling, host: str = "127.0.0.1", port: int = 8000,
                    device: str = "auto", max_queue: int = 64, shutdown_grace: float = SHUTDOWN_GRACE_S,
-                   ray_address: str | None = None, ray_app: str = "cullama", revision: str | None = None,
-                   **serve_options) -> int:
+                   ray_address: str | None = None, ray_app: str = "cullama", replica_cpus: float = 1.0,
+                   revision: str | None = None, **serve_options) -> int:
     """Serve `model_dir` (a directory, or a hub id at `revision`) from replicas on a Ray cluster (a local one, or the
-    one at `ray_address`) behind `host`:`port` until SIGINT or SIGTERM; the exit status. serve_options: prepare()'s
-    (max_batch, api_key, allowed_hosts, speculative, ...)."""
+    one at `ray_address`) behind `host`:`port` until SIGINT or SIGTERM; the exit status. replica_cpus: the CPUs Ray
+    reserves for each replica (its engine thread and HTTP; a GPU replica also reserves one GPU). serve_options:
+    prepare()'s (max_batch, api_key, allowed_hosts, speculative, ...)."""
     scaling.check()
     if not APP_NAME.match(ray_app):
         raise OptionError("ray_app", f"must be 1 to 64 letters, digits, - or _, got {ray_app!r}")
@@ -98,9 +99,9 @@ def serve_replicas(model_dir: str, scaling: Scaling, host: str = "127.0.0.1", po
         cluster = Cluster(ray_address, ray_app, keyed=settings.api_key is not None)
         if not cluster.start(stopping):
             return 0
-        load["device"] = cluster.device_for(device, low, high)
+        load["device"] = cluster.device_for(device, low, high, replica_cpus)
         spec = ReplicaSpec(load, settings, max_queue, ray_app)
-        status = cluster.deploy(spec, scaling, relay, stopping)
+        status = cluster.deploy(spec, scaling, relay, stopping, replica_cpus)
         if status or stopping.is_set():
             return status
         print(f"cullama serve: {len(relay.targets)} replica{'s' if len(relay.targets) > 1 else ''} of "
@@ -201,29 +202,37 @@ class Cluster:
                   file=sys.stderr)
         return "0.0.0.0"
 
-    def device_for(self, device: str, low: int, high: int) -> str:
-        """The replicas' device: cuda (one GPU each) or cpu (one CPU each), where the cluster has room for `low`
-        of them (RayError otherwise: Serve would wait for ever); a note where it has none for `high`."""
-        have = ray.cluster_resources()
-        gpus, cpus = int(have.get("GPU", 0)), int(have.get("CPU", 0))
+    def device_for(self, device: str, low: int, high: int, cpus_each: float) -> str:
+        """The replicas' device: cuda (one GPU each) or cpu, where the cluster has room for `low` of them (RayError
+        otherwise: Serve would wait for ever); a note where it has none for `high`, or not now for `low` (the
+        resources other applications hold: Serve waits until they are free)."""
+        total, free = ray.cluster_resources(), ray.available_resources()
         if device == "auto":
-            device = "cuda" if gpus else "cpu"
-        what, count = ("GPU", gpus) if device == "cuda" else ("CPU", cpus)
-        if count < low:
-            raise RayError(f"the Ray cluster at {self.address} has {count} {what}{'s' if count != 1 else ''}, and "
-                           f"{low} replicas on {device} need {low} (one each)" +
-                           (": give --device cpu, or join a cluster with GPUs (--ray-address)" if what == "GPU"
-                            else ""))
-        if count < high:
-            print(f"note: the Ray cluster has {count} {what}s: at most {count} of the {high} replicas can run",
-                  file=sys.stderr)
+            device = "cuda" if total.get("GPU", 0) >= 1 else "cpu"
+        needs = {"GPU": 1.0, "CPU": cpus_each} if device == "cuda" else {"CPU": cpus_each}
+        for what, each in needs.items():
+            if not each:
+                continue
+            have = total.get(what, 0.0)
+            fits = int(have // each + 1e-9)
+            if fits < low:
+                hint = ": give --device cpu, or join a cluster with GPUs (--ray-address)" if what == "GPU" else ""
+                raise RayError(f"the Ray cluster at {self.address} has {have:g} {what}{'s' if have != 1 else ''}, and "
+                               f"{low} replica{'s' if low > 1 else ''} on {device} need{'s' if low == 1 else ''} "
+                               f"{low * each:g}{hint}")
+            if fits < high:
+                print(f"note: the Ray cluster has {have:g} {what}s: at most {fits} of the {high} replicas can run",
+                      file=sys.stderr)
+            if free.get(what, 0.0) + 1e-9 < low * each:
+                print(f"note: {free.get(what, 0.0):g} of the Ray cluster's {have:g} {what}s are free now (other "
+                      f"applications hold the rest): the replicas wait for them", file=sys.stderr, flush=True)
         return device
 
-    def deploy(self, spec: ReplicaSpec, scaling: Scaling, relay: Relay, stopping: Stopping) -> int:
+    def deploy(self, spec: ReplicaSpec, scaling: Scaling, relay: Relay, stopping: Stopping, cpus_each: float) -> int:
         """Deploy and wait until the application runs (0), fails (the loader's exit code, its line printed) or a
         signal comes (0); the relay takes the replicas as they come."""
         self.control = Control.remote()
-        application = build(spec, scaling, self.control, env_vars=INGRESS_ENV if self.joined else None)
+        application = build(spec, scaling, self.control, cpus_each, INGRESS_ENV if self.joined else None)
         serve.run_many([serve.RunTarget(application, name=self.app, route_prefix=f"/{self.app}")],
                        wait_for_ingress_deployment_creation=False, wait_for_applications_running=False)
         self.deployed = True
