@@ -178,10 +178,10 @@ class Relay:
                 if not data:  # the end (or garbage) before the answer's end: the replica died, or its connection
                     if not started:
                         return await answer(send, 502, f"{STOPPED}; retry the request", "replica_failed")
-                    if sse:
+                    if sse:  # after the last whole event (a half one is dropped)
                         error = b"data: " + error_body(500, f"{STOPPED}; the answer is incomplete", "replica_failed")
                         await send({"type": "http.response.body", "more_body": False,
-                                    "body": (b"\n\n" if pending else b"") + error + b"\n\ndata: [DONE]\n\n"})
+                                    "body": error + b"\n\ndata: [DONE]\n\n"})
                         return
                     raise ConnectionError(STOPPED)  # uvicorn drops the connection: the body is seen incomplete
                 for event in upstream.take():
