@@ -246,7 +246,7 @@ class Cluster:
             self.refresh(relay)
             if state is None:
                 continue
-            if state.status == "DEPLOY_FAILED" or state.status == "UNHEALTHY":
+            if state.status == "DEPLOY_FAILED":  # (UNHEALTHY while starting: Serve retries the replica)
                 messages = [state.message, *(d.message for d in state.deployments.values())]
                 line, code = next(filter(None, map(load_failure, messages)), None) or (
                     f"error: the deployment failed: {' '.join(m for m in messages if m)[:2000]}", 1)

@@ -51,12 +51,14 @@ def test_replicas_without_ray_is_one_line_naming_the_extra(root, stories_dir):
     (("--replicas", "2", "--max-batch", "0"), "--max-batch"),
 ])
 def test_contradicting_options_are_one_line(root, stories_dir, args, said):
+    pytest.importorskip("ray.serve", reason="the ray extra is not installed (pip install -e '.[test]')")
     out = serve(root, "--model", str(stories_dir), *args)
     assert out.returncode == 2 and said in out.stderr and "Traceback" not in out.stderr, out.stderr
     assert "listening on" not in out.stderr
 
 
 def test_a_bad_model_or_a_port_in_use_starts_no_cluster(root, stories_dir, tmp_path):
+    pytest.importorskip("ray.serve", reason="the ray extra is not installed (pip install -e '.[test]')")
     line = one_error(serve(root, "--model", str(tmp_path), "--replicas", "2"))
     assert str(tmp_path) in line
     with socket.socket() as taken:
