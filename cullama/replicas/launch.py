@@ -38,7 +38,7 @@ from ray import serve
 
 from ..common.errors import CullamaError, OptionError
 from ..server import SHUTDOWN_GRACE_S
-from ..server.launch import JsonErrors, ServeError, Server, is_loopback, listen, prepare, url
+from ..server.launch import JsonErrors, Server, is_loopback, listen, prepare, url
 from .app import Control, ReplicaSpec, Scaling, build, load_failure
 from .relay import Relay, Target
 
@@ -326,5 +326,3 @@ def free_port(host: str = "127.0.0.1") -> int:
         s.bind((host, 0))
         return s.getsockname()[1]
 
-
-__all__ = ["serve_replicas", "RayError", "ServeError"]

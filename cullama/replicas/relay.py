@@ -108,7 +108,7 @@ class Relay:
 
     async def __call__(self, scope, receive, send):
         if scope["type"] == "lifespan":  # nothing to start or stop
-            while (message := await receive())["type"] != "lifespan.shutdown":
+            while (await receive())["type"] != "lifespan.shutdown":
                 await send({"type": "lifespan.startup.complete"})
             return await send({"type": "lifespan.shutdown.complete"})
         if scope["type"] != "http":
