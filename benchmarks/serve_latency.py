@@ -68,6 +68,8 @@ def serve_synthetic(name: str, tokenizer: str, device: str) -> int:
 class Server:
     """The server process: started, its URL read from its log, ready once /health says 200."""
 
+    prefix = ""  # before the API's paths (serve_load.py's --url with a path: a Ray Serve application's route prefix)
+
     def __init__(self, command: list[str], log_dir: str, timeout: float = 600):
         self.log_path = Path(log_dir) / "server.log"
         self.log = open(self.log_path, "wb")
@@ -111,7 +113,7 @@ class Server:
         conn = http.client.HTTPConnection(self.host, self.port, timeout=600)
         try:
             sent = time.perf_counter()
-            conn.request("POST", "/v1/completions", body=json.dumps(body),
+            conn.request("POST", self.prefix + "/v1/completions", body=json.dumps(body),
                          headers={"Content-Type": "application/json"})
             response = conn.getresponse()
             if response.status != 200:

@@ -421,28 +421,71 @@ def chat(model_dir, revision, system, device, max_seq_len, tokenizer, quantize, 
 @QUANTIZE
 @PREFILL_CHUNK
 @speculative_flags
+@click.option("--replicas", type=click.IntRange(1), help="Serve from N copies of the server on a Ray cluster (one "
+              "GPU each, or one CPU each on the CPU) behind this one address; needs the ray extra.")
+@click.option("--min-replicas", type=click.IntRange(1), help="Autoscale from this many replicas (on the requests "
+              "each holds: up past --max-batch) ...")
+@click.option("--max-replicas", type=click.IntRange(1), help="... to this many.")
+@click.option("--upscale-delay", default=30.0, show_default=True, type=click.FloatRange(0, min_open=True),
+              help="Seconds of more requests than the replicas' batches before a replica is added.")
+@click.option("--downscale-delay", default=600.0, show_default=True, type=click.FloatRange(0, min_open=True),
+              help="Seconds of fewer requests before a replica is removed.")
+@click.option("--autoscale-window", default=10.0, show_default=True, type=click.FloatRange(0, min_open=True),
+              help="Seconds the requests per replica are averaged over.")
+@click.option("--ray-address", metavar="ADDRESS", help="Join the Ray cluster at ADDRESS (`ray start --head` "
+              "prints it) [default: start a local one].")
+@click.option("--ray-app", default="cullama", show_default=True, metavar="NAME",
+              help="The Ray Serve application's name (one per `cullama serve --replicas` on a cluster).")
+@click.option("--replica-cpus", default=1.0, show_default=True, type=click.FloatRange(0),
+              help="CPUs Ray reserves for each replica (besides its GPU with --device cuda).")
 def serve(model_dir, revision, host, port, device, max_seq_len, tokenizer, served_model_name, max_queue, max_batch,
-          api_key, allowed_hosts, allowed_origins, body_timeout, shutdown_grace, quantize, prefill_chunk, **flags):
+          api_key, allowed_hosts, allowed_origins, body_timeout, shutdown_grace, quantize, prefill_chunk, replicas,
+          min_replicas, max_replicas, upscale_delay, downscale_delay, autoscale_window, ray_address, ray_app,
+          replica_cpus, **flags):
     """An OpenAI-compatible HTTP server: /v1/completions, /v1/chat/completions, /v1/models, /health, /metrics.
 
     Up to --max-batch generations decode together (each request's tokens are the ones it gets alone), the others
     wait in a FIFO queue. The speculative options are every request's
     default; a request may change them with its own `speculative` ("ngram", "draft", "off") and `draft_tokens`
-    fields. Needs the serve extra: pip install 'cullama[serve]'."""
+    fields. Needs the serve extra: pip install 'cullama[serve]'. With --replicas (or --min-replicas and
+    --max-replicas), copies of it on a Ray cluster behind this one address (docs/replicas.md): pip install
+    'cullama[ray]'."""
     if threading.current_thread() is threading.main_thread():  # SIGTERM while starting up: a clean exit too
         signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(0))
     spec = speculative_options(flags)
+    options = dict(host=host, port=port, device=device, max_seq_len=max_seq_len, served_model_name=served_model_name,
+                   max_queue=max_queue, api_key=api_key, tokenizer=tokenizer, speculative=spec,
+                   draft_model=flags["draft_model"], body_timeout=body_timeout, shutdown_grace=shutdown_grace,
+                   allowed_hosts=listed(allowed_hosts), allowed_origins=listed(allowed_origins), quantize=quantize,
+                   max_batch=max_batch, prefill_chunk=prefill_chunk, revision=revision)
+    autoscaling = min_replicas is not None or max_replicas is not None
+    if replicas is not None and autoscaling:
+        raise click.UsageError("give --replicas N, or --min-replicas and --max-replicas to autoscale, not both")
+    if replicas is None and not autoscaling:
+        ctx = click.get_current_context()
+        given = [f"--{name.replace('_', '-')}" for name in ("upscale_delay", "downscale_delay", "autoscale_window",
+                                                            "ray_address", "ray_app", "replica_cpus")
+                 if ctx.get_parameter_source(name) != click.core.ParameterSource.DEFAULT]
+        if given:
+            raise click.UsageError(f"{given[0]} is an option of replicas: give --replicas N (or --min-replicas and "
+                                   "--max-replicas)")
+        try:
+            from ..server.launch import serve as run_server
+        except ImportError as exc:
+            click.echo(f"error: cullama serve needs the serve extra (pip install 'cullama[serve]'): {exc}", err=True)
+            sys.exit(2)
+        sys.exit(run_server(model_dir, **options))
     try:
-        from ..server.launch import serve as run_server
+        from ..replicas.app import Scaling
+        from ..replicas.launch import serve_replicas
     except ImportError as exc:
-        click.echo(f"error: cullama serve needs the serve extra (pip install 'cullama[serve]'): {exc}", err=True)
+        extra = "ray" if (exc.name or "").split(".")[0] in ("ray", "httptools") else "serve"
+        click.echo(f"error: cullama serve --replicas needs Ray Serve, the {extra} extra (pip install "
+                   f"'cullama[{extra}]'): {exc}", err=True)
         sys.exit(2)
-    sys.exit(run_server(model_dir, host=host, port=port, device=device, max_seq_len=max_seq_len,
-                        served_model_name=served_model_name, max_queue=max_queue, api_key=api_key,
-                        tokenizer=tokenizer, speculative=spec, draft_model=flags["draft_model"],
-                        body_timeout=body_timeout, shutdown_grace=shutdown_grace,
-                        allowed_hosts=listed(allowed_hosts), allowed_origins=listed(allowed_origins),
-                        quantize=quantize, max_batch=max_batch, prefill_chunk=prefill_chunk, revision=revision))
+    scaling = Scaling(replicas or 1, min_replicas, max_replicas, upscale_delay, downscale_delay, autoscale_window)
+    sys.exit(serve_replicas(model_dir, scaling, ray_address=ray_address, ray_app=ray_app, replica_cpus=replica_cpus,
+                            **options))
 
 
 def listed(values: tuple[str, ...]) -> tuple[str, ...]:

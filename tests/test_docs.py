@@ -22,6 +22,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -65,6 +66,8 @@ SUBSTITUTIONS = [
     (r"\b7483\b", "483", "LLaMA-2's id of 'capital' (in 1,450,7483: '<s> The capital') is past stories260K's "
                          "512 ids"),
     (r"([\"'])\.\.\.\1", r"\1Once upon a time\1", "a placeholder prompt"),
+    (r"--(max-)?replicas 8\b", r"--\1replicas 2", "a machine of 8 GPUs in the docs; the test's 2 CPUs run 2 replicas "
+                                                  "on the CPU"),
 ]
 CHAT_INPUT = "Hello\n"  # `cullama chat` reads its user turns from standard input: one turn
 # `cullama bench` runs the tiny CPU protocol (seconds) with these options where the example gives none of its own
@@ -74,7 +77,7 @@ BENCH_SPECULATIVE_SMALL = {"--verify-reps": "2"}
 NEEDS_GPU: dict[str, tuple[str, str]] = {}
 # where an indented block's line starts with one of these programs (a path's last part: .venv/bin/cullama), it is a
 # command; any other indented line after a blank one fails test_every_block_is_an_example_or_says_what_it_is
-PROGRAMS = {"cullama", "echo", "python", "python3", "pip", "curl", "bash"}
+PROGRAMS = {"cullama", "echo", "python", "python3", "pip", "curl", "bash", "ray", "serve"}
 SHELL_LANGUAGES, PYTHON_LANGUAGES = {"sh", "bash", "shell"}, {"python", "py"}
 NOT_EXAMPLES = {"", "text", "json"}  # fenced diagrams and outputs
 
@@ -346,6 +349,8 @@ def run_command(example: Example, text: str) -> str:
       `python -m pytest`: the suite itself, not run.
     - `python benchmarks/X.py`, `bash benchmarks/X.sh`: the script exists, and `--help` lists each option given
       (python) or `bash -n` reads it (bash).
+    - `ray ...` and `serve ...` (Ray's commands: a cluster across machines, a Ray Serve application): parsed by Ray's
+      own click commands, every option theirs and every value of its type (not run), where the ray extra is there.
     Parts joined by `&&` run in turn. Returns how it ran (the test's `docs` property)."""
     words = shlex.split(text, comments=True)
     if Path(words[0]).name == "cullama" and any(w.startswith("[") or "|" in w.strip("|") for w in words):
@@ -379,6 +384,8 @@ def run_command(example: Example, text: str) -> str:
             hows.append(check_script(name, args))
         elif name == "curl":
             hows.append(run_curl(args, env))
+        elif name in ("ray", "serve"):
+            hows.append(check_ray_command(name, args))
         else:
             pytest.fail(f"no way to run `{' '.join(part)}`: add one to run_command", pytrace=False)
     return "; ".join(hows)
@@ -427,11 +434,22 @@ def start_serve(args: list[str], env: dict) -> str:
         else:
             rest.append(word)
     log = Path(tempfile.mkdtemp(dir=Path.cwd(), prefix="serve-")) / "server.log"
+    replicas = any(word in args for word in ("--replicas", "--min-replicas", "--max-replicas"))
+    if replicas:  # a local Ray cluster of its own, found and reaped by its temp dir (tests/ray_cluster.py)
+        from tests.ray_cluster import ray_env, ray_pids, ray_root, reap
+
+        root = ray_root()
+        env = {**ray_env(root), **env}
     server = ServerProcess(Path(model), log, *rest, env={**os.environ, **env})
     try:
-        server.wait_ready()
+        server.wait_ready(240 if replicas else 60)
     finally:
-        assert server.stop(signal.SIGTERM) == 0, server.log()
+        assert server.stop(signal.SIGTERM, timeout=60 if replicas else 30) == 0, server.log()
+        if replicas:
+            deadline = time.monotonic() + 15
+            while ray_pids(root) and time.monotonic() < deadline:
+                time.sleep(0.2)
+            assert reap(root) == [], "Ray processes were left behind"
     return "ran: started (--host 127.0.0.1 --port 0 --device cpu), /health 200, stopped"
 
 
@@ -487,6 +505,18 @@ def check_script(interpreter: str, args: list[str]) -> str:
     for option in (a.partition("=")[0] for a in args[1:] if a.startswith("--")):
         assert option in done.stdout, f"{args[0]} --help has no {option}"
     return "checked: the script's --help lists its options"
+
+
+def check_ray_command(program: str, args: list[str]) -> str:
+    ray_scripts = pytest.importorskip("ray.scripts.scripts" if program == "ray" else "ray.serve.scripts",
+                                      reason="the ray extra is not installed")
+    group = ray_scripts.cli
+    import click
+
+    command = group.get_command(click.Context(group), args[0]) if args else None
+    assert command is not None, f"`{program}` has no command {args[:1]}"
+    command.make_context(args[0], list(args[1:]))  # a wrong option or value: click's usage error
+    return f"parse-checked by Ray's `{program} {args[0]}` (not run)"
 
 
 def run_curl(args: list[str], env: dict) -> str:

@@ -14,7 +14,8 @@ BELOW = {"common": set(), "kernels_cu": set(), "model": {"common"}, "text": {"co
 BELOW["generation"] = {"runtime", "text"} | BELOW["runtime"]
 BELOW["llama"] = BELOW["bench"] = {"generation"} | BELOW["generation"]
 BELOW["server"] = {"llama"} | BELOW["llama"]
-BELOW["cli"] = {"server", "bench"} | BELOW["server"]
+BELOW["replicas"] = {"server"} | BELOW["server"]
+BELOW["cli"] = {"server", "bench", "replicas"} | BELOW["server"]
 
 
 def module_name(path: Path) -> str:

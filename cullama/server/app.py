@@ -78,9 +78,9 @@ def create_app(engine: Engine, settings: Settings, metrics: Metrics) -> FastAPI:
 
     @app.api_route("/health", methods=["GET", "HEAD"])  # HEAD: for load balancers' probes
     async def health():
-        if engine.state != "ready":
-            raise ApiError(503, "the model is loading" if engine.state == "loading" else
-                           f"the model is not served ({engine.state})")
+        problem = engine.problem()
+        if problem is not None:
+            raise ApiError(503, problem)
         return {"status": "ok"}
 
     @app.get("/metrics")

@@ -126,6 +126,17 @@ class Engine:
     def join(self, timeout: float | None = None) -> None:
         self._thread.join(timeout)
 
+    def problem(self) -> str | None:
+        """Why the engine serves no request now (None: it serves): loading, failed, stopped, or its thread gone
+        while ready (an error outside any one request's: /health answers 503, and a replica under Ray is
+        unhealthy and replaced)."""
+        with self._lock:
+            if self.state != "ready":
+                return "the model is loading" if self.state == "loading" else f"the model is not served ({self.state})"
+            if not self._thread.is_alive():
+                return "the model is not served (its engine thread ended)"
+            return None
+
     # -- the HTTP side ---------------------------------------------------------------------------
     def submit(self, job: Job) -> None:
         """Queue a job, or raise Busy (queue full) / Unavailable (not ready, stopping)."""

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Callable
 
 import uvicorn
-from uvicorn.protocols.http.auto import AutoHTTPProtocol
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from ..model import hub
 from ..model.config import from_pretrained as read_config
@@ -76,12 +76,13 @@ class Server(uvicorn.Server):
     whose body never comes would keep it waiting for ever (a second signal too): after `grace` seconds the
     connections still open are closed, as if their clients had left."""
 
-    def __init__(self, config: uvicorn.Config, engine: Engine, grace: float = SHUTDOWN_GRACE_S):
-        super().__init__(config)
+    def __init__(self, config: uvicorn.Config, engine: Engine | None, grace: float = SHUTDOWN_GRACE_S):
+        super().__init__(config)  # engine None: someone else stops the generations (cullama/replicas/launch.py)
         self.engine, self.grace = engine, grace
 
     async def shutdown(self, sockets=None):
-        self.engine.stop()
+        if self.engine is not None:
+            self.engine.stop()
         closing = asyncio.get_running_loop().call_later(self.grace, self.close_connections)
         try:
             await super().shutdown(sockets=sockets)
@@ -95,10 +96,12 @@ class Server(uvicorn.Server):
                 transport.close()
 
 
-class JsonErrors(AutoHTTPProtocol):
-    """uvicorn's HTTP protocol (httptools' where it is installed, else h11's), whose answer to a request it
-    cannot parse (a malformed request line, headers or body framing) is OpenAI's error object rather than
-    plain text. uvicorn tells it only that the request is malformed, not where."""
+class JsonErrors(H11Protocol):
+    """uvicorn's HTTP protocol on h11, whose answer to a request it cannot parse (a malformed request line,
+    headers or body framing) is OpenAI's error object rather than plain text. uvicorn tells it only that the
+    request is malformed, not where. h11 always, never uvicorn's pick (httptools wherever it is installed, as
+    `ray[serve]` and `uvicorn[standard]` install it): httptools serves an HTTP/1.1 request without a Host header,
+    which RFC 9112 and these servers refuse, so the same server would answer otherwise on another install."""
 
     def send_400_response(self, msg: str) -> None:
         cycle = getattr(self, "cycle", None)
@@ -150,7 +153,28 @@ def serve(model_dir: str, host: str = "127.0.0.1", port: int = 8000, device: str
     request's tokens are its solo tokens either way), a KV cache of the context each (checked before the weights
     load: a max_batch that does not fit is refused with the numbers); prefill_chunk: Llama.from_pretrained's (None:
     its rule, which the ready line reports)."""
-    from ..llama import Llama, check_draft, checked_context, checked_max_batch, checked_prefill_chunk
+    from ..llama import Llama
+
+    settings, load = prepare(model_dir, device=device, max_seq_len=max_seq_len, served_model_name=served_model_name,
+                             api_key=api_key, tokenizer=tokenizer, speculative=speculative, draft_model=draft_model,
+                             quantize=quantize, body_timeout=body_timeout, allowed_hosts=allowed_hosts,
+                             allowed_origins=allowed_origins, max_batch=max_batch, prefill_chunk=prefill_chunk,
+                             revision=revision)
+    return run(lambda: Llama.from_pretrained(**load), settings, host, port, max_queue, shutdown_grace, max_batch)
+
+
+def prepare(model_dir: str, device: str = "auto", max_seq_len: int | None = None,
+            served_model_name: str | None = None, api_key: str | None = None, tokenizer: str | None = None,
+            speculative: dict | None = None, draft_model: str | None = None, quantize: str | None = None,
+            body_timeout: float = BODY_TIMEOUT_S, allowed_hosts: tuple[str, ...] = (),
+            allowed_origins: tuple[str, ...] = (), max_batch: int = 8, prefill_chunk: int | None = None,
+            revision: str | None = None) -> tuple[Settings, dict]:
+    """What `cullama serve` checks before it listens (serve's options; a bad one is a CullamaError, one line and exit
+    2): the app's Settings (its hosts: the --allowed-hosts only, the listening address is the caller's to add) and
+    Llama.from_pretrained's keywords, which load the model on the engine thread (of this process, or of each replica
+    under Ray: cullama/replicas/). A hub id is resolved here (downloaded where the cache lacks it), and the keywords
+    name the local directories."""
+    from ..llama import check_draft, checked_context, checked_max_batch, checked_prefill_chunk
     from ..text.tokenizer import find_tokenizer, load_tokenizer
     from ..model.weights import config_layout
 
@@ -172,10 +196,11 @@ def serve(model_dir: str, host: str = "127.0.0.1", port: int = 8000, device: str
     settings = Settings(model_name=name, context=context, api_key=api_key, speculative=dict(speculative or {}),
                         body_timeout=body_timeout, hosts=tuple(allowed_hosts),
                         allowed_origins=tuple(allowed_origins))
-    return run(lambda: Llama.from_pretrained(model_dir, device=device, max_seq_len=max_seq_len,
-                                             tokenizer=tokenizer, draft_model=draft_model, quantize=quantize,
-                                             max_batch=max_batch, prefill_chunk=prefill_chunk),
-               settings, host, port, max_queue, shutdown_grace, max_batch)
+    load = dict(path=str(model_dir), device=device, max_seq_len=max_seq_len,
+                tokenizer=None if tokenizer is None else str(tokenizer),
+                draft_model=None if draft_model is None else str(draft_model), quantize=quantize,
+                max_batch=max_batch, prefill_chunk=prefill_chunk)
+    return settings, load
 
 
 def describe_speculation(default: dict) -> str:

@@ -542,3 +542,26 @@ def test_serve_load_smoke_run_on_the_cpu(stories_dir, tmp_path, capsys):
         shown = [s["ttft_ms_p50"], s["ttft_ms_p99"], s["gap_ms_p50"], s["gap_ms_p99"]]
         assert line.split()[3:5] + line.split()[6:8] == [f"{v:.2f}" for v in shown], line
         assert line.split()[9] == f"{s['tokens_per_s']:.1f}", line
+
+
+def test_serve_load_side_by_side_interleaves_and_compares(stories_dir, tmp_path, capsys):
+    """--url twice (one server under two names): each path's lines, the second against the first, the medians of
+    --repeats runs, every run in the record. Figures not checked."""
+    pytest.importorskip("fastapi", reason="the serve extra is not installed (pip install -e '.[test]')")
+    import serve_load
+
+    from tests.serving import running
+
+    out = tmp_path / "side.json"
+    with running(stories_dir, tmp_path) as server:
+        urls = [f"http://127.0.0.1:{server.port}", f"http://localhost:{server.port}"]
+        assert serve_load.main(["--url", urls[0], "--url", urls[1], "--concurrency", "1,2", "--tokens", "4",
+                                "--rounds", "2", "--repeats", "2", "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    a, b = f"127.0.0.1:{server.port}", f"localhost:{server.port}"
+    assert text.count(f"{b} against {a}: TTFT p50") == 2 * 2 + 2  # per level and run, then the medians
+    record = json.loads(out.read_text())
+    assert record["paths"] == [a, b] and len(record["runs"]) == 2
+    for run in record["runs"]:
+        assert [row["concurrency"] for row in run[b]] == [1, 2] and all("against" in row for row in run[b])
+        assert [len(row["ttft_ms"]) for row in run[a]] == [2, 4]  # rounds x clients, interleaved

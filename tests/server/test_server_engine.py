@@ -380,3 +380,16 @@ def test_a_prompt_is_tokenized_off_the_event_loop_so_the_server_answers_meanwhil
 def test_loopback_addresses_are_told_apart_from_the_others():
     assert is_loopback("127.0.0.1") and is_loopback("::1") and is_loopback("localhost") and is_loopback("127.0.0.2")
     assert not is_loopback("0.0.0.0") and not is_loopback("::") and not is_loopback("192.168.1.10")
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")  # the thread's death is the point
+def test_an_engine_thread_that_died_makes_health_503():
+    """A fault outside any one request (here the batch session cannot even start) ends the engine thread while its
+    state is still ready: /health says so (and a replica under Ray, whose health check asks the same, is replaced)."""
+    engine = Engine(lambda: object(), 8, Metrics(), max_batch=2)  # object() has no batch(): the thread raises
+    engine.start()
+    engine.join(30)
+    assert engine.state == "ready" and engine.problem() == "the model is not served (its engine thread ended)"
+    with serving(engine) as client:
+        health = client.get("/health")
+        assert health.status_code == 503 and "engine thread ended" in health.json()["error"]["message"]
