@@ -22,3 +22,28 @@ def test_steps_selects_what_runs(tmp_path):
     log = (out / "steps.log").read_text()
     assert "=== info" in log and "=== bench" not in log and "=== pytest" not in log
     assert "=== summary" in log
+
+
+# What a lent GPU machine lacks: it has Python with CuPy, numpy, safetensors, sentencepiece, click, pytest, torch and
+# transformers (tokenizers, jinja2, huggingface_hub), plus the wheels prepare_device.sh carries (the serve extra,
+# llguidance), and no network; the test extra's other packages are not there.
+ABSENT_ON_THE_DEVICE = ("jsonschema", "openai", "ray", "httptools")
+HIDE = """
+import importlib.abc, sys
+class Absent(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in {absent!r}:
+            raise ModuleNotFoundError(f"No module named {{name!r}}", name=name)
+sys.meta_path.insert(0, Absent())
+import pytest
+sys.exit(pytest.main(["--collect-only", "-q", "-m", "gpu", "-p", "no:cacheprovider", "tests"]))
+"""
+
+
+def test_the_gpu_tests_collect_without_what_the_device_lacks():
+    """`pytest -m gpu` (device_check.sh's first step) must not stop at collection where a test module imports a test
+    dependency the device does not have: one such module made the whole run collect nothing but errors."""
+    done = subprocess.run([sys.executable, "-c", HIDE.format(absent=ABSENT_ON_THE_DEVICE)], cwd=REPO,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "error" not in done.stdout.splitlines()[-1], done.stdout[-500:]
