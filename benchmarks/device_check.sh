@@ -98,9 +98,10 @@ else
         step serve-deps 60 "$PY" -m pip install -q --no-index --find-links .whl 'fastapi>=0.115' 'uvicorn>=0.30' \
             'pydantic>=2.7'
     fi
-    # constrained decoding's llguidance (the constrained extra; no PyTorch), from .whl too
-    if ! "$PY" -c 'import llguidance' 2>/dev/null && [ -d .whl ]; then
-        step grammar-deps 60 "$PY" -m pip install -q --no-index --find-links .whl 'llguidance>=1.1'
+    # constrained decoding's llguidance (the constrained extra; no PyTorch) and jsonschema (the GPU test of constrained
+    # generation validates its JSON), from .whl too
+    if ! "$PY" -c 'import llguidance, jsonschema' 2>/dev/null && [ -d .whl ]; then
+        step grammar-deps 60 "$PY" -m pip install -q --no-index --find-links .whl 'llguidance>=1.1' 'jsonschema>=4'
     fi
 fi
 step info 30 "${CULLAMA[@]}" info

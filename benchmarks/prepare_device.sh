@@ -3,8 +3,9 @@
 # root, before the one device call (`device` tool: run with carry [".shared", ".whl"], command
 # `bash benchmarks/device_check.sh`):
 #   .shared  a copy of ../shared (the golden checkpoints, stories260K, the LLaMA-2 tokenizer; ~30 MB)
-#   .whl     wheels of the server's extra for the device's Python 3.12 (fastapi, uvicorn, pydantic; ~4 MB) and of
-#            constrained decoding's llguidance (~3 MB)
+#   .whl     wheels of the server's extra for the device's Python 3.12 (fastapi, uvicorn, pydantic; ~4 MB), of
+#            constrained decoding's llguidance (~3 MB) and of jsonschema (with its dependencies; ~1 MB), which the GPU
+#            test of constrained generation validates with
 # Both are git-ignored and together stay well under the 64 MiB that a run may carry.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -13,5 +14,5 @@ cp -r ../shared .shared
 rm -rf .shared/hooks
 pip download -q -d .whl --python-version 3.12 --only-binary=:all: \
     --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
-    'fastapi>=0.115' 'uvicorn>=0.30' 'pydantic>=2.7' 'llguidance>=1.1'
+    'fastapi>=0.115' 'uvicorn>=0.30' 'pydantic>=2.7' 'llguidance>=1.1' 'jsonschema>=4'
 du -sh .shared .whl
