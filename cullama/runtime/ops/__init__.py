@@ -9,7 +9,7 @@ sets ARCH_SPECIFIC = True where its kernels need the arch-specific target (sm_90
 
 from importlib import import_module
 
-STEMS = ("gemv", "attention", "sampling", "gemm", "gemm_wgmma", "prefill", "bandwidth", "fill", "attention_mma",
+STEMS = ("gemv", "gemv_mma", "attention", "sampling", "gemm", "gemm_wgmma", "prefill", "bandwidth", "fill", "attention_mma",
          "gemv_quant", "gather", "gemm_quant")
 
 

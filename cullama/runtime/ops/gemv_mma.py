@@ -1,0 +1,240 @@
+"""Twins of kernels_cu/gemv_mma.cu: the decode step's matrix-vector products on tensor cores (mma.sync m16n8k16),
+FP16, INT8 and INT4 weights, 1 to 16 token rows.
+
+Compile-time defines (`defines(bits, tokens)`): BITS (16: FP16 W; 8 or 4: quant.py's qweight / qparams, the group size
+the kernels' last argument) and TOKENS, the launch's token rows (1..16: 1 a decode step, k + 1 a verify step of k
+drafts, B a batched step's group; x, in and the outputs are [TOKENS, width] rows). Two more have defaults the plans
+use and a sweep may change: NTILES (n-tiles of 8 output rows per block, default 4: ROWS = 32 rows a block) and UNROLL
+(k-blocks per warp in one batch of loads, default 4 for FP16, 2 quantized); MIN_BLOCKS (default 4) bounds registers.
+
+The twins compute what the kernel computes, in its order: A = fp16(x * norm_w) (fp16(in) for gemv_residual), B = the
+FP16 weight (quantized: fp16((q - zero) * scale), quant.dequantize(..., np.float16)), the reduction index permuted as
+the lanes load it, every warp's chain of MMAs over its k-blocks, each MMA as the CPU executor runs mma.sync (C plus the
+16 products in k order, summed in double, rounded once to float32: runtime.cpp complete_mma), the warps' partials added
+in warp order, RMSNorm's Σ x² as each lane's chain of fmaf (emulated exactly), and the epilogues' float32 arithmetic.
+So on the executor a twin equals its kernel bit for bit (tests/runtime/emu/test_emu_gemv_mma.py). On a GPU it matches
+within a tolerance: the tensor core's internal summation inside an MMA is not specified by PTX (as for the prefill
+GEMM's twin, ops/gemm.py); a token row's result still depends on that row alone there (the GPU check shows it).
+Row independence is by construction here too: each token row is computed on its own.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+
+import numpy as np
+
+from ...model import quant
+from .gemv import logit_rows, token_rows
+from .rows import row_positions
+
+SOURCE = "gemv_mma.cu"
+THREADS = 128
+WARPS = THREADS // 32
+NTILES = 4  # the kernel's default
+ROWS = 8 * NTILES  # output rows per block (even: RoPE pairs and gate/up pairs share a block)
+MAX_TOKENS = 16  # the MMA's M
+FORMATS = (16, 8, 4)  # BITS: FP16, W8A16, W4A16
+
+
+def defines(bits: int = 16, tokens: int = 1) -> tuple:
+    """The compile-time defines of the kernel the plans launch for `bits` and `tokens` token rows."""
+    if bits not in FORMATS:
+        raise ValueError(f"gemv_mma: BITS must be one of {FORMATS}, not {bits}")
+    if not 1 <= tokens <= MAX_TOKENS:
+        raise ValueError(f"gemv_mma: TOKENS must be 1..{MAX_TOKENS}, not {tokens}")
+    return (("BITS", bits), ("TOKENS", tokens))
+
+
+def rows_per_block(defs: tuple = ()) -> int:
+    """Output rows per block of a variant: 8 NTILES."""
+    return 8 * dict(defs).get("NTILES", NTILES)
+
+
+# What CI compiles (and checks for spills) and `cullama kernels` lists: every launch a plan can make.
+VARIANTS = [defines(bits, t) for bits in FORMATS for t in range(1, MAX_TOKENS + 1)]
+
+
+# -- the kernel's arithmetic ---------------------------------------------------------------------------------------
+def _fma32(a: np.ndarray, b: np.ndarray, c: np.ndarray) -> np.ndarray:
+    """fmaf(a, b, c) in float32 with one rounding: a b exact in double, the double sum's error (TwoSum) used to break
+    the one case where rounding twice differs (a sum that lands on a float32 tie)."""
+    p = a.astype(np.float64) * b
+    c64 = c.astype(np.float64)
+    s = p + c64
+    bb = s - p
+    err = (p - (s - bb)) + (c64 - bb)
+    s = np.where(err != 0, np.nextafter(s, np.where(err > 0, np.inf, -np.inf)), s)
+    return s.astype(np.float32)
+
+
+def _k_order(K: int, elems: int) -> tuple[np.ndarray, int]:
+    """idx [kblocks, STEPS, 16]: the k of MMA k-index kk in step s of k-block kb (k >= K: padding), and kblocks."""
+    vecs = K // elems
+    kblocks = -(-vecs // 4)
+    kb, s, kk = np.meshgrid(np.arange(kblocks), np.arange(elems // 4), np.arange(16), indexing="ij")
+    t, h, upper = (kk % 8) // 2, kk % 2, kk // 8
+    return (4 * kb + t) * elems + 4 * s + 2 * upper + h, kblocks
+
+
+def mma_rows(b16: np.ndarray, a16: np.ndarray, bits: int, x: np.ndarray | None = None, g: np.ndarray | None = None):
+    """The kernel's sums before the epilogue, for one token row or several at once (each row's arithmetic is its own):
+    dot [T, M] float32 = B [M, K] · A [T, K] (FP16 both) in the kernel's order, and with x [T, K] float32 (RMSNorm
+    kernels) ss [T] float32, Σ x² in the kernel's order (else None)."""
+    M, K = b16.shape
+    T = a16.shape[0]
+    elems = 128 // bits
+    idx, kblocks = _k_order(K, elems)
+    iters = -(-kblocks // WARPS)
+    pad = iters * WARPS * 4 * elems  # k-blocks past the last one multiply zeros: adding +0.0 changes no sum
+    a64 = np.zeros((T, pad), np.float64)
+    a64[:, :K] = a16
+    b64 = np.zeros((M, pad), np.float64)
+    b64[:, :K] = b16
+    steps = elems // 4
+    full = np.zeros((iters * WARPS, steps, 16), np.int64)
+    full[:kblocks] = idx
+    if iters * WARPS > kblocks:  # whole padding k-blocks: any k past K
+        full[kblocks:] = K
+    order = full.reshape(iters, WARPS, steps, 16)  # k-block i * WARPS + w is warp w's i-th
+    acc = np.zeros((WARPS, T, M), np.float32)
+    for i in range(iters):
+        for s in range(steps):
+            total = acc.astype(np.float64)  # C, then the 16 products in k order, in double; rounded once
+            for kk in range(16):
+                k = order[i, :, s, kk]  # [WARPS]
+                total += a64[:, k].T[:, :, None] * b64[:, k].T[:, None, :]
+            acc = total.astype(np.float32)
+    dot = acc[0].copy()
+    for w in range(1, WARPS):
+        dot = dot + acc[w]
+    if x is None:
+        return dot, None
+    # Σ x²: lane (g, t) of warp w chains fmaf over its chunks c = 4 kb + t (kb its warp's) and their elements in order
+    xp = np.zeros((T, pad), np.float32)
+    xp[:, :K] = x
+    chunks = xp.reshape(T, iters, WARPS, 4, elems)  # [T, i, w, t, e]
+    ss = np.zeros((T, WARPS, 4), np.float32)
+    for i in range(iters):
+        for e in range(elems):
+            v = chunks[:, i, :, :, e]
+            ss = _fma32(v, v, ss)
+    total = ss[:, 0, 0].copy()
+    for w in range(WARPS):
+        for t in range(4):
+            if w or t:
+                total = total + ss[:, w, t]
+    return dot, total
+
+
+def _rms_scale(ss: np.ndarray, K: int, eps) -> np.ndarray:
+    """rsqrtf(ss / K + eps) as the executor has it (1 / sqrt), in float32."""
+    mean = ss / np.float32(K) + np.float32(eps)
+    return np.float32(1.0) / np.sqrt(mean)
+
+
+def _normed(x: np.ndarray, norm_w: np.ndarray, K: int) -> tuple[np.ndarray, np.ndarray]:
+    """(x [T, K] float32, A = fp16(x * norm_w) [T, K])."""
+    x32 = np.ascontiguousarray(token_rows(x)[:, :K], np.float32)
+    return x32, (x32 * norm_w[:K].astype(np.float32)).astype(np.float16)
+
+
+def _weights(W, qparams, K: int) -> tuple[np.ndarray, int]:
+    """(B [M, K] float16, BITS): the FP16 W, or the quantized weight as the prefill GEMM has it."""
+    if qparams is None:
+        return np.asarray(W)[:, :K].astype(np.float16, copy=False), 16
+    bits = 32 * W.shape[1] // K
+    return quant.dequantize(W, qparams, bits, np.float16), bits
+
+
+_LIBM = ctypes.CDLL(ctypes.util.find_library("m") or "libm.so.6")
+_LIBM.expf.restype, _LIBM.expf.argtypes = ctypes.c_float, (ctypes.c_float,)
+_EXPF = np.frompyfunc(_LIBM.expf, 1, 1)
+
+
+def _expf(a: np.ndarray) -> np.ndarray:
+    """The C library's expf, element by element: the executor's expf (correctly rounded results can differ by an ulp)."""
+    return np.asarray(_EXPF(a), np.float32).reshape(a.shape)
+
+
+def _silu(a: np.ndarray) -> np.ndarray:
+    return a / (np.float32(1.0) + _expf(-a))
+
+
+# -- the kernels -----------------------------------------------------------------------------------------------------
+def qkv_rope(W, qparams, x, norm_w, bias, q_out, k_cache, v_cache, rope, state, step_rows, d, n_heads, n_kv_heads, hd,
+             max_seq, eps):
+    b16, bits = _weights(W, qparams, d)
+    x32, a16 = _normed(x, norm_w, d)
+    dot, ss = mma_rows(b16, a16, bits, x32)
+    rows = x32.shape[0]
+    y = (dot * _rms_scale(ss, d, eps)[:, None]) + bias[:b16.shape[0]].astype(np.float32)  # [rows, all heads * hd]
+    y = y.reshape(rows, n_heads + 2 * n_kv_heads, hd)
+    slots, positions = row_positions(step_rows, state, rows)
+    angles = rope[positions]  # [rows, hd/2, 2]: each row's cos and sin at its position
+    cos, sin = angles[:, None, :, 0], angles[:, None, :, 1]
+    qk = y[:, : n_heads + n_kv_heads]
+    first, second = qk[..., : hd // 2].copy(), qk[..., hd // 2:].copy()
+    qk[..., : hd // 2] = first * cos - second * sin
+    qk[..., hd // 2:] = second * cos + first * sin
+    token_rows(q_out)[:, : n_heads * hd] = y[:, :n_heads].reshape(rows, -1)
+    keys, values = (c.reshape(-1, n_kv_heads, max_seq, hd) for c in (k_cache, v_cache))  # [slots, ...]
+    keys[slots, :, positions] = y[:, n_heads: n_heads + n_kv_heads].astype(np.float16)  # [rows, kv_heads, hd]
+    values[slots, :, positions] = y[:, n_heads + n_kv_heads:].astype(np.float16)
+
+
+def residual(W, qparams, inp, x, M, K):
+    b16, bits = _weights(W, qparams, K)
+    a16 = token_rows(inp)[:, :K].astype(np.float32).astype(np.float16)
+    dot, _ = mma_rows(b16[:M], a16, bits)
+    xs = token_rows(x)
+    xs[:, :M] = xs[:, :M] + dot
+
+
+def gate_up_silu(W, qparams, x, norm_w, h, ff, d, eps):
+    b16, bits = _weights(W, qparams, d)
+    x32, a16 = _normed(x, norm_w, d)
+    dot, ss = mma_rows(b16[:2 * ff], a16, bits, x32)
+    scale = _rms_scale(ss, d, eps)[:, None]
+    gate, up = dot[:, :ff] * scale, dot[:, ff:] * scale
+    token_rows(h)[:, :ff] = _silu(gate) * up
+
+
+def _quantized(W) -> bool:
+    return np.asarray(W).dtype == np.uint32  # qweight; FP16 W otherwise
+
+
+def gemv_qkv_rope(x, norm_w, *args):
+    """Per token row t of x [T, d] (or [d]): q|k|v = W · rmsnorm(x[t]) + bias, then RoPE; q_out[t] [heads hd] f32,
+    k_cache / v_cache [slots, kv_heads, max_seq, hd] f16 written in row t's slot at its position. W is the FP16 W, or
+    (qweight, qparams) with `group` as the last argument (the BITS 8 / 4 kernels)."""
+    if _quantized(args[0]):  # (qweight, qparams, bias, q_out, ..., eps, group)
+        qkv_rope(args[0], args[1], x, norm_w, *args[2:-1])
+    else:
+        qkv_rope(args[0], None, x, norm_w, *args[1:])
+
+
+def gemv_residual(inp, *args):
+    """x[t, :M] += W [M, K] · in[t, :K] per token row t (1-D: one row); W FP16 or (qweight, qparams, ..., group)."""
+    if _quantized(args[0]):  # qweight, qparams, x, M, K, group
+        residual(args[0], args[1], inp, *args[2:-1])
+    else:
+        residual(args[0], None, inp, *args[1:])
+
+
+def gemv_gate_up_silu(x, norm_w, *args):
+    """h[t, :ff] = silu(gate) * up, gate|up = W [2 ff, d] · rmsnorm(x[t]); W FP16 or (qweight, qparams, ..., group)."""
+    if _quantized(args[0]):  # qweight, qparams, h, ff, d, eps, group
+        gate_up_silu(args[0], args[1], x, norm_w, *args[2:-1])
+    else:
+        gate_up_silu(args[0], None, x, norm_w, *args[1:])
+
+
+def gemv_logits(x, norm_w, W, logits, V, d, eps):
+    """logits[t, :V] = W [V, d] · rmsnorm(x[t]) per token row t, rows at logits_stride(V) (FP16 W only)."""
+    x32, a16 = _normed(x, norm_w, d)
+    dot, ss = mma_rows(np.asarray(W)[:V, :d].astype(np.float16, copy=False), a16, 16, x32)
+    out = dot * _rms_scale(ss, d, eps)[:, None]
+    for lt, row in zip(logit_rows(logits, V, len(out)), out):
+        lt[:V] = row

@@ -1,0 +1,369 @@
+// gemv_mma.cu — the decode step's matrix-vector products on tensor cores (mma.sync.m16n8k16, FP16 A and B, FP32
+// accumulators), for FP16, INT8 and INT4 weights (BITS 16 | 8 | 4; W8A16 / W4A16) and 1 to 16 token rows (TOKENS):
+// a decode step (1 row), a speculative verify step (k + 1 rows) and a batched step's group (B rows) run this one
+// kernel, with the token rows as the MMA's M (rows past TOKENS are zero) and the weights as B.
+//
+//   gemv_qkv_rope      q|k|v = W_qkv · rmsnorm(x) + b   + RoPE on q and k, k and v written to the KV cache
+//   gemv_residual      x += W · in                  (o_proj on the attention output, down_proj on h)
+//   gemv_gate_up_silu  h = silu(W_gate · n) * (W_up · n),  n = rmsnorm(x)
+//   gemv_logits        logits = W_lm_head · rmsnorm(x)   (FP16 only: the lm_head stays FP16, as AWQ and GPTQ keep it)
+//
+// Weights, unchanged from the formats the prefill GEMMs read (no reshuffle at load): FP16 W [M, K] row-major, or
+// cullama/model/quant.py's qweight [M, K * BITS / 32] uint32 (codes interleaved for dequant.cuh) and qparams
+// [M, K / group, 2] FP16 (scale, zero). Parameters: FP16 as before; quantized ones take (qweight, qparams) for W and
+// `group` last. x, in and the outputs are [TOKENS, width] float32 rows (logits at logits_stride(V)), as before.
+//
+// Fragments without a reshuffle: the reduction index k is ours to permute as long as A and B permute it alike. Lane
+// (g = lane / 4, t = lane % 4) of a warp loads 16 contiguous bytes ("chunk" c = 4 kb + t of k-block kb) of weight row
+// n0 + g: E = 8 FP16 values, 16 INT8 or 32 INT4 codes, i.e. STEPS = E / 4 MMA k-steps. In step s the lane's B
+// fragment is elements 4s, 4s + 1 (b0) and 4s + 2, 4s + 3 (b1) of its chunk; its A fragment is the same k of token
+// rows g (a0, a2) and g + 8 (a1, a3). So MMA k-index 2t + h <-> element c E + 4s + h and 2t + 8 + h <-> c E + 4s + 2 + h.
+// FP16: b0, b1 are words 2s, 2s + 1 of the chunk. INT4 / INT8: quant.py's interleaved order puts codes 2p, 2p + 1 of a
+// word in one masked pair (dequant.cuh code_pair), so b0 / b1 are pairs of word 4s / (32 / BITS) ... exactly as
+// loaded. The prefill GEMMs and the loaders are untouched (tests/runtime/ops/test_gemv_mma.py reads the formats).
+// B for quantized weights is the prefill GEMM's FP16 weight, fp16((q - zero) * scale): code_pair's exact FP16 (q - zero)
+// times the scale by one mul.rn.f16x2, so prefill and decode multiply by the same weights, and any group that is a
+// multiple of the chunk works (each lane takes its chunk's (scale, zero)). The alternative, a fresh FP32 accumulator
+// per group and fmaf(part, scale, acc), needs every MMA's 16 k inside one group (groups of 32 INT4 codes and chunk
+// orders across groups break it) and costs an FFMA per accumulator per group; the FP16 weight costs one HMUL2 per
+// code pair and is the value every FP16 model runs anyway.
+// A: fp16(x * norm_w) (x * norm_w rounded to FP32 by __fmul_rn, then cvt.rn.f16x2: x rounded to FP16 as HuggingFace's
+// FP16 models do), RMSNorm's sum of x^2 taken in FP32 on the way (fmaf) and its rsqrt scale applied in the FP32 epilogue.
+//
+// Launch: 1-D grid, THREADS (128) = WARPS (4) warps. A block owns ROWS = 8 NTILES output rows (NTILES n-tiles of 8
+// rows, every warp all of them: each A fragment feeds NTILES MMAs); its warps split K, warp w taking k-blocks w,
+// w + 4, w + 8, ... (a k-block: 4 chunks of every row), UNROLL k-blocks per batch of loads (NTILES x UNROLL 16-byte
+// streaming loads per lane in flight, plus a 4-byte (scale, zero) per chunk when quantized). Then the warps' C
+// fragments and RMSNorm partial sums go through shared memory, are added in warp order, and the epilogue runs for
+// every (token row, output pair) on all 128 threads.
+// Grid: qkv ceil(pairs / PAIRS), residual / logits ceil(M / ROWS), gate_up ceil(ff / PAIRS); ROWS 32 (NTILES 4):
+// LLaMA-2-7B: qkv 384, o_proj and down 128, gate_up 688, lm_head 1000 blocks for 132 SMs.
+// x re-reads: each block reads its token rows of x once (its warps split K): TOKENS * K * 4 bytes against ROWS * K *
+// BITS / 8 bytes of weights, a ratio of 32 TOKENS / (ROWS BITS): at 16 rows and ROWS 32 that is 1.0 (FP16), 2.0 (INT8)
+// and 4.0 (INT4) from L2 / L1 (at 1 row 0.06, 0.13, 0.25; blocks sharing an SM share L1 hits). This is the design's
+// known cost at many rows: staging A in shared memory for more rows per block with split-K across blocks would cut
+// it (later work, measured first on a GPU).
+// Shapes: K % E == 0 (FP16 K % 8, INT8 K % 16, INT4 K % 32); a lane whose chunk lies past K loads zeros (A and B); for
+// quantized weights group % E == 0 and K % group == 0 (quant.py's contract); any M.
+//
+// Bit-exactness by construction: every output (token m, row n) is, per warp, the chain of that warp's MMAs over its
+// k-blocks in order and the steps in order; an MMA output depends only on its own A row and B column (the executor's
+// complete_mma; on a GPU the first device check shows it), rows past TOKENS are zero, and the warps' partials are added
+// in warp order with __fadd_rn. So a token row's result does not depend on the other rows or on TOKENS: a verify step's
+// rows equal decode steps' and a batched row equals the row alone (tests/runtime/ops/test_gemv_mma.py). The epilogues'
+// arithmetic is explicit (__fadd_rn, __fmul_rn, __fdiv_rn). The NumPy twin (cullama/runtime/ops/gemv_mma.py) models
+// this order and the executor's MMA (a double sum of C and the 16 products in k order, rounded once) bit for bit.
+// Overlap: the first batch of weight loads is issued before pdl_wait(), as before.
+#ifndef BITS
+#define BITS 16
+#endif
+#ifndef TOKENS
+#define TOKENS 1
+#endif
+#ifndef NTILES
+#define NTILES 4  // n-tiles of 8 output rows per block (each warp covers all of them)
+#endif
+#ifndef UNROLL
+#define UNROLL (BITS == 16 ? 4 : 2)  // k-blocks per warp in one batch of loads
+#endif
+#ifndef MIN_BLOCKS
+#define MIN_BLOCKS 4  // 128 registers a thread at most
+#endif
+#include "common.cuh"
+#include "rope.cuh"
+#include "dequant.cuh"
+#include "mma.cuh"
+
+#if BITS != 16 && BITS != 8 && BITS != 4
+#error "BITS must be 16, 8 or 4"
+#endif
+#if TOKENS < 1 || TOKENS > 16
+#error "TOKENS must be 1..16 (the MMA's M)"
+#endif
+#define THREADS 128
+#define WARPS (THREADS / WARP)
+#define ROWS (8 * NTILES)
+#define PAIRS (ROWS / 2)
+#define ELEMS (128 / BITS)  // k elements per 16-byte chunk
+#define STEPS (ELEMS / 4)   // MMA k-steps per chunk (4 of each lane's k per step)
+#define QUANT (BITS != 16)
+
+// The warps' partial sums: dot[w][row][token] and RMSNorm's Σ x² per (warp, lane % 4, token).
+struct Partials {
+    float dot[WARPS][ROWS][16];
+    float ss[WARPS][4][16];
+};
+
+// -- the rows of a block (index i in 0 .. ROWS - 1): clamped to the last one past the end (computed, never stored) --
+enum RowKind { PLAIN_ROWS, QKV_ROWS, GATE_UP_ROWS };
+
+template <int KIND>
+__device__ __forceinline__ int block_row(int i, int M, int hd, int n_pairs) {
+    if (KIND == PLAIN_ROWS) return min((int)blockIdx.x * ROWS + i, M - 1);
+    const int p = min((int)blockIdx.x * PAIRS + i / 2, n_pairs - 1);
+    if (KIND == GATE_UP_ROWS) return p + (i % 2) * M;  // (gate r, up ff + r); M = ff, n_pairs = ff
+    const int half_hd = hd / 2, row0 = (p / half_hd) * hd + p % half_hd;  // RoPE pair (j, j + hd / 2) of a head
+    return row0 + (i % 2) * half_hd;
+}
+
+// One lane's weight rows and its batch of loads in flight: w[u][j] is its chunk of tile j's row in k-block
+// base + WARPS u, p[u][j] that chunk's (scale, zero) word (quantized).
+struct Loads {
+    const uint4* row[NTILES];
+    const uint32_t* params[NTILES];
+    int vecs, group_vecs;  // chunks per row; chunks per group
+    uint4 w[UNROLL][NTILES];
+#if QUANT
+    uint32_t p[UNROLL][NTILES];
+#endif
+};
+
+__device__ __forceinline__ void load_batch(Loads& b, int base) {
+    const int t = threadIdx.x % 4;
+#pragma unroll
+    for (int u = 0; u < UNROLL; ++u) {  // every load of the batch before the first use
+        const int c = 4 * (base + WARPS * u) + t;
+        const bool inside = c < b.vecs;
+#if QUANT
+        const int group = inside ? c / b.group_vecs : 0;
+#endif
+#pragma unroll
+        for (int j = 0; j < NTILES; ++j) {
+            b.w[u][j] = inside ? load_stream(b.row[j] + c) : make_uint4(0, 0, 0, 0);
+#if QUANT
+            b.p[u][j] = inside ? b.params[j][group] : 0u;
+#endif
+        }
+    }
+}
+
+template <int KIND>
+__device__ __forceinline__ void first_batch(Loads& b, const void* __restrict__ W, const half_t* __restrict__ qparams,
+                                            int K, int group, int M, int hd, int n_pairs) {
+    const int g = threadIdx.x % WARP / 4;
+    b.vecs = K / ELEMS;
+    b.group_vecs = group / ELEMS;
+#pragma unroll
+    for (int j = 0; j < NTILES; ++j) {
+        const int r = block_row<KIND>(8 * j + g, M, hd, n_pairs);
+        b.row[j] = reinterpret_cast<const uint4*>(W) + (size_t)r * b.vecs;
+        b.params[j] = QUANT ? reinterpret_cast<const uint32_t*>(qparams) + (size_t)r * (K / group) : nullptr;
+    }
+    load_batch(b, threadIdx.x / WARP);
+}
+
+// B fragment (b0, b1) of step s from a lane's chunk w (and its (scale, zero) word p when quantized).
+__device__ __forceinline__ void b_fragment(const uint4& w, uint32_t p, int s, uint32_t& b0, uint32_t& b1) {
+    const uint32_t words[4] = {w.x, w.y, w.z, w.w};
+#if BITS == 16
+    b0 = words[2 * s], b1 = words[2 * s + 1];
+#else
+    const uint32_t bias = zero_bias(p), scale = scale_x2(p);
+    constexpr int WORD_STEPS = 8 / BITS;  // steps per 32-bit word: 2 (INT4), 1 (INT8)
+    const uint32_t word = words[s / WORD_STEPS];
+    const int pair = 2 * (s % WORD_STEPS);
+    b0 = hmul2(code_pair<BITS>(word, bias, pair), scale);
+    b1 = hmul2(code_pair<BITS>(word, bias, pair + 1), scale);
+#endif
+}
+
+__device__ __forceinline__ uint32_t pack_f16x2(float lo, float hi) {
+    uint32_t r;
+    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));  // first source -> upper half
+    return r;
+}
+
+// The A fragment of step s of chunk c for token row `tok` (zero past TOKENS or past K): x[tok][c E + 4s .. + 3],
+// times the norm weight (NORM), as two FP16 pairs; ss += Σ x² of those four (NORM).
+template <bool NORM>
+__device__ __forceinline__ void a_pair(const float* __restrict__ x, const half_t* __restrict__ gw, int K, int tok,
+                                       int c, int vecs, int s, uint32_t& lo, uint32_t& hi, float& ss) {
+    lo = hi = 0u;
+    if (tok >= TOKENS || c >= vecs) return;
+    const int k = c * ELEMS + 4 * s;
+    const float4 x4 = *reinterpret_cast<const float4*>(x + (size_t)tok * K + k);
+    float v[4] = {x4.x, x4.y, x4.z, x4.w};
+    if (NORM) {
+        const uint2 g2 = *reinterpret_cast<const uint2*>(gw + k);
+        const float g[4] = {lo_f(g2.x), hi_f(g2.x), lo_f(g2.y), hi_f(g2.y)};
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            ss = fmaf(v[i], v[i], ss);
+            v[i] = __fmul_rn(v[i], g[i]);
+        }
+    }
+    lo = pack_f16x2(v[0], v[1]);
+    hi = pack_f16x2(v[2], v[3]);
+}
+
+// The warp's products over its k-blocks, then every warp's partials into shared memory (after a barrier, sum_dot /
+// sum_ss read them).
+template <bool NORM>
+__device__ __forceinline__ void block_dot(Loads& b, int K, const float* __restrict__ x, const half_t* __restrict__ gw,
+                                          Partials& part) {
+    const int lane = threadIdx.x % WARP, warp = threadIdx.x / WARP, g = lane / 4, t = lane % 4;
+    const int kblocks = (b.vecs + 3) / 4;
+    float acc[NTILES][4];
+#pragma unroll
+    for (int j = 0; j < NTILES; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
+    float ss0 = 0.f, ss1 = 0.f;  // Σ x² of token rows g and g + 8 over this lane's k
+    for (int base = warp; base < kblocks; base += WARPS * UNROLL) {
+        if (base != warp) load_batch(b, base);  // the first batch is in flight
+#pragma unroll
+        for (int u = 0; u < UNROLL; ++u) {
+            const int kb = base + WARPS * u;
+            if (kb >= kblocks) continue;  // not break: a break can keep the loop from unrolling
+            const int c = 4 * kb + t;
+#pragma unroll
+            for (int s = 0; s < STEPS; ++s) {
+                uint32_t a[4];
+                a_pair<NORM>(x, gw, K, g, c, b.vecs, s, a[0], a[2], ss0);
+                if (TOKENS > 8) {
+                    a_pair<NORM>(x, gw, K, g + 8, c, b.vecs, s, a[1], a[3], ss1);
+                } else {
+                    a[1] = a[3] = 0u;
+                }
+#pragma unroll
+                for (int j = 0; j < NTILES; ++j) {
+                    uint32_t b0, b1;
+#if QUANT
+                    b_fragment(b.w[u][j], b.p[u][j], s, b0, b1);
+#else
+                    b_fragment(b.w[u][j], 0u, s, b0, b1);
+#endif
+                    mma_16816(acc[j], a, b0, b1);
+                }
+            }
+        }
+    }
+    // C fragment of tile j: (token g, rows 8j + 2t, + 1) in acc[j][0..1], token g + 8 in acc[j][2..3].
+#pragma unroll
+    for (int j = 0; j < NTILES; ++j) {
+        part.dot[warp][8 * j + 2 * t][g] = acc[j][0];
+        part.dot[warp][8 * j + 2 * t + 1][g] = acc[j][1];
+        part.dot[warp][8 * j + 2 * t][g + 8] = acc[j][2];
+        part.dot[warp][8 * j + 2 * t + 1][g + 8] = acc[j][3];
+    }
+    part.ss[warp][t][g] = ss0;
+    part.ss[warp][t][g + 8] = ss1;
+    __syncthreads();
+}
+
+// Output row i's dot product for token row tok: the warps' partials in warp order.
+__device__ __forceinline__ float sum_dot(const Partials& part, int i, int tok) {
+    float d = part.dot[0][i][tok];
+#pragma unroll
+    for (int w = 1; w < WARPS; ++w) d = __fadd_rn(d, part.dot[w][i][tok]);
+    return d;
+}
+
+// Token row tok's RMSNorm scale rsqrt(Σ x² / K + eps): the partials in (warp, lane % 4) order.
+__device__ __forceinline__ float rms_scale(const Partials& part, int tok, int K, float eps) {
+    float ss = part.ss[0][0][tok];
+#pragma unroll
+    for (int w = 0; w < WARPS; ++w) {
+#pragma unroll
+        for (int t = 0; t < 4; ++t) {
+            if (w || t) ss = __fadd_rn(ss, part.ss[w][t][tok]);
+        }
+    }
+    return rsqrtf(__fadd_rn(__fdiv_rn(ss, (float)K), eps));
+}
+
+__device__ __forceinline__ float silu(float a) { return __fdiv_rn(a, __fadd_rn(1.f, expf(-a))); }
+
+#if QUANT
+#define WEIGHTS const unsigned int *__restrict__ qweight, const half_t *__restrict__ qparams
+#define W_ARGS qweight, qparams
+#define GROUP_ARG , int group
+#define GROUP group
+#else
+#define WEIGHTS const half_t *__restrict__ W
+#define W_ARGS W, nullptr
+#define GROUP_ARG
+#define GROUP 8
+#endif
+
+// grid: ceil(pairs / PAIRS), pairs = (n_heads + 2 n_kv_heads) hd / 2. W_qkv [(n_heads + 2 n_kv_heads) hd, d]. bias
+// [(n_heads + 2 n_kv_heads) hd] FP16 (Qwen2's; zeros for a model without), added before RoPE; q_out [TOKENS, n_heads
+// hd] float32 (after RoPE); k_cache, v_cache [slots, n_kv_heads, max_seq, hd] FP16 (this layer's), token row t's
+// written in its slot at its position (state [slots, 8], step_rows [TOKENS, 2]: common.cuh); rope [max_seq, hd/2, 2].
+extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS)
+gemv_qkv_rope(const float* __restrict__ x, const half_t* __restrict__ norm_w, WEIGHTS, const half_t* __restrict__ bias,
+              float* __restrict__ q_out, half_t* __restrict__ k_cache, half_t* __restrict__ v_cache,
+              const float* __restrict__ rope, const int* __restrict__ state, const int* __restrict__ step_rows, int d,
+              int n_heads, int n_kv_heads, int hd, int max_seq, float eps GROUP_ARG) {
+    __shared__ Partials part;
+    pdl_launch_dependents();  // the next kernel may start streaming its weights
+    const int half_hd = hd / 2, n_pairs = (n_heads + 2 * n_kv_heads) * half_hd;
+    Loads loads;
+    first_batch<QKV_ROWS>(loads, W_ARGS, d, GROUP, 0, hd, n_pairs);
+    pdl_wait();  // everything below may read what the previous kernel wrote
+    block_dot<true>(loads, d, x, norm_w, part);
+    for (int item = threadIdx.x; item < TOKENS * PAIRS; item += THREADS) {
+        const int tok = item / PAIRS, i = item % PAIRS, p = blockIdx.x * PAIRS + i;
+        if (p >= n_pairs) continue;
+        const float scale = rms_scale(part, tok, d, eps);
+        const int row0 = (p / half_hd) * hd + p % half_hd;  // the pair's rows: row0, row0 + hd / 2 (block_row)
+        // Rounded products and adds, never contracted: every token row scales and adds alike
+        const float y0 = __fadd_rn(__fmul_rn(sum_dot(part, 2 * i, tok), scale), h2f(bias[row0]));
+        const float y1 = __fadd_rn(__fmul_rn(sum_dot(part, 2 * i + 1, tok), scale), h2f(bias[row0 + half_hd]));
+        const int pos = row_pos(step_rows, state, tok);
+        const size_t slot_off = (size_t)row_slot(step_rows, tok) * n_kv_heads * max_seq * hd;  // the row's slot
+        rope_store_pair(p, y0, y1, rope + pos * half_hd * 2, q_out + (size_t)tok * n_heads * hd, k_cache + slot_off,
+                        v_cache + slot_off, pos, n_heads, n_kv_heads, hd, max_seq);
+    }
+}
+
+// grid: ceil(M / ROWS). x [TOKENS, M] float32 += W [M, K] · in [TOKENS, K].
+extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS)
+gemv_residual(const float* __restrict__ in, WEIGHTS, float* __restrict__ x, int M, int K GROUP_ARG) {
+    __shared__ Partials part;
+    pdl_launch_dependents();  // the next kernel may start streaming its weights
+    Loads loads;
+    first_batch<PLAIN_ROWS>(loads, W_ARGS, K, GROUP, M, 0, 0);
+    pdl_wait();  // everything below may read what the previous kernel wrote
+    block_dot<false>(loads, K, in, nullptr, part);
+    for (int item = threadIdx.x; item < TOKENS * ROWS; item += THREADS) {
+        const int tok = item / ROWS, i = item % ROWS, row = blockIdx.x * ROWS + i;
+        if (row < M) x[(size_t)tok * M + row] = __fadd_rn(x[(size_t)tok * M + row], sum_dot(part, i, tok));
+    }
+}
+
+// grid: ceil(ff / PAIRS). W [2 ff, d]: gate rows then up rows. h [TOKENS, ff] float32.
+extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS)
+gemv_gate_up_silu(const float* __restrict__ x, const half_t* __restrict__ norm_w, WEIGHTS, float* __restrict__ h,
+                  int ff, int d, float eps GROUP_ARG) {
+    __shared__ Partials part;
+    pdl_launch_dependents();  // the next kernel may start streaming its weights
+    Loads loads;
+    first_batch<GATE_UP_ROWS>(loads, W_ARGS, d, GROUP, ff, 0, ff);
+    pdl_wait();  // everything below may read what the previous kernel wrote
+    block_dot<true>(loads, d, x, norm_w, part);
+    for (int item = threadIdx.x; item < TOKENS * PAIRS; item += THREADS) {
+        const int tok = item / PAIRS, i = item % PAIRS, r = blockIdx.x * PAIRS + i;
+        if (r >= ff) continue;
+        const float scale = rms_scale(part, tok, d, eps);
+        const float gate = __fmul_rn(sum_dot(part, 2 * i, tok), scale);
+        const float up = __fmul_rn(sum_dot(part, 2 * i + 1, tok), scale);
+        h[(size_t)tok * ff + r] = __fmul_rn(silu(gate), up);
+    }
+}
+
+#if !QUANT
+// grid: ceil(V / ROWS). logits [TOKENS, V] float32 (rows at logits_stride(V)) = W [V, d] · rmsnorm(x [TOKENS, d]).
+extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS)
+gemv_logits(const float* __restrict__ x, const half_t* __restrict__ norm_w, const half_t* __restrict__ W,
+            float* __restrict__ logits, int V, int d, float eps) {
+    __shared__ Partials part;
+    pdl_launch_dependents();  // the next kernel may start streaming its weights
+    Loads loads;
+    first_batch<PLAIN_ROWS>(loads, W, nullptr, d, 8, V, 0, 0);
+    pdl_wait();  // everything below may read what the previous kernel wrote
+    block_dot<true>(loads, d, x, norm_w, part);
+    for (int item = threadIdx.x; item < TOKENS * ROWS; item += THREADS) {
+        const int tok = item / ROWS, i = item % ROWS, row = blockIdx.x * ROWS + i;
+        if (row < V) logits[(size_t)tok * logits_stride(V) + row] = __fmul_rn(sum_dot(part, i, tok), rms_scale(part, tok, d, eps));
+    }
+}
+#endif

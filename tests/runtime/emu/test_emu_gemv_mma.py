@@ -1,0 +1,70 @@
+"""gemv_mma.cu as written, run on the CPU by cullama.runtime.emu: every format at every row count against its twin bit
+for bit (the twin models the executor's MMA and the kernel's order), in every warp schedule; a token row of a T-row
+launch equal to the row alone and to row 0 of a launch of other rows; and seeded bugs (a fragment half swapped, a
+wrong code pair, a group index off by one, the warp order of the partials, a missed barrier, the rows past
+the first left unwritten, ...) that these checks must catch."""
+
+from __future__ import annotations
+
+import pytest
+
+from cullama.runtime import emu
+from cullama.runtime.ops import gemv_mma as twin
+from tests.emulated import check_seeded_bug, emu_launcher
+from tests.runtime.ops import test_gemv_mma as checks
+
+pytestmark = pytest.mark.emu
+
+
+@pytest.mark.parametrize("bits", twin.FORMATS)
+@pytest.mark.parametrize("tokens", range(1, twin.MAX_TOKENS + 1))
+def test_every_variant_is_its_twin(bits, tokens):
+    checks.check_against_twin(emu_launcher("shuffled"), bits, tokens)
+
+
+@pytest.mark.parametrize("schedule", emu.SCHEDULES)
+@pytest.mark.parametrize("bits", twin.FORMATS)
+def test_every_schedule(bits, schedule):
+    checks.check_against_twin(emu_launcher(schedule), bits, 9, cases=checks.CASES[bits][:2])
+
+
+@pytest.mark.parametrize("bits", twin.FORMATS)
+@pytest.mark.parametrize("tokens", [2, 8, 9, 16])
+def test_a_row_is_the_row_alone_and_row_0(bits, tokens):
+    checks.check_row_independence(emu_launcher("shuffled"), bits, tokens)
+
+
+def against_twin(bits, tokens=9):
+    return lambda launch: checks.check_against_twin(launch, bits, tokens, cases=checks.CASES[bits][:3])
+
+
+# (id, file, original text, its replacement, the check that must fail)
+MUTATIONS = [
+    ("fp16-b-fragment-halves-swapped", "gemv_mma.cu", "b0 = words[2 * s], b1 = words[2 * s + 1];",
+     "b0 = words[2 * s + 1], b1 = words[2 * s];", against_twin(16)),
+    ("quant-wrong-code-pair", "gemv_mma.cu", "b1 = hmul2(code_pair<BITS>(word, bias, pair + 1), scale);",
+     "b1 = hmul2(code_pair<BITS>(word, bias, pair), scale);", against_twin(4)),
+    ("quant-scale-not-applied", "gemv_mma.cu", "b0 = hmul2(code_pair<BITS>(word, bias, pair), scale);",
+     "b0 = code_pair<BITS>(word, bias, pair);", against_twin(8)),
+    ("quant-group-of-the-next-chunk", "gemv_mma.cu", "const int group = inside ? c / b.group_vecs : 0;",
+     "const int group = inside ? min((c + 1) / b.group_vecs, b.vecs / b.group_vecs - 1) : 0;", against_twin(8)),
+    ("a-second-half-token-row-off", "gemv_mma.cu", "a_pair<NORM>(x, gw, K, g + 8, c, b.vecs, s, a[1], a[3], ss1);",
+     "a_pair<NORM>(x, gw, K, g + 7, c, b.vecs, s, a[1], a[3], ss1);", against_twin(16, 12)),
+    ("residual-writes-row-0-only", "gemv_mma.cu", "if (row < M) x[(size_t)tok * M + row]",
+     "if (row < M && tok == 0) x[(size_t)tok * M + row]", against_twin(8, 3)),
+    ("last-partial-k-block-skipped", "gemv_mma.cu", "const int kblocks = (b.vecs + 3) / 4;",
+     "const int kblocks = b.vecs / 4;", against_twin(16)),
+    ("warp-partials-in-reverse", "gemv_mma.cu",
+     "    float d = part.dot[0][i][tok];\n#pragma unroll\n    for (int w = 1; w < WARPS; ++w) d = __fadd_rn(d, part.dot[w][i][tok]);",
+     "    float d = part.dot[WARPS - 1][i][tok];\n#pragma unroll\n    for (int w = WARPS - 2; w >= 0; --w) d = __fadd_rn(d, part.dot[w][i][tok]);",
+     against_twin(16)),
+    ("norm-sum-of-squares-skips-a-lane", "gemv_mma.cu", "if (w || t) ss = __fadd_rn(ss, part.ss[w][t][tok]);",
+     "if (w || t > 1) ss = __fadd_rn(ss, part.ss[w][t][tok]);", against_twin(4)),
+    ("partials-barrier-removed", "gemv_mma.cu", "    part.ss[warp][t][g + 8] = ss1;\n    __syncthreads();",
+     "    part.ss[warp][t][g + 8] = ss1;", against_twin(16)),
+]
+
+
+@pytest.mark.parametrize("mutation", MUTATIONS, ids=[m[0] for m in MUTATIONS])
+def test_a_seeded_bug_fails_its_check(tmp_path, mutation):
+    check_seeded_bug(tmp_path, mutation)
