@@ -54,7 +54,7 @@ class BenchProgress:
               help="Benchmark speculative decoding instead: latency between tokens (bursts included), tokens per "
                    "step, and the verify step's time per k against the plain step (replay: drafts the target's own "
                    "greedy continuation, every draft accepted).")
-@click.option("--draft-tokens", type=int, help="--speculative: tokens drafted per step, 1 to 8 [default: 4].")
+@click.option("--draft-tokens", type=int, help="--speculative: tokens drafted per step, 1 to 15 [default: 4].")
 @click.option("--adaptive-draft", is_flag=True, help="--speculative: move --draft-tokens with the recent acceptance.")
 @click.option("--draft-model", type=NonEmptyPath(),
               help="--speculative draft: the draft model's checkpoint directory (or hub id).")

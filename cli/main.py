@@ -165,7 +165,7 @@ def speculative_flags(command):
         click.option("--draft-model", type=NonEmptyPath(), help="A smaller LLaMA with the same tokenizer to draft "
                                                               "tokens (implies --speculative draft; a directory or "
                                                               "a hub id)."),
-        click.option("--draft-tokens", type=int, help="Tokens drafted per step, 1 to 8 [default: 4]."),
+        click.option("--draft-tokens", type=int, help="Tokens drafted per step, 1 to 15 [default: 4]."),
         click.option("--adaptive-draft", is_flag=True, help="Move --draft-tokens with the recent acceptance."),
     ], command)
 

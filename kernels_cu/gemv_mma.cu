@@ -10,8 +10,8 @@
 //
 // Weights, unchanged from the formats the prefill GEMMs read (no reshuffle at load): FP16 W [M, K] row-major, or
 // cullama/model/quant.py's qweight [M, K * BITS / 32] uint32 (codes interleaved for dequant.cuh) and qparams
-// [M, K / group, 2] FP16 (scale, zero). Parameters: FP16 as before; quantized ones take (qweight, qparams) for W and
-// `group` last. x, in and the outputs are [TOKENS, width] float32 rows (logits at logits_stride(V)), as before.
+// [M, K / group, 2] FP16 (scale, zero). Parameters: one signature for every BITS, (W, qparams) for the weight and
+// `group` last (a BITS 16 kernel reads neither qparams nor group; gemv_logits, FP16 only, has neither). x, in and the outputs are [TOKENS, width] float32 rows (logits at logits_stride(V)), as before.
 //
 // Fragments without a reshuffle: the reduction index k is ours to permute as long as A and B permute it alike. Lane
 // (g = lane / 4, t = lane % 4) of a warp loads 16 contiguous bytes ("chunk" c = 4 kb + t of k-block kb) of weight row
@@ -19,8 +19,10 @@
 // fragment is elements 4s, 4s + 1 (b0) and 4s + 2, 4s + 3 (b1) of its chunk; its A fragment is the same k of token
 // rows g (a0, a2) and g + 8 (a1, a3). So MMA k-index 2t + h <-> element c E + 4s + h and 2t + 8 + h <-> c E + 4s + 2 + h.
 // FP16: b0, b1 are words 2s, 2s + 1 of the chunk. INT4 / INT8: quant.py's interleaved order puts codes 2p, 2p + 1 of a
-// word in one masked pair (dequant.cuh code_pair), so b0 / b1 are pairs of word 4s / (32 / BITS) ... exactly as
-// loaded. The prefill GEMMs and the loaders are untouched (tests/runtime/ops/test_gemv_mma.py reads the formats).
+// word in one masked pair (dequant.cuh code_pair), so step s's four codes 4s .. 4s + 3 are pairs 2 (s % W), + 1 of
+// word s / W (W = 8 / BITS steps per word: INT4 2, INT8 1), exactly as loaded. So no weight is reshuffled: the
+// layouts (cullama/model/layout.py, quant.py), the loaders and the prefill GEMMs (gemm.cu, gemm_quant.cu) are
+// unchanged, and the twin (which reads the same formats) agrees with the kernel bit for bit on the executor.
 // B for quantized weights is the prefill GEMM's FP16 weight, fp16((q - zero) * scale): code_pair's exact FP16 (q - zero)
 // times the scale by one mul.rn.f16x2, so prefill and decode multiply by the same weights, and any group that is a
 // multiple of the chunk works (each lane takes its chunk's (scale, zero)). The alternative, a fresh FP32 accumulator
@@ -64,10 +66,14 @@
 #define NTILES 4  // n-tiles of 8 output rows per block (each warp covers all of them)
 #endif
 #ifndef UNROLL
-#define UNROLL (BITS == 16 ? 4 : 2)  // k-blocks per warp in one batch of loads
+#define UNROLL (BITS == 16 ? 4 : BITS == 8 ? 2 : 1)  // k-blocks per warp in one batch of loads
 #endif
+// Resident blocks per SM that ptxas must leave room for: 4 (128 registers a thread) fits FP16 and INT8 with no spills
+// on sm_80 .. sm_120. INT4 (its dequantization's temporaries) spilled 4-8 bytes of gemv_qkv_rope / gemv_gate_up_silu
+// on sm_100 / sm_120 (NVRTC 12.9) at 128 registers with UNROLL 2, and at 128 with UNROLL 1 (TOKENS 9..14, sm_100), and
+// at 168 with UNROLL 2; UNROLL 1 with 3 blocks (168) spills nowhere (95-107 registers used).
 #ifndef MIN_BLOCKS
-#define MIN_BLOCKS 4  // 128 registers a thread at most
+#define MIN_BLOCKS (BITS == 4 ? 3 : 4)
 #endif
 #include "common.cuh"
 #include "rope.cuh"
@@ -142,7 +148,7 @@ __device__ __forceinline__ void first_batch(Loads& b, const void* __restrict__ W
                                             int K, int group, int M, int hd, int n_pairs) {
     const int g = threadIdx.x % WARP / 4;
     b.vecs = K / ELEMS;
-    b.group_vecs = group / ELEMS;
+    b.group_vecs = QUANT ? group / ELEMS : 1;  // FP16: no groups (qparams and group unread)
 #pragma unroll
     for (int j = 0; j < NTILES; ++j) {
         const int r = block_row<KIND>(8 * j + g, M, hd, n_pairs);
@@ -272,32 +278,24 @@ __device__ __forceinline__ float rms_scale(const Partials& part, int tok, int K,
 
 __device__ __forceinline__ float silu(float a) { return __fdiv_rn(a, __fadd_rn(1.f, expf(-a))); }
 
-#if QUANT
-#define WEIGHTS const unsigned int *__restrict__ qweight, const half_t *__restrict__ qparams
-#define W_ARGS qweight, qparams
-#define GROUP_ARG , int group
-#define GROUP group
-#else
-#define WEIGHTS const half_t *__restrict__ W
-#define W_ARGS W, nullptr
-#define GROUP_ARG
-#define GROUP 8
-#endif
-
+// The weight parameters, one signature for every BITS: W is the FP16 W [M, K] or quant.py's qweight [M, K BITS / 32]
+// uint32 (read as 16-byte chunks either way), qparams its (scale, zero) pairs and group its group size; a BITS 16
+// kernel reads neither (the plan passes W and 0): first_batch ignores them.
 // grid: ceil(pairs / PAIRS), pairs = (n_heads + 2 n_kv_heads) hd / 2. W_qkv [(n_heads + 2 n_kv_heads) hd, d]. bias
 // [(n_heads + 2 n_kv_heads) hd] FP16 (Qwen2's; zeros for a model without), added before RoPE; q_out [TOKENS, n_heads
 // hd] float32 (after RoPE); k_cache, v_cache [slots, n_kv_heads, max_seq, hd] FP16 (this layer's), token row t's
 // written in its slot at its position (state [slots, 8], step_rows [TOKENS, 2]: common.cuh); rope [max_seq, hd/2, 2].
 extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS)
-gemv_qkv_rope(const float* __restrict__ x, const half_t* __restrict__ norm_w, WEIGHTS, const half_t* __restrict__ bias,
+gemv_qkv_rope(const float* __restrict__ x, const half_t* __restrict__ norm_w, const uint4* __restrict__ W, const half_t* __restrict__ qparams,
+              const half_t* __restrict__ bias,
               float* __restrict__ q_out, half_t* __restrict__ k_cache, half_t* __restrict__ v_cache,
               const float* __restrict__ rope, const int* __restrict__ state, const int* __restrict__ step_rows, int d,
-              int n_heads, int n_kv_heads, int hd, int max_seq, float eps GROUP_ARG) {
+              int n_heads, int n_kv_heads, int hd, int max_seq, float eps, int group) {
     __shared__ Partials part;
     pdl_launch_dependents();  // the next kernel may start streaming its weights
     const int half_hd = hd / 2, n_pairs = (n_heads + 2 * n_kv_heads) * half_hd;
     Loads loads;
-    first_batch<QKV_ROWS>(loads, W_ARGS, d, GROUP, 0, hd, n_pairs);
+    first_batch<QKV_ROWS>(loads, W, qparams, d, group, 0, hd, n_pairs);
     pdl_wait();  // everything below may read what the previous kernel wrote
     block_dot<true>(loads, d, x, norm_w, part);
     for (int item = threadIdx.x; item < TOKENS * PAIRS; item += THREADS) {
@@ -317,11 +315,12 @@ gemv_qkv_rope(const float* __restrict__ x, const half_t* __restrict__ norm_w, WE
 
 // grid: ceil(M / ROWS). x [TOKENS, M] float32 += W [M, K] · in [TOKENS, K].
 extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS)
-gemv_residual(const float* __restrict__ in, WEIGHTS, float* __restrict__ x, int M, int K GROUP_ARG) {
+gemv_residual(const float* __restrict__ in, const uint4* __restrict__ W, const half_t* __restrict__ qparams,
+              float* __restrict__ x, int M, int K, int group) {
     __shared__ Partials part;
     pdl_launch_dependents();  // the next kernel may start streaming its weights
     Loads loads;
-    first_batch<PLAIN_ROWS>(loads, W_ARGS, K, GROUP, M, 0, 0);
+    first_batch<PLAIN_ROWS>(loads, W, qparams, K, group, M, 0, 0);
     pdl_wait();  // everything below may read what the previous kernel wrote
     block_dot<false>(loads, K, in, nullptr, part);
     for (int item = threadIdx.x; item < TOKENS * ROWS; item += THREADS) {
@@ -332,12 +331,12 @@ gemv_residual(const float* __restrict__ in, WEIGHTS, float* __restrict__ x, int 
 
 // grid: ceil(ff / PAIRS). W [2 ff, d]: gate rows then up rows. h [TOKENS, ff] float32.
 extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS)
-gemv_gate_up_silu(const float* __restrict__ x, const half_t* __restrict__ norm_w, WEIGHTS, float* __restrict__ h,
-                  int ff, int d, float eps GROUP_ARG) {
+gemv_gate_up_silu(const float* __restrict__ x, const half_t* __restrict__ norm_w, const uint4* __restrict__ W,
+                  const half_t* __restrict__ qparams, float* __restrict__ h, int ff, int d, float eps, int group) {
     __shared__ Partials part;
     pdl_launch_dependents();  // the next kernel may start streaming its weights
     Loads loads;
-    first_batch<GATE_UP_ROWS>(loads, W_ARGS, d, GROUP, ff, 0, ff);
+    first_batch<GATE_UP_ROWS>(loads, W, qparams, d, group, ff, 0, ff);
     pdl_wait();  // everything below may read what the previous kernel wrote
     block_dot<true>(loads, d, x, norm_w, part);
     for (int item = threadIdx.x; item < TOKENS * PAIRS; item += THREADS) {
@@ -358,7 +357,7 @@ gemv_logits(const float* __restrict__ x, const half_t* __restrict__ norm_w, cons
     __shared__ Partials part;
     pdl_launch_dependents();  // the next kernel may start streaming its weights
     Loads loads;
-    first_batch<PLAIN_ROWS>(loads, W, nullptr, d, 8, V, 0, 0);
+    first_batch<PLAIN_ROWS>(loads, W, nullptr, d, 0, V, 0, 0);
     pdl_wait();  // everything below may read what the previous kernel wrote
     block_dot<true>(loads, d, x, norm_w, part);
     for (int item = threadIdx.x; item < TOKENS * ROWS; item += THREADS) {

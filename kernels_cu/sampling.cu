@@ -125,7 +125,7 @@ __shared__ int* row_state;
 __device__ __forceinline__ uint64_t state_seed(const int* st) {
     return (uint64_t)(uint32_t)st[STATE_SEED_LO] | (uint64_t)(uint32_t)st[STATE_SEED_HI] << 32;
 }
-#define MAX_DRAFTS 8  // drafts before a row at most: cullama.runtime.plan.MAX_DRAFT
+#define MAX_DRAFTS 15  // drafts before a row at most: cullama.runtime.plan.MAX_DRAFT
 #define MASK_ROWS (MAX_DRAFTS + 1)  // a slot's mask rows (plan.VERIFY_ROWS): row o for its token row at offset o
 
 // This block's row of the masks (its slot's row at its offset) when the slot is constrained; set once by sample()

@@ -36,7 +36,7 @@ from ..common.errors import OptionError, PromptError
 from .generate import GenerationOptions, GenerationStream, Runner, RunnerGuard, checked_flag
 from ..runtime.sampling import SamplingParams, is_int
 
-MAX_DRAFT = plans.MAX_DRAFT  # the most drafted tokens one verify step checks (k + 1 <= 9 rows)
+MAX_DRAFT = plans.MAX_DRAFT  # the most drafted tokens one verify step checks (k + 1 <= 16 rows)
 DEFAULT_DRAFT_TOKENS = 4
 METHODS = ("ngram", "draft")  # the names `speculative=` and `--speculative` take
 

@@ -19,8 +19,8 @@ A prefill chunk runs n prompt tokens at positions start..start+n-1 with GEMMs, t
 gemv_logits + sample on its last row (or a logits GEMM over every row, for `Llama.logits`).
 
 The weights are read in the device layout (cullama/model/layout.py), which every plan function takes (a config stands
-for its FP16 layout): a quantized linear runs gemv_quant.cu's kernel of the same name and fusions (and the prefill
-gemm_quant.cu's GEMM) on its qweight and qparams, with its group as the last argument; under act-order a gather
+for its FP16 layout): every decode, verify and batch GEMV is gemv_mma.cu's (FP16, or on a quantized
+linear its BITS 8 / 4 variant, same names and fusions; the prefill runs gemm_quant.cu's GEMM) on its qweight and qparams, with its group as the last argument; under act-order a gather
 kernel first puts the linear's input in its weight's input order (ops/gather.py), into a buffer of its own.
 
 `sample_vocab` (default: the whole vocabulary) limits gemv_logits + sample to the ids 0 .. sample_vocab - 1,
@@ -50,19 +50,18 @@ from ..common.errors import KernelError
 from ..model.layout import GATHERED, LINEARS, NO_BIAS, Buffer, Layout, as_layout, decode_floor_ms
 from .ops import attention_mma as attention_mma_ops
 from .ops import gemv as gemv_ops
-from .ops import gemv_quant as gemv_quant_ops
+from .ops import gemv_mma as gemv_mma_ops
 from .prefill_kernels import GemmKernel, PrefillKernels, cdiv, quant_gemm, tile_counters, workspace_floats
 from ..model.reference import rope_tables
 from .registry import KernelSpec
 from .ops import sampling as sampling_ops  # the logprobs kernel's
 from .ops.rows import FPARAMS_LEN, STATE_LEN
 
-GEMV_ROWS, GEMV_UNROLL, GEMV_THREADS = 4, 4, 128
-# A verify step's GEMVs (TOKENS = k + 1 rows): fewer loads in flight per thread leave registers for the
-# k + 1 sums of every weight row (gemv.cu; no spills up to 9 rows). Weight rows per block as in decode.
-VERIFY_GEMV_ROWS, VERIFY_GEMV_UNROLL = 4, 2
-MAX_DRAFT = 8  # drafts one verify step checks at most
-VERIFY_ROWS = MAX_DRAFT + 1  # its token rows at most: the last sampled token and the drafts
+# The decode, verify and batch GEMVs: gemv_mma.cu, one kernel for 1..16 token rows (the MMA's M), FP16 / INT8 / INT4.
+GEMV_ROWS, GEMV_THREADS = gemv_mma_ops.ROWS, gemv_mma_ops.THREADS  # output rows per block, threads per block
+GEMV_UNROLL = 4  # gemv_mma's FP16 UNROLL default, read by benchmarks/summarize.py until the sweeps name gemv_mma's variants
+MAX_DRAFT = gemv_mma_ops.MAX_TOKENS - 1  # drafts one verify step checks at most (15)
+VERIFY_ROWS = MAX_DRAFT + 1  # its token rows at most: the last sampled token and the drafts (a batch group's rows)
 ATTENTION_THREADS = 128
 SAMPLE_THREADS = 1024
 PREFILL_CHUNK = 256  # default prompt tokens per prefill pass: bounds the prefill buffers, any prompt length works
@@ -80,7 +79,7 @@ OVERLAP_SAFE = frozenset({"gemv_qkv_rope", "attention_decode", "gemv_residual", 
                           "gemv_logits", "sample",
                           "embed_rows", "rmsnorm_rows", "rope_kv_rows", "silu_mul_rows", "gemm", "gemm_wgmma",
                           "attention_prefill", "attention_prefill_mma",
-                          "gemm_quant", "gather_f32", "gather_f16"})  # gemv_quant.cu's GEMVs share gemv.cu's names
+                          "gemm_quant", "gather_f32", "gather_f16"})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -336,15 +335,14 @@ def rope_table(cfg: LlamaConfig, max_seq: int) -> np.ndarray:
 
 # -- kernels --------------------------------------------------------------------------------------
 def gemv_rows(tokens: int = 1) -> int:
-    """Weight rows per GEMV block for `tokens` token rows (1: a decode step)."""
-    return GEMV_ROWS if tokens == 1 else VERIFY_GEMV_ROWS
+    """Weight rows per GEMV block (the same for every row count)."""
+    return GEMV_ROWS
 
 
-def gemv(name: str, tokens: int = 1) -> KernelSpec:
-    """A gemv.cu kernel for `tokens` token rows: the decode step's instance for 1, a verify step's for k + 1."""
-    if tokens == 1:
-        return KernelSpec("gemv.cu", name, (("ROWS", GEMV_ROWS), ("UNROLL", GEMV_UNROLL)))
-    return KernelSpec("gemv.cu", name, (("ROWS", VERIFY_GEMV_ROWS), ("UNROLL", VERIFY_GEMV_UNROLL), ("TOKENS", tokens)))
+def gemv(name: str, tokens: int = 1, bits: int = 16) -> KernelSpec:
+    """A gemv_mma.cu kernel for `tokens` token rows (1: a decode step; k + 1 a verify step; B a batch group) on FP16
+    (bits 16) or INT8 / INT4 weights: one kernel, a token row computed alike whatever the other rows."""
+    return KernelSpec(gemv_mma_ops.SOURCE, name, gemv_mma_ops.defines(bits, tokens))
 
 
 def attention(name: str, cfg: LlamaConfig) -> KernelSpec:
@@ -392,10 +390,7 @@ class _Weights:
     def gemv(self, name: str, field: str, tokens: int) -> tuple[KernelSpec, int, int]:
         """(kernel, output rows per block, threads) of a decode or verify GEMV of `field`."""
         fmt = self.format(field)
-        if fmt is None:
-            return gemv(name, tokens), gemv_rows(tokens), GEMV_THREADS
-        return (KernelSpec(gemv_quant_ops.SOURCE, name, gemv_quant_ops.defines(fmt.bits, tokens)),
-                gemv_quant_ops.rows_per_block(fmt.bits, tokens), gemv_quant_ops.THREADS)
+        return gemv(name, tokens, 16 if fmt is None else fmt.bits), gemv_rows(tokens), GEMV_THREADS
 
     def gemm(self, field: str, kernel: GemmKernel) -> GemmKernel:
         """The prefill GEMM of `field`: the plan's choice for FP16, gemm_quant.cu for a quantized linear."""
@@ -405,6 +400,16 @@ class _Weights:
     def weights(self, field: str) -> tuple[Ref, ...]:
         """W, or qweight and qparams."""
         return tuple(Ref(name) for name in self.layout.weight_names(self.layer, field))
+
+    def gemv_args(self, field: str) -> tuple[Ref, Ref]:
+        """gemv_mma's weight arguments (W, qparams): qweight and qparams, or the FP16 W twice (its qparams unread)."""
+        names = self.layout.weight_names(self.layer, field)
+        return (Ref(names[0]), Ref(names[-1]))
+
+    def gemv_group(self, field: str) -> np.int32:
+        """gemv_mma's last argument: the group size, 0 for FP16 (unread)."""
+        fmt = self.format(field)
+        return i32(0 if fmt is None else fmt.group)
 
     def group(self, field: str) -> tuple:
         """The quantized kernels' last argument, the group size (nothing for FP16)."""
@@ -502,21 +507,21 @@ def _step_launches(layout: Layout, max_seq: int, rows: int, act, sample_vocab: i
         gather_gate_up, x_gate_up = w.gathered("w_gate_up", act("x"), act("x_perm"), d, rows, GATHER_F32)
         launches += gather_qkv + [
             Launch(qkv, (cdiv(cfg.qkv_dim // 2, qkv_rows // 2), 1, 1), qkv_threads,
-                   (x_qkv, w.norm("wqkv"), *w.weights("wqkv"), w.bias(), act("q"), Ref("k_cache", i),
+                   (x_qkv, w.norm("wqkv"), *w.gemv_args("wqkv"), w.bias(), act("q"), Ref("k_cache", i),
                     Ref("v_cache", i), Ref("rope"), Ref("state"), step_rows, i32(d), i32(nh), i32(nkv), i32(hd),
-                    i32(max_seq), eps, *w.group("wqkv"))),
+                    i32(max_seq), eps, w.gemv_group("wqkv"))),
             Launch(attention("attention_decode", cfg), (nkv, attention_splits(cfg), rows), ATTENTION_THREADS,
                    (act("q"), Ref("k_cache", i), Ref("v_cache", i), act("attn_part"), act("attn_count"),
                     act("attn_out"), Ref("state"), step_rows, i32(max_seq), f32(1.0 / np.sqrt(hd)), window)),
         ] + gather_o + [
             Launch(o, (cdiv(d, o_rows), 1, 1), o_threads,
-                   (attn_out, *w.weights("wo"), act("x"), i32(d), i32(cfg.q_dim), *w.group("wo"))),
+                   (attn_out, *w.gemv_args("wo"), act("x"), i32(d), i32(cfg.q_dim), w.gemv_group("wo"))),
         ] + gather_gate_up + [
             Launch(gate_up, (cdiv(ff, gate_up_rows // 2), 1, 1), gate_up_threads,
-                   (x_gate_up, w.norm("w_gate_up"), *w.weights("w_gate_up"), act("h"), i32(ff), i32(d), eps,
-                    *w.group("w_gate_up"))),
+                   (x_gate_up, w.norm("w_gate_up"), *w.gemv_args("w_gate_up"), act("h"), i32(ff), i32(d), eps,
+                    w.gemv_group("w_gate_up"))),
             Launch(down, (cdiv(d, down_rows), 1, 1), down_threads,
-                   (act("h"), *w.weights("w_down"), act("x"), i32(d), i32(ff), *w.group("w_down"))),
+                   (act("h"), *w.gemv_args("w_down"), act("x"), i32(d), i32(ff), w.gemv_group("w_down"))),
         ]
     return launches + _logits_and_sample(cfg, act("x"), act("logits"), rows, sample_vocab, step_rows, batch)
 

@@ -463,12 +463,12 @@ def test_a_request_with_nothing_to_generate_is_not_prefilled(batched, monkeypatc
 
 
 def test_a_batch_past_one_group_of_rows(stories_dir, solo):
-    """More sequences than a GEMV takes rows (plan.VERIFY_ROWS, 9): a batched step runs in groups (plan.batch_groups),
+    """More sequences than a GEMV takes rows (plan.VERIFY_ROWS, 16): a batched step runs in groups (plan.batch_groups),
     each with its own rows table, ids and log-probability rows; every request still gets its solo tokens and
     log-probabilities."""
     wide = cullama.Llama.from_pretrained(stories_dir, device="cpu", max_batch=plans.VERIFY_ROWS + 2)
     prompts = [[1, 3 + (37 * i) % 500, 3 + (91 * i) % 500][:2 + i % 2] for i in range(plans.VERIFY_ROWS + 2)]
-    options = dict(max_new_tokens=16, temperature=0.9, seed=5, logprobs=1)  # long enough for all to run at once
+    options = dict(max_new_tokens=plans.VERIFY_ROWS + 8, temperature=0.9, seed=5, logprobs=1)  # all run at once
     session = wide.batch()
     streams = [session.submit(p, **options) for p in prompts]
     sizes = []

@@ -41,7 +41,7 @@ def test_verify_returns_what_plain_steps_return(stories, stories_expected, k, wr
     drafts = expected[10:10 + k]
     if wrong_at is not None:
         drafts[wrong_at] = (drafts[wrong_at] + 1) % stories.config.vocab_size
-    assert max_draft() == 8
+    assert max_draft() == speculative.MAX_DRAFT
     accepted = verify(drafts)
     n = k + 1 if wrong_at is None else wrong_at + 1
     assert accepted == expected[10:10 + n]  # the accepted drafts, then the target's own token
@@ -233,11 +233,13 @@ def test_statistics_and_timings(stories, stories_expected):
 
 def test_adaptive_draft_length():
     length = DraftLength(4, adaptive=True)
-    for drafted, accepted, k in [(4, 4, 5), (5, 5, 6), (6, 6, 7), (7, 7, 8), (8, 8, 8), (8, 3, 8), (8, 0, 7),
-                                 (0, 0, 7), (7, 0, 6)]:
+    top = speculative.MAX_DRAFT
+    grows = [(k, k, k + 1) for k in range(4, top)]  # every draft accepted: one more, up to MAX_DRAFT
+    for drafted, accepted, k in grows + [(top, top, top), (top, 3, top), (top, 0, top - 1), (0, 0, top - 1),
+                                         (top - 1, 0, top - 2)]:
         length.update(drafted, accepted)
         assert length.k == k
-    for _ in range(10):
+    for _ in range(2 * top):
         length.update(length.k, 0)
     assert length.k == 1
     fixed = DraftLength(3)
@@ -251,7 +253,7 @@ def test_adaptive_generation_grows_k(stories, stories_expected):
                             adaptive_draft=True)
     list(stream)
     assert stream.result.token_ids == stories_expected["ids"][:60]
-    assert stream.decoder.length.k == 8 and stream.result.speculative["adaptive"] is True
+    assert stream.decoder.length.k == 11 and stream.result.speculative["adaptive"] is True  # 2, 3, .. 11: 63 tokens
     assert stream.result.speculative["k"] == 2
 
 
@@ -305,7 +307,7 @@ def test_decoder_on_its_own(stories, stories_expected):
         assert 1 <= len(burst) <= 5
         out += burst
     assert out == expected[100:159] and decoder.produced == 60
-    assert decoder.stats.steps == decoder.stats.to_dict()["steps"] and speculative.MAX_DRAFT == 8
+    assert decoder.stats.steps == decoder.stats.to_dict()["steps"] and speculative.MAX_DRAFT == 15
 
 
 def test_one_generation_at_a_time(stories, stories_expected):

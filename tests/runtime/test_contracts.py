@@ -87,13 +87,13 @@ def test_grids_cover_every_output_row():
     assert grid["attention_decode"] == (cfg.num_kv_heads, plans.attention_splits(cfg), 1)
     for k in (1, 8):  # a verify step: the same output rows per block, k + 1 token rows
         verify = {l.spec.name: l for l in plans.verify_plan(cfg, 512, k).launches}
-        per_block = dict(verify["gemv_residual"].spec.defines)["ROWS"]
+        per_block = plans.gemv_rows(k + 1)
         assert verify["gemv_qkv_rope"].grid[0] * per_block >= cfg.qkv_dim
         assert verify["gemv_gate_up_silu"].grid[0] * per_block // 2 >= cfg.intermediate_size
         assert verify["gemv_logits"].grid[0] * per_block >= cfg.vocab_size
         assert verify["attention_decode"].grid == (cfg.num_kv_heads, plans.attention_splits(cfg), k + 1)
         assert verify["sample"].grid == verify["embed_rows"].grid == (k + 1, 1, 1)
-        assert {dict(l.spec.defines).get("TOKENS") for l in verify.values() if l.spec.source == "gemv.cu"} == {k + 1}
+        assert {dict(l.spec.defines).get("TOKENS") for l in verify.values() if l.spec.source == "gemv_mma.cu"} == {k + 1}
 
 
 def kernel_body(text: str, name: str) -> str:
@@ -158,11 +158,11 @@ def test_overlap_safe_kernels_touch_only_weights_before_pdl_wait(name):
 
 
 def test_the_pre_wait_check_catches_a_read_of_an_activation():
-    body = kernel_body((SOURCE_DIR / "gemv.cu").read_text(), "gemv_residual")
-    assert pre_wait_reads(body, ["in", "W", "x"]) == {"W"}
-    planted = body.replace("pdl_wait();", "").replace(
-        "first_batch(loads, W, rows, K);", "first_batch(loads, W, rows, K);\n    x[0] = 0.f;\n    pdl_wait();")
-    assert pre_wait_reads(planted, ["in", "W", "x"]) == {"W", "x"}
+    body = kernel_body((SOURCE_DIR / "gemv_mma.cu").read_text(), "gemv_residual")
+    assert pre_wait_reads(body, ["in", "W", "qparams", "x"]) == {"W", "qparams"}
+    first = "first_batch<PLAIN_ROWS>(loads, W, qparams, K, group, M, 0, 0);"
+    planted = body.replace("pdl_wait();", "").replace(first, first + "\n    x[0] = 0.f;\n    pdl_wait();")
+    assert pre_wait_reads(planted, ["in", "W", "qparams", "x"]) == {"W", "qparams", "x"}
     assert pre_wait_reads(body.replace("pdl_wait();", ""), ["W"]) is None
 
 
@@ -176,10 +176,11 @@ def test_every_plan_kernel_may_overlap():
 
 # The quantized kernels' weights by parameter name (cullama/model/quant.py's qweight and qparams; gather's perm):
 # whether or not a plan launches them yet, they may read these, and only these, before pdl_wait().
-QUANT_WEIGHTS = {"gemv_quant.cu": {"qweight", "qparams"}, "gemm_quant.cu": {"qweight", "qparams"}, "gather.cu": {"perm"}}
+QUANT_WEIGHTS = {"gemv_mma.cu": {"W", "qparams"}, "gemm_quant.cu": {"qweight", "qparams"}, "gather.cu": {"perm"}}
 
 
-@pytest.mark.parametrize("source,name", sorted(k for k in SIGNATURES if k[0] in QUANT_WEIGHTS))
+@pytest.mark.parametrize("source,name", sorted(k for k in SIGNATURES if k[0] in QUANT_WEIGHTS
+                                                and k != ("gemv_mma.cu", "gemv_logits")))  # FP16 only
 def test_quantized_kernels_touch_only_weights_before_pdl_wait(source, name):
     pointers = [pname for _, pname, is_pointer in SIGNATURES[source, name] if is_pointer]
     assert QUANT_WEIGHTS[source] <= set(pointers), f"{name}'s weights are not named {sorted(QUANT_WEIGHTS[source])}"

@@ -15,7 +15,7 @@ from cullama.model.checkpoint import open_checkpoint
 from cullama.model.config import Quantization, preset
 from cullama.runtime.engine import PlanRunner
 from cullama.kernels_cu import SOURCE_DIR
-from cullama.runtime.ops import gemv_quant
+from cullama.runtime.ops import gemv_mma
 from cullama.runtime.prefill_kernels import MMA_GEMM, PrefillKernels
 from cullama.model.reference import ReferenceModel
 from cullama.runtime.sampling import SamplingParams
@@ -80,21 +80,22 @@ def kernels_of(plan) -> list[tuple[str, str]]:
 def test_a_quantized_decode_step_runs_the_quantized_kernels_with_their_group():
     layout = layouts.on_load(preset("llama-2-7b"), "int4")
     plan = plans.decode_plan(layout, 512)
-    per_layer = [("gemv_quant.cu", "gemv_qkv_rope"), ("attention.cu", "attention_decode"),
-                 ("gemv_quant.cu", "gemv_residual"), ("gemv_quant.cu", "gemv_gate_up_silu"),
-                 ("gemv_quant.cu", "gemv_residual")]
-    assert kernels_of(plan) == per_layer * 32 + [("gemv.cu", "gemv_logits"), ("sampling.cu", "sample")]
+    per_layer = [("gemv_mma.cu", "gemv_qkv_rope"), ("attention.cu", "attention_decode"),
+                 ("gemv_mma.cu", "gemv_residual"), ("gemv_mma.cu", "gemv_gate_up_silu"),
+                 ("gemv_mma.cu", "gemv_residual")]
+    assert kernels_of(plan) == per_layer * 32 + [("gemv_mma.cu", "gemv_logits"), ("sampling.cu", "sample")]
     first = plan.launches[0]
-    assert first.spec.defines == gemv_quant.defines(4, 1) and first.block == gemv_quant.THREADS
+    assert first.spec.defines == gemv_mma.defines(4, 1) and first.block == gemv_mma.THREADS
+    assert plan.launches[-2].spec.defines == gemv_mma.defines(16, 1)  # the lm_head stays FP16
     assert [a.name for a in first.args[2:4]] == ["layers.0.wqkv.qweight", "layers.0.wqkv.qparams"]
     assert first.args[-1] == np.int32(128) and type(first.args[-1]) is np.int32  # the group, last
-    rows = gemv_quant.rows_per_block(4, 1)
+    rows = gemv_mma.rows_per_block(gemv_mma.defines(4, 1))
     grids = {l.spec.name: l.grid[0] for l in plan.launches[:5]}
     assert grids["gemv_qkv_rope"] * rows >= 12288 and grids["gemv_gate_up_silu"] * rows // 2 >= 11008
     assert plan.launches[4].args[-2:] == (np.int32(11008), np.int32(128))  # down: K = ff, its group
     verify = plans.verify_plan(layout, 512, 4)
-    assert {dict(l.spec.defines).get("TOKENS") for l in verify.launches if l.spec.source == "gemv_quant.cu"} == {5}
-    assert {l.spec.defines for l in verify.launches if l.spec.source == "gemv_quant.cu"} == {gemv_quant.defines(4, 5)}
+    quantized = [l for l in verify.launches if l.spec.source == "gemv_mma.cu" and l.spec.name != "gemv_logits"]
+    assert {l.spec.defines for l in quantized} == {gemv_mma.defines(4, 5)}
 
 
 def test_a_quantized_prefill_runs_gemm_quant_with_the_mma_geometry_and_an_fp16_lm_head():
@@ -150,7 +151,7 @@ def test_speculative_greedy_on_a_quantized_model_is_its_own_plain_greedy(case, a
 def test_every_quantized_launch_matches_its_kernel_signature(act_order_dir):
     from tests.runtime.test_contracts import POINTER_DTYPES, SCALAR_TYPES, SIGNATURES
 
-    missing = sorted({"gemv_quant.cu", "gemm_quant.cu", "gather.cu"} - {p.name for p in SOURCE_DIR.glob("*.cu")})
+    missing = sorted({"gemv_mma.cu", "gemm_quant.cu", "gather.cu"} - {p.name for p in SOURCE_DIR.glob("*.cu")})
     if missing:
         pytest.skip(f"kernels_cu has no {', '.join(missing)} yet (branch qkernels)")
     for layout in (layouts.on_load(preset("llama-2-7b"), "int4"), layouts.on_load(preset("tiny"), "int8"),
@@ -170,13 +171,13 @@ def test_every_quantized_launch_matches_its_kernel_signature(act_order_dir):
 
 
 def test_every_quantized_kernel_variant_the_plans_launch_is_the_twins_and_compiled():
-    """The plans' gemv_quant defines are the twin's (ops/gemv_quant.defines), and among the VARIANTS CI compiles
-    once the twin lists them."""
+    """The plans' quantized gemv_mma defines are the twin's (ops/gemv_mma.defines), among the VARIANTS CI compiles."""
     for bits in (4, 8):
         layout = layouts.on_load(preset("tiny"), f"int{bits}")
         specs = set()
         for k in range(1, plans.MAX_DRAFT + 1):
             specs |= plans.verify_plan(layout, 64, k).kernels()
-        defines = {s.defines for s in specs | plans.decode_plan(layout, 64).kernels() if s.source == "gemv_quant.cu"}
-        assert defines == {gemv_quant.defines(bits, tokens) for tokens in range(1, plans.VERIFY_ROWS + 1)}
-        assert defines <= set(getattr(gemv_quant, "VARIANTS", defines))
+        defines = {s.defines for s in specs | plans.decode_plan(layout, 64).kernels()
+                   if s.source == "gemv_mma.cu" and s.name != "gemv_logits"}
+        assert defines == {gemv_mma.defines(bits, tokens) for tokens in range(1, plans.VERIFY_ROWS + 1)}
+        assert defines <= set(gemv_mma.VARIANTS)

@@ -364,7 +364,7 @@ def test_verify_near_the_context_limit(stories_dir):
     prompt = [1, 403, 407, 261, 378]
     runner, plain = numpy_runner(stories_dir, max_seq=16), numpy_runner(stories_dir, max_seq=16)
     tokens = [plain.start(prompt, GREEDY)] + [plain.next() for _ in range(10)]
-    assert runner.start(prompt, GREEDY) == tokens[0] and runner.max_draft() == 8  # 5 cached: rows 5..13 fit
+    assert runner.start(prompt, GREEDY) == tokens[0] and runner.max_draft() == 10  # 5 cached: rows 5..15 fit
     assert runner.verify(tokens[1:9]) == tokens[1:10]  # 9 rows: positions 5..13
     assert len(runner.cached) == 14 and runner.max_draft() == 1  # positions 14, 15 left
     with pytest.raises(PromptError, match="2 drafts at position 14 do not fit: at most 1"):
@@ -384,10 +384,10 @@ def test_verify_refuses_bad_drafts_and_no_prompt(stories_dir):
     runner.start([1], GREEDY)
     with pytest.raises(PromptError, match="draft token id 512 is outside"):
         runner.verify([3, 512])
-    with pytest.raises(PromptError, match="9 drafts"):
-        runner.verify([3] * 9)
-    with pytest.raises(KernelError, match="1 to 8 drafts"):
-        plans.verify_plan(runner.cfg, 64, 9)
+    with pytest.raises(PromptError, match="16 drafts"):
+        runner.verify([3] * 16)
+    with pytest.raises(KernelError, match="1 to 15 drafts"):
+        plans.verify_plan(runner.cfg, 64, 16)
     plain = numpy_runner(stories_dir)
     plain.start([1], GREEDY)
     assert runner.verify([]) == [plain.next()]  # k = 0 is a plain step
@@ -519,13 +519,16 @@ def test_sampled_verify_is_distributed_as_plain_sampling(monkeypatch):
 
 
 def test_every_verify_kernel_is_a_compiled_variant():
-    """CI compiles (and checks for spills) every kernel a verify plan launches: ops.gemv.VERIFY_VARIANTS."""
+    """CI compiles (and checks for spills) every kernel a verify plan launches: ops.gemv_mma.VARIANTS."""
+    from cullama.runtime.ops import gemv_mma
+
     for name in ("llama-2-7b", "tiny"):
         for k in range(1, plans.MAX_DRAFT + 1):
             for launch in plans.verify_plan(preset(name), 512, k).launches:
-                if launch.spec.source == "gemv.cu":
-                    assert launch.spec.defines in gemv_twin.VERIFY_VARIANTS
-    assert plans.gemv("gemv_residual", 1).defines == gemv_twin.DECODE_VARIANTS[0]  # the decode step's as before
+                if launch.spec.source == "gemv_mma.cu":
+                    assert launch.spec.defines == gemv_mma.defines(16, k + 1)
+                    assert launch.spec.defines in gemv_mma.VARIANTS
+    assert plans.gemv("gemv_residual", 1).defines == gemv_mma.defines(16, 1)  # the decode step: the same kernel
 
 
 # -- the kernels: their rows against one-row launches, bit for bit (on a GPU; on the CPU executor in test_verify_emu)

@@ -3,9 +3,12 @@ FP16, INT8 and INT4 weights, 1 to 16 token rows.
 
 Compile-time defines (`defines(bits, tokens)`): BITS (16: FP16 W; 8 or 4: quant.py's qweight / qparams, the group size
 the kernels' last argument) and TOKENS, the launch's token rows (1..16: 1 a decode step, k + 1 a verify step of k
-drafts, B a batched step's group; x, in and the outputs are [TOKENS, width] rows). Two more have defaults the plans
+drafts, B a batched step's group; x, in and the outputs are [TOKENS, width] rows). One signature for every BITS:
+the weight is (W, qparams) and the group size the last argument; a BITS 16 kernel reads neither qparams nor group
+(the plans pass W and 0). Two more have defaults the plans
 use and a sweep may change: NTILES (n-tiles of 8 output rows per block, default 4: ROWS = 32 rows a block) and UNROLL
-(k-blocks per warp in one batch of loads, default 4 for FP16, 2 quantized); MIN_BLOCKS (default 4) bounds registers.
+(k-blocks per warp in one batch of loads, default 4 for FP16, 2 for INT8, 1 for INT4); MIN_BLOCKS (default 4, INT4 3)
+bounds registers.
 
 The twins compute what the kernel computes, in its order: A = fp16(x * norm_w) (fp16(in) for gemv_residual), B = the
 FP16 weight (quantized: fp16((q - zero) * scale), quant.dequantize(..., np.float16)), the reduction index permuted as
@@ -202,33 +205,26 @@ def gate_up_silu(W, qparams, x, norm_w, h, ff, d, eps):
 
 
 def _quantized(W) -> bool:
-    return np.asarray(W).dtype == np.uint32  # qweight; FP16 W otherwise
+    return np.asarray(W).dtype == np.uint32  # quant.py's qweight; an FP16 W otherwise (qparams and group unread)
 
 
-def gemv_qkv_rope(x, norm_w, *args):
+def gemv_qkv_rope(x, norm_w, W, qparams, bias, q_out, k_cache, v_cache, rope, state, step_rows, d, n_heads, n_kv_heads,
+                  hd, max_seq, eps, group):
     """Per token row t of x [T, d] (or [d]): q|k|v = W · rmsnorm(x[t]) + bias, then RoPE; q_out[t] [heads hd] f32,
-    k_cache / v_cache [slots, kv_heads, max_seq, hd] f16 written in row t's slot at its position. W is the FP16 W, or
-    (qweight, qparams) with `group` as the last argument (the BITS 8 / 4 kernels)."""
-    if _quantized(args[0]):  # (qweight, qparams, bias, q_out, ..., eps, group)
-        qkv_rope(args[0], args[1], x, norm_w, *args[2:-1])
-    else:
-        qkv_rope(args[0], None, x, norm_w, *args[1:])
+    k_cache / v_cache [slots, kv_heads, max_seq, hd] f16 written in row t's slot at its position. W: FP16 [M, d], or
+    quant.py's qweight with its qparams (and group)."""
+    qkv_rope(W, qparams if _quantized(W) else None, x, norm_w, bias, q_out, k_cache, v_cache, rope, state, step_rows,
+             d, n_heads, n_kv_heads, hd, max_seq, eps)
 
 
-def gemv_residual(inp, *args):
-    """x[t, :M] += W [M, K] · in[t, :K] per token row t (1-D: one row); W FP16 or (qweight, qparams, ..., group)."""
-    if _quantized(args[0]):  # qweight, qparams, x, M, K, group
-        residual(args[0], args[1], inp, *args[2:-1])
-    else:
-        residual(args[0], None, inp, *args[1:])
+def gemv_residual(inp, W, qparams, x, M, K, group):
+    """x[t, :M] += W [M, K] · in[t, :K] per token row t (1-D: one row)."""
+    residual(W, qparams if _quantized(W) else None, inp, x, M, K)
 
 
-def gemv_gate_up_silu(x, norm_w, *args):
-    """h[t, :ff] = silu(gate) * up, gate|up = W [2 ff, d] · rmsnorm(x[t]); W FP16 or (qweight, qparams, ..., group)."""
-    if _quantized(args[0]):  # qweight, qparams, h, ff, d, eps, group
-        gate_up_silu(args[0], args[1], x, norm_w, *args[2:-1])
-    else:
-        gate_up_silu(args[0], None, x, norm_w, *args[1:])
+def gemv_gate_up_silu(x, norm_w, W, qparams, h, ff, d, eps, group):
+    """h[t, :ff] = silu(gate) * up, gate|up = W [2 ff, d] · rmsnorm(x[t]) per token row t."""
+    gate_up_silu(W, qparams if _quantized(W) else None, x, norm_w, h, ff, d, eps)
 
 
 def gemv_logits(x, norm_w, W, logits, V, d, eps):

@@ -14,7 +14,7 @@ from .rows import (FP_REP_PENALTY, FP_TEMPERATURE, FP_TOP_P, FPARAMS_LEN, ROW_OF
                    STATE_LEN, STATE_MASKED, STATE_POS, STATE_SEED_HI, STATE_SEED_LO, STATE_STEP, STATE_TOKEN,
                    STATE_TOP_K)
 
-MASK_ROWS = 9  # a slot's rows of the masks buffer (sampling.cu MASK_ROWS = plan.VERIFY_ROWS)
+MASK_ROWS = 16  # a slot's rows of the masks buffer (sampling.cu MASK_ROWS = plan.VERIFY_ROWS)
 
 
 def mask_bits(words: np.ndarray, V: int) -> np.ndarray:

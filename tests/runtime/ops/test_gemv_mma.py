@@ -87,7 +87,9 @@ class Case:
         self.w_res, self.w_gu = weights(rng, bits, M, K, group), weights(rng, bits, 2 * FF, K, group)
         self.w_lm = weights(rng, 16, V, K, group)
         self.rope = np.stack(rope_tables(HD, np.arange(self.max_seq), 10000.0), -1).astype(np.float32)
-        self.g = () if bits == 16 else (np.int32(group),)
+        if bits == 16:  # one signature: qparams and group unread
+            self.w_qkv, self.w_res, self.w_gu = ((w[0], w[0]) for w in (self.w_qkv, self.w_res, self.w_gu))
+        self.g = (np.int32(group),)
 
     def run(self, fn, defines, rows, pos=None):
         """{output: array} of every kernel on token rows `rows` (a list of indices into the case's rows), by `fn`:
