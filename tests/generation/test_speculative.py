@@ -261,8 +261,8 @@ def test_adaptive_generation_grows_k(stories, stories_expected):
 @pytest.mark.parametrize("options,needle", [
     ({"speculative": "bogus"}, "speculative must be one of 'ngram', 'draft'"),
     ({"speculative": 3}, "speculative must be one of"),
-    ({"speculative": "ngram", "draft_tokens": 0}, "draft_tokens must be an integer from 1 to 8"),
-    ({"speculative": "ngram", "draft_tokens": 9}, "draft_tokens must be an integer from 1 to 8"),
+    ({"speculative": "ngram", "draft_tokens": 0}, "draft_tokens must be an integer from 1 to 15"),
+    ({"speculative": "ngram", "draft_tokens": 16}, "draft_tokens must be an integer from 1 to 15"),
     ({"speculative": "ngram", "draft_tokens": 2.0}, "draft_tokens"),
     ({"speculative": "ngram", "draft_tokens": True}, "draft_tokens"),
     ({"speculative": "ngram", "adaptive_draft": "yes"}, "adaptive_draft"),
