@@ -93,8 +93,8 @@ def mma_rows(b16: np.ndarray, a16: np.ndarray, bits: int, x: np.ndarray | None =
     pad = iters * WARPS * 4 * elems  # k-blocks past the last one multiply zeros: adding +0.0 changes no sum
     a64 = np.zeros((T, pad), np.float64)
     a64[:, :K] = a16
-    b64 = np.zeros((M, pad), np.float64)
-    b64[:, :K] = b16
+    bp = np.zeros((M, pad), np.float16)  # FP16 (a 7B lm_head in float64 would take 1 GB); columns widened as used
+    bp[:, :K] = b16
     steps = elems // 4
     full = np.zeros((iters * WARPS, steps, 16), np.int64)
     full[:kblocks] = idx
@@ -107,7 +107,7 @@ def mma_rows(b16: np.ndarray, a16: np.ndarray, bits: int, x: np.ndarray | None =
             total = acc.astype(np.float64)  # C, then the 16 products in k order, in double; rounded once
             for kk in range(16):
                 k = order[i, :, s, kk]  # [WARPS]
-                total += a64[:, k].T[:, :, None] * b64[:, k].T[:, None, :]
+                total += a64[:, k].T[:, :, None] * bp[:, k].T.astype(np.float64)[:, None, :]
             acc = total.astype(np.float32)
     dot = acc[0].copy()
     for w in range(1, WARPS):
