@@ -9,7 +9,7 @@
 # a 128,256-id lm_head), then
 # benchmarks/decode_step.py (plain vs overlapped graph), logprobs_step.py (what logprobs=N adds to a step),
 # prefill_step.py (TTFT per prefill kernel pair),
-# gemv_sweep.py, gemm_sweep.py (mma vs wgmma), the same two on INT4 / INT8 weights (gemv_quant.cu, gemm_quant.cu),
+# gemv_sweep.py, gemm_sweep.py (mma vs wgmma), the same two on INT4 / INT8 weights (gemv_mma.cu, gemm_quant.cu),
 # `cullama bench --speculative replay`, `cullama bench --json-schema` (issue 27: a constrained token against a plain
 # one, target <= 1.05 at p50 and p99), serve_latency.py (what
 # `cullama serve` adds per token), `cullama bench --batch` and serve_load.py (batched decode) and

@@ -1,11 +1,11 @@
-"""GEMV sweep: every gemv.cu variant on every LLaMA-2-7B matrix shape, in GB/s and % of read bandwidth.
+"""GEMV sweep: every gemv_mma.cu variant on every LLaMA-2-7B matrix shape, in GB/s and % of read bandwidth.
 
     python benchmarks/gemv_sweep.py [--json FILE] [--bits 16|4,8] [--trials N] [--launches N] [--l2-multiple K]
                                     [--model PRESET]
 
 Each shape is timed with the kernel the decode step uses for it (qkv: gemv_qkv_rope, o_proj and
-down: gemv_residual, gate_up: gemv_gate_up_silu, lm_head: gemv_logits), in every (ROWS, UNROLL)
-variant of cullama.runtime.ops.gemv.DECODE_VARIANTS. --model sweeps another preset's shapes instead, as the decode
+down: gemv_residual, gate_up: gemv_gate_up_silu, lm_head: gemv_logits), one token row, in every variant of
+SWEEP below (the plan's, then the candidates). --model sweeps another preset's shapes instead, as the decode
 step runs them (cullama.model.layout.device_config; the tests run `tiny` on a fake CuPy). Launches are
 captured in a CUDA graph (as in the decode step) that rotates over copies of the weight matrix
 totalling several times the L2, so no launch finds its weights in the cache; CUDA events time the
@@ -15,8 +15,8 @@ previous one's tail). GB/s counts the FP16 weight bytes only (the vectors are < 
 traffic); % is of the read bandwidth as `cullama bench` measures it (cullama.bench.latency.measure_bandwidth).
 Before timing, each variant's output is checked against the kernel's NumPy twin. Run it on a GPU;
 without one it says so in one line.
---bits 4,8 sweeps gemv_quant.cu instead (W4A16 and W8A16: every variant of
-cullama.runtime.ops.gemv_quant.DECODE_VARIANTS for those bits, the four weight matrices: no quantized lm_head), with
+--bits 4,8 sweeps gemv_mma.cu on quantized weights instead (W4A16 and W8A16: SWEEP's variants for those bits, the
+four weight matrices: no quantized lm_head), with
 weights as on-load quantization makes them (Weights below: INT4 in groups of 128 along K, INT8 one group per row); GB/s
 is then the effective weight bandwidth, the bytes of codes and (scale, zero) pairs that a decode step reads
 (quant.QuantFormat.nbytes), and a shape the format cannot hold (K not a multiple of the 16-byte vector) is skipped with
@@ -40,8 +40,7 @@ from cullama.runtime import plan as plans
 from cullama.model import quant
 from cullama.model.config import preset
 from cullama.common.errors import CullamaError
-from cullama.runtime.ops import gemv as twins
-from cullama.runtime.ops import gemv_quant as quant_twins
+from cullama.runtime.ops import gemv_mma as twins
 from cullama.runtime.registry import KernelLoader, KernelSpec
 
 
@@ -152,7 +151,7 @@ def random_fp16(cp, loader, shape, seed: int, std: float = 0.02):
     return out
 
 
-# -- the weights a sweep streams: FP16 (gemv.cu, gemm.cu) or quantized (gemv_quant.cu, gemm_quant.cu) ------------
+# -- the weights a sweep streams: FP16 (gemv_mma.cu, gemm.cu) or quantized (gemv_mma.cu, gemm_quant.cu) -----------
 @dataclasses.dataclass(frozen=True)
 class Weights:
     """How the swept matrices are stored: bits 16 is FP16; 4 and 8 are cullama/model/quant.py's format as on-load
@@ -227,17 +226,31 @@ def graph_us(cp, stream, launches: int, launch, trials: int) -> list[float]:
         return [events_ms(cp, stream, lambda: graph.launch(stream), 1) / launches * 1e3 for _ in range(trials)]
 
 
+# The variants timed per bits, one token row (a decode step): the plan's first, then NTILES 2 (16 rows a block, twice
+# the blocks: the candidate for the 7B o_proj / down's 128 blocks on 132 SMs).
+SWEEP = {bits: [twins.defines(bits), twins.defines(bits) + (("NTILES", 2),)] for bits in twins.FORMATS}
+
+
 def gemv_kernels(weights: Weights):
     """(source, twins module, decode variants) of the GEMV kernels for this storage."""
-    if weights.bits == 16:
-        return twins.SOURCE, twins, twins.DECODE_VARIANTS
-    return quant_twins.SOURCE, quant_twins, [v for v in quant_twins.DECODE_VARIANTS if dict(v)["BITS"] == weights.bits]
+    return twins.SOURCE, twins, SWEEP[weights.bits]
+
+
+def gemv_args(weights: Weights, kernel: str, named: list, K: int) -> list:
+    """The kernel's (name, value) arguments: one gemv_mma signature for every BITS, (W, qparams) and `group` last;
+    an FP16 kernel is passed W twice and group 0 (unread), as the plans do; gemv_logits (FP16 only) has neither."""
+    if weights.bits != 16 or kernel == "gemv_logits":
+        return weights.args(named, K)
+    out = []
+    for name, value in named:
+        out += [("W", None), ("W", None)] if name == "W" else [(name, value)]
+    return out + [("group", np.int32(0))]
 
 
 def sweep_shape(cp, loader, cfg, label, kernel, M, K, args, pdl=None, weights=Weights()) -> list[dict]:
     rng = np.random.default_rng(0)
     named, outputs = case(kernel, cfg, M, K, rng)
-    named = weights.args(named, K)
+    named = gemv_args(weights, kernel, named, K)
     source, module, variants = gemv_kernels(weights)
     nbytes = weights.nbytes(M, K)
     l2 = cp.cuda.runtime.getDeviceProperties(cp.cuda.Device().id)["l2CacheSize"]
@@ -256,7 +269,7 @@ def sweep_shape(cp, loader, cfg, label, kernel, M, K, args, pdl=None, weights=We
     for defines in variants:
         variant = " ".join(f"{k}={v}" for k, v in defines)
         fn = loader.function(KernelSpec(source, kernel, tuple(defines)))
-        grid = (plans.cdiv(M, dict(defines)["ROWS"]), 1, 1)  # ROWS rows (or ROWS/2 pairs) per block
+        grid = (plans.cdiv(M, twins.rows_per_block(defines)), 1, 1)  # ROWS rows (or ROWS/2 pairs) per block
         argv = lambda copy: tuple(copy[n] if n in copy else dev[n] for n, _ in named)  # noqa: E731
         with stream:
             for n in outputs:  # poisoned (or the residual's starting x) before the checked launch
@@ -285,7 +298,7 @@ def sweep_shape(cp, loader, cfg, label, kernel, M, K, args, pdl=None, weights=We
 
 
 def bits_list(text: str) -> list[int]:
-    """argparse type of --bits: 16 (FP16, gemv.cu) or any of 4 and 8 (gemv_quant.cu), comma-separated."""
+    """argparse type of --bits: 16 (FP16) or any of 4 and 8 (W4A16 / W8A16), comma-separated."""
     try:
         values = [int(t) for t in text.split(",") if t.strip()]
     except ValueError:
@@ -297,9 +310,7 @@ def bits_list(text: str) -> list[int]:
 
 def plan_variant(bits: list[int]) -> str:
     """The variant(s) the plan launches for a decode step, as the table's footnote and the record say."""
-    if bits == [16]:
-        return f"ROWS={plans.GEMV_ROWS} UNROLL={plans.GEMV_UNROLL}"
-    return ", ".join(" ".join(f"{k}={v}" for k, v in quant_twins.defines(b)) for b in bits)
+    return ", ".join(" ".join(f"{k}={v}" for k, v in twins.defines(b)) for b in bits)
 
 
 def main(argv=None) -> int:
@@ -311,7 +322,7 @@ def main(argv=None) -> int:
                         help="weight copies totalling at least this many times the L2")
     parser.add_argument("--model", default="llama-2-7b", help="preset whose decode-step shapes are swept")
     parser.add_argument("--bits", type=bits_list, default=[16],
-                        help="16: the FP16 kernels (gemv.cu); 4,8: the quantized ones (gemv_quant.cu) [16]")
+                        help="16: FP16 weights; 4,8: the quantized ones (gemv_mma.cu BITS) [16]")
     args = parser.parse_args(argv)
     require_gpu("gemv_sweep")
     import cupy as cp

@@ -1,5 +1,5 @@
 // dequant.cuh — INT4 / INT8 weight codes to FP16 in registers, in cullama/model/quant.py's device format; shared by
-// gemv_quant.cu (decode: then to float32, products in float32) and gemm_quant.cu (prefill: FP16 tiles for mma).
+// gemv_mma.cu (decode: FP16 B fragments for mma) and gemm_quant.cu (prefill: FP16 tiles for mma).
 //
 // A 32-bit word of qweight holds 32 / BITS codes interleaved (quant.py ORDER) so that codes 2s and 2s + 1 sit in
 // the low and high 16-bit halves of one masked word. Put next to the exponent of FP16 1024 (0x6400, whose ulp is

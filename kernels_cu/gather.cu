@@ -1,6 +1,6 @@
 // gather.cu — activations in a weight's stored input order (GPTQ act-order): out[t, k] = in[t, perm[k]].
 //
-//   gather_f32   float32 rows: a decode or verify step's input to such a linear (gemv_quant.cu)
+//   gather_f32   float32 rows: a decode or verify step's input to such a linear (gemv_mma.cu)
 //   gather_f16   FP16 rows: a prefill chunk's input to it (gemm_quant.cu)
 //
 // A GPTQ checkpoint with desc_act orders a linear's input channels by group (g_idx); the loader sorts the stored

@@ -10,7 +10,7 @@
 // Each kernel waits (pdl_wait) before it reads anything, and lets the next kernel launch at once: under
 // programmatic dependent launch (overlap mode) the GEMM after it streams its weights meanwhile.
 // Shapes: rows are contiguous with the row strides given below; d % 8 == 0 and ff % 8 == 0 (16-byte
-// vectors; cullama.runtime.plan.check_supported guarantees both), hd even. The same math as gemv.cu's fused
+// vectors; cullama.runtime.plan.check_supported guarantees both), hd even. The same math as gemv_mma.cu's fused
 // decode kernels (rmsnorm in gemv_* and bias + RoPE + cache write in gemv_qkv_rope), on whole rows.
 #include "common.cuh"
 #include "rope.cuh"

@@ -1,4 +1,4 @@
-"""The kernel checks that take a launcher (test_verify.py, test_batch_kernels.py, test_gemv_quant.py, ...) run on
+"""The kernel checks that take a launcher (test_verify.py, test_batch_kernels.py, test_gemv_mma.py, ...) run on
 the CPU executor (cullama.runtime.emu), and the seeded bugs that show those checks have teeth: one text of kernels_cu
 replaced in a copy of it, after which the check must fail."""
 

@@ -491,7 +491,7 @@ _kernels: dict = {}
 
 def _with_headers(name: str, seen: set) -> str:
     """kernels_cu/`name`, then the text of each kernels_cu header it includes (recursively, each once): a
-    constant such as THREADS may live in a header the kernels share (gemv.cuh, gemm.cuh)."""
+    constant such as THREADS may live in a header the kernels share (gemm.cuh, common.cuh)."""
     text = (SOURCE_DIR / name).read_text()
     parts = [text]
     for header in _INCLUDE.findall(text):

@@ -149,7 +149,7 @@ def decide_gemv(res: Results) -> str:
     distinct = set(picks.values())
     one = len(distinct) == 1 and len(picks) == len(shapes)
     summary = ("one variant for every shape, " + next(iter(distinct)) if one
-               else "per shape; the plan has one GEMV_ROWS / GEMV_UNROLL for all today")
+               else "per shape; the plan has one gemv_mma variant per bits for all today")
     return f"**GEMV variant**, {summary}: " + "; ".join(lines) + f". {rule}."
 
 

@@ -22,11 +22,11 @@ def quant_shapes(rec: dict) -> dict[str, list[dict]]:
 
 
 def default_variant(bits) -> str | None:
-    """The decode variant this checkout's plan would launch for `bits` (cullama.runtime.ops.gemv_quant.defines)."""
+    """The decode variant this checkout's plan would launch for `bits` (cullama.runtime.ops.gemv_mma.defines)."""
     try:
-        from cullama.runtime.ops import gemv_quant
+        from cullama.runtime.ops import gemv_mma
 
-        return " ".join(f"{k}={v}" for k, v in gemv_quant.defines(int(bits)))
+        return " ".join(f"{k}={v}" for k, v in gemv_mma.defines(int(bits)))
     except Exception:  # noqa: BLE001 - cullama not importable, or bits not 4 / 8: the report says "unknown"
         return None
 
@@ -59,7 +59,7 @@ def section_gemv_quant(res: Results) -> list[str]:
                      fmt(gemv_pct(d, bw), 1, " %"), fmt(ratio(fp16, best and best.get("us")), 2, "x")])
     lines = [f"Effective GB/s: the bytes a decode step reads per launch (codes and (scale, zero) pairs: INT4 groups "
              f"of 128, INT8 per row), CUDA graph rotating over copies beyond the L2; read bandwidth {tb_s(bw)}; "
-             f"default: this checkout's cullama.runtime.ops.gemv_quant.defines; x FP16: the fastest FP16 GEMV on the "
+             f"default: this checkout's cullama.runtime.ops.gemv_mma.defines; x FP16: the fastest FP16 GEMV on the "
              f"same shape (gemv.json) over this one's time.", ""]
     lines += table(["bits shape", "kernel", "fastest correct", "us", "GB/s", "% read bw", "default GB/s",
                     "default % bw", "x FP16"], rows, right=set(range(3, 9)))
@@ -155,5 +155,5 @@ def decide_gemv_quant(res: Results) -> str:
         else:
             parts.append(f"W{bits}: **{best}** ({fmt(totals[best], 1)} us over the shapes; the default {default} "
                          + (f"{fmt(totals[default], 1)} us" if default in totals else "is WRONG or not measured")
-                         + ": cullama/runtime/ops/gemv_quant.py DECODE)")
+                         + ": cullama/runtime/ops/gemv_mma.py defines)")
     return "**Quantized GEMV variant**: " + "; ".join(parts) + f". {rule}."

@@ -183,8 +183,9 @@ def checkout_defaults() -> dict:
     out = {}
     try:
         from cullama.runtime import plan
+        from cullama.runtime.ops import gemv_mma
 
-        out["gemv_variant"] = f"ROWS={plan.GEMV_ROWS} UNROLL={plan.GEMV_UNROLL}"
+        out["gemv_variant"] = " ".join(f"{k}={v}" for k, v in gemv_mma.defines(16))  # as gemv_sweep names it
         out["prefill_chunk"] = plan.PREFILL_CHUNK
     except Exception:  # noqa: BLE001 - cullama not importable here: the report says "unknown"
         pass

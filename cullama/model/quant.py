@@ -1,7 +1,7 @@
 """The quantized weight format on the device: how INT4 and INT8 weights are packed for the kernels.
 
 Every quantized source (AWQ and GPTQ checkpoints, quantizing an FP16 checkpoint on load) ends in this one
-layout; the kernels (kernels_cu/gemv_quant.cu, gemm_quant.cu) and their twins know only it. A quantized
+layout; the kernels (kernels_cu/gemv_mma.cu, gemm_quant.cu) and their twins know only it. A quantized
 linear W [M, K] (M output rows, K inputs; the FP16 layout's [M, K] row-major, fused q|k|v and gate|up rows
 stacked the same way) with `bits` in {4, 8} and a group size `group` along K is two device tensors:
 

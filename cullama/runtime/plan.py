@@ -49,17 +49,15 @@ from ..model.config import LlamaConfig
 from ..common.errors import KernelError
 from ..model.layout import GATHERED, LINEARS, NO_BIAS, Buffer, Layout, as_layout, decode_floor_ms
 from .ops import attention_mma as attention_mma_ops
-from .ops import gemv as gemv_ops
 from .ops import gemv_mma as gemv_mma_ops
 from .prefill_kernels import GemmKernel, PrefillKernels, cdiv, quant_gemm, tile_counters, workspace_floats
 from ..model.reference import rope_tables
 from .registry import KernelSpec
 from .ops import sampling as sampling_ops  # the logprobs kernel's
-from .ops.rows import FPARAMS_LEN, STATE_LEN
+from .ops.rows import FPARAMS_LEN, STATE_LEN, logits_stride
 
 # The decode, verify and batch GEMVs: gemv_mma.cu, one kernel for 1..16 token rows (the MMA's M), FP16 / INT8 / INT4.
 GEMV_ROWS, GEMV_THREADS = gemv_mma_ops.ROWS, gemv_mma_ops.THREADS  # output rows per block, threads per block
-GEMV_UNROLL = 4  # gemv_mma's FP16 UNROLL default, read by benchmarks/summarize.py until the sweeps name gemv_mma's variants
 MAX_DRAFT = gemv_mma_ops.MAX_TOKENS - 1  # drafts one verify step checks at most (15)
 VERIFY_ROWS = MAX_DRAFT + 1  # its token rows at most: the last sampled token and the drafts (a batch group's rows)
 ATTENTION_THREADS = 128
@@ -212,7 +210,7 @@ def runtime_buffers(model: LlamaConfig | Layout, max_seq: int, chunk: int | None
         Buffer("verify_attn_out", (VERIFY_ROWS, cfg.q_dim), "float32", "activation"),  # [rows, heads * hd]
         Buffer("verify_h", (VERIFY_ROWS, ff), "float32", "activation"),  # [rows, ff]
         # [rows, vocab] at a row stride of vocab rounded up to 4 (16-byte aligned rows for the sample kernel)
-        Buffer("verify_logits", (VERIFY_ROWS, gemv_ops.logits_stride(V)), "float32", "activation"),
+        Buffer("verify_logits", (VERIFY_ROWS, logits_stride(V)), "float32", "activation"),
         # a step's log-probabilities (the logprobs kernel's rows): a decode step's or a prefill's token in row 0,
         # a verify step's in rows 0..k
         Buffer("logprob_step", (VERIFY_ROWS, sampling_ops.LP_WIDTH), "float32", "activation"),  # [rows, LP_WIDTH]
@@ -300,7 +298,7 @@ def split_at_sample(plan: Plan) -> tuple[Plan, Plan]:
 def seen_stride(V: int) -> int:
     """The row stride of `seen` [slots, V]: V rounded up to 4, so that every slot's row is 4-byte aligned (the sample
     kernel reads a word of 4 flags at once)."""
-    return gemv_ops.logits_stride(V)
+    return logits_stride(V)
 
 
 MAX_SLOTS = 64  # sequences a runner holds at most (--max-batch)
@@ -635,13 +633,13 @@ def token_logprobs(V: int, rows: int, top: int, slot: int = 0) -> Launch:
     if rows == 1:
         return _logprobs(Ref("logits"), V, V, Ref("state"), slot * STATE_LEN + sampling_ops.STATE_TOKEN, 1, top,
                          Ref("logprob_step"))
-    return _logprobs(Ref("verify_logits", rows=rows), V, gemv_ops.logits_stride(V), Ref("verify_picks", rows=rows),
+    return _logprobs(Ref("verify_logits", rows=rows), V, logits_stride(V), Ref("verify_picks", rows=rows),
                      0, rows, top, Ref("logprob_step"))
 
 
 def batch_logprobs(V: int, rows: int, group: int, top: int) -> Launch:
     """The logprobs kernel after a batched step's sample: each row's logits against its pick (batch_ids[group])."""
-    return _logprobs(Ref("verify_logits", rows=rows), V, gemv_ops.logits_stride(V), Ref("batch_ids", group), 0, rows,
+    return _logprobs(Ref("verify_logits", rows=rows), V, logits_stride(V), Ref("batch_ids", group), 0, rows,
                      top, Ref("logprob_step"))
 
 

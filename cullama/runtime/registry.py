@@ -45,7 +45,7 @@ ARCH_SPECIFIC_ARCHS = ("sm_90",)  # the archs whose "a" target cullama's arch-sp
 class KernelSpec:
     """One kernel: the file it lives in, its extern "C" name and its compile-time constants."""
 
-    source: str  # e.g. "gemv.cu"
+    source: str  # e.g. "gemv_mma.cu"
     name: str  # e.g. "gemv_residual"
     defines: tuple[tuple[str, int], ...] = ()
     arch_specific: bool = False  # compiled for the arch-specific target (sm_90 -> sm_90a: wgmma, setmaxnreg)

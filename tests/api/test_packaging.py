@@ -42,13 +42,13 @@ def test_installed_wheel_runs_outside_the_source_tree(wheel, tmp_path):
     assert install.returncode == 0, install.stderr
     env = {**os.environ, "PYTHONPATH": str(target)}
     probe = ("import cullama, cullama.runtime.registry as r, cullama.runtime.backends.numpy_backend as b, "
-             "cullama.runtime.ops.gemv as g; "
+             "cullama.runtime.ops.gemv_mma as g; "
              "assert all(m.__file__.startswith(cullama.__path__[0]) for m in (r, b, g)), 'mixed install'; "
              "print(cullama.__file__); print(sorted(r.sources()))")
     shown = subprocess.run([sys.executable, "-c", probe], cwd=tmp_path, env=env, capture_output=True, text=True)
     assert shown.returncode == 0, shown.stderr
     location, sources = shown.stdout.splitlines()
-    assert location.startswith(str(target)) and "gemv.cu" in sources
+    assert location.startswith(str(target)) and "gemv_mma.cu" in sources
     cli = subprocess.run([sys.executable, str(target / "bin" / "cullama"), "--help"], cwd=tmp_path, env=env,
                          capture_output=True, text=True)
     assert cli.returncode == 0 and "generate" in cli.stdout

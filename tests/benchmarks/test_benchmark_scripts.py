@@ -18,8 +18,7 @@ from cullama.model.config import preset
 from cullama.runtime.load import FILL
 from cullama.common.errors import DeviceError
 from cullama.model import quant
-from cullama.runtime.ops import gemv as gemv_twins
-from cullama.runtime.ops import gemv_quant as gemv_quant_twins
+from cullama.runtime.ops import gemv_mma as gemv_twins
 from cullama.runtime.prefill_kernels import MMA_GEMM, WGMMA_GEMM
 from cullama.runtime.registry import KernelLoader
 
@@ -96,7 +95,8 @@ def test_gemv_sweep_times_and_checks_every_variant_of_every_shape(fake, tmp_path
     assert code == 0
     record = json.loads(out.read_text())
     check_bandwidth(record)
-    variants = [" ".join(f"{k}={v}" for k, v in d) for d in gemv_twins.DECODE_VARIANTS]
+    variants = [" ".join(f"{k}={v}" for k, v in d) for d in gemv_sweep.SWEEP[16]]
+    assert gemv_sweep.SWEEP[16][0] == gemv_twins.defines(16)  # the plan's decode variant first
     shapes = gemv_sweep.shapes(TINY)
     assert [(r["shape"], r["variant"]) for r in record["rows"]] == [(s[0], v) for s in shapes for v in variants]
     for row, (label, kernel, M, K) in zip(record["rows"], [s for s in shapes for _ in variants]):
@@ -130,9 +130,9 @@ def test_gemv_sweep_times_no_overlap_before_sm90(fake, monkeypatch, capsys, tmp_
 
 
 def test_gemv_sweep_flags_a_wrong_variant_and_fails(fake, monkeypatch, capsys):
-    def kernel(self, spec):  # the ROWS=8 build of every GEMV kernel writes nothing
+    def kernel(self, spec):  # the NTILES=2 build of every GEMV kernel writes nothing
         fn = fake_cupy.Kernel(spec)
-        if ("ROWS", 8) in spec.defines:
+        if ("NTILES", 2) in spec.defines:
             fn.twin = lambda *args: None
         return fn
 
@@ -141,11 +141,11 @@ def test_gemv_sweep_flags_a_wrong_variant_and_fails(fake, monkeypatch, capsys):
                                            "--l2-multiple", "0"], capsys)
     assert code == 1
     wrong = [line for line in stdout.splitlines() if "WRONG" in line]
-    assert len(wrong) == len(gemv_sweep.shapes(TINY)) and all("ROWS=8" in line and "*" not in line for line in wrong)
+    assert len(wrong) == len(gemv_sweep.shapes(TINY)) and all("NTILES=2" in line and "*" not in line for line in wrong)
 
 
 def test_gemv_sweep_times_the_quantized_kernels(fake, tmp_path, capsys):
-    """--bits 4,8: gemv_quant.cu's variants of each bits on the four weight matrices (no lm_head), the effective
+    """--bits 4,8: gemv_mma.cu's sweep variants of each bits on the four weight matrices (no lm_head), the effective
     bytes (codes and (scale, zero) pairs), and a shape INT4 cannot hold (tiny's K = 688) skipped with a line."""
     out = tmp_path / "gemv_quant.json"
     code, stdout = run_main("gemv_sweep", ["--model", "tiny", "--bits", "4,8", "--trials", "1", "--launches", "2",
@@ -155,11 +155,10 @@ def test_gemv_sweep_times_the_quantized_kernels(fake, tmp_path, capsys):
     assert record["bits"] == [4, 8] and record["skipped"] == ["W4 down 256x688: K = 688 is not a multiple of 32"]
     expected = []
     for bits in (4, 8):
-        variants = [" ".join(f"{k}={v}" for k, v in d) for d in gemv_quant_twins.DECODE_VARIANTS
-                    if d[0] == ("BITS", bits)]
+        variants = [" ".join(f"{k}={v}" for k, v in d) for d in gemv_sweep.SWEEP[bits]]
         expected += [(bits, label, v) for label, kernel, M, K in gemv_sweep.shapes(TINY)
                      if kernel != "gemv_logits" and (bits == 8 or K % 32 == 0) for v in variants]
-    assert [(r["bits"], r["shape"], r["variant"]) for r in record["rows"]] == expected and len(expected) == 21
+    assert [(r["bits"], r["shape"], r["variant"]) for r in record["rows"]] == expected and len(expected) == 14  # (3 + 4) shapes x 2
     for r in record["rows"]:
         group = r["K"] if r["bits"] == 8 else 128
         assert r["weight_bytes"] == quant.QuantFormat(r["bits"], group).nbytes(r["M"], r["K"])
@@ -168,7 +167,7 @@ def test_gemv_sweep_times_the_quantized_kernels(fake, tmp_path, capsys):
     lines = stdout.splitlines()
     assert lines[1] == "skipped W4 down 256x688: K = 688 is not a multiple of 32"
     assert sum("*" in line for line in lines[3:-2]) == 3 + 4  # one fastest variant per (bits, shape)
-    assert "ROWS=8 UNROLL=1" in lines[-2] and "effective" in lines[-2]
+    assert "BITS=4 TOKENS=1, BITS=8 TOKENS=1" in lines[-2] and "effective" in lines[-2]
     with pytest.raises(SystemExit):
         gemv_sweep.main(["--bits", "16,4"])
     assert "give 16 (FP16) or any of 4, 8" in capsys.readouterr().err
@@ -509,7 +508,7 @@ def test_a_sweep_cut_short_leaves_what_it_measured(fake, monkeypatch, tmp_path, 
     assert record["complete"] is False and record["commit"] == git_commit() and record["date"].startswith("20")
     assert {r["shape"] for r in record["rows"]} == {gemv_sweep.shapes(TINY)[0][0]}
     assert record["options"]["model"] == "tiny" and "json" not in record["options"]
-    assert record["plan_variant"] == "ROWS=4 UNROLL=4" and not list(tmp_path.glob("*.tmp"))
+    assert record["plan_variant"] == "BITS=16 TOKENS=1" and not list(tmp_path.glob("*.tmp"))
     monkeypatch.setattr(KernelLoader, "function", real)
     assert run_main("gemv_sweep", ["--model", "tiny", "--trials", "1", "--launches", "1", "--l2-multiple", "0",
                                    "--json", str(out)], capsys)[0] == 0

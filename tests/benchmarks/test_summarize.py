@@ -25,11 +25,12 @@ from cullama.runtime.device import environment
 from tests.benchmarks.test_benchmark_scripts import BENCHMARKS, DECODE_ARGS, run_main
 from tests.benchmarks.test_benchmark_scripts import fake as fake  # noqa: F401 - the fixture
 
+import gemv_sweep  # noqa: E402
 import summarize  # noqa: E402 - benchmarks/ is on sys.path (test_benchmark_scripts puts it there)
 
 NAMES = list(summarize.FILES)
 TINY = preset("tiny")
-DEFAULT_VARIANT = f"ROWS={plan.GEMV_ROWS} UNROLL={plan.GEMV_UNROLL}"
+DEFAULT_VARIANT, OTHER_VARIANT = (" ".join(f"{k}={v}" for k, v in d) for d in gemv_sweep.SWEEP[16])  # the plan's first
 _MADE = {}
 
 
@@ -481,7 +482,7 @@ def test_gemv_and_gemm_decisions(records, tmp_path, capsys):
     r = copy.deepcopy(records)
     for row in r["gemv.json"]["rows"]:
         down = row["shape"].startswith("down")
-        speeds = {DEFAULT_VARIANT: 3000.0, "ROWS=2 UNROLL=8": 3500.0 if down else 3020.0}
+        speeds = {DEFAULT_VARIANT: 3000.0, OTHER_VARIANT: 3500.0 if down else 3020.0}
         row["gb_s"] = speeds.get(row["variant"], 100.0)
     for row in r["gemm.json"]["rows"]:
         row["us"] = (10.0 if row["kernel"] == "wgmma" else 20.0) * row["splits"]
@@ -494,8 +495,8 @@ def test_gemv_and_gemm_decisions(records, tmp_path, capsys):
     sum_mma = sum(fastest.values())
     text = report(write(tmp_path / "a", r), capsys)
     line = decision(text, "GEMV")
-    assert "down 256x688: ROWS=2 UNROLL=8 (+16.7 % over the default)" in line
-    assert f"qkv 384x256: keep {DEFAULT_VARIANT} (fastest ROWS=2 UNROLL=8 +0.7 %)" in line
+    assert f"down 256x688: {OTHER_VARIANT} (+16.7 % over the default)" in line
+    assert f"qkv 384x256: keep {DEFAULT_VARIANT} (fastest {OTHER_VARIANT} +0.7 %)" in line
     assert "per shape; the plan has one" in line
     gemm = decision(text, "Prefill GEMM")
     n = len({(x["shape"], x["M"]) for x in r["gemm.json"]["rows"]})
@@ -510,7 +511,7 @@ def test_gemv_and_gemm_decisions(records, tmp_path, capsys):
 def test_quantized_sections_target_and_decision(made, records, tmp_path, capsys):
     """The W4 / W8 GEMV table (effective GB/s, % of the read bandwidth, the speedup over the same shape's FP16
     GEMV), the prefill GEMM's, the 3.9 TB/s target and the variant decision per bits, from edited copies."""
-    from cullama.runtime.ops import gemv_quant
+    from cullama.runtime.ops import gemv_mma
 
     text = report(made, capsys)
     sec = section(text, "Quantized GEMVs")
@@ -528,7 +529,7 @@ def test_quantized_sections_target_and_decision(made, records, tmp_path, capsys)
     assert target(text, "every W4 / W8 GEMV")[1] == "FAIL"  # the CPU's fake GPU is far from 3.9 TB/s
 
     r = copy.deepcopy(records)
-    default4 = " ".join(f"{k}={v}" for k, v in gemv_quant.defines(4))
+    default4 = " ".join(f"{k}={v}" for k, v in gemv_mma.defines(4))
     other4 = next(row["variant"] for row in r["gemv_quant.json"]["rows"]
                   if row["bits"] == 4 and row["variant"] != default4)
     for row in r["gemv_quant.json"]["rows"]:
@@ -542,7 +543,7 @@ def test_quantized_sections_target_and_decision(made, records, tmp_path, capsys)
         if row["bits"] == 4 and row["variant"] == other4:
             row["us"] /= 2
     line = decision(report(write(tmp_path / "q2", r), capsys), "Quantized GEMV")
-    assert f"W4: **{other4}**" in line and "cullama/runtime/ops/gemv_quant.py DECODE" in line
+    assert f"W4: **{other4}**" in line and "cullama/runtime/ops/gemv_mma.py defines" in line
     first = r["gemv_quant.json"]["rows"][0]
     for row in r["gemv_quant.json"]["rows"]:
         if (row["bits"], row["shape"]) == (first["bits"], first["shape"]):

@@ -63,26 +63,26 @@ def built_with(module) -> tuple[str, list]:
 
 
 def test_each_define_arch_and_option_has_its_own_cubin(recorder):
-    first = registry.compile_module("gemv.cu", (("ROWS", 4), ("UNROLL", 8)), "sm_90")
+    first = registry.compile_module("gemv_mma.cu", (("NTILES", 4), ("UNROLL", 8)), "sm_90")
     variants = {
-        "another value": registry.compile_module("gemv.cu", (("ROWS", 2), ("UNROLL", 8)), "sm_90"),
-        "another define": registry.compile_module("gemv.cu", (("ROWS", 4), ("TOKENS", 8)), "sm_90"),
-        "one define fewer": registry.compile_module("gemv.cu", (("ROWS", 4),), "sm_90"),
-        "another arch": registry.compile_module("gemv.cu", (("ROWS", 4), ("UNROLL", 8)), "sm_80"),
-        "the a target": registry.compile_module("gemv.cu", (("ROWS", 4), ("UNROLL", 8)), "sm_90a"),
-        "another source": registry.compile_module("attention.cu", (("ROWS", 4), ("UNROLL", 8)), "sm_90"),
+        "another value": registry.compile_module("gemv_mma.cu", (("NTILES", 2), ("UNROLL", 8)), "sm_90"),
+        "another define": registry.compile_module("gemv_mma.cu", (("NTILES", 4), ("TOKENS", 8)), "sm_90"),
+        "one define fewer": registry.compile_module("gemv_mma.cu", (("NTILES", 4),), "sm_90"),
+        "another arch": registry.compile_module("gemv_mma.cu", (("NTILES", 4), ("UNROLL", 8)), "sm_80"),
+        "the a target": registry.compile_module("gemv_mma.cu", (("NTILES", 4), ("UNROLL", 8)), "sm_90a"),
+        "another source": registry.compile_module("attention.cu", (("NTILES", 4), ("UNROLL", 8)), "sm_90"),
     }
     assert len(recorder.compiled) == 1 + len(variants)
     paths = {first.cubin_path, *(m.cubin_path for m in variants.values())}
     assert len(paths) == 1 + len(variants), "two variants share a cached cubin"
-    assert built_with(first) == ("gemv.cu", [*registry.OPTIONS, "--gpu-architecture=sm_90", "-DROWS=4", "-DUNROLL=8"])
+    assert built_with(first) == ("gemv_mma.cu", [*registry.OPTIONS, "--gpu-architecture=sm_90", "-DNTILES=4", "-DUNROLL=8"])
     for what, module in variants.items():  # each cubin is the one its own options built
         source, options = built_with(module)
         assert (source, tuple(options)) in recorder.compiled, what
     assert "--gpu-architecture=sm_80" in built_with(variants["another arch"])[1]
-    assert "-DROWS=2" in built_with(variants["another value"])[1]
+    assert "-DNTILES=2" in built_with(variants["another value"])[1]
     # The same request again: the cache, no compile.
-    again = registry.compile_module("gemv.cu", (("ROWS", 4), ("UNROLL", 8)), "sm_90")
+    again = registry.compile_module("gemv_mma.cu", (("NTILES", 4), ("UNROLL", 8)), "sm_90")
     assert again.cubin_path == first.cubin_path and len(recorder.compiled) == 1 + len(variants)
 
 
@@ -100,9 +100,9 @@ def test_the_key_follows_the_nvrtc_version_the_cache_format_and_the_headers(reco
 
 def test_the_loader_loads_one_module_per_variant_and_each_function_from_its_own(recorder):
     loader = KernelLoader("sm_90")
-    rows4 = KernelSpec("gemv.cu", "gemv_residual", (("ROWS", 4), ("UNROLL", 8)))
-    rows4_logits = KernelSpec("gemv.cu", "gemv_logits", (("ROWS", 4), ("UNROLL", 8)))  # the same module
-    rows2 = KernelSpec("gemv.cu", "gemv_residual", (("ROWS", 2), ("UNROLL", 8)))
+    rows4 = KernelSpec("gemv_mma.cu", "gemv_residual", (("NTILES", 4), ("UNROLL", 8)))
+    rows4_logits = KernelSpec("gemv_mma.cu", "gemv_logits", (("NTILES", 4), ("UNROLL", 8)))  # the same module
+    rows2 = KernelSpec("gemv_mma.cu", "gemv_residual", (("NTILES", 2), ("UNROLL", 8)))
     wgmma = KernelSpec("gemm_wgmma.cu", "gemm_wgmma", (("BM", 128),))
     wgmma_a = KernelSpec("gemm_wgmma.cu", "gemm_wgmma", (("BM", 128),), arch_specific=True)
     functions = {spec: loader.function(spec) for spec in (rows4, rows4_logits, rows2, wgmma, wgmma_a)}
@@ -121,9 +121,9 @@ def test_the_loader_loads_one_module_per_variant_and_each_function_from_its_own(
 
 
 def test_module_keys_tell_every_variant_apart():
-    specs = [KernelSpec("gemv.cu", "k"), KernelSpec("gemv.cu", "k", (("ROWS", 4),)),
-             KernelSpec("gemv.cu", "k", (("ROWS", 2),)), KernelSpec("gemv.cu", "k", (("UNROLL", 4),)),
-             KernelSpec("gemv.cu", "k", arch_specific=True), KernelSpec("gemm.cu", "k")]
+    specs = [KernelSpec("gemv_mma.cu", "k"), KernelSpec("gemv_mma.cu", "k", (("NTILES", 4),)),
+             KernelSpec("gemv_mma.cu", "k", (("NTILES", 2),)), KernelSpec("gemv_mma.cu", "k", (("UNROLL", 4),)),
+             KernelSpec("gemv_mma.cu", "k", arch_specific=True), KernelSpec("gemm.cu", "k")]
     assert len({s.module_key() for s in specs}) == len(specs)
-    same = [KernelSpec("gemv.cu", name, (("ROWS", 4),)).module_key() for name in ("a", "b")]  # one module, two kernels
+    same = [KernelSpec("gemv_mma.cu", name, (("NTILES", 4),)).module_key() for name in ("a", "b")]  # one module, two kernels
     assert same[0] == same[1]

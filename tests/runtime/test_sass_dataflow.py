@@ -1,154 +1,20 @@
-"""The machine-code check behind "a row's arithmetic does not depend on its company": every kernel variant that a
-verify step (k + 1 token rows) or a batched decode step (B rows) launches computes each row through the same chains
-of floating-point operations as the decode step's one-row variant, in its sm_90 SASS (tests/sass_dataflow.py: the
-dataflow of every value, traced through registers, loop bodies compared per iteration). The CPU executor compiles
-without FMA contraction, so it cannot see a contraction or a reassociation that ptxas makes in one variant only;
-this can, as the seeded changes show. (Leaves of one kind are interchangeable in the chains, so a sum of loads in
-another order is not seen here: the executor sees that, since it adds in the source's order, and neither NVVM nor
-ptxas reorders an IEEE sum on its own.)
+"""tests/sass_dataflow.py, the reader of a kernel's floating-point dataflow in its SASS (cuobjdump -sass), on
+hand-written SASS: what it takes for one node, what it keeps apart, how it cuts a loop into links.
 
-The kernels a batched step launches with more than one row: gemv.cu's, and gemv_quant.cu's for a quantized model,
-with TOKENS = rows (a batch of B <= 9 rows runs the verify step's variants, more rows in groups of them:
-plan.batch_groups), attention_decode and sample (one binary for every row count: the rows only offset addresses,
-so there is no other variant to compare)."""
+It compared the machine code of the CUDA-core decode GEMVs (gemv.cu, gemv_quant.cu), whose one-row and multi-row
+variants (TOKENS 1 against 2..9) were separate loops that ptxas contracted and unrolled as it chose, so a row's
+arithmetic could depend on its company in the SASS alone. Those kernels are gone: gemv_mma.cu computes every token
+row as a row of M in the same mma.sync instructions (A rows past TOKENS zero), a row's sums are the MMA's and its
+epilogue's arithmetic explicit (__fadd_rn, __fmul_rn, __fdiv_rn), so there are no per-variant chains left to
+compare; a token row against the same row alone is checked bit for bit where it can differ, on the GPU
+(tests/runtime/ops/test_gemv_mma.py test_gpu_rows_are_independent) and on the executor. attention_decode and sample
+have one binary for every row count. The reader stays for the next kernel whose variants need it."""
 
 from __future__ import annotations
-
-import re
-import shutil
 
 import pytest
 
 from tests import sass_dataflow as sd
-from cullama.model import layout as layouts, quant
-from cullama.runtime import plan as plans, registry
-from cullama.model.config import preset
-from cullama.runtime.ops import gemv as gemv_twin, gemv_quant as gemv_quant_ops
-from cullama.kernels_cu import SOURCE_DIR
-
-GEMV_KERNELS = ("gemv_qkv_rope", "gemv_residual", "gemv_gate_up_silu", "gemv_logits")
-ARCH = "sm_90"
-
-
-@pytest.fixture(scope="module")
-def tool():
-    found = sd.cuobjdump()
-    if found is None:
-        pytest.skip("cuobjdump -sass needs cuobjdump and nvdisasm (the nvidia-cuda-cuobjdump and "
-                    "nvidia-cuda-nvdisasm wheels, in the `test` extra)")
-    return found
-
-
-def signatures(tool, source: str, defines: tuple, kernels, nodes: sd.Nodes) -> dict[str, set[int]]:
-    text = sd.sass(registry.compile_module(source, defines, ARCH).cubin_path, tool)
-    return {name: sd.signature(sd.parse(text, name), nodes) for name in kernels}
-
-
-def check_rows_variants(tool, source: str, one: tuple, many: list[tuple], kernels) -> None:
-    """Each of `many` (multi-row defines) has exactly the one-row variant's floating-point chains, per kernel."""
-    nodes = sd.Nodes()
-    reference = signatures(tool, source, one, kernels, nodes)
-    for name, found in reference.items():
-        assert len(found) >= 3, f"{name}: no chains found in its SASS: the parser lost them"
-    for defines in many:
-        for name, found in signatures(tool, source, defines, kernels, nodes).items():
-            assert found == reference[name], (f"{source} {name} {defines} against {one}: "
-                                              + sd.difference(found, reference[name], nodes))
-
-
-def gemv_launches(model, source: str) -> set[tuple[str, tuple]]:
-    """(kernel, defines) of every `source` launch the plans of `model` (a config or a layout) make: its decode step,
-    its verify steps of 1..MAX_DRAFT drafts and its batched steps' groups of 1..VERIFY_ROWS rows."""
-    steps = ([plans.decode_plan(model, 64)] + [plans.verify_plan(model, 64, k) for k in range(1, plans.MAX_DRAFT + 1)]
-             + [plans.batch_plan(model, 64, rows) for rows in range(1, plans.VERIFY_ROWS + 1)])
-    return {(s.name, s.defines) for step in steps for s in step.kernels() if s.source == source}
-
-
-def test_every_multi_row_gemv_has_the_decode_steps_chains(tool):
-    """TOKENS 2..9 (a verify step of 1..8 drafts; a batched step of 2..9 rows, or a group of a larger one): every
-    gemv.cu variant the plans launch."""
-    one = plans.gemv(GEMV_KERNELS[0], 1).defines
-    assert gemv_twin.VERIFY_VARIANTS == [plans.gemv(GEMV_KERNELS[0], t).defines for t in range(2, 10)]
-    assert gemv_launches(preset("tiny"), "gemv.cu") == {(name, d) for name in GEMV_KERNELS
-                                                        for d in [one] + gemv_twin.VERIFY_VARIANTS}
-    check_rows_variants(tool, "gemv.cu", one, gemv_twin.VERIFY_VARIANTS, GEMV_KERNELS)
-
-
-@pytest.mark.parametrize("bits", quant.BITS)
-def test_every_multi_row_quantized_gemv_has_the_decode_steps_chains(tool, bits):
-    """gemv_quant.cu (W4A16, W8A16): every variant the plans launch with more than one row against the decode
-    step's (gemv_logits stays FP16: gemv.cu's, checked above). The one-row variant unrolls its loop over a vector's
-    quads of codes and the multi-row ones keep it rolled (gemv_quant.cu's QUAD_UNROLL, for registers), and ptxas
-    writes the dequantization's FP16 subtraction as HADD2 or as HFMA2.MMA by 1.0 as its schedule suits it: the
-    checker compares accumulations link by link and takes fma(a, 1, c) for a + c (sass_dataflow.py's docstring)."""
-    launched = gemv_launches(layouts.on_load(preset("tiny"), f"int{bits}"), gemv_quant_ops.SOURCE)
-    names = sorted({name for name, _ in launched})
-    one = gemv_quant_ops.defines(bits)
-    many = sorted({defines for _, defines in launched} - {one}, key=lambda d: dict(d)["TOKENS"])
-    assert names == sorted(GEMV_KERNELS[:3])
-    assert many == [gemv_quant_ops.defines(bits, t) for t in range(2, gemv_quant_ops.MAX_TOKENS + 1)]
-    assert launched == {(name, d) for name in names for d in [one] + many}
-    check_rows_variants(tool, gemv_quant_ops.SOURCE, one, many, names)
-
-
-# (id, file in kernels_cu, its original text, the replacement, kernel, the difference the check must report):
-# changes whose arithmetic is the same in every variant without contraction or on every input the kernels see (so
-# the CPU executor computes the same bits for them), and which ptxas compiles into other chains in the multi-row
-# variants: the check must fail on each, naming what differs.
-SEEDED = [
-    # x += dot * 0.3: the product rounded on its own in the multi-row variants (__fmul_rn), where the one-row
-    # variant lets ptxas fuse it into the add (one rounding): what a contraction decided by the code around it does
-    ("contracted-in-one-variant-only", "gemv.cuh",
-     "if (row < M) x[(size_t)t * M + row] = __fadd_rn(x[(size_t)t * M + row], dot[r]);",
-     "if (row < M) x[(size_t)t * M + row] += TOKENS > 1 ? __fmul_rn(dot[r], 0.3f) : dot[r] * 0.3f;",
-     "gemv_residual", r"FMUL\(.*0x3e99999a"),
-    # x + (p0 + p1 + p2 + p3) as (x + (p0 + p1 + p2)) + p3 in the multi-row variants (the warps' sums p_w)
-    ("reassociated-in-one-variant-only", "gemv.cuh",
-     "if (row < M) x[(size_t)t * M + row] = __fadd_rn(x[(size_t)t * M + row], dot[r]);",
-     "if (row < M) x[(size_t)t * M + row] = TOKENS == 1 ? x[(size_t)t * M + row] + dot[r] : "
-     "(x[(size_t)t * M + row] + ((sums.partial[0][t][r] + sums.partial[1][t][r]) + sums.partial[2][t][r])) + "
-     "sums.partial[3][t][r];", "gemv_residual", r"FADD\(.*FADD\(ldg"),
-    # gemv_quant.cu's dot product, one link per code (a rolled loop against an unrolled one): contracted into FFMA
-    # in the multi-row variants, rounded twice (FMUL, then FADD) in the one-row variant
-    ("quantized-dot-contracted-in-the-multi-row-variants-only", "gemv_quant.cu",
-     "for (int i = 0; i < 4; ++i) part[t][r] = fmaf(w[i], xv[t][i], part[t][r]);",
-     "for (int i = 0; i < 4; ++i) part[t][r] = TOKENS > 1 ? w[i] * xv[t][i] + part[t][r] "
-     ": __fadd_rn(__fmul_rn(w[i], xv[t][i]), part[t][r]);", "gemv_residual", r"FADD\(FMUL\(ldg"),
-    # the group's scale applied to a vector's sum: contracted in the multi-row variants only
-    ("quantized-scale-contracted-in-the-multi-row-variants-only", "gemv_quant.cu",
-     "for (int t = 0; t < TOKENS; ++t) acc[t][r] = fmaf(part[t][r], scale, acc[t][r]);",
-     "for (int t = 0; t < TOKENS; ++t) acc[t][r] = TOKENS > 1 ? part[t][r] * scale + acc[t][r] "
-     ": __fadd_rn(__fmul_rn(part[t][r], scale), acc[t][r]);", "gemv_residual",
-     r"FADD\(in, FMUL\(HADD2\.F32\(HALF\.H0_H0"),
-    # the dequantization's subtraction as an FMA by 1.0 that flushes subnormals (.ftz), in the multi-row variants
-    # only: the same value for every code (q - zero is an integer), another operation in general, which the
-    # checker's fma(a, 1, c) == a + c must not take for an add
-    ("quantized-dequant-flushed-in-the-multi-row-variants-only", "dequant.cuh",
-     "    return hsub2(biased, bias);",
-     "    if (TOKENS == 1) return hsub2(biased, bias);\n    uint32_t d;\n"
-     '    asm("{ .reg .b32 n; neg.f16x2 n, %3; fma.rn.ftz.f16x2 %0, %1, %2, n; }" '
-     ': "=r"(d) : "r"(biased), "r"(0x3C003C00u), "r"(bias));\n    return d;', "gemv_residual",
-     r"(HADD2|HFMA2\.MMA)\.FTZ\(int, "),
-]
-
-
-@pytest.mark.parametrize("seed", SEEDED, ids=[s[0] for s in SEEDED])
-def test_a_seeded_difference_between_variants_fails_the_check(tool, tmp_path, monkeypatch, seed):
-    _, file, original, replacement, kernel, reported = seed
-    source_dir = tmp_path / "kernels_cu"
-    shutil.copytree(SOURCE_DIR, source_dir)
-    path = source_dir / file
-    text = path.read_text()
-    assert text.count(original) == 1, f"the seeded change's original text is not in {file} exactly once"
-    path.write_text(text.replace(original, replacement))
-    monkeypatch.setattr(registry, "SOURCE_DIR", source_dir)
-    monkeypatch.setenv("CULLAMA_CACHE", str(tmp_path / "cache"))
-    source, one, many = (("gemv.cu", plans.gemv(kernel, 1).defines, plans.gemv(kernel, 5).defines)
-                         if file == "gemv.cuh" else
-                         (gemv_quant_ops.SOURCE, gemv_quant_ops.defines(4), gemv_quant_ops.defines(4, 5)))
-    with pytest.raises(AssertionError, match=kernel) as failed:
-        check_rows_variants(tool, source, one, [many], (kernel,))
-    assert re.search(reported, str(failed.value)), f"not the seeded difference: {failed.value}"
 
 
 SNIPPET = """

@@ -19,7 +19,8 @@ from cullama.model.config import preset
 from cullama.runtime.engine import PlanRunner
 from cullama.runtime.load import load_checkpoint, random_weights
 from cullama.common.errors import GenerationError, KernelError, PromptError
-from cullama.runtime.ops import attention as attention_twin, gemv as gemv_twin, sampling as sample_twin
+from cullama.runtime.ops import attention as attention_twin, gemv_mma as gemv_twin, sampling as sample_twin
+from cullama.runtime.ops.rows import logits_stride
 from cullama.model.reference import rope_tables
 from cullama.runtime.registry import KernelSpec
 from cullama.runtime.sampling import SamplingParams
@@ -53,7 +54,7 @@ def state_at(pos: int, step: int = 0, seed: int = 0, top_k: int = 0) -> np.ndarr
 def test_gemv_twin_rows_are_one_row_launches(rows):
     rng = np.random.default_rng(rows)
     d, ff, V, heads, kv_heads, hd, pos = 72, 56, 37, 3, 1, 8, 6
-    LD = gemv_twin.logits_stride(V)  # 40: logits rows at a stride of V rounded up to 4
+    LD = logits_stride(V)  # 40: logits rows at a stride of V rounded up to 4
     max_seq = pos + rows + 3
     x, g = rand(rng, rows, d, dtype=np.float32), rand(rng, d)
     wqkv, wo = rand(rng, (heads + 2 * kv_heads) * hd, d, scale=0.2), rand(rng, d, heads * hd, scale=0.2)
@@ -64,24 +65,24 @@ def test_gemv_twin_rows_are_one_row_launches(rows):
 
     q, caches = np.full((rows, heads * hd), np.nan, np.float32), [np.zeros((kv_heads, max_seq, hd), np.float16)
                                                                   for _ in range(2)]
-    gemv_twin.gemv_qkv_rope(x, g, wqkv, bias, q, *caches, rope, state_at(pos), verify_rows(rows), d, *shape)
+    gemv_twin.gemv_qkv_rope(x, g, wqkv, wqkv, bias, q, *caches, rope, state_at(pos), verify_rows(rows), d, *shape, 0)
     inp, x_res = rand(rng, rows, heads * hd, dtype=np.float32), x.copy()
-    gemv_twin.gemv_residual(inp, wo, x_res, d, heads * hd)
+    gemv_twin.gemv_residual(inp, wo, wo, x_res, d, heads * hd, 0)
     h, logits = np.full((rows, ff), np.nan, np.float32), np.full((rows, LD), np.nan, np.float32)
-    gemv_twin.gemv_gate_up_silu(x, g, w_gu, h, ff, d, EPS)
+    gemv_twin.gemv_gate_up_silu(x, g, w_gu, w_gu, h, ff, d, EPS, 0)
     gemv_twin.gemv_logits(x, g, w_lm, logits, V, d, EPS)
     for t in range(rows):
         q1, caches1 = np.full(heads * hd, np.nan, np.float32), [np.zeros_like(caches[0]) for _ in range(2)]
-        gemv_twin.gemv_qkv_rope(x[t].copy(), g, wqkv, bias, q1, *caches1, rope, state_at(pos + t), verify_rows(1), d,
-                                *shape)
+        gemv_twin.gemv_qkv_rope(x[t].copy(), g, wqkv, wqkv, bias, q1, *caches1, rope, state_at(pos + t),
+                                verify_rows(1), d, *shape, 0)
         np.testing.assert_array_equal(q[t], q1)
         for cache, one in zip(caches, caches1):
             np.testing.assert_array_equal(cache[:, pos + t], one[:, pos + t])
         x1 = x[t].copy()
-        gemv_twin.gemv_residual(inp[t].copy(), wo, x1, d, heads * hd)
+        gemv_twin.gemv_residual(inp[t].copy(), wo, wo, x1, d, heads * hd, 0)
         np.testing.assert_array_equal(x_res[t], x1)
         h1, l1 = np.full(ff, np.nan, np.float32), np.full(V, np.nan, np.float32)
-        gemv_twin.gemv_gate_up_silu(x[t].copy(), g, w_gu, h1, ff, d, EPS)
+        gemv_twin.gemv_gate_up_silu(x[t].copy(), g, w_gu, w_gu, h1, ff, d, EPS, 0)
         gemv_twin.gemv_logits(x[t].copy(), g, w_lm, l1, V, d, EPS)
         np.testing.assert_array_equal(h[t], h1)
         np.testing.assert_array_equal(logits[t, :V], l1)
@@ -137,10 +138,10 @@ def sample_case(V=517, rows=5, seed=0, spike=0.0):
 
 
 def at_row_stride(logits):
-    """logits [rows, V] as the kernels take them: a contiguous copy with rows at gemv_twin.logits_stride(V) (V
+    """logits [rows, V] as the kernels take them: a contiguous copy with rows at logits_stride(V) (V
     rounded up to 4, 16-byte aligned rows), the padding NaN."""
     rows, V = logits.shape
-    out = np.full((rows, gemv_twin.logits_stride(V)), np.nan, np.float32)
+    out = np.full((rows, logits_stride(V)), np.nan, np.float32)
     out[:, :V] = logits
     return out
 
@@ -557,9 +558,9 @@ def nan(*shape, dtype=np.float32):
 
 
 def check_gemv_rows(launch, rows, d=136, ff=184, V=1001, heads=5, kv_heads=1, hd=32, pos=29, seed=0):
-    """Each gemv kernel with TOKENS = rows against `rows` launches of the decode step's instance (TOKENS 1) at
-    the rows' positions: the same bits; odd sizes (K a multiple of 8: 16-byte rows), outputs poisoned; and close
-    to the twin."""
+    """Each gemv kernel the plans launch (gemv_mma.cu, FP16) with TOKENS = rows against `rows` launches of the decode
+    step's instance (TOKENS 1) at the rows' positions: the same bits; odd sizes (K a multiple of 8: 16-byte rows),
+    outputs poisoned; and close to the twin. (FP16 W passed twice and group 0, as the plans do: one signature.)"""
     rng = np.random.default_rng(seed)
     max_seq = pos + rows + 3
     x, g = rand(rng, rows, d, dtype=np.float32), rand(rng, d)
@@ -569,6 +570,7 @@ def check_gemv_rows(launch, rows, d=136, ff=184, V=1001, heads=5, kv_heads=1, hd
     inp, hin = rand(rng, rows, heads * hd, dtype=np.float32), rand(rng, rows, ff, dtype=np.float32)
     rope = np.stack(rope_tables(hd, np.arange(max_seq), 10000.0), -1).astype(np.float32)
     shape = (np.int32(d), np.int32(heads), np.int32(kv_heads), np.int32(hd), np.int32(max_seq), np.float32(EPS))
+    zero = np.int32(0)  # the group: unread at BITS 16
 
     def run(tokens, sl, pos_now):
         """Every kernel on token rows `sl` of the inputs: {output name: array}."""
@@ -576,15 +578,15 @@ def check_gemv_rows(launch, rows, d=136, ff=184, V=1001, heads=5, kv_heads=1, hd
         spec = lambda name: plans.gemv(name, tokens)  # noqa: E731
         q, caches = nan(n, heads * hd), [nan(kv_heads, max_seq, hd, dtype=np.float16) for _ in range(2)]
         launch(spec("gemv_qkv_rope"), (-(-(heads + 2 * kv_heads) * hd // per_block),), plans.GEMV_THREADS,
-               (x[sl].copy(), g, wqkv, bias, q, *caches, rope, state_at(pos_now), verify_rows(n), *shape))
+               (x[sl].copy(), g, wqkv, wqkv, bias, q, *caches, rope, state_at(pos_now), verify_rows(n), *shape, zero))
         xo, xd = x[sl].copy(), x[sl].copy()
         launch(spec("gemv_residual"), (-(-d // per_block),), plans.GEMV_THREADS,
-               (inp[sl].copy(), wo, xo, np.int32(d), np.int32(heads * hd)))
+               (inp[sl].copy(), wo, wo, xo, np.int32(d), np.int32(heads * hd), zero))
         launch(spec("gemv_residual"), (-(-d // per_block),), plans.GEMV_THREADS,
-               (hin[sl].copy(), w_down, xd, np.int32(d), np.int32(ff)))
-        h, logits = nan(n, ff), nan(n, gemv_twin.logits_stride(V))
+               (hin[sl].copy(), w_down, w_down, xd, np.int32(d), np.int32(ff), zero))
+        h, logits = nan(n, ff), nan(n, logits_stride(V))
         launch(spec("gemv_gate_up_silu"), (-(-ff // (per_block // 2)),), plans.GEMV_THREADS,
-               (x[sl].copy(), g, w_gu, h, np.int32(ff), np.int32(d), np.float32(EPS)))
+               (x[sl].copy(), g, w_gu, w_gu, h, np.int32(ff), np.int32(d), np.float32(EPS), zero))
         launch(spec("gemv_logits"), (-(-V // per_block),), plans.GEMV_THREADS,
                (x[sl].copy(), g, w_lm, logits, np.int32(V), np.int32(d), np.float32(EPS)))
         return {"q": q, "k": caches[0][:, pos_now:pos_now + n], "v": caches[1][:, pos_now:pos_now + n], "o": xo,
@@ -597,10 +599,10 @@ def check_gemv_rows(launch, rows, d=136, ff=184, V=1001, heads=5, kv_heads=1, hd
             np.testing.assert_array_equal(row, value, err_msg=f"{name}, row {t} of {rows}")
     twin_q = np.empty((rows, heads * hd), np.float32)
     caches = [np.zeros((kv_heads, max_seq, hd), np.float16) for _ in range(2)]
-    gemv_twin.gemv_qkv_rope(x, g, wqkv, bias, twin_q, *caches, rope, state_at(pos), verify_rows(rows), d, heads,
-                            kv_heads, hd, max_seq, EPS)
+    gemv_twin.gemv_qkv_rope(x, g, wqkv, wqkv, bias, twin_q, *caches, rope, state_at(pos), verify_rows(rows), d, heads,
+                            kv_heads, hd, max_seq, EPS, 0)
     np.testing.assert_allclose(many["q"], twin_q, rtol=2e-3, atol=2e-3)  # and right, not only consistent
-    twin_logits = np.empty((rows, gemv_twin.logits_stride(V)), np.float32)
+    twin_logits = np.empty((rows, logits_stride(V)), np.float32)
     gemv_twin.gemv_logits(x, g, w_lm, twin_logits, V, d, EPS)
     np.testing.assert_allclose(many["logits"][:, :V], twin_logits[:, :V], rtol=2e-3, atol=2e-3)
     assert np.isnan(many["logits"][:, V:]).all()  # the rows' padding is never written

@@ -9,8 +9,8 @@ sets ARCH_SPECIFIC = True where its kernels need the arch-specific target (sm_90
 
 from importlib import import_module
 
-STEMS = ("gemv", "gemv_mma", "attention", "sampling", "gemm", "gemm_wgmma", "prefill", "bandwidth", "fill", "attention_mma",
-         "gemv_quant", "gather", "gemm_quant")
+STEMS = ("gemv_mma", "attention", "sampling", "gemm", "gemm_wgmma", "prefill", "bandwidth", "fill", "attention_mma",
+         "gather", "gemm_quant")
 
 
 def module(stem: str):

@@ -29,8 +29,7 @@ import ctypes.util
 import numpy as np
 
 from ...model import quant
-from .gemv import logit_rows, token_rows
-from .rows import row_positions
+from .rows import logit_rows, row_positions, token_rows
 
 SOURCE = "gemv_mma.cu"
 THREADS = 128

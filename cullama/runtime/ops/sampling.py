@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from .. import sampling
-from .gemv import logit_rows
+from .rows import logit_rows
 
 SOURCE = "sampling.cu"
 VARIANTS = [()]
@@ -33,7 +33,7 @@ def params_from(state: np.ndarray, fparams: np.ndarray) -> sampling.SamplingPara
 
 def sample(logits, seen, state, fparams, embed, x, step_rows, ids, picks, out, arrivals, masks, V, d, seen_stride,
            mask_words, verify, *, grid):
-    """logits [n, V] f32 at row stride ops.gemv.logits_stride(V) (a decode step's: [V]), seen [slots, seen_stride]
+    """logits [n, V] f32 at row stride ops.rows.logits_stride(V) (a decode step's: [V]), seen [slots, seen_stride]
     uint8, state [slots, 8] int32, fparams [slots, 4] f32, embed [V, d] f16, x [n, d] f32, step_rows [>= n, 2] int32
     (slot, offset), ids [n] int32, picks [n] int32, out [1 + n] int32, arrivals [1], masks [slots, MASK_ROWS,
     mask_words] uint32; n = grid[0] rows. A row's params, seen and state are its slot's (rows[r, 0]); where that

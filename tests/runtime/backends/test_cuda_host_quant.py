@@ -16,7 +16,7 @@ from tests.quant_checkpoints import CONFIG, write
 from tests.runtime.backends.test_cuda_host import fake  # noqa: F401  (the fixture)
 
 # The fake CuPy reads each kernel's parameters from its source: these run once kernels_cu holds the quantized kernels.
-MISSING = sorted({"gemv_quant.cu", "gemm_quant.cu", "gather.cu"} - {p.name for p in SOURCE_DIR.glob("*.cu")})
+MISSING = sorted({"gemv_mma.cu", "gemm_quant.cu", "gather.cu"} - {p.name for p in SOURCE_DIR.glob("*.cu")})
 pytestmark = pytest.mark.skipif(bool(MISSING), reason=f"kernels_cu has no {', '.join(MISSING)} yet (branch qkernels)")
 
 GREEDY_40 = dict(max_new_tokens=40, ignore_eos=True)

@@ -38,9 +38,9 @@ def test_sample_batch_rows_are_one_row_steps(V, order, schedule):
 
 # (id, file, original text, its replacement, the check that must fail): the checks above have teeth
 MUTATIONS = [
-    ("qkv-every-row-writes-slot-0", "gemv.cuh",
-     "const size_t slot_off = (size_t)row_slot(step_rows, t) * n_kv_heads * max_seq * hd;",
-     "const size_t slot_off = 0;", lambda launch: checks.check_qkv_batch(launch, None)),
+    ("qkv-every-row-writes-slot-0", "gemv_mma.cu",
+     "const size_t slot_off = (size_t)row_slot(step_rows, tok) * n_kv_heads * max_seq * hd;",
+     "const size_t slot_off = 0;", lambda launch: checks.check_qkv_batch(launch, 16)),
     ("qkv-rows-ignore-their-offset", "common.cuh",
      "return state[row_slot(rows, r) * STATE_LEN + STATE_POS] + rows[r * ROW_FIELDS + ROW_OFFSET];",
      "return state[row_slot(rows, r) * STATE_LEN + STATE_POS];", lambda launch: checks.check_qkv_batch(launch, 4)),

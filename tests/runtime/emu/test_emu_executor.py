@@ -414,18 +414,21 @@ def test_read_only_loads_and_restrict_pointers_are_checked_against_the_writes(pr
 
 
 def test_a_real_kernel_with_aliased_restrict_arguments_fails_its_launch():
-    """gemv_residual(in, W, x): x += W in, every pointer __restrict__ (and W read with ld.global.nc). A plan that
-    passed x as `in` too would read what it writes; the launch says so."""
-    spec = KernelSpec("gemv.cu", "gemv_residual", (("ROWS", 4), ("UNROLL", 4)))
-    assert build.library(spec.source, spec.defines).kernels["gemv_residual"].restrict == (True, True, True, False,
-                                                                                          False)
+    """gemv_residual(in, W, qparams, x): x += W in, every pointer __restrict__ (and W read with ld.global.nc). A plan
+    that passed x as `in` too would read what it writes; the launch says so. (W passed twice, as the plans do for FP16
+    weights, is allowed: neither copy is written.)"""
+    spec = KernelSpec("gemv_mma.cu", "gemv_residual", (("BITS", 16), ("TOKENS", 1)))
+    assert build.library(spec.source, spec.defines).kernels["gemv_residual"].restrict == (True, True, True, True,
+                                                                                          False, False, False)
     rng = np.random.default_rng(0)
     W, x = rng.standard_normal((64, 64)).astype(np.float16), rng.standard_normal(64).astype(np.float32)
-    with pytest.raises(emu.EmuError, match="gemv_residual: arguments 0 and 2 share bytes that the launch wrote, but "
+    scalars = (np.int32(64), np.int32(64), np.int32(0))
+    with pytest.raises(emu.EmuError, match="gemv_residual: arguments 0 and 3 share bytes that the launch wrote, but "
                                            "argument 0 is __restrict__"):
-        emu.launch(spec, 16, GEMV_THREADS, (x, W, x, np.int32(64), np.int32(64)))
+        emu.launch(spec, 2, GEMV_THREADS, (x, W, W, x, *scalars))
     with pytest.raises(emu.EmuError, match="gemv_residual: argument 1 is read by ld.global.nc"):
-        emu.launch(spec, 16, GEMV_THREADS, (x, W, W.view(np.float32).reshape(-1)[:64], np.int32(64), np.int32(64)))
+        emu.launch(spec, 2, GEMV_THREADS, (x, W, W, W.view(np.float32).reshape(-1)[:64], *scalars))
+    emu.launch(spec, 2, GEMV_THREADS, (x, W, W, x.copy(), *scalars))  # W twice: read only
 
 
 # -- CuPy's launch rules --------------------------------------------------------------------------------------
@@ -460,7 +463,7 @@ def test_builds_are_cached_by_content_under_the_cullama_cache(probes, tmp_path):
     shutil.copytree(probes, other)
     (other / "probes.cu").write_text(PROBES.replace("out[2] = f;", "out[2] = f + 1.f;"))
     assert build.library("probes.cu", (), source_dir=other).path != first.path  # another text, another library
-    rows = [build.library("gemv.cu", (("ROWS", r), ("UNROLL", 4))).path for r in (2, 4)]
+    rows = [build.library("gemv_mma.cu", (("BITS", 16), ("TOKENS", t))).path for t in (1, 2)]
     assert rows[0] != rows[1]  # another define, another text
 
 

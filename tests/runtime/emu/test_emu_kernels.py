@@ -1,6 +1,6 @@
 """Every kernel of kernels_cu, as written, run on the CPU by cullama.runtime.emu against its NumPy twin: every variant a
 plan, `cullama bench` or `cullama kernels` can launch, on small odd shapes, in three warp schedules (forward,
-reverse, shuffled), outputs NaN-poisoned first. Each check says where the kernel must equal the twin bit for bit
+reverse, shuffled), outputs NaN-poisoned first (gemv_mma.cu's in tests/runtime/emu/test_emu_gemv_mma.py). Each check says where the kernel must equal the twin bit for bit
 (the twin does the same float32 operations in the same order) and where it needs a tolerance (the twin sums with
 NumPy's matmul or pairwise sums, or calls NumPy's exp, in another order or rounding than the kernel's).
 
@@ -15,14 +15,14 @@ import pytest
 from tests.runtime.ops import test_attention as attention_cases
 from tests.runtime.ops import test_attention_mma as mma_cases
 from tests.runtime.ops import test_sampling_kernel as sample_cases
-from cullama.runtime import emu, ops, sampling
+from cullama.runtime import emu, sampling
 from cullama.runtime.ops import attention as attention_twin
 from cullama.runtime.ops import attention_mma as attention_mma_ops
 from cullama.runtime.ops import bandwidth as bandwidth_twin
 from cullama.runtime.ops import fill as fill_twin
 from cullama.runtime.ops import gemm as gemm_twin
 from cullama.runtime.ops import gemm_wgmma as wgmma_ops
-from cullama.runtime.ops import gemv as gemv_twin
+from cullama.runtime.ops import gemv_mma as gemv_twin
 from cullama.runtime.ops import prefill as prefill_twin
 from cullama.runtime.plan import ATTENTION_THREADS, GEMV_THREADS, ROW_THREADS, SAMPLE_THREADS
 from cullama.runtime.prefill_kernels import MMA_GEMM
@@ -65,69 +65,6 @@ def exact(out, ref, what):
     bits = {2: np.uint16, 4: np.uint32, 8: np.uint64}.get(out.dtype.itemsize)
     same = out.view(bits) == ref.view(bits) if bits and out.dtype.kind == "f" else out == ref
     assert same.all(), f"{what}: {int((~same).sum())} of {same.size} elements differ"
-
-
-# -- gemv.cu: the decode step's matrix-vector products ----------------------------------------------------
-# The twins multiply with NumPy's matmul (BLAS order): every output within float32 rounding of the sums,
-# with the norm scale and RoPE applied after; fp16 cache entries within a rounding. Exact: nothing written
-# outside the rows / cache position the launch owns.
-def check_gemv(defines, schedule, source_dir=None):
-    rows = dict(defines)["ROWS"]
-    rng = np.random.default_rng(11)
-    spec = lambda name: KernelSpec("gemv.cu", name, tuple(defines))  # noqa: E731
-    # qkv + RoPE + cache write: hd 8, 3 q heads, 1 kv head, d 72 (9 vectors: most threads idle), position 5
-    d, heads, kv, hd, max_seq, pos = 72, 3, 1, 8, 11, 5
-    x, norm_w = rand(rng, d), rand(rng, d, dtype=np.float16)
-    W = rand(rng, (heads + 2 * kv) * hd, d, scale=0.2, dtype=np.float16)
-    bias = rand(rng, (heads + 2 * kv) * hd, dtype=np.float16)  # Qwen2's q|k|v bias, added before RoPE
-    rope = np.stack(rope_tables(hd, np.arange(max_seq), 10000.0), -1).astype(np.float32)
-    state = np.array([pos, 0, 0, 0, 0, 0, 0, 0], np.int32)
-    scalars = (np.int32(d), np.int32(heads), np.int32(kv), np.int32(hd), np.int32(max_seq), EPS)
-    q, kc, vc = nan(heads * hd), nan(kv, max_seq, hd, dtype=np.float16), nan(kv, max_seq, hd, dtype=np.float16)
-    rq, rk, rv = q.copy(), kc.copy(), vc.copy()
-    one_row = np.zeros((1, 2), np.int32)  # the rows table of a decode step: slot 0, offset 0
-    gemv_twin.gemv_qkv_rope(x, norm_w, W, bias, rq, rk, rv, rope, state, one_row, *scalars)
-    pairs = (heads + 2 * kv) * hd // 2
-    run(spec("gemv_qkv_rope"), -(-pairs // (rows // 2)), GEMV_THREADS,
-        (x, norm_w, W, bias, q, kc, vc, rope, state, one_row, *scalars), schedule, source_dir)
-    close(q, rq, 1e-5, "gemv_qkv_rope q")
-    close(kc[:, pos], rk[:, pos], 2e-3, "gemv_qkv_rope k")
-    close(vc[:, pos], rv[:, pos], 2e-3, "gemv_qkv_rope v")
-    exact(np.delete(kc, pos, axis=1), np.delete(rk, pos, axis=1), "k_cache outside the position")
-    # residual: M 37 (not a multiple of ROWS), K 4104 (a second batch of loads at ROWS 4, UNROLL 4)
-    M, K = 37, 4104
-    inp, Wr, x0 = rand(rng, K), rand(rng, M, K, scale=0.05, dtype=np.float16), rand(rng, M + 3)
-    out, ref = x0.copy(), x0.copy()
-    gemv_twin.gemv_residual(inp, Wr, ref, M, K)
-    run(spec("gemv_residual"), -(-M // rows), GEMV_THREADS, (inp, Wr, out, np.int32(M), np.int32(K)), schedule,
-        source_dir)
-    close(out, ref, 1e-5, "gemv_residual")
-    exact(out[M:], x0[M:], "gemv_residual past M")
-    # gate|up + SiLU: ff 13 (odd), d 136
-    ff, d2 = 13, 136
-    x2, g2, Wg = rand(rng, d2), rand(rng, d2, dtype=np.float16), rand(rng, 2 * ff, d2, scale=0.1, dtype=np.float16)
-    h, rh = nan(ff + 2), nan(ff + 2)
-    gemv_twin.gemv_gate_up_silu(x2, g2, Wg, rh, ff, d2, EPS)
-    run(spec("gemv_gate_up_silu"), -(-ff // (rows // 2)), GEMV_THREADS,
-        (x2, g2, Wg, h, np.int32(ff), np.int32(d2), EPS), schedule, source_dir)
-    close(h[:ff], rh[:ff], 1e-5, "gemv_gate_up_silu")
-    exact(h[ff:], rh[ff:], "gemv_gate_up_silu past ff")
-    # logits: V 37, d 200
-    V, d3 = 37, 200
-    x3, g3, Wl = rand(rng, d3), rand(rng, d3, dtype=np.float16), rand(rng, V, d3, scale=0.1, dtype=np.float16)
-    logits, rl = nan(V + 1), nan(V + 1)
-    gemv_twin.gemv_logits(x3, g3, Wl, rl, V, d3, EPS)
-    run(spec("gemv_logits"), -(-V // rows), GEMV_THREADS, (x3, g3, Wl, logits, np.int32(V), np.int32(d3), EPS),
-        schedule, source_dir)
-    close(logits[:V], rl[:V], 1e-5, "gemv_logits")
-    exact(logits[V:], rl[V:], "gemv_logits past V")
-
-
-@pytest.mark.parametrize("schedule", SCHEDULES)
-# a decode step's variants; those of a verify step (TOKENS > 1) are checked row by row in test_verify_emu.py
-@pytest.mark.parametrize("defines", ops.gemv.DECODE_VARIANTS, ids=ids(ops.gemv.DECODE_VARIANTS))
-def test_gemv(defines, schedule):
-    check_gemv(defines, schedule)
 
 
 # -- attention.cu ---------------------------------------------------------------------------------------
@@ -344,9 +281,9 @@ def test_qkv_epilogue_at_llama3_and_qwen2_head_dims(hd, group, schedule):
     q, kc, vc = nan(heads * hd), nan(kv, max_seq, hd, dtype=np.float16), nan(kv, max_seq, hd, dtype=np.float16)
     rq, rk, rv = q.copy(), kc.copy(), vc.copy()
     one_row = np.zeros((1, 2), np.int32)  # the rows table of a decode step: slot 0, offset 0
-    gemv_twin.gemv_qkv_rope(x, norm_w, W, bias, rq, rk, rv, rope, state, one_row, *scalars)
-    run(plan.gemv("gemv_qkv_rope"), -(-rows // plan.gemv_rows()), GEMV_THREADS,
-        (x, norm_w, W, bias, q, kc, vc, rope, state, one_row, *scalars), schedule)
+    gemv_twin.gemv_qkv_rope(x, norm_w, W, W, bias, rq, rk, rv, rope, state, one_row, *scalars, 0)
+    run(plan.gemv("gemv_qkv_rope"), -(-rows // plan.gemv_rows()), GEMV_THREADS,  # FP16: W twice, group 0
+        (x, norm_w, W, W, bias, q, kc, vc, rope, state, one_row, *scalars, np.int32(0)), schedule)
     close(q, rq, 1e-5, "gemv_qkv_rope q")
     close(kc[:, pos], rk[:, pos], 2e-3, "gemv_qkv_rope k")
     close(vc[:, pos], rv[:, pos], 2e-3, "gemv_qkv_rope v")

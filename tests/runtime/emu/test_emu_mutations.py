@@ -40,12 +40,7 @@ MUTATIONS = [
     ("warp_sum-from-a-quarter-warp", "common.cuh",
      "for (int o = WARP / 2; o > 0; o >>= 1) v += __shfl_xor_sync",
      "for (int o = WARP / 4; o > 0; o >>= 1) v += __shfl_xor_sync",
-     lambda s, d: checks.check_gemv((("ROWS", 4), ("UNROLL", 4)), s, d)),
-    ("gemv-partials-barrier-removed", "gemv.cuh",
-     "            sums.partial[warp][t][ROWS] = ss[t];\n        }\n    }\n    __syncthreads();",
-     "            sums.partial[warp][t][ROWS] = ss[t];\n        }\n    }",
-     lambda s, d: checks.check_gemv((("ROWS", 2), ("UNROLL", 8)), s, d),
-     ("forward", "shuffled")),  # thread 0 sums the warps' partials: unseen when warp 0 runs last (reverse)
+     block_sums),  # block_sum's warp sums (gemv_mma.cu's partials barrier: tests/runtime/emu/test_emu_gemv_mma.py)
     ("gemm-cp.async-wait-off-by-one", "gemm.cu", "cp_async_wait<STAGES - 2>();", "cp_async_wait<STAGES - 1>();", gemm),
     ("gemm-ring-barrier-removed", "gemm.cu", "        cp_async_wait<STAGES - 2>();\n        __syncthreads();",
      "        cp_async_wait<STAGES - 2>();", gemm),

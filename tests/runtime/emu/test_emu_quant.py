@@ -1,7 +1,9 @@
-"""The quantized kernels as written (gemv_quant.cu, gemm_quant.cu, gather.cu), run on the CPU by cullama.runtime.emu:
-every variant against its twin in every warp schedule, outputs NaN-poisoned (tests/runtime/ops/test_gemv_quant.py's
-checks), a verify launch's token rows against one-row launches bit for bit, and seeded bugs (a wrong nibble order, a
-zero off by one, a group index off by one, a missed tail, ...) that those checks must catch."""
+"""The quantized kernels as written (gemm_quant.cu, gather.cu; gemv_mma.cu's BITS 4 / 8 run in
+tests/runtime/emu/test_emu_gemv_mma.py), run on the CPU by cullama.runtime.emu: every variant against its twin in every
+warp schedule, outputs NaN-poisoned, prefill rows against decode rows on the same quantized weights, and seeded bugs in
+the shared dequantization (dequant.cuh: a wrong nibble order, a zero off by one, ...) and in gemv_mma.cu's quantized
+path (the group in codes, the scale per row, the token rows sharing one x) that the gemv_mma and gemm_quant checks must
+catch."""
 
 from __future__ import annotations
 
@@ -9,10 +11,9 @@ import numpy as np
 import pytest
 
 from tests.runtime.ops import test_gemm_quant as gemm_checks
-from tests.runtime.ops import test_gemv_quant as gemv_checks
+from tests.runtime.ops import test_gemv_mma as gemv_checks
 from cullama.runtime import emu
 from cullama.runtime.ops import gather as gather_twin
-from cullama.runtime.ops import gemv_quant as gemv_twin
 from cullama.runtime.registry import KernelSpec
 from tests.emulated import SEED, check_seeded_bug, emu_launcher
 
@@ -23,29 +24,6 @@ def ids(variants):
     return ["-".join(f"{k}{v}" for k, v in d) for d in variants]
 
 
-# -- gemv_quant.cu ------------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("schedule", emu.SCHEDULES)
-@pytest.mark.parametrize("defines", gemv_twin.DECODE_VARIANTS, ids=ids(gemv_twin.DECODE_VARIANTS))
-def test_gemv_quant(defines, schedule):
-    gemv_checks.check_gemv_quant(emu_launcher(schedule), defines)
-
-
-@pytest.mark.parametrize("schedule", emu.SCHEDULES)
-@pytest.mark.parametrize("bits", [4, 8])
-@pytest.mark.parametrize("rows", [2, 5, 9])
-def test_gemv_quant_rows_are_one_row_launches(bits, rows, schedule):
-    gemv_checks.check_gemv_quant_rows(emu_launcher(schedule), bits, rows, seed=rows)
-
-
-# K over several batches: the decode instance (INT4 ROWS 8 UNROLL 1: 128 vectors a batch; INT8 UNROLL 2: 256) and
-# the verify one (UNROLL 1) split a row's vectors into batches differently; each thread still adds its vectors in
-# the same order.
-@pytest.mark.parametrize("schedule", emu.SCHEDULES)
-@pytest.mark.parametrize("bits,K,group", [(4, 4128, 96), (8, 4112, 16)])
-def test_gemv_quant_rows_over_several_batches(bits, K, group, schedule):
-    gemv_checks.check_gemv_quant_rows(emu_launcher(schedule), bits, 3, K=K, group=group, seed=K)
-
-
 # -- gemm_quant.cu: the executor's mma sums in double, the twin in float32 ------------------------------------------
 @pytest.mark.parametrize("schedule", emu.SCHEDULES)
 @pytest.mark.parametrize("bits", [4, 8])
@@ -54,7 +32,7 @@ def test_gemm_quant(bits, schedule):
 
 
 @pytest.mark.parametrize("bits", [4, 8])
-def test_gemm_quant_rows_equal_gemv_quant_rows_within_fp16_tolerance(bits):
+def test_gemm_quant_rows_equal_gemv_mma_rows_within_fp16_tolerance(bits):
     gemm_checks.check_prefill_rows_equal_decode_rows(emu_launcher("shuffled"), bits)
 
 
@@ -78,11 +56,9 @@ def test_gather(schedule):
 
 
 # -- seeded bugs the checks must catch -----------------------------------------------------------------------------
-GEMV4, GEMV8 = gemv_twin.defines(4), gemv_twin.defines(8)
-
-
-def gemv(defines, cases=None):
-    return lambda launch: gemv_checks.check_gemv_quant(launch, defines, cases)
+def gemv(bits, cases, tokens=1):
+    """gemv_mma.cu's kernels of `bits` against their twins bit for bit on (K, group) `cases`."""
+    return lambda launch: gemv_checks.check_against_twin(launch, bits, tokens, cases)
 
 
 GEMM_CASE = {4: [gemm_checks.CASES[4][1]], 8: [gemm_checks.CASES[8][1]]}  # split 3 ways, accumulating, 25+ K tiles
@@ -95,25 +71,20 @@ def gemm(launch, bits):
 # (id, file, original text, its replacement, the check that must fail)
 MUTATIONS = [
     ("int4-nibble-order-plain", "dequant.cuh", "lop3<LUT_A_AND_B_OR_C>(w >> (4 * s), 0x000F000Fu",
-     "lop3<LUT_A_AND_B_OR_C>(w >> (4 * (s ^ 1)), 0x000F000Fu", gemv(GEMV4, [(160, 32)])),  # pairs 0 <-> 1, 2 <-> 3
+     "lop3<LUT_A_AND_B_OR_C>(w >> (4 * (s ^ 1)), 0x000F000Fu", gemv(4, [(96, 32)])),  # pairs 0 <-> 1, 2 <-> 3
     ("int8-byte-order-plain", "dequant.cuh", "s == 0 ? prmt<0x4240>(w, 0x64646464u) : prmt<0x4341>(w, 0x64646464u)",
-     "s == 0 ? prmt<0x4140>(w, 0x64646464u) : prmt<0x4342>(w, 0x64646464u)", gemv(GEMV8, [(80, 16)])),
+     "s == 0 ? prmt<0x4140>(w, 0x64646464u) : prmt<0x4342>(w, 0x64646464u)", gemv(8, [(80, 16)])),
     ("zero-off-by-one", "dequant.cuh", "hadd2(prmt<0x3232>(params, 0), FP16_1024X2)",
-     "hadd2(prmt<0x3232>(params, 0), 0x64016401u)", gemv(GEMV4, [(160, 32)])),
+     "hadd2(prmt<0x3232>(params, 0), 0x64016401u)", gemv(4, [(96, 32)])),
     ("scale-and-zero-swapped", "dequant.cuh", "prmt<0x3232>(params, 0)", "prmt<0x1010>(params, 0)",
-     gemv(GEMV8, [(80, 16)])),
-    ("group-index-off-by-one", "gemv_quant.cu", "const int group = inside ? v / b.group_vecs : 0;",
-     "const int group = inside ? (v + 1) / b.group_vecs : 0;", gemv(GEMV4, [(192, 64)])),
-    ("group-in-codes-not-vectors", "gemv_quant.cu", "b.group_vecs = group / CODES;", "b.group_vecs = group / 8;",
-     gemv(GEMV8, [(144, 48)])),
-    ("missed-tail-vectors", "gemv_quant.cu", "for (int base = threadIdx.x; base < nvec; base += THREADS * UNROLL)",
-     "for (int base = threadIdx.x; base < nvec - THREADS; base += THREADS * UNROLL)", gemv(GEMV4, [(4128, 4128)])),
-    ("missed-last-quad", "gemv_quant.cu", "for (int c = 0; c < CODES / 4; ++c) {  // the vector's quads",
-     "for (int c = 0; c < CODES / 4 - 1; ++c) {  // the vector's quads", gemv(GEMV8, [(80, 16)])),
-    ("scale-per-row-not-per-group", "gemv_quant.cu", "b.p[u][r] = inside ? b.params[r][group] : 0u;",
-     "b.p[u][r] = inside ? b.params[r][0] : 0u;", gemv(GEMV4, [(192, 64)])),
-    ("verify-rows-share-one-x", "gemv_quant.cu", "reinterpret_cast<const float4*>(x + (size_t)t * K + k0)",
-     "reinterpret_cast<const float4*>(x + k0)", lambda launch: gemv_checks.check_gemv_quant_rows(launch, 4, 3)),
+     gemv(8, [(80, 16)])),
+    # gemv_mma.cu on quantized weights (its other seeded bugs: tests/runtime/emu/test_emu_gemv_mma.py)
+    ("group-in-codes-not-chunks", "gemv_mma.cu", "b.group_vecs = QUANT ? group / ELEMS : 1;",
+     "b.group_vecs = QUANT ? group / 8 : 1;", gemv(8, [(240, 48)])),
+    ("scale-per-row-not-per-group", "gemv_mma.cu", "b.p[u][j] = inside ? b.params[j][group] : 0u;",
+     "b.p[u][j] = inside ? b.params[j][0] : 0u;", gemv(4, [(192, 64)])),
+    ("token-rows-share-one-x", "gemv_mma.cu", "reinterpret_cast<const float4*>(x + (size_t)tok * K + k)",
+     "reinterpret_cast<const float4*>(x + k)", lambda launch: gemv_checks.check_row_independence(launch, 4, 3)),
     ("gemm-int4-codes-of-the-other-half-row", "gemm_quant.cu", "&s.codes[stage][row][half * THREAD_WORDS]",
      "&s.codes[stage][row][(1 - half) * THREAD_WORDS]", lambda launch: gemm(launch, 4)),
     ("gemm-params-one-tile-late", "gemm_quant.cu", "params = tile_params(prow, kt + 1, k0, k1, group);",

@@ -1,8 +1,8 @@
 """The CPU executor (cullama.runtime.emu) against the GPU on the same inputs, for the kernels whose inline PTX the
 executor models from the ISA's text rather than from a run: mma.sync + ldmatrix (gemm.cu, attention_mma.cu), wgmma with
 its shared-memory descriptors and swizzle (gemm_wgmma.cu), the quantized kernels' lop3, prmt and FP16x2
-arithmetic (gemv_quant.cu: float32 only after that, so the executor must give the GPU's bits exactly; gemm_quant.cu,
-with mma.sync), and the canonical NaN of its FP16 conversions, bit for bit. A layout the executor gets wrong would
+arithmetic feeding mma.sync (gemv_mma.cu, the decode GEMVs; gemm_quant.cu), and the canonical NaN of its FP16
+conversions, bit for bit. A layout the executor gets wrong would
 pass its own
 tests against the twins only if the kernel had the same misreading; this compares it with the hardware once.
 
@@ -22,15 +22,15 @@ import pytest
 
 from tests.runtime.ops import test_attention_mma as mma_cases
 from tests.runtime.ops import test_gemm_quant as gemm_quant_cases
-from tests.runtime.ops import test_gemv_quant as gemv_quant_cases
-from tests.conftest import FAKE_GPU, FAKE_GPU_MODE
+from tests.runtime.ops import test_gemv_mma as gemv_mma_cases
+from tests.conftest import FAKE_GPU_MODE
 from cullama.runtime import emu
 from cullama.model import quant
 from cullama.runtime.backends import func_attr
 from cullama.runtime.ops import attention_mma as attention_mma_ops
 from cullama.runtime.ops import gemm_quant as gemm_quant_ops
 from cullama.runtime.ops import gemm_wgmma as wgmma_ops
-from cullama.runtime.ops import gemv_quant as gemv_quant_ops
+from cullama.runtime.ops import gemv_mma as gemv_mma_ops
 from cullama.runtime.prefill_kernels import MMA_GEMM
 from cullama.runtime.registry import KernelSpec
 
@@ -173,23 +173,27 @@ def test_nan_conversions_on_the_executor_equal_the_gpu(kernels):
         same_bits(f"rope_kv_rows {what} (cvt.rn.f16.f32)", gpu[i], cpu[i])
 
 
-@pytest.mark.parametrize("bits", [4, 8])
-def test_quantized_gemv_on_the_executor_equals_the_gpu(kernels, bits):
-    """lop3 / prmt extraction and sub.rn.f16x2 (gemv_quant.cu's decode instance, gemv_residual over two batches of
-    loads): everything after them is float32 with explicit fmaf and the same shuffles, so the bits must agree."""
+@pytest.mark.parametrize("bits", [16, 8, 4])
+def test_gemv_mma_on_the_executor_equals_the_gpu(kernels, bits):
+    """gemv_mma.cu's decode instance (gemv_residual, K over many k-blocks, a partial last n-tile): the B fragments as
+    loaded (FP16 words, or lop3 / prmt extraction and mul.rn.f16x2 of the quantized codes), the A fragments (cvt.rn.f16x2)
+    and mma.sync m16n8k16 against the GPU, within 1e-5 of the sum of |products|: the executor sums an MMA's products
+    in double, the tensor core in its own order (not bit for bit, as for the GEMMs)."""
     rng = np.random.default_rng(bits)
     M, K = 37, 4096 + 2 * 128 // bits
-    group = 128 // bits
-    qw, qp = gemv_quant_cases.quantized(rng, M, K, bits, group)
+    group = 128 // bits if bits != 16 else 0
+    if bits == 16:
+        W = gemv_mma_cases.rand(rng, M, K, scale=0.05, dtype=np.float16)
+        weights, w16 = (W, W), W
+    else:
+        weights = gemv_mma_cases.quantized(rng, M, K, bits, group)
+        w16 = quant.dequantize(*weights, bits, np.float16)
     inp, x = rng.standard_normal(K).astype(np.float32), rng.standard_normal(M).astype(np.float32)
-    defines = gemv_quant_ops.defines(bits)
-    spec = KernelSpec(gemv_quant_ops.SOURCE, "gemv_residual", defines)
-    gpu, cpu = both(kernels, spec, (-(-M // gemv_quant_ops.rows_per_block(bits)),), gemv_quant_ops.THREADS,
-                    (inp, qw, qp, x, np.int32(M), np.int32(K), np.int32(group)))
-    bound = np.abs(quant.dequantize(qw, qp, bits)).astype(np.float64) @ np.abs(inp) + np.abs(x)
-    agree(f"gemv_quant residual BITS={bits} M={M} K={K}", gpu[3], cpu[3], bound, 1e-5)
-    if not FAKE_GPU:  # the fake's "GPU" is the twin, which sums in another order
-        assert np.array_equal(gpu[3].view(np.uint32), cpu[3].view(np.uint32)), "not the GPU's bits"
+    spec = KernelSpec(gemv_mma_ops.SOURCE, "gemv_residual", gemv_mma_ops.defines(bits))
+    gpu, cpu = both(kernels, spec, (-(-M // gemv_mma_ops.rows_per_block()),), gemv_mma_ops.THREADS,
+                    (inp, *weights, x, np.int32(M), np.int32(K), np.int32(group)))
+    bound = np.abs(w16).astype(np.float64) @ np.abs(inp.astype(np.float16)).astype(np.float64) + np.abs(x)
+    agree(f"gemv_mma residual BITS={bits} M={M} K={K}", gpu[3], cpu[3], bound, 1e-5)
 
 
 @pytest.mark.parametrize("bits", [4, 8])
@@ -199,7 +203,7 @@ def test_quantized_gemm_on_the_executor_equals_the_gpu(kernels, bits):
     for M, N, K, splits, accumulate, group in gemm_quant_cases.CASES[bits][:3]:
         rng = np.random.default_rng(M + N + K)
         A = rng.standard_normal((M, K)).astype(np.float16)
-        qw, qp = gemv_quant_cases.quantized(rng, N, K, bits, group)
+        qw, qp = gemv_mma_cases.quantized(rng, N, K, bits, group)
         C = np.full((M, N), np.nan, np.float32)
         grid = (-(-N // MMA_GEMM.tile_n), -(-M // MMA_GEMM.tile_m), splits)
         workspace = np.full(max(1, splits * grid[0] * grid[1] * MMA_GEMM.tile_m * MMA_GEMM.tile_n), np.nan, np.float32)

@@ -1,5 +1,5 @@
 """The verify step's kernels as written, on the CPU executor (cullama.runtime.emu): row t of a k + 1-row launch equals a
-one-row launch at position pos + t, bit for bit, in every warp schedule (gemv.cu with TOKENS = k + 1,
+one-row launch at position pos + t, bit for bit, in every warp schedule (gemv_mma.cu with TOKENS = k + 1,
 attention_decode with the rows on gridDim.z), and the sample kernel over k + 1 rows gives the twin's verdict
 (greedy exactly; sampled within rounding of a bucket edge, the draft's bucket first). The same checks run on a
 GPU in tests/runtime/test_verify.py."""
@@ -20,10 +20,8 @@ def test_gemv_rows_are_one_row_launches(rows, schedule):
                            seed=rows)
 
 
-# K = d = 4104 (513 16-byte vectors): the decode instance (UNROLL 4, 512 vectors a batch) takes two batches, the
-# second of one vector, and the verify one (UNROLL 2, 256 a batch) three, so each thread adds 4-5 vectors in
-# batches that differ between the two. At d = 72 (9 vectors) no thread has a second vector and the UNROLL
-# difference never runs; the model's d = 4096 is one batch for decode, two for verify.
+# K = d = 4104 (513 16-byte chunks, 129 k-blocks): every warp chains 32-33 k-blocks over several batches of loads,
+# the last k-block partial, and all four warps' partials are large (at d = 72 the fourth warp's is zero).
 GEMV_BIG = dict(d=4104, ff=24, V=12, heads=2, kv_heads=1, hd=8, pos=5)
 
 
@@ -71,7 +69,7 @@ def test_verify_sample_bounds_its_drafts(schedule):
 
 # (id, file, original text, its replacement, the check that must fail): the checks above have teeth
 MUTATIONS = [
-    ("gemv-rows-at-one-position", "gemv.cuh", "const int pos = row_pos(step_rows, state, t);",
+    ("gemv-rows-at-one-position", "gemv_mma.cu", "const int pos = row_pos(step_rows, state, tok);",
      "const int pos = row_pos(step_rows, state, 0);",
      lambda launch: checks.check_gemv_rows(launch, 3, d=72, ff=56, V=37, heads=3, kv_heads=1, hd=8, pos=5)),
     ("attention-rows-see-the-first-row's-keys", "attention.cu", "min(row_pos(step_rows, state, row) + 1, max_seq)",
@@ -80,13 +78,14 @@ MUTATIONS = [
     ("attention-rows-share-the-first-row's-window", "attention.cu", "const int first = max(n - window, 0);",
      "const int first = max(n - row - window, 0);",
      lambda launch: checks.check_attention_rows(launch, *checks.WINDOW_CASES[1])),
-    ("gemv-bias-on-the-first-row-only", "gemv.cuh", "h2f(bias[row0]));", "h2f(bias[row0]) * (t == 0));",
+    ("gemv-bias-on-the-first-row-only", "gemv_mma.cu", "h2f(bias[row0]));", "h2f(bias[row0]) * (tok == 0));",
      lambda launch: checks.check_gemv_rows(launch, 3, d=72, ff=56, V=37, heads=3, kv_heads=1, hd=8, pos=5)),
-    # each batch's vectors added last to first: a thread's order then depends on UNROLL (decode 4, verify 2),
-    # seen only where a thread has two vectors in one batch (the d = 4104 case, not d = 72)
-    ("gemv-order-depends-on-unroll", "gemv.cu",
-     "for (int u = 0; u < UNROLL; ++u) {\n            const int v = base + u * THREADS;\n            if (v >= nvec)",
-     "for (int u = UNROLL - 1; u >= 0; --u) {\n            const int v = base + u * THREADS;\n            if (v >= nvec)",
+    # the warps' partials added last to first in a multi-row launch only: a row's sum then depends on TOKENS
+    # (decode 1, verify k + 1), as a kernel whose order follows its variant would
+    ("gemv-order-depends-on-tokens", "gemv_mma.cu",
+     "    float d = part.dot[0][i][tok];\n#pragma unroll\n    for (int w = 1; w < WARPS; ++w) d = __fadd_rn(d, part.dot[w][i][tok]);",
+     "    float d = part.dot[TOKENS > 1 ? WARPS - 1 : 0][i][tok];\n#pragma unroll\n"
+     "    for (int w = 1; w < WARPS; ++w) d = __fadd_rn(d, part.dot[TOKENS > 1 ? WARPS - 1 - w : w][i][tok]);",
      lambda launch: checks.check_gemv_rows(launch, 5, seed=5, **GEMV_BIG)),
     # l not rescaled when a later batch raises the max: wrong only where a lane group sees a second batch
     ("attention-sum-not-rescaled-between-batches", "attention.cu", "l[j] *= c;", ";",

@@ -11,13 +11,12 @@ import numpy as np
 import pytest
 
 from cullama.runtime import plan as plans, sampling
-from cullama.runtime.ops import attention as attention_twin, gemv as gemv_twin, gemv_quant as gemv_quant_twin, \
-    sampling as sample_twin
+from cullama.runtime.ops import attention as attention_twin, gemv_mma as gemv_twin, sampling as sample_twin
 from cullama.model.reference import rope_tables
 from cullama.runtime.registry import KernelSpec
 from cullama.runtime.sampling import SamplingParams
 
-from tests.runtime.ops.test_gemv_quant import quantized
+from tests.runtime.ops.test_gemv_mma import quantized
 from tests.runtime.ops.test_sampling_kernel import explained
 from tests.runtime.test_verify import at_row_stride, gpu_launcher, nan, state_at
 
@@ -31,7 +30,7 @@ def twin_launcher():
         twins = {"sample": sample_twin.sample, "attention_decode": attention_twin.attention_decode}
         values = [a.item() if isinstance(a, np.generic) else a for a in args]
         if spec.name == "gemv_qkv_rope":
-            (gemv_twin if spec.source == gemv_twin.SOURCE else gemv_quant_twin).gemv_qkv_rope(*values)
+            gemv_twin.gemv_qkv_rope(*values)
             return
         twins[spec.name](*values, grid=grid)
     return launch
@@ -50,13 +49,11 @@ def batch_rows(slots) -> np.ndarray:
 
 
 # -- gemv_qkv_rope: each row's RoPE angle and KV cache row are its slot's -----------------------------------------
-QKV_CASES = [None, 4, 8]  # FP16 (gemv.cu), INT4 and INT8 (gemv_quant.cu): the rows addressing is gemv.cuh's
+QKV_CASES = [16, 4, 8]  # BITS of gemv_mma.cu: FP16, INT4 and INT8 (one kernel, one rows addressing)
 
 
 def qkv_spec(bits, tokens: int) -> KernelSpec:
-    if bits is None:
-        return plans.gemv("gemv_qkv_rope", tokens)
-    return KernelSpec(gemv_quant_twin.SOURCE, "gemv_qkv_rope", gemv_quant_twin.defines(bits, tokens))
+    return plans.gemv("gemv_qkv_rope", tokens, bits)
 
 
 def check_qkv_batch(launch, bits, positions=(7, 0, 30, 12), table=((2, 0), (0, 0), (3, 0), (1, 0), (2, 1)),
@@ -70,12 +67,12 @@ def check_qkv_batch(launch, bits, positions=(7, 0, 30, 12), table=((2, 0), (0, 0
     x = rng.standard_normal((rows, d)).astype(np.float32)
     g = (1 + 0.1 * rng.standard_normal(d)).astype(np.float16)
     M = (heads + 2 * kv_heads) * hd
-    if bits is None:
-        weights = (rng.standard_normal((M, d)).astype(np.float16) * np.float16(0.1),)
-        group, per_block, threads = (), plans.gemv_rows(rows), plans.GEMV_THREADS
+    if bits == 16:  # one signature: W passed twice (qparams unread) and group 0, as the plans do
+        W = rng.standard_normal((M, d)).astype(np.float16) * np.float16(0.1)
+        weights, group = (W, W), (np.int32(0),)
     else:
         weights, group = quantized(rng, M, d, bits, 32), (np.int32(32),)
-        per_block, threads = gemv_quant_twin.rows_per_block(bits, rows), gemv_quant_twin.THREADS
+    per_block, threads = plans.gemv_rows(rows), plans.GEMV_THREADS
     rope = np.stack(rope_tables(hd, np.arange(max_seq), 10000.0), -1).astype(np.float32)
     bias = (0.5 * rng.standard_normal(M)).astype(np.float16)  # [q|k|v rows] (Qwen2's; every row adds it alike)
     state = states(list(positions))
@@ -90,7 +87,7 @@ def check_qkv_batch(launch, bits, positions=(7, 0, 30, 12), table=((2, 0), (0, 0
         return q, caches
 
     q, (k, v) = run(x, table, per_block)
-    one_row = plans.gemv_rows(1) if bits is None else gemv_quant_twin.rows_per_block(bits, 1)  # the decode step's
+    one_row = plans.gemv_rows(1)  # the decode step's
     written = np.zeros(k.shape[:1] + k.shape[2:3], bool)  # [slots, max_seq]
     for r, (slot, offset) in enumerate(table):
         q1, (k1, v1) = run(x[r:r + 1], table[r:r + 1], one_row)

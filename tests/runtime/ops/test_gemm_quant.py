@@ -1,7 +1,7 @@
 """gemm_quant.cu: the twin against float64 math on quant.py's FP16-rounded weights (CPU); the kernel against the
 twin with and without split-K (check_gemm_quant: on the CPU executor in tests/runtime/emu/test_emu_quant.py, on a GPU
 here with the LLaMA-2-7B shapes). Prefill logits equal to decode logits within the FP16 tolerance is the model's
-business (the plan's tests); its per-matrix part is here: gemm_quant's rows against gemv_quant's on the same weights
+business (the plan's tests); its per-matrix part is here: gemm_quant's rows against gemv_mma's on the same weights
 (check_prefill_rows_equal_decode_rows: twins, executor, GPU)."""
 
 from __future__ import annotations
@@ -14,9 +14,8 @@ from cullama.model import quant
 from cullama.runtime.ops import gemm_quant as twin
 from cullama.runtime.prefill_kernels import MMA_GEMM
 from cullama.runtime.registry import KernelSpec
-from tests.runtime.ops import test_gemv_quant as gemv_quant_checks
-from cullama.runtime.ops import gemv_quant as gemv_quant_ops
-from tests.runtime.ops.test_gemv_quant import exact, quantized, rand
+from cullama.runtime.ops import gemv_mma as gemv_mma_ops
+from tests.runtime.ops.test_gemv_mma import exact, quantized, rand
 from tests.runtime.test_verify import gpu_launcher, nan
 
 # (M, N, K, splits, accumulate, group) per BITS: M and N not multiples of the tile, K tiles of several groups and
@@ -59,9 +58,9 @@ def check_gemm_quant(launch, bits, cases=None, seed=5):
 
 
 def check_prefill_rows_equal_decode_rows(launch, bits, M=5, N=37, K=4096 + 2 * 32, group=32, seed=3):
-    """gemm_quant's rows (a prefill chunk: FP16 input rows, FP16-rounded weights) against gemv_residual's on each
-    row (a decode step: the same input in float32, exact float32 weights) on the same quantized W: within FP16's
-    tolerance, 2^-11 of the sum of |products| (the weights' rounding) plus float32 summation."""
+    """gemm_quant's rows (a prefill chunk: FP16 input rows, FP16-rounded weights) against gemv_mma's gemv_residual
+    on each row (a decode step: the same input rows, the same FP16-rounded weights, MMAs in another order) on the same
+    quantized W: within FP16's tolerance, 2^-11 of the sum of |products| plus float32 summation."""
     rng = np.random.default_rng(seed)
     A = rand(rng, M, K, dtype=np.float16)
     qw, qp = quantized(rng, N, K, bits, group)
@@ -71,10 +70,10 @@ def check_prefill_rows_equal_decode_rows(launch, bits, M=5, N=37, K=4096 + 2 * 3
            (A, qw, qp, C, nan(1), np.zeros(1, np.uint32), np.int32(M), np.int32(N), np.int32(K), np.int32(0),
             np.int32(group)))
     decode = np.zeros((M, N), np.float32)
-    for m in range(M):
-        decode[m:m + 1] = gemv_quant_checks.run_residual(launch, gemv_quant_ops.defines(bits),
-                                                         A[m:m + 1].astype(np.float32), qw, qp,
-                                                         np.zeros((1, N), np.float32), group)
+    spec = KernelSpec(gemv_mma_ops.SOURCE, "gemv_residual", gemv_mma_ops.defines(bits))
+    for m in range(M):  # a decode step per row: x [N] (1-D: one token row) += W · A[m]
+        launch(spec, (-(-N // gemv_mma_ops.rows_per_block()),), gemv_mma_ops.THREADS,
+               (A[m].astype(np.float32), qw, qp, decode[m], np.int32(N), np.int32(K), np.int32(group)))
     bound = np.abs(A).astype(np.float64) @ np.abs(quant.dequantize(qw, qp, bits)).astype(np.float64).T
     diff = np.abs(C.astype(np.float64) - decode)
     assert np.isfinite(C).all() and (diff <= (2.0 ** -11 + 1e-5) * bound).all(), float((diff / bound).max())

@@ -13,8 +13,25 @@ from cullama.model import quant
 from cullama.model.reference import rope_tables
 from cullama.runtime.ops import gemv_mma as twin
 from cullama.runtime.registry import KernelSpec
-from tests.runtime.ops.test_gemv_quant import GUARD, quantized, rand
 from tests.runtime.test_verify import nan, state_at
+
+
+def rand(rng, *shape, scale=1.0, dtype=np.float32):
+    return (scale * rng.standard_normal(shape)).astype(dtype)
+
+
+def quantized(rng, M, K, bits, group, size=0.05):
+    """(qweight, qparams) of a random [M, K] weight of about `size`: uniform codes, zeros anywhere in 0 .. 2**bits
+    (both ends present), scales of both signs and never 0."""
+    top = 1 << bits
+    codes = rng.integers(0, top, (M, K), dtype=np.uint8)  # uint8: the 7B shapes stay small on the host
+    zeros = rng.integers(0, top + 1, (M, K // group))
+    zeros.flat[0], zeros.flat[-1] = 0, top
+    scales = size * 2 / top * rng.choice([-1.0, 1.0], zeros.shape) * (0.5 + rng.random(zeros.shape))
+    return quant.pack(codes, bits), quant.params(scales, zeros)
+
+
+GUARD = np.array([1.5, -2.5, 3.5], np.float32)  # past a one-row output: must stay as it is
 
 
 def verify_rows(rows: int) -> np.ndarray:
