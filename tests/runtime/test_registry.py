@@ -125,8 +125,8 @@ def test_each_arch_gets_what_it_can_run_and_never_a_false_a_target():
 def archs_compiled_whole() -> set[str]:
     """The other archs whose every variant this run compiles (sm_90's all are, above): CULLAMA_TEST_ARCHS names them
     (comma-separated, or "all": about a minute each on 2 cores), else one a day in turn, so that five days of CI
-    runs cover every variant on every arch. Issue 30 item 10: the CUDA-core GEMV's ROWS 8 UNROLL 2, neither first nor last,
-    spilled on sm_100 and sm_120, and no test compiled it there."""
+    runs cover every variant on every arch. Issue 30 item 10: the CUDA-core GEMV's ROWS 8 UNROLL 2, neither first
+    nor last, spilled on sm_100 and sm_120, and no test compiled it there."""
     named = os.environ.get("CULLAMA_TEST_ARCHS")
     if named:
         return set(OTHER_ARCHS) if named == "all" else set(named.split(","))

@@ -1,6 +1,7 @@
 """Every kernel of kernels_cu, as written, run on the CPU by cullama.runtime.emu against its NumPy twin: every variant a
 plan, `cullama bench` or `cullama kernels` can launch, on small odd shapes, in three warp schedules (forward,
-reverse, shuffled), outputs NaN-poisoned first (gemv_mma.cu's in tests/runtime/emu/test_emu_gemv_mma.py). Each check says where the kernel must equal the twin bit for bit
+reverse, shuffled), outputs NaN-poisoned first (gemv_mma.cu's in tests/runtime/emu/test_emu_gemv_mma.py). Each
+check says where the kernel must equal the twin bit for bit
 (the twin does the same float32 operations in the same order) and where it needs a tolerance (the twin sums with
 NumPy's matmul or pairwise sums, or calls NumPy's exp, in another order or rounding than the kernel's).
 

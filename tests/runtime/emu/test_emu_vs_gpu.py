@@ -176,8 +176,8 @@ def test_nan_conversions_on_the_executor_equal_the_gpu(kernels):
 @pytest.mark.parametrize("bits", [16, 8, 4])
 def test_gemv_mma_on_the_executor_equals_the_gpu(kernels, bits):
     """gemv_mma.cu's decode instance (gemv_residual, K over many k-blocks, a partial last n-tile): the B fragments as
-    loaded (FP16 words, or lop3 / prmt extraction and mul.rn.f16x2 of the quantized codes), the A fragments (cvt.rn.f16x2)
-    and mma.sync m16n8k16 against the GPU, within 1e-5 of the sum of |products|: the executor sums an MMA's products
+    loaded (FP16 words, or lop3 / prmt extraction and mul.rn.f16x2 of the quantized codes), the A fragments
+    (cvt.rn.f16x2) and mma.sync m16n8k16 against the GPU, within 1e-5 of the sum of |products|: the executor sums an MMA's products
     in double, the tensor core in its own order (not bit for bit, as for the GEMMs)."""
     rng = np.random.default_rng(bits)
     M, K = 37, 4096 + 2 * 128 // bits
