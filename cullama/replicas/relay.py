@@ -35,6 +35,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import json
+import logging
 import time
 from http import HTTPStatus
 from typing import TYPE_CHECKING, NamedTuple
@@ -317,9 +318,20 @@ class Exchange:
         """The request is the connection's turn: pass it on (or answer /metrics)."""
         path = self.request.path.split(b"?", 1)[0]
         if path in (b"/metrics", b"/metrics/replicas") and self.request.method in (b"GET", b"HEAD"):
-            asyncio.ensure_future(self.metrics(path == b"/metrics/replicas"))
+            asyncio.ensure_future(self.guarded(self.metrics(path == b"/metrics/replicas")))
         else:
-            asyncio.ensure_future(self.connect())
+            asyncio.ensure_future(self.guarded(self.connect()))
+
+    async def guarded(self, step) -> None:
+        """A step of the relay's own that fails (a bug: its traceback logged) answers the client, never hangs it."""
+        try:
+            await step
+        except Exception:  # noqa: BLE001 - said below
+            logging.getLogger(__name__).exception("the relay failed on a request")
+            if not self.started:
+                return self.reply(500, "the relay failed on this request", "relay_error")
+            self.finish(client=False)
+            self.client.abort()
 
     def client_body(self, body: bytes) -> None:
         if self.finished or self.gone:
@@ -404,7 +416,7 @@ class Exchange:
             # a kept-alive connection the replica closed as the request went out: once more on a new one
             self.pending_body, self.kept = self.kept, None
             self.reused = False
-            return asyncio.ensure_future(self.reconnect())
+            return asyncio.ensure_future(self.guarded(self.reconnect()))
         if self.until_close:  # an answer framed by the end of its connection: complete
             return self.response_end()
         if not self.started:

@@ -15,7 +15,7 @@ import pytest
 pytest.importorskip("uvicorn", reason="the serve extra is not installed (pip install -e '.[test]')")
 pytest.importorskip("httptools", reason="the ray extra is not installed (pip install -e '.[test]')")
 
-from cullama.replicas.front import Front  # noqa: E402
+from cullama.replicas.front import LOOPS, Front  # noqa: E402
 from cullama.replicas.prometheus import labelled, summed  # noqa: E402
 from cullama.replicas.relay import Relay, Target  # noqa: E402
 from cullama.server.metrics import Metrics  # noqa: E402
@@ -77,6 +77,13 @@ class Replica:
         self.sock.close()
 
 
+@pytest.fixture(autouse=True, params=LOOPS)
+def loop_kind(request, monkeypatch):
+    """Every test on each event loop the front may run on (uvloop's where installed, asyncio's)."""
+    monkeypatch.setattr(Front.__init__, "__defaults__", (request.param,))
+    return request.param
+
+
 @contextlib.contextmanager
 def relaying(*targets: Target, prefix: str = "/app"):
     relay = Relay(prefix)
@@ -85,7 +92,7 @@ def relaying(*targets: Target, prefix: str = "/app"):
     front = Front(relay, 1.0)
     thread = threading.Thread(target=front.run, args=(sock,), daemon=True)
     thread.start()
-    assert front.started.wait(10)
+    assert front.started.wait(10) and type(front.loop).__module__.startswith(front.loop_kind)
     try:
         yield relay, sock.getsockname()[1]
     finally:
