@@ -210,7 +210,8 @@ class Front:
 
     async def serve(self, sock: socket.socket) -> None:
         self.loop, self.stopped = asyncio.get_running_loop(), asyncio.Event()
-        server = await self.loop.create_server(lambda: Connection(self), sock=sock)
+        # (create_server listens again: with `cullama serve`'s backlog, not asyncio's 100)
+        server = await self.loop.create_server(lambda: Connection(self), sock=sock, backlog=2048)
         self.started.set()
         if not self.stopping:
             await self.stopped.wait()
