@@ -2,9 +2,9 @@
 each request handed to the relay (relay.py) as it comes, the answers written back as the relay passes them on.
 
 Why not uvicorn with an ASGI app, as before: every streamed chunk then crossed an ASGI send (a coroutine, a dict,
-h11's framing) and the relay's own read loop, some 56 to 71 us of CPU a chunk, and on the CPU here that CPU is the
-engine's: the gaps between tokens grew by x1.15. Here a chunk is one callback from the replica's socket into the
-client's (31 to 37 us in all, docs/replicas.md has the figures).
+h11's framing) and the relay's own read loop, 48 to 73 us of CPU a chunk against a fake replica (100 in the
+`--replicas 1` process), and on the CPU here that CPU is the engine's: every gap between tokens grew. Here a chunk is
+one callback from the replica's socket into the client's: 20 to 40 us (54 in the process; docs/replicas.md).
 
 What it answers as `cullama serve` (uvicorn on h11) does:
 - HTTP/1.1 and 1.0; keep-alive (an idle connection closed after KEEP_ALIVE_S); pipelined requests answered in order;
@@ -37,8 +37,9 @@ from .relay import Exchange, Relay, Request, error_body
 HEAD_LIMIT = 16 * 1024  # bytes of request line and headers (uvicorn's h11 refuses past 16 KiB too)
 KEEP_ALIVE_S = 5.0  # an idle connection's life (as the relay's uvicorn had it)
 CLOSE_WAIT_S = 1.0  # after `grace`: how long the closed connections get to go
-# The event loop: uvloop's (libuv, C) where installed, asyncio's otherwise. On the CPU here the relay's thread spent
-# 17 to 25 us a chunk on uvloop, 25 to 35 us on asyncio's loop (benchmarks/relay_cpu.py's way, a fake replica).
+# The event loop: uvloop's (libuv, C) where installed, asyncio's otherwise. Both in front of one replica, interleaved
+# (docs/replicas.md): gap p50 at 1 client lower on uvloop in 5 runs of 5 (x1.028 a single server's against x1.052),
+# TTFT p50 too; the relay's CPU a chunk was within the noise of these shared cores (20 to 40 us on either).
 LOOPS = ("uvloop", "asyncio") if uvloop is not None else ("asyncio",)
 
 

@@ -205,7 +205,8 @@ class Relay:
             return None
         body = b"".join(upstream.body)
         if upstream.status != 200:
-            return upstream.status, [(k, v) for k, v in upstream.headers if k not in HOP and k != b"content-length"], body
+            kept = [(k, v) for k, v in upstream.headers if k not in HOP and k != b"content-length"]  # (answer's own)
+            return upstream.status, kept, body
         return body.decode()
 
 
