@@ -38,14 +38,11 @@ import json
 import logging
 import time
 from http import HTTPStatus
-from typing import TYPE_CHECKING, NamedTuple
+from typing import NamedTuple
 
 import httptools
 
 from .prometheus import labelled, summed
-
-if TYPE_CHECKING:
-    from .front import Connection
 
 DOWN_S = 2.0  # seconds a replica whose port refused a connection is left out
 CONNECT_S = 5.0  # seconds to make a connection to a replica (one on another machine that does not answer)
@@ -297,7 +294,7 @@ class Upstream(asyncio.Protocol):
 class Exchange:
     """One request through the relay: the client's connection (front.py) on one side, a replica's on the other."""
 
-    def __init__(self, relay: Relay, client: Connection, request: Request):
+    def __init__(self, relay: Relay, client, request: Request):  # client: front.py's Connection
         self.relay, self.client, self.request = relay, client, request
         self.pending_body: list[bytes] = []  # the request's body framed, before a replica's connection is there
         self.kept: list[bytes] | None = None  # what went out on a reused connection (for its retry)
