@@ -4,9 +4,9 @@ back as it comes (front.py is the HTTP/1.1 server around it, in launch.py's proc
 Why a relay of our own: Ray Serve's direct ingress gives each replica a port of its own (the replica's app served by
 uvicorn in the replica's process); in front of them, Ray's Python proxy added 8 to 9 ms to the first token and made
 the gaps between streamed tokens 1.4 to 1.6 times as long on the CPU here, and its HAProxy mode cuts a stream whose
-replica dies (a truncated chunked body) and binds fixed ports on every interface. This relay costs a fraction of a
-millisecond of TTFT and some 35 us of CPU a chunk (docs/replicas.md has the figures), and it is what turns a
-replica's death into an answer.
+replica dies (a truncated chunked body) and binds fixed ports on every interface. This relay costs less than a
+millisecond of TTFT at the median and some 20 to 55 us of CPU a chunk (docs/replicas.md has the figures), and it is
+what turns a replica's death into an answer.
 
 - Targets: the replicas Serve runs now and their ports (launch.py reads them from Serve's controller every
   REFRESH_S and calls set_targets); a replica whose port refuses a connection is left out for DOWN_S, or until the
