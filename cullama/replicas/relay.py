@@ -189,7 +189,7 @@ class Relay:
             try:
                 writer.write(b"GET " + self.prefix + b"/metrics HTTP/1.1\r\n"
                              + b"".join(k + b": " + v + b"\r\n" for k, v in headers) + b"connection: close\r\n\r\n")
-                while data := await reader.read(READ_BYTES):
+                while not upstream.complete and (data := await reader.read(READ_BYTES)):  # (not its close)
                     upstream.parser.feed_data(data)
             finally:
                 writer.close()

@@ -461,3 +461,30 @@ def test_stop_ends_within_its_grace_even_with_a_stream_that_never_ends():
         answer.read()
     with pytest.raises(OSError):
         socket.create_connection(sock.getsockname()[:2], timeout=2)
+
+
+def test_metrics_through_the_front_are_summed_labelled_and_a_refusal_passed_on():
+    def metrics_of(completed):
+        def answer(conn):
+            return ok_answer(conn, replica_text(completed, 1).encode())
+        return answer
+
+    a, b = Replica(metrics_of(3)), Replica(metrics_of(5))
+    refusing = Replica(lambda conn: conn.sendall(b"HTTP/1.1 401 Unauthorized\r\ncontent-type: application/json\r\n"
+                                                 b"content-length: 11\r\n\r\n{\"no\": \"k\"}"))
+    with relaying(a.target("r1"), b.target("r2")) as (_, port):
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+        conn.request("GET", "/metrics", headers={"Host": "localhost", "Authorization": "Bearer k"})
+        total = parse_prometheus(conn.getresponse().read().decode())
+        assert total['cullama_requests_total{outcome="completed"}'] == 8
+        conn.request("GET", "/metrics/replicas", headers={"Host": "localhost"})  # on the same connection
+        text = conn.getresponse().read().decode()
+        assert 'cullama_requests_total{replica="r2",outcome="completed"} 5' in text
+    assert all(head.startswith("GET /app/metrics HTTP/1.1") and "authorization: bearer k" in head.lower()
+               for head, _ in a.requests[:1] + b.requests[:1])
+    with relaying(refusing.target("r3")) as (_, port):
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+        conn.request("GET", "/metrics", headers={"Host": "evil.example"})
+        answer = conn.getresponse()
+        assert (answer.status, answer.read(), answer.getheader("content-type")) == (401, b'{"no": "k"}',
+                                                                                    "application/json")
