@@ -6,9 +6,10 @@ address. Above server/ (each replica serves server/'s app) and below cli/.
                    options (capacity, health, autoscaling), application() and build_app() for Ray apps of your own
     relay.py       the public address: each request to the replica holding the fewest of this relay's requests,
                    streamed through as it comes; a replica that dies mid-stream ends the stream with an error event
+    front.py       the relay's HTTP/1.1 server (asyncio and httptools): the clients' connections, malformed HTTP, stop
     prometheus.py  /metrics of all the replicas: summed (one server's names and labels), or labelled by replica
     launch.py      the process: check, listen, start or join the cluster, deploy, relay, stop on SIGINT/SIGTERM
-The relay and the metrics import nothing of Ray's; app.py and launch.py need it.
+The relay, its front and the metrics import nothing of Ray's; app.py and launch.py need it.
 """
 
 DEPLOYMENT = "cullama"  # the deployment's name inside its Serve application

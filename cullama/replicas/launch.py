@@ -33,13 +33,13 @@ import threading
 import time
 
 import ray
-import uvicorn
 from ray import serve
 
 from ..common.errors import CullamaError, OptionError
 from ..server import SHUTDOWN_GRACE_S
-from ..server.launch import JsonErrors, Server, is_loopback, listen, prepare, url
+from ..server.launch import is_loopback, listen, prepare, url
 from .app import Control, ReplicaSpec, Scaling, build, load_failure
+from .front import Front
 from .relay import Relay, Target
 
 REFRESH_S = 0.25  # seconds between two reads of the replicas Serve runs
@@ -88,10 +88,8 @@ def serve_replicas(model_dir: str, scaling: Scaling, host: str = "127.0.0.1", po
               "can use the model (set --api-key or CULLAMA_API_KEY)", file=sys.stderr)
     settings = dataclasses.replace(settings, hosts=(host, sock.getsockname()[0], *settings.hosts))
     relay = Relay(f"/{ray_app}")
-    server = Server(uvicorn.Config(relay, http=JsonErrors, lifespan="off", log_level="warning", timeout_keep_alive=5,
-                                   server_header=False, date_header=False),  # the replicas' own come through
-                    None, shutdown_grace)
-    relaying = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="cullama-relay", daemon=True)
+    front = Front(relay, shutdown_grace)
+    relaying = threading.Thread(target=front.run, args=(sock,), name="cullama-relay", daemon=True)
     relaying.start()
     low, high = scaling.bounds
     count = f"{low}" if low == high else f"{low} to {high}"
@@ -120,7 +118,7 @@ def serve_replicas(model_dir: str, scaling: Scaling, host: str = "127.0.0.1", po
         status = exc.exit_code
         return status
     finally:
-        server.should_exit = True  # no new connections; the open ones end with the engines, or in shutdown_grace
+        front.stop()  # no new connections; the open ones end with the engines, or in shutdown_grace
         if cluster is not None:
             cluster.stop_engines()
         relaying.join(shutdown_grace + 5)

@@ -38,6 +38,10 @@ from .metrics import Metrics
 from .protocol import ApiError
 
 
+# The 400 of a request that is not HTTP (also the replicas' relay's, cullama/replicas/front.py).
+MALFORMED_HTTP = "the request is not valid HTTP/1.1 (its request line, headers or body framing are malformed)"
+
+
 class ServeError(CullamaError):
     """The server cannot start: no tokenizer to serve text with, a port it cannot listen on."""
 
@@ -108,8 +112,7 @@ class JsonErrors(H11Protocol):
         if cycle is not None and cycle.response_started:  # too late for a status: only the end of the connection
             self.transport.close()
             return
-        body = json.dumps(ApiError(400, "the request is not valid HTTP/1.1 (its request line, headers or body "
-                                        "framing are malformed)", code="malformed_http").body(),
+        body = json.dumps(ApiError(400, MALFORMED_HTTP, code="malformed_http").body(),
                           separators=(",", ":")).encode()
         self.transport.write(b"HTTP/1.1 400 Bad Request\r\ncontent-type: application/json\r\ncontent-length: %d\r\n"
                              b"connection: close\r\n\r\n%s" % (len(body), body))
