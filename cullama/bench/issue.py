@@ -18,14 +18,19 @@ from the entry counts (a subroutine reached by CALL, the slow path of a division
   as the thread's share of the streamed bytes (the block's, at the real shape: total / grid / threads) asks, where
   the weight loads issued before the loop (a first batch before griddepcontrol.wait) count for the first iteration
   and that iteration skips the loop's own load batch (the forward branch around it); the epilogue past the block's
-  last barrier once per block (one warp: the thread that holds a token row's sums), all over the thread's share of
-  the block's weight bytes (codes and quantization parameters). Fractional iterations stand for the last, partial
-  ones. So whole-kernel instr/B = issue slots a block spends / the bytes it reads.
+  last barrier once per block where a predicated EXIT right after that barrier sends the other threads away (one
+  warp: `if (threadIdx.x >= TOKENS) return;`), else on every warp; all over the thread's share of the block's weight
+  bytes (codes and quantization parameters). Fractional iterations stand for the last, partial ones; a loop outside
+  the main one runs its trip count (the same ISETP rule, `for (i = threadIdx.x; i < n; i += THREADS)` included).
+  A loop whose trip count does not read off the SASS (a bound known only at run time: ptxas's remainder loops
+  of an epilogue's `for (i = threadIdx.x; i < n; i += THREADS)`) counts once, and the report says how many did.
+  So whole-kernel instr/B = issue slots a block spends / the bytes it reads. Only 16-byte streaming loads count as
+  weight vectors (a 4-byte (scale, zero) load is not one, as in the note).
 Every instruction counts as one issue slot (sm_90 has no dual issue); stalls, the launch cost and the sub-limits of
 single pipes are not in these numbers, which are therefore a lower bound on issue time: an upper bound on the
 bandwidth the issue rate allows ("ceiling" = min(1, budget / whole-kernel instr/B)).
 
-The variants are read off the plans (cullama/runtime/plan.py), never listed here: whichever kernels the plans
+The variants are read off the plans (cullama/bench/gemvs.py), never listed here: whichever kernels the plans
 launch whose name starts with "gemv" (gemv.cu and gemv_quant.cu today; gemv_mma.cu's kernels, of the same names,
 once the plans launch them) are the ones counted.
 """
@@ -33,19 +38,15 @@ once the plans launch them) are the ones counted.
 from __future__ import annotations
 
 import dataclasses
-import re
 
-from ..model import layout as layouts
-from ..model.config import LlamaConfig, preset
-from ..runtime import plan as plans
+from ..model.config import LlamaConfig
 from ..runtime.registry import compile_module
 from . import sass
+from .gemvs import FORMATS, Variant, plan_variants
 
 SMS, CLOCK = 132, 1.98e9  # H100 SXM and H200: 132 SMs; the boost clock a streaming kernel holds
 LANES_PER_CLOCK = 128  # 4 schedulers x 32 lanes issue per SM and clock
 LIMIT = 5.0  # lane-instructions per weight byte over the whole kernel that a plan's GEMV may take (issue 26)
-FORMATS = ("float16", "int8", "int4")
-SHAPE_NAMES = {"wqkv": "qkv", "wo": "o_proj", "w_gate_up": "gate_up", "w_down": "down", "lm_head": "lm_head"}
 ARCH = "sm_90"
 
 
@@ -62,33 +63,6 @@ class Gpu:
 
 H200, H100 = Gpu("H200", 4.44e12), Gpu("H100", 3.35e12)
 GPUS = (H200, H100)
-
-
-@dataclasses.dataclass(frozen=True)
-class Variant:
-    """One GEMV launch a plan makes, as the budget sees it."""
-
-    fmt: str  # "float16", "int8", "int4"
-    rows: int  # token rows
-    source: str  # "gemv.cu"
-    kernel: str  # "gemv_residual"
-    defines: tuple
-    shape: str  # "o_proj"
-    M: int
-    K: int
-    blocks: int  # grid
-    threads: int  # per block
-    streamed: int  # bytes of the largest weight buffer (W, or the codes), which the streaming loads read
-    weight_bytes: int  # bytes of every weight matrix the launch reads (codes and parameters)
-    steps: tuple[str, ...] = ()  # the plans that launch it: "decode", "verify 4", "batch 5"
-
-    @property
-    def define_text(self) -> str:
-        return " ".join(f"{k}={v}" for k, v in self.defines) or "-"
-
-    @property
-    def label(self) -> str:
-        return f"{self.fmt}-{self.rows}row-{self.kernel}-{self.shape}-{self.source}"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,57 +89,11 @@ class Count:
         return min(1.0, gpu.budget / self.whole_per_byte)
 
 
-# -- reading the plans ---------------------------------------------------------------------------------------------
-def layout_for(config: LlamaConfig, fmt: str) -> layouts.Layout:
-    return layouts.fp16(config) if fmt == "float16" else layouts.on_load(config, fmt)
-
-
-def steps(layout: layouts.Layout, max_seq: int = 64) -> list[tuple[str, int, plans.Plan]]:
-    """(name, token rows, plan) of the decode step, every verify step (1..MAX_DRAFT drafts) and every batched
-    group (1..VERIFY_ROWS rows) the runtime can run."""
-    out = [("decode", 1, plans.decode_plan(layout, max_seq))]
-    out += [(f"verify {k}", k + 1, plans.verify_plan(layout, max_seq, k)) for k in range(1, plans.MAX_DRAFT + 1)]
-    out += [(f"batch {r}", r, plans.batch_plan(layout, max_seq, r)) for r in range(1, plans.VERIFY_ROWS + 1)]
-    return out
-
-
-def plan_variants(config: LlamaConfig | None = None, formats=FORMATS) -> list[Variant]:
-    """Every distinct GEMV launch (a kernel whose name starts with "gemv") of the plans of `config` (LLaMA-2-7B)
-    in each format, with the plans that make it; layer 0's launches (every layer launches the same)."""
-    config = config or preset("llama-2-7b")
-    found: dict[tuple, Variant] = {}
-    for fmt in formats:
-        layout = layout_for(config, fmt)
-        buffers = {b.name: b for b in layout.buffers()}
-        for step, rows, plan in steps(layout):
-            for launch in plan.launches:
-                if not launch.spec.name.startswith("gemv"):
-                    continue
-                matrices = [buffers[a.name] for a in launch.args
-                            if getattr(a, "name", None) in buffers and len(buffers[a.name].shape) >= 2]
-                names = [re.sub(r"^layers\.\d+\.", "", b.name).split(".")[0] for b in matrices]
-                if any(re.match(r"layers\.(?!0\.)", b.name) for b in matrices):
-                    continue  # another layer: the same launch
-                field = names[0]
-                M = matrices[0].shape[0]
-                K = layout.shape(field)[1] if field in layouts.LINEARS else config.hidden_size
-                blocks = launch.grid[0] * launch.grid[1] * launch.grid[2]
-                v = Variant(fmt, rows, launch.spec.source, launch.spec.name, launch.spec.defines,
-                            SHAPE_NAMES.get(field, field), M, K, blocks, launch.block,
-                            max(b.nbytes for b in matrices), sum(b.nbytes for b in matrices))
-                key = dataclasses.replace(v, steps=())
-                old = found.get(key, key)
-                if step not in old.steps:
-                    found[key] = dataclasses.replace(old, steps=old.steps + (step,))
-    return sorted(found.values(), key=lambda v: (FORMATS.index(v.fmt), v.rows, v.shape, v.kernel))
-
-
 # -- counting ------------------------------------------------------------------------------------------------------
 def _weight_load_bytes(ins: sass.Instruction) -> int:
-    """Bytes one thread's streaming weight load brings (LDG .NA: ld.global.nc.L1::no_allocate); 0 for others."""
-    if ins.opcode != "LDG" or "NA" not in ins.modifiers:
-        return 0
-    return 16 if "128" in ins.modifiers else 8 if "64" in ins.modifiers else 4
+    """Bytes one thread's streaming weight load brings (LDG.E.NA.128: load_stream's 16-byte
+    ld.global.nc.L1::no_allocate); 0 for others (a 4-byte (scale, zero) load is a parameter, not a weight vector)."""
+    return 16 if ins.opcode == "LDG" and "NA" in ins.modifiers and "128" in ins.modifiers else 0
 
 
 def _immediate(text: str) -> int | None:
@@ -189,9 +117,9 @@ def _trip_count(code: list[list[sass.Instruction]], head: int, tail: int) -> int
     counter, bound = setp.operands[2], _immediate(setp.operands[3])
     step = next((_immediate(ins.operands[2]) for ins in body if ins.opcode in ("IADD3", "VIADD", "IADD")
                  and ins.operands[:2] == [counter, counter] and not ins.predicate), None)
-    if not bound or not step or step < 0 or bound % step:
+    if not bound or not step or step < 0:
         return None
-    return bound // step
+    return -(-bound // step)  # from 0, or from a thread's index below `step` (for i = threadIdx.x; i < n; i += THREADS)
 
 
 def count(instructions: list[sass.Instruction], threads: int, thread_streamed: float,
@@ -234,11 +162,27 @@ def count(instructions: list[sass.Instruction], threads: int, thread_streamed: f
     else:
         iterations, skipped = 0.0, 0.0
     barriers = [b for b in reached if any(ins.opcode == "BAR" for ins in code[b]) and (not main or b > main[1])]
-    epilogue = {b for b in reached if barriers and b > max(barriers)}
+    epilogue = {b for b in reached if barriers and b > max(barriers)} if _sends_away(code, barriers) else set()
     per_warp = sum(size[b] * mult[b] for b in reached - inside - epilogue)
     once = sum(size[b] * mult[b] for b in epilogue)
     whole = per_warp + iterations * loop_instr - skipped + once / max(1, threads // 32)
     return Count(loop_instr, loop_bytes, whole, thread_bytes, iterations, guessed)
+
+
+def _sends_away(code: list[list[sass.Instruction]], barriers: list[int]) -> bool:
+    """Whether the kernel sends most threads away right after its last barrier (`if (threadIdx.x >= TOKENS)
+    return;`: a predicated EXIT before any branch), so that what follows runs on one warp; else on every warp."""
+    if not barriers:
+        return False
+    last = code[max(barriers)]
+    after = last[next(i for i, ins in enumerate(last) if ins.opcode == "BAR") + 1:]
+    following = after + (code[max(barriers) + 1] if max(barriers) + 1 < len(code) else [])
+    for ins in following:
+        if ins.opcode == "EXIT":
+            return ins.predicate is not None
+        if ins.opcode in sass.BRANCHES:
+            return False
+    return False
 
 
 def _skipped_batch(code: list[list[sass.Instruction]], main: tuple[int, int], loads: list[int]) -> set[int]:
@@ -305,7 +249,8 @@ def report(config: LlamaConfig | None = None, formats=FORMATS) -> list[str]:
         over += bool(flag)
         lines.append(f"{v.fmt:<8} {v.rows:>4} {v.kernel:<18} {v.shape:<8} {v.source:<14} {v.define_text:<30} "
                      f"{regs:>4} {c.loop_per_byte:>7.2f} {c.whole_per_byte:>8.2f} {c.ceiling(H200):>5.0%} "
-                     f"{c.ceiling(H100):>5.0%}  {_steps(v.steps)}{flag}")
+                     f"{c.ceiling(H100):>5.0%}  {_steps(v.steps)}{flag}"
+                     + (f" ({c.guessed_trips} loops of unread trip count counted once)" if c.guessed_trips else ""))
     lines.append(f"{over} GEMV launches over {LIMIT} lane-instructions per weight byte")
     return lines
 
