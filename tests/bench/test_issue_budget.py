@@ -141,3 +141,21 @@ def test_the_report_lists_every_variant_or_says_why_not(monkeypatch):
 def test_the_budgets_are_the_issues():
     assert issue.H200.budget == pytest.approx(7.53, abs=0.01)
     assert issue.H100.budget == pytest.approx(9.99, abs=0.01)
+
+
+def test_cullama_kernels_issue_prints_the_report(monkeypatch):
+    """`cullama kernels --issue`: the resource table, then the budget's lines (here without compiling anything)."""
+    from click.testing import CliRunner
+
+    from cullama.bench import kernels
+    from cullama.cli.main import main
+
+    monkeypatch.setattr(kernels, "compile_all", lambda arch: [])
+    monkeypatch.setattr(issue, "report", lambda: ["issue budget: line one", "0 GEMV launches over 5.0"])
+    done = CliRunner().invoke(main, ["kernels", "--issue"])
+    assert done.exit_code == 0, done.output
+    lines = done.output.splitlines()
+    assert lines[-3].startswith("0 kernels compiled for sm_90") and lines[-2:] == ["issue budget: line one",
+                                                                                   "0 GEMV launches over 5.0"]
+    plain = CliRunner().invoke(main, ["kernels"])
+    assert plain.exit_code == 0 and "issue budget" not in plain.output
