@@ -75,8 +75,8 @@ def plan_variants(config: LlamaConfig | None = None, formats=FORMATS) -> list[Va
             for launch in plan.launches:
                 if not launch.spec.name.startswith("gemv"):
                     continue
-                matrices = [buffers[a.name] for a in launch.args
-                            if getattr(a, "name", None) in buffers and len(buffers[a.name].shape) >= 2]
+                passed = dict.fromkeys(a.name for a in launch.args if getattr(a, "name", None) in buffers)
+                matrices = [buffers[n] for n in passed if len(buffers[n].shape) >= 2]  # a buffer passed twice: once
                 names = [re.sub(r"^layers\.\d+\.", "", b.name).split(".")[0] for b in matrices]
                 if any(re.match(r"layers\.(?!0\.)", b.name) for b in matrices):
                     continue  # another layer: the same launch
@@ -92,3 +92,26 @@ def plan_variants(config: LlamaConfig | None = None, formats=FORMATS) -> list[Va
                     found[key] = dataclasses.replace(old, steps=old.steps + (step,))
     return sorted(found.values(), key=lambda v: (FORMATS.index(v.fmt), v.rows, SHAPE_ORDER.index(v.shape)
                                                  if v.shape in SHAPE_ORDER else len(SHAPE_ORDER), v.kernel))
+
+
+def field_of(launch: plans.Launch, layout: layouts.Layout) -> str | None:
+    """The weight a GEMV launch reads, as SHAPE_NAMES names it ("qkv", ..., "lm_head"), where it is layer 0's (or the
+    lm_head); None for another layer's."""
+    buffers = {b.name for b in layout.buffers()}
+    for a in launch.args:
+        name = getattr(a, "name", None)
+        if name in buffers and (name == "lm_head" or name.startswith("layers.0.")):
+            field = re.sub(r"^layers\.0\.", "", name).split(".")[0]
+            if field in SHAPE_NAMES:
+                return SHAPE_NAMES[field]
+    return None
+
+
+def batch_launches(layout: layouts.Layout, rows: int, max_seq: int = 64) -> dict[str, plans.Launch]:
+    """{shape: Launch} of the GEMVs of a batched step of `rows` token rows (layer 0's and the lm_head's): the same
+    kernels a verify step of rows - 1 drafts and (rows = 1) a decode step launch, on the verify buffers' first rows."""
+    out = {}
+    for launch in plans.batch_plan(layout, max_seq, rows).launches:
+        if launch.spec.name.startswith("gemv") and (shape := field_of(launch, layout)) is not None:
+            out.setdefault(shape, launch)
+    return out
