@@ -10,6 +10,8 @@ from __future__ import annotations
 import dataclasses
 import re
 
+import numpy as np
+
 from ..model import layout as layouts
 from ..model.config import LlamaConfig, preset
 from ..runtime import plan as plans
@@ -17,6 +19,7 @@ from ..runtime import plan as plans
 FORMATS = ("float16", "int8", "int4")
 SHAPE_NAMES = {"wqkv": "qkv", "wo": "o_proj", "w_gate_up": "gate_up", "w_down": "down", "lm_head": "lm_head"}
 SHAPE_ORDER = ("qkv", "o_proj", "gate_up", "down", "lm_head")  # a decode step's order
+FIELDS = {shape: field for field, shape in SHAPE_NAMES.items() if field in layouts.LINEARS}  # "qkv" -> "wqkv"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,3 +118,53 @@ def batch_launches(layout: layouts.Layout, rows: int, max_seq: int = 64) -> dict
         if launch.spec.name.startswith("gemv") and (shape := field_of(launch, layout)) is not None:
             out.setdefault(shape, launch)
     return out
+
+
+POSITION_ROOM = 16  # token rows a launch may have: buffers put row 0 at max_seq - 16, row t at + t
+
+
+def launch_buffers(launch: plans.Launch, layout: layouts.Layout, rng, max_seq: int = 64,
+                   matrices: bool = True) -> dict:
+    """Every buffer a launch of the plans names, whole, as host arrays with random content: FP16 weights around 0.05
+    (norm weights around 1), quantized codes any words and (scale, zero) pairs in range, activations standard normal,
+    the caches zero, the rope table the model's, state's positions at max_seq - POSITION_ROOM and every rows table
+    (slot 0, offset t). With matrices=False the weight matrices (W, qweight, qparams) are left out for the caller."""
+    from ..model import quant
+
+    specs = {b.name: b for b in layout.buffers() + plans.runtime_buffers(layout, max_seq, slots=1)}
+    out = {}
+    for name in dict.fromkeys(a.name for a in launch.args if isinstance(a, plans.Ref)):
+        b = specs[name]
+        matrix = b.kind == "weight" and len(b.shape) >= 2
+        if matrix and not matrices:
+            continue
+        if name.endswith(".qweight"):
+            out[name] = rng.integers(0, 1 << 32, b.shape, dtype=np.uint32)  # any word is a word of codes
+        elif name.endswith(".qparams"):
+            bits = layout.linear(0, name.split(".")[2]).format.bits  # layers.<i>.<field>.qparams
+            zeros = rng.integers(0, (1 << bits) + 1, b.shape[:2])
+            scales = 0.1 / (1 << bits) * rng.choice([-1.0, 1.0], zeros.shape) * (0.5 + rng.random(zeros.shape))
+            out[name] = quant.params(scales, zeros)
+        elif name == "rope":
+            out[name] = plans.rope_table(layout.device, max_seq)
+        elif name == "state":
+            out[name] = np.zeros(b.shape, np.int32)
+            out[name][:, 0] = max_seq - POSITION_ROOM
+        elif b.dtype == "int32":  # a rows table [..., rows, 2]: (slot 0, offset t)
+            out[name] = np.zeros(b.shape, np.int32)
+            out[name][..., 1] = np.arange(b.shape[-2])
+        elif b.kind == "cache":
+            out[name] = np.zeros(b.shape, b.dtype)
+        elif b.kind == "weight":
+            base, spread = (1.0, 0.1) if len(b.shape) == 1 else (0.0, 0.05)
+            out[name] = (base + spread * rng.standard_normal(b.shape)).astype(b.dtype)
+        else:
+            out[name] = rng.standard_normal(b.shape).astype(b.dtype)
+    return out
+
+
+def matrix_names(launch: plans.Launch, layout: layouts.Layout) -> list[str]:
+    """The weight matrices a launch reads (W, or qweight and qparams), each once."""
+    specs = {b.name: b for b in layout.buffers()}
+    return [n for n in dict.fromkeys(a.name for a in launch.args if isinstance(a, plans.Ref))
+            if n in specs and len(specs[n].shape) >= 2]

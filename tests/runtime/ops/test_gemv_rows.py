@@ -22,7 +22,6 @@ import numpy as np
 import pytest
 
 from cullama.bench import gemvs
-from cullama.model import quant
 from cullama.model.config import preset
 from cullama.runtime import ops, plan as plans
 from cullama.runtime.plan import Ref
@@ -36,42 +35,6 @@ TOLERANCE = 2e-3
 VARIANTS = gemvs.plan_variants(CFG)
 MANY = [v for v in VARIANTS if v.rows > 1]
 LAYOUTS = {fmt: gemvs.layout_for(CFG, fmt) for fmt in gemvs.FORMATS}
-
-
-def buffer_specs(layout) -> dict:
-    return {b.name: b for b in layout.buffers() + plans.runtime_buffers(layout, MAX_SEQ, slots=1)}
-
-
-def initial(launch: plans.Launch, layout, rng) -> dict[str, np.ndarray]:
-    """Every buffer the launch names, whole, with random content (weights in their format; the rows table: slot 0 at
-    offsets 0, 1, ..., from a position that leaves room for 16 rows)."""
-    specs = buffer_specs(layout)
-    out = {}
-    for name in dict.fromkeys(a.name for a in launch.args if isinstance(a, Ref)):
-        b = specs[name]
-        if name.endswith(".qweight"):
-            out[name] = rng.integers(0, 1 << 32, b.shape, dtype=np.uint32)  # any word is a word of codes
-        elif name.endswith(".qparams"):
-            bits = layout.linear(0, name.split(".")[2]).format.bits  # layers.0.<field>.qparams
-            zeros = rng.integers(0, (1 << bits) + 1, b.shape[:2])
-            scales = 0.1 / (1 << bits) * rng.choice([-1.0, 1.0], zeros.shape) * (0.5 + rng.random(zeros.shape))
-            out[name] = quant.params(scales, zeros)
-        elif name == "rope":
-            out[name] = plans.rope_table(CFG, MAX_SEQ)
-        elif name == "state":
-            out[name] = np.zeros(b.shape, np.int32)
-            out[name][:, 0] = MAX_SEQ - 16
-        elif b.dtype == "int32":  # a rows table [..., rows, 2]: (slot 0, offset t)
-            out[name] = np.zeros(b.shape, np.int32)
-            out[name][..., 1] = np.arange(b.shape[-2])
-        elif b.kind == "cache":
-            out[name] = np.zeros(b.shape, b.dtype)
-        elif b.kind == "weight":
-            norm = len(b.shape) == 1
-            out[name] = ((1.0 if norm else 0.0) + (0.1 if norm else 0.05) * rng.standard_normal(b.shape)).astype(b.dtype)
-        else:
-            out[name] = rng.standard_normal(b.shape).astype(b.dtype)
-    return out
 
 
 def permuted(bufs: dict, launch: plans.Launch, order: list[int]) -> dict:
@@ -96,7 +59,7 @@ def row_values(bufs: dict, launch: plans.Launch, r: int) -> dict[str, np.ndarray
         if isinstance(a, Ref) and a.rows is not None:
             out[a.name] = a.of(bufs[a.name])[r]
         elif isinstance(a, Ref) and a.name in ("k_cache", "v_cache"):
-            slot, pos = int(table[r, 0]), MAX_SEQ - 16 + int(table[r, 1])
+            slot, pos = int(table[r, 0]), MAX_SEQ - gemvs.POSITION_ROOM + int(table[r, 1])
             out[a.name] = a.of(bufs[a.name])[slot][:, pos]
     return out
 
@@ -132,7 +95,7 @@ def test_the_cases_cover_every_plan_gemv():
 def test_gpu_gemv_rows_are_independent_of_each_other(kernels, v):
     layout = LAYOUTS[v.fmt]
     launch, one = gemvs.batch_launches(layout, v.rows)[v.shape], gemvs.batch_launches(layout, 1)[v.shape]
-    bufs = initial(launch, layout, np.random.default_rng(v.rows * 7919 + len(v.label)))
+    bufs = gemvs.launch_buffers(launch, layout, np.random.default_rng(v.rows * 7919 + len(v.label)), MAX_SEQ)
     full = run(kernels, launch, bufs)
     host = {n: a.copy() for n, a in bufs.items()}  # the twin on the same buffers, within TOLERANCE
     ops.twin(launch.spec.source, launch.spec.name)(*(a.of(host[a.name]) if isinstance(a, Ref) else a
