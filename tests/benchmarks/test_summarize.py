@@ -626,7 +626,8 @@ def test_gemv_rows_sections(made, records, tmp_path, capsys):
     skipped = records["gemv_rows.json"]["skipped"]
     assert sec.count("- skipped:") == len(skipped) == (0 if 16 in counts else 5)
     quant = section(text, "Decode GEMVs per token-row count, W4 and W8")
-    assert table_row(quant, "W4 " + records["gemv_rows_quant.json"]["rows"][0]["shape"])[2] == "gemv_quant.cu"
+    first = records["gemv_rows_quant.json"]["rows"][0]
+    assert table_row(quant, f"W{first['bits']} {first['shape']}")[2] == first["source"]  # the plans' GEMV source
     r = copy.deepcopy(records)
     r["gemv_rows.json"]["rows"][1]["check_ok"] = False
     out = section(report(write(tmp_path / "w", r), capsys), "Decode GEMVs per token-row count, FP16")
