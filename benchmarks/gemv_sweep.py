@@ -1,7 +1,7 @@
 """GEMV sweep: every gemv_mma.cu variant on every LLaMA-2-7B matrix shape, in GB/s and % of read bandwidth.
 
-    python benchmarks/gemv_sweep.py [--json FILE] [--bits 16|4,8] [--trials N] [--launches N] [--l2-multiple K]
-                                    [--model PRESET]
+    python benchmarks/gemv_sweep.py [--json FILE] [--bits 16|4,8] [--rows 1,2,5,9,16] [--trials N] [--launches N]
+                                    [--l2-multiple K] [--model PRESET]
 
 Each shape is timed with the kernel the decode step uses for it (qkv: gemv_qkv_rope, o_proj and
 down: gemv_residual, gate_up: gemv_gate_up_silu, lm_head: gemv_logits), one token row, in every variant of
@@ -21,6 +21,13 @@ weights as on-load quantization makes them (Weights below: INT4 in groups of 128
 is then the effective weight bandwidth, the bytes of codes and (scale, zero) pairs that a decode step reads
 (quant.QuantFormat.nbytes), and a shape the format cannot hold (K not a multiple of the 16-byte vector) is skipped with
 a line saying so.
+--rows T1,T2,... (issue 26) sweeps the token rows instead: per bits and shape, for each count the launch a batched
+step of that many rows makes (a verify step's kernel; the decode step's for 1), read off the plans with its own
+arguments, bound to random buffers as the backends bind them (cullama/bench/gemvs.py: gemv.cu / gemv_quant.cu's TOKENS
+variants today, gemv_mma.cu once the plans launch it, whatever its parameters), checked against its twin, in
+effective TB/s and as its time against the same shape's 1-row time (the targets: 16 rows <= 1.15x one row;
+benchmarks/PREDICTIONS.md predicts both). A count no plan launches (over 9 today) is skipped with a line. The shapes
+are the plans' (quantized: intermediate_size padded to 32, as on-load quantization runs them).
 """
 
 from __future__ import annotations
@@ -40,6 +47,7 @@ from cullama.runtime import plan as plans
 from cullama.model import quant
 from cullama.model.config import preset
 from cullama.common.errors import CullamaError
+from cullama.runtime import ops
 from cullama.runtime.ops import gemv_mma as twins
 from cullama.runtime.registry import KernelLoader, KernelSpec
 
@@ -297,6 +305,76 @@ def sweep_shape(cp, loader, cfg, label, kernel, M, K, args, pdl=None, weights=We
     return rows
 
 
+FORMAT_OF_BITS = {16: "float16", 8: "int8", 4: "int4"}
+
+
+def sweep_rows_shape(cp, loader, layout, shape: str, tokens: list[int], args, pdl, weights: Weights,
+                     skipped: list[str]) -> list[dict]:
+    """--rows, one shape: for each token count the launch a batched step of that many rows makes (the verify step's
+    kernel; the decode step's for 1), bound to its buffers as the backends bind them (cullama/bench/gemvs.py: random
+    content, the plans' own parameters whatever they are), checked against its twin, timed over weight copies
+    beyond the L2. A count no plan launches is added to `skipped`."""
+    from cullama.bench import gemvs
+    from cullama.runtime.plan import Ref
+
+    launches = {t: gemvs.batch_launches(layout, t).get(shape) if t <= plans.VERIFY_ROWS else None for t in tokens}
+    first = next((launch for launch in launches.values() if launch is not None), None)
+    if first is None:
+        return []
+    names = gemvs.matrix_names(first, layout)
+    M, K = layout.shape(gemvs.FIELDS[shape]) if shape in gemvs.FIELDS else (layout.device.vocab_size,
+                                                                               layout.device.hidden_size)
+    label = f"{shape} {M}x{K}"
+    nbytes = weights.nbytes(M, K)
+    l2 = cp.cuda.runtime.getDeviceProperties(cp.cuda.Device().id)["l2CacheSize"]
+    n_copies = max(3, math.ceil(args.l2_multiple * l2 / nbytes))
+    made = [weights.make(cp, loader, M, K, seed=1 + i) for i in range(n_copies)]
+    copies = [dict(zip(names, (m[n] for n in weights.names))) for m in made]  # buffer name -> device array
+    n_launches = n_copies * math.ceil(args.launches / n_copies)
+    stream = cp.cuda.Stream(non_blocking=True)
+    rows = []
+    for t, launch in launches.items():
+        if launch is None:
+            skipped.append(f"{weights.label()} {label}: no plan launches a GEMV for {t} token rows "
+                           f"(at most {plans.VERIFY_ROWS})")
+            print(f"skipped {skipped[-1]}")
+            continue
+        host = gemvs.launch_buffers(launch, layout, np.random.default_rng(t), matrices=False)
+        twin_bufs = {n: a.copy() for n, a in host.items()} | {n: a.get() for n, a in copies[0].items()}
+        bind = lambda bufs: tuple(a.of(bufs[a.name]) if isinstance(a, Ref) else a for a in launch.args)  # noqa: E731
+        ops.twin(launch.spec.source, launch.spec.name)(*bind(twin_bufs))
+        dev = {n: cp.asarray(a) for n, a in host.items()}
+        cp.cuda.Device().synchronize()  # made on the default stream; used on `stream`
+        fn, grid, block = loader.function(launch.spec), launch.grid, (launch.block,)
+        with stream:
+            fn(grid, block, bind(dev | copies[0]))
+        stream.synchronize()
+        got = np.concatenate([dev[n].get().astype(np.float32).ravel() for n in host])
+        expected = np.concatenate([twin_bufs[n].astype(np.float32).ravel() for n in host])
+        err = float(np.max(np.abs(got - expected)) / max(float(np.max(np.abs(expected))), 1e-30))
+        ok = bool(np.isfinite(got).all() and err < 2e-3)
+        per_launch = graph_us(cp, stream, n_launches, lambda i: fn(grid, block, bind(dev | copies[i % n_copies])),
+                              args.trials)
+        us = statistics.median(per_launch)
+        row = {"shape": label, "kernel": launch.spec.name, "bits": weights.bits, "M": M, "K": K,
+               "variant": f"{launch.spec.source} " + " ".join(f"{k}={v}" for k, v in launch.spec.defines),
+               "source": launch.spec.source, "defines": dict(launch.spec.defines), "tokens": t, "grid": list(grid),
+               "us": us, "us_min": min(per_launch), "us_max": max(per_launch), "gb_s": nbytes / us / 1e3,
+               "weight_bytes": nbytes, "copies": n_copies, "launches_per_graph": n_launches, "check_rel_err": err,
+               "check_ok": ok, "us_overlap": None, "gb_s_overlap": None}
+        if pdl is not None:  # the first launch waits for what came before the graph, as in the decode step
+            overlapped = graph_us(cp, stream, n_launches, lambda i: fn(grid, block, bind(dev | copies[0])) if i == 0
+                                  else pdl(fn, grid, (block[0], 1, 1), bind(dev | copies[i % n_copies]), stream.ptr),
+                                  args.trials)
+            row["us_overlap"] = statistics.median(overlapped)
+            row["gb_s_overlap"] = nbytes / row["us_overlap"] / 1e3
+        rows.append(row)
+    made.clear()
+    copies.clear()  # the weight copies go back to the pool (a closure above still names the list)
+    cp.get_default_memory_pool().free_all_blocks()
+    return rows
+
+
 def bits_list(text: str) -> list[int]:
     """argparse type of --bits: 16 (FP16) or any of 4 and 8 (W4A16 / W8A16), comma-separated."""
     try:
@@ -305,6 +383,14 @@ def bits_list(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of integers") from None
     if not values or not (values == [16] or set(values) <= set(quant.BITS)):
         raise argparse.ArgumentTypeError(f"{text!r}: give 16 (FP16) or any of {', '.join(map(str, quant.BITS))}")
+    return values
+
+
+def token_rows(text: str) -> list[int]:
+    """argparse type of --rows: token counts from 1 to 16, comma-separated."""
+    values = positive_ints(text)
+    if max(values) > 16:
+        raise argparse.ArgumentTypeError(f"{text!r}: token rows are 1 to 16")
     return values
 
 
@@ -323,6 +409,10 @@ def main(argv=None) -> int:
     parser.add_argument("--model", default="llama-2-7b", help="preset whose decode-step shapes are swept")
     parser.add_argument("--bits", type=bits_list, default=[16],
                         help="16: FP16 weights; 4,8: the quantized ones (gemv_mma.cu BITS) [16]")
+    parser.add_argument("--rows", type=token_rows, default=None,
+                        help="token rows, e.g. 1,2,5,9,16: time the kernel the plans launch for each count (decode, "
+                             "verify, batch) per shape, in TB/s and against the 1-row time, instead of the decode "
+                             "variants at one row")
     args = parser.parse_args(argv)
     require_gpu("gemv_sweep")
     import cupy as cp
@@ -340,7 +430,10 @@ def main(argv=None) -> int:
         record = {"model": args.model, "plan_variant": plan_variant(args.bits),
                   "read_bandwidth_bytes_per_s": bps, "bandwidth": bandwidth, "environment": environment(),
                   "bits": args.bits, "rows": rows, "skipped": skipped}
-        for bits in args.bits:
+        if args.rows:
+            record["plan_variant"], record["token_rows"] = "read off the plans per row count", args.rows
+            sweep_rows(cp, loader, args, pdl, bps, record)
+        for bits in args.bits if not args.rows else []:
             weights = Weights(bits)
             for label, kernel, M, K in shapes(cfg):
                 if kernel == "gemv_logits" and bits != 16:
@@ -356,6 +449,55 @@ def main(argv=None) -> int:
                     save_json(args.json, record, args, complete=False)
     except CullamaError as exc:
         sys.exit(f"gemv_sweep: {exc}")
+    if args.rows:
+        print_rows(rows, bps)
+    else:
+        print_variants(rows, args, bps)
+    if args.json:
+        save_json(args.json, record, args, complete=True)
+        print(f"wrote {args.json}")
+    return 0 if all(r["check_ok"] for r in rows) else 1
+
+
+def sweep_rows(cp, loader, args, pdl, bps: float, record: dict) -> None:
+    """--rows: per bits and shape, the plans' kernel for each token count, into record["rows"] (with the time against
+    the same shape's 1-row time, where 1 is among the counts) and record["skipped"]."""
+    from cullama.bench import gemvs
+
+    for bits in args.bits:
+        weights = Weights(bits)
+        layout = gemvs.layout_for(preset(args.model), FORMAT_OF_BITS[bits])  # the plans' shapes (padded when quantized)
+        for shape in gemvs.SHAPE_ORDER:
+            if shape == "lm_head" and bits != 16:
+                continue  # the lm_head stays FP16
+            measured = sweep_rows_shape(cp, loader, layout, shape, args.rows, args, pdl, weights, record["skipped"])
+            one = next((r["us"] for r in measured if r["tokens"] == 1), None)
+            for r in measured:
+                r["pct_read_bw"] = 100 * r["gb_s"] * 1e9 / bps
+                r["vs_1row"] = r["us"] / one if one else None
+                record["rows"].append(r)
+            if args.json:
+                save_json(args.json, record, args, complete=False)
+
+
+def print_rows(rows: list[dict], bps: float) -> None:
+    width = max([24, *(len(r["variant"]) for r in rows)])
+    print(f"{'bits':>4} {'shape':<22} {'kernel':<18} {'rows':>4} {'variant':<{width}} {'us':>8} {'min-max us':>15} "
+          f"{'TB/s':>6} {'% bw':>6} {'x 1-row':>7} {'ov TB/s':>7}  check")
+    for r in rows:
+        spread = f"{r['us_min']:.1f}-{r['us_max']:.1f}"
+        check = "ok" if r["check_ok"] else f"WRONG (rel err {r['check_rel_err']:.1e})"
+        ratio = "-" if r["vs_1row"] is None else f"{r['vs_1row']:.3f}"
+        overlap = "-" if r["gb_s_overlap"] is None else f"{r['gb_s_overlap'] / 1e3:.2f}"
+        print(f"{r['bits']:>4} {r['shape']:<22} {r['kernel']:<18} {r['tokens']:>4} {r['variant']:<{width}} "
+              f"{r['us']:>8.1f} {spread:>15} {r['gb_s'] / 1e3:>6.2f} {r['pct_read_bw']:>5.1f}% {ratio:>7} "
+              f"{overlap:>7}  {check}")
+    print("TB/s: effective (the weight bytes a launch reads: FP16 W, or codes and (scale, zero) pairs, over its time); "
+          "x 1-row: time against the same shape's 1-row time (targets, issue 26: <= 1.15 at 16 rows); "
+          "ov: linked by programmatic dependent launch (CULLAMA_OVERLAP=1)")
+
+
+def print_variants(rows: list[dict], args, bps: float) -> None:
     best = {}
     for r in rows:
         key = (r["bits"], r["shape"])
@@ -376,10 +518,6 @@ def main(argv=None) -> int:
     print(f"* fastest correct variant per shape{' and bits' if quantized else ''}; the plan uses "
           f"{plan_variant(args.bits)}; {'GB/s: effective (codes and (scale, zero) pairs); ' if quantized else ''}"
           f"ov: the same launches linked by programmatic dependent launch (CULLAMA_OVERLAP=1)")
-    if args.json:
-        save_json(args.json, record, args, complete=True)
-        print(f"wrote {args.json}")
-    return 0 if all(r["check_ok"] for r in rows) else 1
 
 
 if __name__ == "__main__":

@@ -127,7 +127,11 @@ def make_results(directory: Path, monkeypatch, capsys) -> Path:
             ("gemv_sweep", ["--model", "tiny", "--bits", "4,8", "--trials", "1", "--launches", "2", "--l2-multiple",
                             "1"], "gemv_quant.json"),
             ("gemm_sweep", ["--model", "tiny", "--kernels", "mma-w4,mma-w8", "--rows", "1,10", "--splits", "2",
-                            "--trials", "1", "--launches", "1", "--l2-multiple", "0"], "gemm_quant.json")]
+                            "--trials", "1", "--launches", "1", "--l2-multiple", "0"], "gemm_quant.json"),
+            ("gemv_sweep", ["--model", "tiny", "--rows", "1,2,16", "--trials", "1", "--launches", "1",
+                            "--l2-multiple", "0"], "gemv_rows.json"),
+            ("gemv_sweep", ["--model", "tiny", "--bits", "4,8", "--rows", "1,5", "--trials", "1", "--launches", "1",
+                            "--l2-multiple", "0"], "gemv_rows_quant.json")]
     for script, argv, name in runs:
         code, _ = run_main(script, argv + ["--json", str(directory / name)], capsys)
         assert code == 0, script
@@ -605,6 +609,30 @@ def test_batched_decode_sections_and_targets(made, records, tmp_path, capsys):
             (f"join p50 {vs:.2f}x the B=8 step ({3.9 * vs:.3f} / 3.900 ms)", status)
     del r["batch.json"]["sizes"][2]
     assert "needs B=1 and B=8 (has [1, 2])" in target(report(write(tmp_path / "c", r), capsys), "batched step")[0]
+
+
+def test_gemv_rows_sections(made, records, tmp_path, capsys):
+    """gemv_rows.json / gemv_rows_quant.json (issue 26): per bits and shape, each row count's TB/s and time against
+    the 1-row time, recomputed from the JSON; a count no plan launches shown as a dash and said; a wrong row said."""
+    text = report(made, capsys)
+    sec = section(text, "Decode GEMVs per token-row count, FP16")
+    rows = records["gemv_rows.json"]["rows"]
+    counts = sorted({r["tokens"] for r in rows})  # 1, 2 and, where the plans launch 16 rows, 16
+    assert counts in ([1, 2], [1, 2, 16])
+    assert "| bits shape | kernel | file | " + " | ".join(f"{t} rows TB/s (x 1-row)" for t in counts) + " |" in sec
+    for r in rows:
+        row = table_row(sec, f"FP16 {r['shape']}")
+        cell = row[3 + counts.index(r["tokens"])]
+        assert cell == f"{r['gb_s'] / 1e3:.2f} ({r['vs_1row']:.2f}x)"
+    skipped = records["gemv_rows.json"]["skipped"]
+    assert sec.count("- skipped:") == len(skipped) == (0 if 16 in counts else 5)
+    quant = section(text, "Decode GEMVs per token-row count, W4 and W8")
+    first = records["gemv_rows_quant.json"]["rows"][0]
+    assert table_row(quant, f"W{first['bits']} {first['shape']}")[2] == first["source"]  # the plans' GEMV source
+    r = copy.deepcopy(records)
+    r["gemv_rows.json"]["rows"][1]["check_ok"] = False
+    out = section(report(write(tmp_path / "w", r), capsys), "Decode GEMVs per token-row count, FP16")
+    assert " WRONG" in out and f"- WRONG: {rows[1]['shape']} {rows[1]['tokens']} rows" in out
 
 
 # -- missing, cut and odd files --------------------------------------------------------------------
