@@ -10,6 +10,7 @@
 # benchmarks/decode_step.py (plain vs overlapped graph), logprobs_step.py (what logprobs=N adds to a step),
 # prefill_step.py (TTFT per prefill kernel pair),
 # gemv_sweep.py, gemm_sweep.py (mma vs wgmma), the same two on INT4 / INT8 weights (gemv_quant.cu, gemm_quant.cu),
+# the decode GEMVs per token-row count (gemv_sweep.py --rows, FP16 and W4 / W8),
 # `cullama bench --speculative replay`, `cullama bench --json-schema` (issue 27: a constrained token against a plain
 # one, target <= 1.05 at p50 and p99), serve_latency.py (what
 # `cullama serve` adds per token), `cullama bench --batch` and serve_load.py (batched decode) and
@@ -129,6 +130,11 @@ step gemm 75 "$PY" benchmarks/gemm_sweep.py --rows 10,64,256 --json "$RESULTS/ge
 step gemv-quant 45 "$PY" benchmarks/gemv_sweep.py --bits 4,8 --json "$RESULTS/gemv_quant.json"
 step gemm-quant 40 "$PY" benchmarks/gemm_sweep.py --kernels mma-w4,mma-w8 --rows 10,256 --json \
     "$RESULTS/gemm_quant.json"
+# Issue 26: the decode GEMVs per 7B shape at 1, 2, 5, 9 and 16 token rows (the plans' kernel for each count: decode,
+# verify, batch), effective TB/s and the time against one row's (targets: >= 3.9-4.0 TB/s, 16 rows <= 1.15x one row)
+step gemv-rows 40 "$PY" benchmarks/gemv_sweep.py --rows 1,2,5,9,16 --trials 10 --json "$RESULTS/gemv_rows.json"
+step gemv-rows-quant 45 "$PY" benchmarks/gemv_sweep.py --bits 4,8 --rows 1,2,5,9,16 --trials 10 --json \
+    "$RESULTS/gemv_rows_quant.json"
 # Speculative decoding's upper bound (replay: every draft accepted) and its verify step per k; the derived figures
 # use ngram's tokens per step on stories260K where the test data is here.
 STORIES=${CULLAMA_SHARED:-../shared}/models/stories260K

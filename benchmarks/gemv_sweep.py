@@ -1,7 +1,7 @@
 """GEMV sweep: every gemv.cu variant on every LLaMA-2-7B matrix shape, in GB/s and % of read bandwidth.
 
-    python benchmarks/gemv_sweep.py [--json FILE] [--bits 16|4,8] [--trials N] [--launches N] [--l2-multiple K]
-                                    [--model PRESET]
+    python benchmarks/gemv_sweep.py [--json FILE] [--bits 16|4,8] [--rows 1,2,5,9,16] [--trials N] [--launches N]
+                                    [--l2-multiple K] [--model PRESET]
 
 Each shape is timed with the kernel the decode step uses for it (qkv: gemv_qkv_rope, o_proj and
 down: gemv_residual, gate_up: gemv_gate_up_silu, lm_head: gemv_logits), in every (ROWS, UNROLL)
@@ -21,6 +21,12 @@ weights as on-load quantization makes them (Weights below: INT4 in groups of 128
 is then the effective weight bandwidth, the bytes of codes and (scale, zero) pairs that a decode step reads
 (quant.QuantFormat.nbytes), and a shape the format cannot hold (K not a multiple of the 16-byte vector) is skipped with
 a line saying so.
+--rows T1,T2,... (issue 26) sweeps the token rows instead: per bits and shape, for each count the kernel that the
+decode, verify and batch plans launch for that many rows (cullama/bench/gemvs.py reads spec and grid off the plans:
+gemv.cu / gemv_quant.cu's TOKENS variants today, gemv_mma.cu once the plans launch it), on [T, width] token rows
+checked against its twin, in effective TB/s and as its time against the same shape's 1-row time (the targets: 16 rows
+<= 1.15x one row; benchmarks/PREDICTIONS.md predicts both). A count no plan launches (over 9 today) is skipped with a
+line. The shapes are the plans' (quantized: intermediate_size padded to 32, as on-load quantization runs them).
 """
 
 from __future__ import annotations
@@ -39,7 +45,9 @@ import numpy as np
 from cullama.runtime import plan as plans
 from cullama.model import quant
 from cullama.model.config import preset
+from cullama.model.layout import device_config, on_load
 from cullama.common.errors import CullamaError
+from cullama.runtime import ops
 from cullama.runtime.ops import gemv as twins
 from cullama.runtime.ops import gemv_quant as quant_twins
 from cullama.runtime.registry import KernelLoader, KernelSpec
@@ -118,20 +126,24 @@ def shapes(cfg):
             (f"lm_head {cfg.vocab_size}x{d}", "gemv_logits", cfg.vocab_size, d)]
 
 
-def case(kernel: str, cfg, M: int, K: int, rng, max_seq: int = 64):
-    """(named args in the kernel's order with W as None, names of the outputs); host NumPy arrays."""
+def case(kernel: str, cfg, M: int, K: int, rng, max_seq: int = 64, tokens: int = 1):
+    """(named args in the kernel's order with W as None, names of the outputs); host NumPy arrays. `tokens` > 1:
+    x, in and the outputs are [tokens, width] token rows (logits at the kernels' row stride), the rows of one slot
+    at consecutive positions (a verify step's rows table)."""
     i32, f32 = np.int32, np.float32
-    vec = lambda n: rng.standard_normal(n).astype(np.float32)  # noqa: E731
-    poison = lambda n: np.full(n, np.nan, np.float32)  # noqa: E731
+    shape = lambda n: n if tokens == 1 else (tokens, n)  # noqa: E731
+    vec = lambda n: rng.standard_normal(shape(n)).astype(np.float32)  # noqa: E731
+    poison = lambda n: np.full(shape(n), np.nan, np.float32)  # noqa: E731
     norm_w = (1 + 0.1 * rng.standard_normal(K)).astype(np.float16)
     eps = f32(cfg.rms_norm_eps)
     if kernel == "gemv_qkv_rope":
         state = np.zeros(8, np.int32)
-        state[0] = max_seq - 1  # the position written in the KV cache
+        state[0] = max_seq - tokens  # the position of row 0 written in the KV cache (row t at + t)
         cache = lambda: np.zeros((cfg.num_kv_heads, max_seq, cfg.head_dim), np.float16)  # noqa: E731
+        step_rows = np.stack([np.zeros(tokens, np.int32), np.arange(tokens, dtype=np.int32)], axis=1)  # [T, 2]
         return ([("x", vec(K)), ("norm_w", norm_w), ("W", None), ("bias", np.zeros(M, np.float16)),
                  ("q", poison(cfg.q_dim)), ("k", cache()), ("v", cache()), ("rope", plans.rope_table(cfg, max_seq)),
-                 ("state", state), ("rows", np.zeros((1, 2), np.int32)), ("d", i32(K)),
+                 ("state", state), ("rows", step_rows), ("d", i32(K)),
                  ("heads", i32(cfg.num_heads)), ("kv_heads", i32(cfg.num_kv_heads)), ("hd", i32(cfg.head_dim)),
                  ("max_seq", i32(max_seq)), ("eps", eps)], ["q", "k", "v"])
     if kernel == "gemv_residual":
@@ -139,7 +151,8 @@ def case(kernel: str, cfg, M: int, K: int, rng, max_seq: int = 64):
     if kernel == "gemv_gate_up_silu":
         return ([("x", vec(K)), ("norm_w", norm_w), ("W", None), ("h", poison(M // 2)), ("ff", i32(M // 2)),
                  ("d", i32(K)), ("eps", eps)], ["h"])
-    return ([("x", vec(K)), ("norm_w", norm_w), ("W", None), ("logits", poison(M)), ("V", i32(M)), ("d", i32(K)),
+    logits = poison(M) if tokens == 1 else np.full((tokens, twins.logits_stride(M)), np.nan, np.float32)
+    return ([("x", vec(K)), ("norm_w", norm_w), ("W", None), ("logits", logits), ("V", i32(M)), ("d", i32(K)),
              ("eps", eps)], ["logits"])
 
 
@@ -234,47 +247,73 @@ def gemv_kernels(weights: Weights):
     return quant_twins.SOURCE, quant_twins, [v for v in quant_twins.DECODE_VARIANTS if dict(v)["BITS"] == weights.bits]
 
 
-def sweep_shape(cp, loader, cfg, label, kernel, M, K, args, pdl=None, weights=Weights()) -> list[dict]:
-    rng = np.random.default_rng(0)
-    named, outputs = case(kernel, cfg, M, K, rng)
-    named = weights.args(named, K)
-    source, module, variants = gemv_kernels(weights)
+@dataclasses.dataclass(frozen=True)
+class Timed:
+    """One launch a sweep times: `tokens` token rows of `spec` on `grid`, labelled `variant`."""
+
+    tokens: int
+    variant: str
+    spec: KernelSpec
+    grid: tuple[int, int, int]
+    block: int
+
+
+def candidate_launches(kernel: str, M: int, weights: Weights) -> list[Timed]:
+    """The variant sweep's launches: one token row in every decode candidate of the storage's GEMV source."""
+    source, _, variants = gemv_kernels(weights)
+    return [Timed(1, " ".join(f"{k}={v}" for k, v in d), KernelSpec(source, kernel, tuple(d)),
+                  (plans.cdiv(M, dict(d)["ROWS"]), 1, 1), plans.GEMV_THREADS)  # ROWS rows (ROWS/2 pairs) a block
+            for d in variants]
+
+
+def sweep_shape(cp, loader, cfg, label, kernel, M, K, args, pdl=None, weights=Weights(), launches=None) -> list[dict]:
+    """Time each of `launches` (default: candidate_launches) on one matrix shape, each checked first against its
+    kernel's NumPy twin on the same inputs."""
+    launches = launches or candidate_launches(kernel, M, weights)
     nbytes = weights.nbytes(M, K)
     l2 = cp.cuda.runtime.getDeviceProperties(cp.cuda.Device().id)["l2CacheSize"]
     n_copies = max(3, math.ceil(args.l2_multiple * l2 / nbytes))
     copies = [weights.make(cp, loader, M, K, seed=1 + i) for i in range(n_copies)]
-    # The specification: the twin on the host, on the inputs as they are before any launch.
-    host = {n: (a.copy() if isinstance(a, np.ndarray) else a) for n, a in named if a is not None}
-    host.update({n: a.get() for n, a in copies[0].items()})
-    getattr(module, kernel)(*(host[n] for n, _ in named))
-    expected = np.concatenate([host[n].astype(np.float32).ravel() for n in outputs])
-    dev = {n: cp.asarray(a) if isinstance(a, np.ndarray) else a for n, a in named if a is not None}
-    cp.cuda.Device().synchronize()  # made on the default stream; used on `stream`
-    launches = n_copies * math.ceil(args.launches / n_copies)
+    cases = {}  # tokens -> (named, outputs, expected, dev)
+    n_launches = n_copies * math.ceil(args.launches / n_copies)
     stream = cp.cuda.Stream(non_blocking=True)
     rows = []
-    for defines in variants:
-        variant = " ".join(f"{k}={v}" for k, v in defines)
-        fn = loader.function(KernelSpec(source, kernel, tuple(defines)))
-        grid = (plans.cdiv(M, dict(defines)["ROWS"]), 1, 1)  # ROWS rows (or ROWS/2 pairs) per block
+    for timed in launches:
+        if timed.tokens not in cases:
+            rng = np.random.default_rng(0)
+            named, outputs = case(kernel, cfg, M, K, rng, tokens=timed.tokens)
+            named = weights.args(named, K)
+            # The specification: the twin on the host, on the inputs as they are before any launch.
+            host = {n: (a.copy() if isinstance(a, np.ndarray) else a) for n, a in named if a is not None}
+            host.update({n: a.get() for n, a in copies[0].items()})
+            ops.twin(timed.spec.source, kernel)(*(host[n] for n, _ in named))
+            expected = np.concatenate([host[n].astype(np.float32).ravel() for n in outputs])
+            dev = {n: cp.asarray(a) if isinstance(a, np.ndarray) else a for n, a in named if a is not None}
+            cp.cuda.Device().synchronize()  # made on the default stream; used on `stream`
+            cases[timed.tokens] = named, outputs, expected, dev
+        named, outputs, expected, dev = cases[timed.tokens]
+        fn = loader.function(timed.spec)
+        grid, block = timed.grid, (timed.block,)
         argv = lambda copy: tuple(copy[n] if n in copy else dev[n] for n, _ in named)  # noqa: E731
         with stream:
             for n in outputs:  # poisoned (or the residual's starting x) before the checked launch
                 dev[n].set(dict(named)[n], stream=stream)
-            fn(grid, (plans.GEMV_THREADS,), argv(copies[0]))
+            fn(grid, block, argv(copies[0]))
         stream.synchronize()
         got = np.concatenate([dev[n].get().astype(np.float32).ravel() for n in outputs])
-        err = float(np.max(np.abs(got - expected)) / max(float(np.max(np.abs(expected))), 1e-30))
-        ok = bool(np.isfinite(got).all() and err < 2e-3)
-        block = (plans.GEMV_THREADS,)
-        per_launch = graph_us(cp, stream, launches, lambda i: fn(grid, block, argv(copies[i % n_copies])), args.trials)
+        finite = np.isfinite(expected)  # logits rows' padding past V stays as poisoned
+        err = float(np.max(np.abs(got[finite] - expected[finite])) / max(float(np.max(np.abs(expected[finite]))), 1e-30))
+        ok = bool(np.isfinite(got[finite]).all() and np.array_equal(np.isfinite(got), finite) and err < 2e-3)
+        per_launch = graph_us(cp, stream, n_launches, lambda i: fn(grid, block, argv(copies[i % n_copies])),
+                              args.trials)
         us = statistics.median(per_launch)
-        row = {"shape": label, "kernel": kernel, "bits": weights.bits, "M": M, "K": K, "variant": variant,
-               "defines": dict(defines), "us": us, "us_min": min(per_launch), "us_max": max(per_launch),
-               "gb_s": nbytes / us / 1e3, "weight_bytes": nbytes, "copies": n_copies, "launches_per_graph": launches,
+        row = {"shape": label, "kernel": kernel, "bits": weights.bits, "M": M, "K": K, "variant": timed.variant,
+               "source": timed.spec.source, "defines": dict(timed.spec.defines), "tokens": timed.tokens,
+               "grid": list(grid), "us": us, "us_min": min(per_launch), "us_max": max(per_launch),
+               "gb_s": nbytes / us / 1e3, "weight_bytes": nbytes, "copies": n_copies, "launches_per_graph": n_launches,
                "check_rel_err": err, "check_ok": ok, "us_overlap": None, "gb_s_overlap": None}
         if pdl is not None:  # the first launch waits for what came before the graph, as in the decode step
-            overlapped = graph_us(cp, stream, launches, lambda i: fn(grid, block, argv(copies[0])) if i == 0 else
+            overlapped = graph_us(cp, stream, n_launches, lambda i: fn(grid, block, argv(copies[0])) if i == 0 else
                                   pdl(fn, grid, (block[0], 1, 1), argv(copies[i % n_copies]), stream.ptr), args.trials)
             row["us_overlap"] = statistics.median(overlapped)
             row["gb_s_overlap"] = nbytes / row["us_overlap"] / 1e3
@@ -282,6 +321,41 @@ def sweep_shape(cp, loader, cfg, label, kernel, M, K, args, pdl=None, weights=We
     copies.clear()  # the weight copies go back to the pool (a closure above still names the list)
     cp.get_default_memory_pool().free_all_blocks()
     return rows
+
+
+FORMAT_OF_BITS = {16: "float16", 8: "int8", 4: "int4"}
+
+
+def row_launches(model: str, bits: int, tokens: list[int]) -> tuple[list[tuple[str, str, int, int, list[Timed]]],
+                                                                      list[str]]:
+    """The row sweep's launches, read off the plans (cullama/bench/gemvs.py: whatever GEMV kernel the decode, verify
+    and batch plans launch for that many token rows, on its grid): per shape (label, kernel, M, K, [Timed per
+    token count]), in the decode step's order (no lm_head for 4 and 8 bits: it stays FP16), and a line for each
+    token count no plan launches."""
+    from cullama.bench import gemvs
+
+    found = gemvs.plan_variants(preset(model), [FORMAT_OF_BITS[bits]])
+    most = max(v.rows for v in found)
+    shapes_out, skipped = [], []
+    for shape in gemvs.SHAPE_ORDER:
+        if shape == "lm_head" and bits != 16:
+            continue
+        of_shape = {v.rows: v for v in found if v.shape == shape}
+        if not of_shape:
+            continue
+        first = next(iter(of_shape.values()))
+        label = f"{shape} {first.M}x{first.K}"
+        timed = []
+        for t in tokens:
+            v = of_shape.get(t)
+            if v is None:
+                skipped.append(f"{Weights(bits).label()} {label}: no plan launches a GEMV for {t} token rows "
+                               f"(at most {most})")
+                continue
+            timed.append(Timed(t, f"{v.source} {v.define_text}", KernelSpec(v.source, v.kernel, v.defines), v.grid,
+                               v.threads))
+        shapes_out.append((label, first.kernel, first.M, first.K, timed))
+    return shapes_out, skipped
 
 
 def bits_list(text: str) -> list[int]:
@@ -292,6 +366,14 @@ def bits_list(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of integers") from None
     if not values or not (values == [16] or set(values) <= set(quant.BITS)):
         raise argparse.ArgumentTypeError(f"{text!r}: give 16 (FP16) or any of {', '.join(map(str, quant.BITS))}")
+    return values
+
+
+def token_rows(text: str) -> list[int]:
+    """argparse type of --rows: token counts from 1 to 16, comma-separated."""
+    values = positive_ints(text)
+    if max(values) > 16:
+        raise argparse.ArgumentTypeError(f"{text!r}: token rows are 1 to 16")
     return values
 
 
@@ -312,12 +394,15 @@ def main(argv=None) -> int:
     parser.add_argument("--model", default="llama-2-7b", help="preset whose decode-step shapes are swept")
     parser.add_argument("--bits", type=bits_list, default=[16],
                         help="16: the FP16 kernels (gemv.cu); 4,8: the quantized ones (gemv_quant.cu) [16]")
+    parser.add_argument("--rows", type=token_rows, default=None,
+                        help="token rows, e.g. 1,2,5,9,16: time the kernel the plans launch for each count (decode, "
+                             "verify, batch) per shape, in TB/s and against the 1-row time, instead of the decode "
+                             "variants at one row")
     args = parser.parse_args(argv)
     require_gpu("gemv_sweep")
     import cupy as cp
 
     from cullama.runtime.device import environment
-    from cullama.model.layout import device_config
 
     try:
         cfg, loader = device_config(preset(args.model)), KernelLoader()
@@ -329,7 +414,10 @@ def main(argv=None) -> int:
         record = {"model": args.model, "plan_variant": plan_variant(args.bits),
                   "read_bandwidth_bytes_per_s": bps, "bandwidth": bandwidth, "environment": environment(),
                   "bits": args.bits, "rows": rows, "skipped": skipped}
-        for bits in args.bits:
+        if args.rows:
+            record["plan_variant"], record["token_rows"] = "read off the plans per row count", args.rows
+            sweep_rows(cp, loader, args, pdl, bps, record)
+        for bits in args.bits if not args.rows else []:
             weights = Weights(bits)
             for label, kernel, M, K in shapes(cfg):
                 if kernel == "gemv_logits" and bits != 16:
@@ -345,6 +433,56 @@ def main(argv=None) -> int:
                     save_json(args.json, record, args, complete=False)
     except CullamaError as exc:
         sys.exit(f"gemv_sweep: {exc}")
+    if args.rows:
+        print_rows(rows, bps)
+    else:
+        print_variants(rows, args, bps)
+    if args.json:
+        save_json(args.json, record, args, complete=True)
+        print(f"wrote {args.json}")
+    return 0 if all(r["check_ok"] for r in rows) else 1
+
+
+def sweep_rows(cp, loader, args, pdl, bps: float, record: dict) -> None:
+    """--rows: per bits and shape, the plans' kernel for each token count, into record["rows"] (with the time against
+    the same shape's 1-row time, where 1 is among the counts) and record["skipped"]."""
+    base = preset(args.model)
+    for bits in args.bits:
+        weights = Weights(bits)
+        cfg = device_config(base) if bits == 16 else on_load(base, FORMAT_OF_BITS[bits]).device  # the plans' shapes
+        found, skipped = row_launches(args.model, bits, args.rows)
+        for line in skipped:
+            print(f"skipped {line}")
+        record["skipped"] += skipped
+        for label, kernel, M, K, timed in found:
+            measured = sweep_shape(cp, loader, cfg, label, kernel, M, K, args, pdl, weights, timed) if timed else []
+            one = next((r["us"] for r in measured if r["tokens"] == 1), None)
+            for r in measured:
+                r["pct_read_bw"] = 100 * r["gb_s"] * 1e9 / bps
+                r["vs_1row"] = r["us"] / one if one else None
+                record["rows"].append(r)
+            if args.json:
+                save_json(args.json, record, args, complete=False)
+
+
+def print_rows(rows: list[dict], bps: float) -> None:
+    width = max([24, *(len(r["variant"]) for r in rows)])
+    print(f"{'bits':>4} {'shape':<22} {'kernel':<18} {'rows':>4} {'variant':<{width}} {'us':>8} {'min-max us':>15} "
+          f"{'TB/s':>6} {'% bw':>6} {'x 1-row':>7} {'ov TB/s':>7}  check")
+    for r in rows:
+        spread = f"{r['us_min']:.1f}-{r['us_max']:.1f}"
+        check = "ok" if r["check_ok"] else f"WRONG (rel err {r['check_rel_err']:.1e})"
+        ratio = "-" if r["vs_1row"] is None else f"{r['vs_1row']:.3f}"
+        overlap = "-" if r["gb_s_overlap"] is None else f"{r['gb_s_overlap'] / 1e3:.2f}"
+        print(f"{r['bits']:>4} {r['shape']:<22} {r['kernel']:<18} {r['tokens']:>4} {r['variant']:<{width}} "
+              f"{r['us']:>8.1f} {spread:>15} {r['gb_s'] / 1e3:>6.2f} {r['pct_read_bw']:>5.1f}% {ratio:>7} "
+              f"{overlap:>7}  {check}")
+    print("TB/s: effective (the weight bytes a launch reads: FP16 W, or codes and (scale, zero) pairs, over its time); "
+          "x 1-row: time against the same shape's 1-row time (targets, issue 26: <= 1.15 at 16 rows); "
+          "ov: linked by programmatic dependent launch (CULLAMA_OVERLAP=1)")
+
+
+def print_variants(rows: list[dict], args, bps: float) -> None:
     best = {}
     for r in rows:
         key = (r["bits"], r["shape"])
@@ -365,10 +503,6 @@ def main(argv=None) -> int:
     print(f"* fastest correct variant per shape{' and bits' if quantized else ''}; the plan uses "
           f"{plan_variant(args.bits)}; {'GB/s: effective (codes and (scale, zero) pairs); ' if quantized else ''}"
           f"ov: the same launches linked by programmatic dependent launch (CULLAMA_OVERLAP=1)")
-    if args.json:
-        save_json(args.json, record, args, complete=True)
-        print(f"wrote {args.json}")
-    return 0 if all(r["check_ok"] for r in rows) else 1
 
 
 if __name__ == "__main__":

@@ -10,7 +10,8 @@ decode.json (decode_step.py), prefill.json (prefill_step.py), gemv.json (gemv_sw
 mma-w4,mma-w8), compare.json (compare_hf.py), speculative.json (`cullama bench --speculative replay`),
 serve.json (serve_latency.py), emu_vs_gpu.json (tests/runtime/emu/test_emu_vs_gpu.py) and bench_llama3-8b.json,
 bench_llama3.2-1b.json (`cullama bench --synthetic` on those presets, each against its own floor), batch.json
-(`cullama bench --batch`) and serve_load.json (serve_load.py).
+(`cullama bench --batch`), serve_load.json (serve_load.py), gemv_rows.json and gemv_rows_quant.json
+(gemv_sweep.py --rows 1,2,5,9,16, FP16 and --bits 4,8).
 summary.txt and steps.log beside them are read too when present (each step's status; nvidia-smi's driver
 and clocks). Prints one Markdown report, --markdown writes
 it too: a header (date, commit, GPU, driver, CUDA runtime, CuPy, NVRTC, read bandwidth), one section per
@@ -30,6 +31,7 @@ from pathlib import Path
 from device_report.checks import SECTIONS as CHECK_SECTIONS
 from device_report.families import SECTIONS as FAMILY_SECTIONS
 from device_report.batching import SECTIONS as BATCH_SECTIONS
+from device_report.gemv_rows import SECTIONS as GEMV_ROWS_SECTIONS
 from device_report.decisions import decisions
 from device_report.header import header
 from device_report.kernel_sections import section_gemm, section_gemv, section_prefill
@@ -54,6 +56,7 @@ SECTIONS = [
     ("gemm.json", "GEMM sweep: mma vs wgmma, split-K (gemm.json)", section_gemm),
     ("gemv_quant.json", "Quantized GEMVs: W4 and W8 per shape (gemv_quant.json)", section_gemv_quant),
     ("gemm_quant.json", "Quantized prefill GEMM: W4 and W8 (gemm_quant.json)", section_gemm_quant),
+    *GEMV_ROWS_SECTIONS,
     ("compare.json", "cullama vs HuggingFace (compare.json)", section_compare),
     ("speculative.json", "Speculative decoding: cullama bench --speculative replay (speculative.json)",
      section_speculative),

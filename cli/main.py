@@ -549,9 +549,15 @@ def model_summary(model_dir, quantize, revision=None) -> dict:
 
 @main.command()
 @click.option("--arch", default="sm_90", show_default=True, help="GPU architecture to compile for (no GPU needed).")
-def kernels(arch):
+@click.option("--issue", is_flag=True,
+              help="Also report the static issue budget: for every GEMV variant the decode, verify and batch plans "
+                   "launch at the LLaMA-2-7B shapes (FP16, int8, int4), its sm_90 SASS lane-instructions per weight "
+                   "byte (main loop, whole kernel) beside the H200's 7.53 and the H100's 9.99 and the 5.0 limit "
+                   "(needs cuobjdump and nvdisasm: the `test` extra).")
+def kernels(arch, issue):
     """Compile every kernel with NVRTC; print registers, shared memory and spills (exit 1 on a spill). Kernels
-    that have no version for the arch (wgmma: sm_90 only) are skipped with a note."""
+    that have no version for the arch (wgmma: sm_90 only) are skipped with a note. --issue adds the decode GEMVs'
+    issue budget (docs/usage.md)."""
     require_stdout()
     from ..bench.kernels import compile_all, skipped
 
@@ -565,6 +571,11 @@ def kernels(arch):
     for note in skipped(arch):
         out(f"skipped {note}")
     out(f"{len(reports)} kernels compiled for {arch}; {len(spilled)} with spills or local memory")
+    if issue:
+        from ..bench.issue import report
+
+        for line in report():
+            out(line)
     if spilled:
         sys.exit(1)
 

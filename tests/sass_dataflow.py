@@ -53,13 +53,11 @@ where a chain continues loses nothing the other variant has, since both go throu
 
 from __future__ import annotations
 
-import dataclasses
-import importlib.util
 import re
-import shutil
 import struct
-import subprocess
-from pathlib import Path
+
+# The SASS reading (instructions, basic blocks, the tools) is cullama/bench/sass.py's, shared with the issue budget.
+from cullama.bench.sass import BRANCHES, Instruction, blocks, cuobjdump, parse, sass, split_operands, targets  # noqa: F401
 
 FP_OPS = {"FADD", "FMUL", "FFMA", "FMNMX", "FSEL", "FSETP", "FCHK", "FRND", "MUFU", "F2F", "F2I", "I2F", "I2FP", "F2FP",
           "HADD2", "HMUL2", "HFMA2", "HSETP2", "HMNMX2", "DADD", "DMUL", "DFMA", "FSWZADD", "SHFL"}
@@ -70,12 +68,10 @@ MOVES = {"MOV", "UMOV", "R2UR", "S2UR"}  # S2UR: a special register; as a leaf b
 LOADS = {"LDG": "ldg", "LD": "ld", "LDS": "lds", "LDL": "ldl", "LDC": "ldc", "ULDC": "ldc", "ATOMG": "ldg",
          "ATOM": "ld", "ATOMS": "lds", "LDSM": "lds"}
 STORES = {"STG", "ST", "STS", "STL", "RED", "REDG"}
-BRANCHES = {"BRA", "JMP", "BRX", "JMX", "RET", "EXIT", "CALL"}
 NO_DEST = STORES | BRANCHES | {"BAR", "BSYNC", "BSSY", "WARPSYNC", "NOP", "MEMBAR", "ERRBAR", "CCTL", "DEPBAR",
                                "PREEXIT", "ACQBULK", "YIELD", "FENCE", "BPT", "KILL", "CGAERRBAR", "SYNCS", "UCGABAR_ARV",
                                "UCGABAR_WAIT", "BMOV"}
 PREDICATE_DEST = {"ISETP", "FSETP", "DSETP", "HSETP2", "PSETP", "PLOP3", "FCHK", "UISETP", "UPLOP3", "R2P", "VOTEU"}
-LINE = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(.+?)\s*;")
 REGISTER = re.compile(r"^(-?)(\|?)(U?R(?:\d+|Z))(\|?)((?:\.[A-Za-z0-9_]+)*)$")
 
 
@@ -118,86 +114,6 @@ def constant(op: str, sources: list[str]) -> str:
     if op in HALF_OPS and len(sources) == 4 and sources[:2] == ["-RZ", "RZ"]:
         return half_pair(sources[2], sources[3])
     return "const " + ",".join(sources)
-
-
-@dataclasses.dataclass
-class Instruction:
-    address: int
-    predicate: str | None  # "P0", "!P0", None (always)
-    opcode: str  # "FFMA"
-    modifiers: tuple[str, ...]  # ("RZ", "FTZ")
-    operands: list[str]
-
-
-def parse(text: str, function: str) -> list[Instruction]:
-    """The instructions of `function` in cuobjdump -sass output."""
-    out, inside = [], False
-    for line in text.splitlines():
-        if "Function :" in line:
-            inside = line.split("Function :")[1].strip() == function
-            continue
-        if not inside:
-            continue
-        match = LINE.search(line)
-        if not match:
-            continue
-        body = match.group(2).strip()
-        predicate = None
-        if body.startswith("@"):
-            predicate, body = body[1:].split(None, 1)
-        name, _, rest = body.partition(" ")
-        opcode, *modifiers = name.split(".")
-        out.append(Instruction(int(match.group(1), 16), predicate, opcode, tuple(modifiers), split_operands(rest)))
-    return out
-
-
-def split_operands(text: str) -> list[str]:
-    parts, depth, current = [], 0, ""
-    for ch in text:
-        if ch in "[{":
-            depth += 1
-        elif ch in "]}":
-            depth -= 1
-        if ch == "," and depth == 0:
-            parts.append(current.strip())
-            current = ""
-        else:
-            current += ch
-    if current.strip():
-        parts.append(current.strip())
-    return parts
-
-
-def targets(ins: Instruction) -> list[int]:
-    return [int(o.strip("`()"), 16) for o in ins.operands if re.fullmatch(r"`?\(?0x[0-9a-f]+\)?", o)]
-
-
-def blocks(instructions: list[Instruction]) -> tuple[list[list[Instruction]], list[set[int]]]:
-    """Basic blocks in address order (a new one at every branch target and after every branch or exit), and each
-    block's predecessors (indices)."""
-    starts = {instructions[0].address} if instructions else set()
-    for i, ins in enumerate(instructions):
-        if ins.opcode in BRANCHES or ins.opcode == "BSSY":
-            starts.update(targets(ins))
-            if i + 1 < len(instructions) and ins.opcode in BRANCHES:
-                starts.add(instructions[i + 1].address)
-    out: list[list[Instruction]] = []
-    for ins in instructions:
-        if ins.address in starts or not out:
-            out.append([])
-        out[-1].append(ins)
-    index = {block[0].address: i for i, block in enumerate(out)}
-    preds: list[set[int]] = [set() for _ in out]
-    for i, block in enumerate(out):
-        last = block[-1]
-        if last.opcode in ("BRA", "JMP", "CALL"):
-            for target in targets(last):
-                if target in index and last.opcode != "CALL":
-                    preds[index[target]].add(i)
-        ends = last.opcode in ("BRA", "JMP", "BRX", "JMX", "RET", "EXIT") and last.predicate is None
-        if not ends and i + 1 < len(out):
-            preds[i + 1].add(i)
-    return out, preds
 
 
 class Nodes:
@@ -465,27 +381,6 @@ def signature(instructions: list[Instruction], nodes: Nodes) -> set[int]:
         stored.update(state.stored)
         out_regs.append(state.regs)
     return per_link((made - consumed) | stored, nodes)
-
-
-def cuobjdump() -> str | None:
-    """cuobjdump on PATH, or from the nvidia-cuda-cuobjdump wheel (nvidia/cu*/bin/cuobjdump), where nvdisasm (its
-    -sass needs it) is beside it or on PATH."""
-    found = shutil.which("cuobjdump")
-    spec = importlib.util.find_spec("nvidia")
-    for base in (spec.submodule_search_locations if spec and not found else []):
-        found = found or next((str(p) for p in sorted(Path(base).glob("cu*/bin/cuobjdump"))), None)
-    if found is None:
-        return None
-    return found if shutil.which("nvdisasm") or (Path(found).parent / "nvdisasm").exists() else None
-
-
-def sass(cubin: Path, tool: str) -> str:
-    env_path = f"{Path(tool).parent}:{shutil.os.environ.get('PATH', '')}"
-    done = subprocess.run([tool, "-sass", str(cubin)], capture_output=True, text=True, timeout=300,
-                          env={**shutil.os.environ, "PATH": env_path})
-    if done.returncode != 0:
-        raise RuntimeError(f"cuobjdump -sass {cubin} failed: {done.stderr.strip()}")
-    return done.stdout
 
 
 def difference(a: set[int], b: set[int], nodes: Nodes, limit: int = 3) -> str:

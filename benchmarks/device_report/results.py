@@ -31,6 +31,8 @@ FILES = {
     "bench_llama3.2-1b.json": "cullama bench --synthetic llama3.2-1b",
     "batch.json": "cullama bench --batch 1,2,4,8,16",  # device_report/batching.py
     "serve_load.json": "benchmarks/serve_load.py --synthetic llama-2-7b",
+    "gemv_rows.json": "benchmarks/gemv_sweep.py --rows 1,2,5,9,16",  # device_report/gemv_rows.py
+    "gemv_rows_quant.json": "benchmarks/gemv_sweep.py --bits 4,8 --rows 1,2,5,9,16",
 }
 SIDE_FILES = ("summary.txt", "steps.log")
 

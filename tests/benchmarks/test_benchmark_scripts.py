@@ -174,6 +174,50 @@ def test_gemv_sweep_times_the_quantized_kernels(fake, tmp_path, capsys):
     assert "give 16 (FP16) or any of 4, 8" in capsys.readouterr().err
 
 
+def test_gemv_sweep_rows_times_the_plans_kernel_per_token_count(fake, tmp_path, capsys):
+    """--rows: per bits and shape, the kernel (spec and grid) the decode, verify and batch plans launch for each
+    token count (read off the plans: gemv_mma.cu's once they launch it), checked against its twin on [T, width]
+    token rows and timed; the time against the 1-row time; a count no plan launches skipped with a line."""
+    from cullama.bench import gemvs
+
+    out = tmp_path / "gemv_rows.json"
+    code, stdout = run_main("gemv_sweep", ["--model", "tiny", "--bits", "4,8", "--rows", "1,2,5,9,16", "--trials", "1",
+                                           "--launches", "2", "--l2-multiple", "1", "--json", str(out)], capsys)
+    assert code == 0
+    record = json.loads(out.read_text())
+    assert record["token_rows"] == [1, 2, 5, 9, 16] and record["plan_variant"] == "read off the plans per row count"
+    most = max(v.rows for v in gemvs.plan_variants(TINY, ["int4"]))
+    counts = [t for t in (1, 2, 5, 9, 16) if t <= most]
+    expected = []
+    for bits, fmt in ((4, "int4"), (8, "int8")):
+        variants = {(v.shape, v.rows): v for v in gemvs.plan_variants(TINY, [fmt])}
+        for shape in ("qkv", "o_proj", "gate_up", "down"):
+            expected += [(bits, shape, t, variants[shape, t]) for t in counts]
+    assert len(record["rows"]) == len(expected) == 2 * 4 * len(counts)
+    for r, (bits, shape, t, v) in zip(record["rows"], expected):
+        assert (r["bits"], r["shape"].split()[0], r["tokens"], r["kernel"]) == (bits, shape, t, v.kernel)
+        assert (r["source"], r["defines"], tuple(r["grid"])) == (v.source, dict(v.defines), v.grid)
+        assert (r["M"], r["K"]) == (v.M, v.K) and r["weight_bytes"] == v.weight_bytes
+        assert r["check_ok"] and r["check_rel_err"] == 0
+        check_timing(r)
+        one = next(o for o in record["rows"] if (o["bits"], o["shape"], o["tokens"]) == (bits, r["shape"], 1))
+        assert r["vs_1row"] == pytest.approx(r["us"] / one["us"])
+    if most < 16:
+        assert len(record["skipped"]) == 2 * 4 and all(f"for 16 token rows (at most {most})" in line
+                                                       for line in record["skipped"])
+    lines = stdout.splitlines()
+    assert lines[-1] == f"wrote {out}" and "x 1-row" in lines[-2] and "TB/s: effective" in lines[-2]
+    assert sum(line.startswith("skipped") for line in lines) == len(record["skipped"])
+    fp16 = tmp_path / "gemv_rows_fp16.json"
+    assert run_main("gemv_sweep", ["--model", "tiny", "--rows", "1,2", "--trials", "1", "--launches", "1",
+                                   "--l2-multiple", "0", "--json", str(fp16)], capsys)[0] == 0
+    rows = json.loads(fp16.read_text())["rows"]
+    assert [(r["shape"].split()[0], r["tokens"]) for r in rows] == [(s, t) for s in gemvs.SHAPE_ORDER for t in (1, 2)]
+    with pytest.raises(SystemExit):
+        gemv_sweep.main(["--rows", "1,17"])
+    assert "token rows are 1 to 16" in capsys.readouterr().err
+
+
 # -- gemm_sweep -----------------------------------------------------------------------------------
 def test_gemm_sweep_times_and_checks_every_split(fake, tmp_path, capsys):
     out = tmp_path / "gemm.json"

@@ -126,7 +126,11 @@ def make_results(directory: Path, monkeypatch, capsys) -> Path:
             ("gemv_sweep", ["--model", "tiny", "--bits", "4,8", "--trials", "1", "--launches", "2", "--l2-multiple",
                             "1"], "gemv_quant.json"),
             ("gemm_sweep", ["--model", "tiny", "--kernels", "mma-w4,mma-w8", "--rows", "1,10", "--splits", "2",
-                            "--trials", "1", "--launches", "1", "--l2-multiple", "0"], "gemm_quant.json")]
+                            "--trials", "1", "--launches", "1", "--l2-multiple", "0"], "gemm_quant.json"),
+            ("gemv_sweep", ["--model", "tiny", "--rows", "1,2,16", "--trials", "1", "--launches", "1",
+                            "--l2-multiple", "0"], "gemv_rows.json"),
+            ("gemv_sweep", ["--model", "tiny", "--bits", "4,8", "--rows", "1,5", "--trials", "1", "--launches", "1",
+                            "--l2-multiple", "0"], "gemv_rows_quant.json")]
     for script, argv, name in runs:
         code, _ = run_main(script, argv + ["--json", str(directory / name)], capsys)
         assert code == 0, script
@@ -604,6 +608,26 @@ def test_batched_decode_sections_and_targets(made, records, tmp_path, capsys):
             (f"join p50 {vs:.2f}x the B=8 step ({3.9 * vs:.3f} / 3.900 ms)", status)
     del r["batch.json"]["sizes"][2]
     assert "needs B=1 and B=8 (has [1, 2])" in target(report(write(tmp_path / "c", r), capsys), "batched step")[0]
+
+
+def test_gemv_rows_sections(made, records, tmp_path, capsys):
+    """gemv_rows.json / gemv_rows_quant.json (issue 26): per bits and shape, each row count's TB/s and time against
+    the 1-row time, recomputed from the JSON; a count no plan launches shown as a dash and said; a wrong row said."""
+    text = report(made, capsys)
+    sec = section(text, "Decode GEMVs per token-row count, FP16")
+    rows = records["gemv_rows.json"]["rows"]
+    assert "| bits shape | kernel | file | 1 rows TB/s (x 1-row) | 2 rows TB/s (x 1-row) |" in sec
+    for r in rows:
+        row = table_row(sec, f"FP16 {r['shape']}")
+        cell = row[3 + [1, 2].index(r["tokens"])]
+        assert cell == f"{r['gb_s'] / 1e3:.2f} ({r['vs_1row']:.2f}x)"
+    assert "16 rows TB/s" not in sec and sec.count("- skipped:") == len(records["gemv_rows.json"]["skipped"]) == 5
+    quant = section(text, "Decode GEMVs per token-row count, W4 and W8")
+    assert table_row(quant, "W4 " + records["gemv_rows_quant.json"]["rows"][0]["shape"])[2] == "gemv_quant.cu"
+    r = copy.deepcopy(records)
+    r["gemv_rows.json"]["rows"][1]["check_ok"] = False
+    out = section(report(write(tmp_path / "w", r), capsys), "Decode GEMVs per token-row count, FP16")
+    assert " WRONG" in out and f"- WRONG: {rows[1]['shape']} {rows[1]['tokens']} rows" in out
 
 
 # -- missing, cut and odd files --------------------------------------------------------------------
