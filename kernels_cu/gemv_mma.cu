@@ -87,6 +87,11 @@
 #define ELEMS (128 / BITS)  // k elements per 16-byte chunk
 #define STEPS (ELEMS / 4)   // MMA k-steps per chunk (4 of each lane's k per step)
 #define QUANT (BITS != 16)
+#define MTILES (NTILES / 2)         // MMA m-tiles of 16 weight rows (two n-tiles of 8)
+#define NCOLS (TOKENS > 8 ? 2 : 1)  // MMA n8 tiles of token rows
+#if NTILES % 2
+#error "NTILES must be even (an MMA m-tile is two n-tiles)"
+#endif
 
 // The warps' partial sums: dot[w][row][token] and RMSNorm's Σ x² per (warp, lane % 4, token).
 struct Partials {
@@ -112,11 +117,16 @@ struct Loads {
     const uint4* row[NTILES];
     const uint32_t* params[NTILES];
     int vecs, group_vecs;  // chunks per row; chunks per group
+    uint32_t magic;        // ceil(2^31 / group_vecs): chunk c's group is umulhi(2 c, magic) (group_of)
     uint4 w[UNROLL][NTILES];
 #if QUANT
     uint32_t p[UNROLL][NTILES];
 #endif
 };
+
+// c / group_vecs without a division in the loop: with magic = (2^31 + e) / d (0 <= e < d), 2 c magic / 2^32 is
+// c / d + c e / (d 2^31), whose second term stays under 1 / d (so the floor is c / d's) while c d < 2^31: K / E < 46340.
+__device__ __forceinline__ int group_of(const Loads& b, int c) { return (int)__umulhi(2u * (uint32_t)c, b.magic); }
 
 __device__ __forceinline__ void load_batch(Loads& b, int base) {
     const int t = threadIdx.x % 4;
@@ -125,13 +135,16 @@ __device__ __forceinline__ void load_batch(Loads& b, int base) {
         const int c = 4 * (base + WARPS * u) + t;
         const bool inside = c < b.vecs;
 #if QUANT
-        const int group = inside ? c / b.group_vecs : 0;
+        // Past K: the row's last chunk, loaded (no zero fill), with a zero scale: weights (q - zero) * 0 = +0
+        const int cc = min(c, b.vecs - 1), group = group_of(b, cc);
 #endif
 #pragma unroll
         for (int j = 0; j < NTILES; ++j) {
-            b.w[u][j] = inside ? load_stream(b.row[j] + c) : make_uint4(0, 0, 0, 0);
 #if QUANT
+            b.w[u][j] = load_stream(b.row[j] + cc);
             b.p[u][j] = inside ? b.params[j][group] : 0u;
+#else
+            b.w[u][j] = inside ? load_stream(b.row[j] + c) : make_uint4(0, 0, 0, 0);
 #endif
         }
     }
@@ -143,6 +156,7 @@ __device__ __forceinline__ void first_batch(Loads& b, const void* __restrict__ W
     const int g = threadIdx.x % WARP / 4;
     b.vecs = K / ELEMS;
     b.group_vecs = group / ELEMS;
+    b.magic = (0x80000000u + (uint32_t)b.group_vecs - 1u) / (uint32_t)b.group_vecs;
 #pragma unroll
     for (int j = 0; j < NTILES; ++j) {
         const int r = block_row<KIND>(8 * j + g, M, hd, n_pairs);
@@ -152,18 +166,21 @@ __device__ __forceinline__ void first_batch(Loads& b, const void* __restrict__ W
     load_batch(b, threadIdx.x / WARP);
 }
 
-// B fragment (b0, b1) of step s from a lane's chunk w (and its (scale, zero) word p when quantized).
+// The weight pairs (b0: elements 4s, 4s + 1; b1: 4s + 2, 4s + 3) of step s from a lane's chunk w (and its (scale,
+// zero) word p when quantized): FP16 as loaded, quantized fp16((q - zero) * scale).
 __device__ __forceinline__ void b_fragment(const uint4& w, uint32_t p, int s, uint32_t& b0, uint32_t& b1) {
     const uint32_t words[4] = {w.x, w.y, w.z, w.w};
 #if BITS == 16
     b0 = words[2 * s], b1 = words[2 * s + 1];
+#elif BITS == 8
+    const uint32_t bias = zero_bias(p), scale = scale_x2(p), word = words[s];  // one step a word
+    b0 = hmul2(code_pair<8>(word, bias, 0), scale);
+    b1 = hmul2(code_pair<8>(word, bias, 1), scale);
 #else
-    const uint32_t bias = zero_bias(p), scale = scale_x2(p);
-    constexpr int WORD_STEPS = 8 / BITS;  // steps per 32-bit word: 2 (INT4), 1 (INT8)
-    const uint32_t word = words[s / WORD_STEPS];
-    const int pair = 2 * (s % WORD_STEPS);
-    b0 = hmul2(code_pair<BITS>(word, bias, pair), scale);
-    b1 = hmul2(code_pair<BITS>(word, bias, pair + 1), scale);
+    const uint32_t bias = zero_bias(p), bias64 = zero_bias64(p), scale = scale_x2(p);
+    const uint32_t word = words[s / 2], pair = 2 * (s % 2);  // two steps a word: pairs 0, 1 then 2, 3
+    b0 = hmul2(code_pair4(word, word >> 8, bias, bias64, pair), scale);
+    b1 = hmul2(code_pair4(word, word >> 8, bias, bias64, pair + 1), scale);
 #endif
 }
 
@@ -173,40 +190,61 @@ __device__ __forceinline__ uint32_t pack_f16x2(float lo, float hi) {
     return r;
 }
 
-// The A fragment of step s of chunk c for token row `tok` (zero past TOKENS or past K): x[tok][c E + 4s .. + 3],
-// times the norm weight (NORM), as two FP16 pairs; ss += Σ x² of those four (NORM).
+// x's pairs of step s for one token row: x[k .. k + 3] (times the norm weights gn, NORM) as two FP16 pairs; ss += Σ x²
+// of those four (NORM).
 template <bool NORM>
-__device__ __forceinline__ void a_pair(const float* __restrict__ x, const half_t* __restrict__ gw, int K, int tok,
-                                       int c, int vecs, int s, uint32_t& lo, uint32_t& hi, float& ss) {
-    lo = hi = 0u;
-    if (tok >= TOKENS || c >= vecs) return;
-    const int k = c * ELEMS + 4 * s;
-    const float4 x4 = *reinterpret_cast<const float4*>(x + (size_t)tok * K + k);
+__device__ __forceinline__ void x_pair(const float* __restrict__ xk, const float (&gn)[4], uint32_t (&f)[2], float& ss) {
+    const float4 x4 = *reinterpret_cast<const float4*>(xk);
     float v[4] = {x4.x, x4.y, x4.z, x4.w};
     if (NORM) {
-        const uint2 g2 = *reinterpret_cast<const uint2*>(gw + k);
-        const float g[4] = {lo_f(g2.x), hi_f(g2.x), lo_f(g2.y), hi_f(g2.y)};
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
             ss = fmaf(v[i], v[i], ss);
-            v[i] = __fmul_rn(v[i], g[i]);
+            v[i] = __fmul_rn(v[i], gn[i]);
         }
     }
-    lo = pack_f16x2(v[0], v[1]);
-    hi = pack_f16x2(v[2], v[3]);
+    f[0] = pack_f16x2(v[0], v[1]);
+    f[1] = pack_f16x2(v[2], v[3]);
+}
+
+// The x fragments of chunk c (every step) for token rows g (x0) and g + 8 (x1, TOKENS > 8 and g + 8 < TOKENS): once
+// per k-block, shared by every n-tile (the norm weights converted once for both rows).
+template <bool NORM>
+__device__ __forceinline__ void x_fragments(const float* __restrict__ x, const half_t* __restrict__ gw, int K, int c,
+                                            int g, uint32_t (&x0)[STEPS][2], uint32_t (&x1)[STEPS][2], float& ss0,
+                                            float& ss1) {
+#pragma unroll
+    for (int s = 0; s < STEPS; ++s) {
+        const int k = c * ELEMS + 4 * s;
+        float gn[4] = {1.f, 1.f, 1.f, 1.f};
+        if (NORM) {
+            const uint2 g2 = *reinterpret_cast<const uint2*>(gw + k);
+            gn[0] = lo_f(g2.x), gn[1] = hi_f(g2.x), gn[2] = lo_f(g2.y), gn[3] = hi_f(g2.y);
+        }
+        x_pair<NORM>(x + (size_t)g * K + k, gn, x0[s], ss0);
+        if (TOKENS > 8 && g + 8 < TOKENS) x_pair<NORM>(x + (size_t)(g + 8) * K + k, gn, x1[s], ss1);
+    }
 }
 
 // The warp's products over its k-blocks, then every warp's partials into shared memory (after a barrier, sum_dot /
-// sum_ss read them).
+// sum_ss read them). The MMA takes the weights as A (m-tile J: rows 16J + g and 16J + g + 8 = n-tiles 2J and 2J + 1)
+// and x as B (n8 tile n: token rows 8n .. 8n + 7): each output is the same 16 products in the same k order as with x
+// as A, so the same sums (the executor's and the twin's), and a launch of up to 8 token rows issues half the MMAs.
 template <bool NORM>
 __device__ __forceinline__ void block_dot(Loads& b, int K, const float* __restrict__ x, const half_t* __restrict__ gw,
                                           Partials& part) {
     const int lane = threadIdx.x % WARP, warp = threadIdx.x / WARP, g = lane / 4, t = lane % 4;
     const int kblocks = (b.vecs + 3) / 4;
-    float acc[NTILES][4];
+    float acc[MTILES][NCOLS][4];
 #pragma unroll
-    for (int j = 0; j < NTILES; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
+    for (int J = 0; J < MTILES; ++J)
+#pragma unroll
+        for (int n = 0; n < NCOLS; ++n) acc[J][n][0] = acc[J][n][1] = acc[J][n][2] = acc[J][n][3] = 0.f;
     float ss0 = 0.f, ss1 = 0.f;  // Σ x² of token rows g and g + 8 over this lane's k
+    // x's fragments: zero for token rows past TOKENS (never loaded, never written), and past K.
+    uint32_t x0[STEPS][2], x1[STEPS][2];
+#pragma unroll
+    for (int s = 0; s < STEPS; ++s) x0[s][0] = x0[s][1] = x1[s][0] = x1[s][1] = 0u;
     for (int base = warp; base < kblocks; base += WARPS * UNROLL) {
         if (base != warp) load_batch(b, base);  // the first batch is in flight
 #pragma unroll
@@ -214,36 +252,35 @@ __device__ __forceinline__ void block_dot(Loads& b, int K, const float* __restri
             const int kb = base + WARPS * u;
             if (kb >= kblocks) continue;  // not break: a break can keep the loop from unrolling
             const int c = 4 * kb + t;
+            // A chunk past K (in the last, partial k-block) has zero weights (+0): x's fragments are left as they
+            // are (a finite x times +0 adds +0, which changes no sum: an accumulator is never -0), nothing loaded.
+            if (g < TOKENS && c < b.vecs) x_fragments<NORM>(x, gw, K, c, g, x0, x1, ss0, ss1);
 #pragma unroll
             for (int s = 0; s < STEPS; ++s) {
-                uint32_t a[4];
-                a_pair<NORM>(x, gw, K, g, c, b.vecs, s, a[0], a[2], ss0);
-                if (TOKENS > 8) {
-                    a_pair<NORM>(x, gw, K, g + 8, c, b.vecs, s, a[1], a[3], ss1);
-                } else {
-                    a[1] = a[3] = 0u;
-                }
 #pragma unroll
-                for (int j = 0; j < NTILES; ++j) {
-                    uint32_t b0, b1;
+                for (int J = 0; J < MTILES; ++J) {
+                    uint32_t a[4];  // a0, a2: row g of n-tile 2J; a1, a3: of n-tile 2J + 1
 #if QUANT
-                    b_fragment(b.w[u][j], b.p[u][j], s, b0, b1);
+                    b_fragment(b.w[u][2 * J], b.p[u][2 * J], s, a[0], a[2]);
+                    b_fragment(b.w[u][2 * J + 1], b.p[u][2 * J + 1], s, a[1], a[3]);
 #else
-                    b_fragment(b.w[u][j], 0u, s, b0, b1);
+                    b_fragment(b.w[u][2 * J], 0u, s, a[0], a[2]);
+                    b_fragment(b.w[u][2 * J + 1], 0u, s, a[1], a[3]);
 #endif
-                    mma_16816(acc[j], a, b0, b1);
+                    mma_16816(acc[J][0], a, x0[s][0], x0[s][1]);
+                    if (TOKENS > 8) mma_16816(acc[J][NCOLS - 1], a, x1[s][0], x1[s][1]);
                 }
             }
         }
     }
-    // C fragment of tile j: (token g, rows 8j + 2t, + 1) in acc[j][0..1], token g + 8 in acc[j][2..3].
+    // C fragment of m-tile J, n8 tile n: rows 16J + g (acc[J][n][0..1]) and 16J + g + 8 (acc[J][n][2..3]), token rows
+    // 8n + 2t and 8n + 2t + 1.
 #pragma unroll
-    for (int j = 0; j < NTILES; ++j) {
-        part.dot[warp][8 * j + 2 * t][g] = acc[j][0];
-        part.dot[warp][8 * j + 2 * t + 1][g] = acc[j][1];
-        part.dot[warp][8 * j + 2 * t][g + 8] = acc[j][2];
-        part.dot[warp][8 * j + 2 * t + 1][g + 8] = acc[j][3];
-    }
+    for (int J = 0; J < MTILES; ++J)
+#pragma unroll
+        for (int n = 0; n < NCOLS; ++n)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) part.dot[warp][16 * J + 8 * (e / 2) + g][8 * n + 2 * t + e % 2] = acc[J][n][e];
     part.ss[warp][t][g] = ss0;
     part.ss[warp][t][g + 8] = ss1;
     __syncthreads();
