@@ -15,20 +15,30 @@
 //
 // Fragments without a reshuffle: the reduction index k is ours to permute as long as A and B permute it alike. Lane
 // (g = lane / 4, t = lane % 4) of a warp loads 16 contiguous bytes ("chunk" c = 4 kb + t of k-block kb) of weight row
-// n0 + g: E = 8 FP16 values, 16 INT8 or 32 INT4 codes, i.e. STEPS = E / 4 MMA k-steps. In step s the lane's B
-// fragment is elements 4s, 4s + 1 (b0) and 4s + 2, 4s + 3 (b1) of its chunk; its A fragment is the same k of token
-// rows g (a0, a2) and g + 8 (a1, a3). So MMA k-index 2t + h <-> element c E + 4s + h and 2t + 8 + h <-> c E + 4s + 2 + h.
-// FP16: b0, b1 are words 2s, 2s + 1 of the chunk. INT4 / INT8: quant.py's interleaved order puts codes 2p, 2p + 1 of a
-// word in one masked pair (dequant.cuh code_pair), so b0 / b1 are pairs of word 4s / (32 / BITS) ... exactly as
-// loaded. The prefill GEMMs and the loaders are untouched (tests/runtime/ops/test_gemv_mma.py reads the formats).
+// n0 + g: E = 8 FP16 values, 16 INT8 or 32 INT4 codes, i.e. STEPS = E / 4 MMA k-steps. The weights are the MMA's A
+// (m16: rows g and g + 8 of an m-tile are n-tiles 2J and 2J + 1) and x its B (n8: token rows, a second n8 tile past 8
+// rows): in step s the lane's weight pairs are elements 4s, 4s + 1 (a0 / a1) and 4s + 2, 4s + 3 (a2 / a3) of its chunk,
+// its x pair b0 / b1 the same k of token row g. So MMA k-index 2t + h <-> element c E + 4s + h and 2t + 8 + h <->
+// c E + 4s + 2 + h. Each output is C plus the same 16 products in the same k order as with x as A (aab6b00's first
+// form), so the same sums, and up to 8 token rows need one MMA per 16 weight rows and step instead of two.
+// FP16: the pairs are words 2s, 2s + 1 of the chunk. INT4 / INT8: quant.py's interleaved order puts codes 2p, 2p + 1
+// of a word in one masked pair (dequant.cuh), so the pairs come straight from the loaded words: INT8 one prmt a pair;
+// INT4 one lop3 a pair and one shift a word (code_pair4: pairs 1 and 3 masked in place under FP16 64's exponent,
+// Marlin's trick with a subtraction where Marlin has an fma, so the exact q - zero without a new instruction).
+// The loaded words are used as they are (the prefill GEMMs and the loaders untouched; test_gemv_mma.py reads the formats).
 // B for quantized weights is the prefill GEMM's FP16 weight, fp16((q - zero) * scale): code_pair's exact FP16 (q - zero)
 // times the scale by one mul.rn.f16x2, so prefill and decode multiply by the same weights, and any group that is a
-// multiple of the chunk works (each lane takes its chunk's (scale, zero)). The alternative, a fresh FP32 accumulator
-// per group and fmaf(part, scale, acc), needs every MMA's 16 k inside one group (groups of 32 INT4 codes and chunk
-// orders across groups break it) and costs an FFMA per accumulator per group; the FP16 weight costs one HMUL2 per
-// code pair and is the value every FP16 model runs anyway.
+// multiple of the chunk works (each lane takes its chunk's (scale, zero); the group index by a multiply, group_of).
+// The alternative, a fresh FP32 accumulator per group and fmaf(part, scale, acc), needs every MMA's 16 k inside one
+// group and costs an FFMA per accumulator per group; the FP16 weight costs one HMUL2 per code pair. Per INT4 code pair
+// that is a lop3, a sub and a mul (plus a shift a word): 3.25 lane-instructions per weight byte, the floor of this
+// dequantization while B stays fp16((q - zero) * scale).
 // A: fp16(x * norm_w) (x * norm_w rounded to FP32 by __fmul_rn, then cvt.rn.f16x2: x rounded to FP16 as HuggingFace's
 // FP16 models do), RMSNorm's sum of x^2 taken in FP32 on the way (fmaf) and its rsqrt scale applied in the FP32 epilogue.
+// x's fragments are made once per k-block (every step), shared by the n-tiles; token rows past TOKENS stay zero and
+// are never loaded. Chunks past K (the last, partial k-block): FP16 weights zero-filled; quantized ones loaded from the
+// row's last chunk with a zero scale (+0 weights, no zero fill in the loop); x from the row's last chunk again, out of
+// Σ x² (a finite x times +0 adds +0: no sum changes, an accumulator is never -0).
 //
 // Launch: 1-D grid, THREADS (128) = WARPS (4) warps. A block owns ROWS = 8 NTILES output rows (NTILES n-tiles of 8
 // rows, every warp all of them: each A fragment feeds NTILES MMAs); its warps split K, warp w taking k-blocks w,
@@ -43,8 +53,18 @@
 // and 4.0 (INT4) from L2 / L1 (at 1 row 0.06, 0.13, 0.25; blocks sharing an SM share L1 hits). This is the design's
 // known cost at many rows: staging A in shared memory for more rows per block with split-K across blocks would cut
 // it (later work, measured first on a GPU).
-// Shapes: K % E == 0 (FP16 K % 8, INT8 K % 16, INT4 K % 32); a lane whose chunk lies past K loads zeros (A and B); for
+// Shapes: K % E == 0 (FP16 K % 8, INT8 K % 16, INT4 K % 32), K / E < 46340 (group_of); chunks past K as above; for
 // quantized weights group % E == 0 and K % group == 0 (quant.py's contract); any M.
+// Issue (issue 26: cullama/bench/issue.py's static sm_90 count, lane-instructions per weight byte over the whole
+// kernel, LLaMA-2-7B, 1 / 2 / 5 / 9 / 16 token rows, NTILES 4; aab6b00's in brackets): FP16 1.4-2.6 (1.4-2.8); INT8
+// qkv 4.29 / 4.41 / 4.41 / 5.56 / 5.25 (5.96 .. 7.73), o_proj 3.38-3.93 (4.81-6.11), gate_up 4.19-5.41 (5.94-7.63),
+// down 3.28-3.82 (4.73-6.02); INT4 qkv 7.14 / 7.20 / 7.20 / 9.03 / 8.77 (9.14 .. 10.56), o_proj 5.38-6.10 (7.30-7.75),
+// gate_up 6.95-9.30 (8.84-10.36), down 5.19-5.87 (7.12-7.58). What is left over 5.0: INT4's dequantization floor (3.25
+// a byte, above) plus, in the RMSNorm kernels, x's work per element of every token row loaded for A (fmaf for Σ x²,
+// x * norm_w, the norm weight's conversion, half a cvt), ~2 a byte at NTILES 4 whatever the row count up to 8 (lanes
+// g >= TOKENS issue with the rest) and ~3.5 at 16: it is the same work in every block, so only more rows per block
+// (NTILES 8: ~half; it needs UNROLL 1 and MIN_BLOCKS 3 against spills) or x's work done once per launch lowers it.
+// MIN_BLOCKS 3 / UNROLL 1 for INT4 past 8 rows keeps those variants from spilling (W4_WIDE).
 //
 // Bit-exactness by construction: every output (token m, row n) is, per warp, the chain of that warp's MMAs over its
 // k-blocks in order and the steps in order; an MMA output depends only on its own A row and B column (the executor's
@@ -63,11 +83,14 @@
 #ifndef NTILES
 #define NTILES 4  // n-tiles of 8 output rows per block (each warp covers all of them)
 #endif
+// INT4 at 9..16 token rows holds two rows' x fragments (32 registers) beside its weights: one k-block a batch and up to
+// 168 registers (3 blocks an SM: qkv's 384 blocks still in one wave on 132 SMs), else ptxas spills.
+#define W4_WIDE (BITS == 4 && TOKENS > 8)
 #ifndef UNROLL
-#define UNROLL (BITS == 16 ? 4 : 2)  // k-blocks per warp in one batch of loads
+#define UNROLL (BITS == 16 ? 4 : W4_WIDE ? 1 : 2)  // k-blocks per warp in one batch of loads
 #endif
 #ifndef MIN_BLOCKS
-#define MIN_BLOCKS 4  // 128 registers a thread at most
+#define MIN_BLOCKS (W4_WIDE ? 3 : 4)  // 128 registers a thread at most (168 at 3)
 #endif
 #include "common.cuh"
 #include "rope.cuh"
@@ -126,7 +149,9 @@ struct Loads {
 
 // c / group_vecs without a division in the loop: with magic = (2^31 + e) / d (0 <= e < d), 2 c magic / 2^32 is
 // c / d + c e / (d 2^31), whose second term stays under 1 / d (so the floor is c / d's) while c d < 2^31: K / E < 46340.
-__device__ __forceinline__ int group_of(const Loads& b, int c) { return (int)__umulhi(2u * (uint32_t)c, b.magic); }
+__device__ __forceinline__ int group_of(const Loads& b, int c) {
+    return (int)(((uint64_t)(2u * (uint32_t)c) * b.magic) >> 32);  // mul.hi.u32
+}
 
 __device__ __forceinline__ void load_batch(Loads& b, int base) {
     const int t = threadIdx.x % 4;
@@ -193,13 +218,14 @@ __device__ __forceinline__ uint32_t pack_f16x2(float lo, float hi) {
 // x's pairs of step s for one token row: x[k .. k + 3] (times the norm weights gn, NORM) as two FP16 pairs; ss += Σ x²
 // of those four (NORM).
 template <bool NORM>
-__device__ __forceinline__ void x_pair(const float* __restrict__ xk, const float (&gn)[4], uint32_t (&f)[2], float& ss) {
+__device__ __forceinline__ void x_pair(const float* __restrict__ xk, const float (&gn)[4], bool inside, uint32_t (&f)[2],
+                                       float& ss) {
     const float4 x4 = *reinterpret_cast<const float4*>(xk);
     float v[4] = {x4.x, x4.y, x4.z, x4.w};
     if (NORM) {
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
-            ss = fmaf(v[i], v[i], ss);
+            if (inside) ss = fmaf(v[i], v[i], ss);
             v[i] = __fmul_rn(v[i], gn[i]);
         }
     }
@@ -208,11 +234,13 @@ __device__ __forceinline__ void x_pair(const float* __restrict__ xk, const float
 }
 
 // The x fragments of chunk c (every step) for token rows g (x0) and g + 8 (x1, TOKENS > 8 and g + 8 < TOKENS): once
-// per k-block, shared by every n-tile (the norm weights converted once for both rows).
+// per k-block, shared by every n-tile (the norm weights converted once for both rows). A chunk past K (inside false)
+// comes as the row's last chunk again, whose weights are +0 there (load_batch): its products add +0, which changes no
+// sum (an accumulator is never -0), and it stays out of Σ x².
 template <bool NORM>
 __device__ __forceinline__ void x_fragments(const float* __restrict__ x, const half_t* __restrict__ gw, int K, int c,
-                                            int g, uint32_t (&x0)[STEPS][2], uint32_t (&x1)[STEPS][2], float& ss0,
-                                            float& ss1) {
+                                            bool inside, int g, uint32_t (&x0)[STEPS][2], uint32_t (&x1)[STEPS][2],
+                                            float& ss0, float& ss1) {
 #pragma unroll
     for (int s = 0; s < STEPS; ++s) {
         const int k = c * ELEMS + 4 * s;
@@ -221,8 +249,8 @@ __device__ __forceinline__ void x_fragments(const float* __restrict__ x, const h
             const uint2 g2 = *reinterpret_cast<const uint2*>(gw + k);
             gn[0] = lo_f(g2.x), gn[1] = hi_f(g2.x), gn[2] = lo_f(g2.y), gn[3] = hi_f(g2.y);
         }
-        x_pair<NORM>(x + (size_t)g * K + k, gn, x0[s], ss0);
-        if (TOKENS > 8 && g + 8 < TOKENS) x_pair<NORM>(x + (size_t)(g + 8) * K + k, gn, x1[s], ss1);
+        x_pair<NORM>(x + (size_t)g * K + k, gn, inside, x0[s], ss0);
+        if (TOKENS > 8 && g + 8 < TOKENS) x_pair<NORM>(x + (size_t)(g + 8) * K + k, gn, inside, x1[s], ss1);
     }
 }
 
@@ -252,9 +280,7 @@ __device__ __forceinline__ void block_dot(Loads& b, int K, const float* __restri
             const int kb = base + WARPS * u;
             if (kb >= kblocks) continue;  // not break: a break can keep the loop from unrolling
             const int c = 4 * kb + t;
-            // A chunk past K (in the last, partial k-block) has zero weights (+0): x's fragments are left as they
-            // are (a finite x times +0 adds +0, which changes no sum: an accumulator is never -0), nothing loaded.
-            if (g < TOKENS && c < b.vecs) x_fragments<NORM>(x, gw, K, c, g, x0, x1, ss0, ss1);
+            if (g < TOKENS) x_fragments<NORM>(x, gw, K, min(c, b.vecs - 1), c < b.vecs, g, x0, x1, ss0, ss1);
 #pragma unroll
             for (int s = 0; s < STEPS; ++s) {
 #pragma unroll
