@@ -85,13 +85,13 @@
 #endif
 // INT4 at 9..16 token rows holds two rows' x fragments (32 registers) beside its weights: one k-block a batch and up to
 // 168 registers (3 blocks an SM: qkv's 384 blocks still in one wave on 132 SMs), else ptxas spills.
-// Past 8 rows FP16 takes 2 k-blocks a batch (sm_120 spills at 4) and INT8 at 16 rows 3 blocks an SM (sm_80 spills).
+// Past 8 rows FP16 takes 2 k-blocks a batch (sm_120 spills at 4) and INT8 past 8 rows 3 blocks an SM (sm_80, sm_100 spill).
 #define W4_WIDE (BITS == 4 && TOKENS > 8)
 #ifndef UNROLL
 #define UNROLL (BITS == 16 ? (TOKENS > 8 ? 2 : 4) : W4_WIDE ? 1 : 2)  // k-blocks per warp in one batch of loads
 #endif
 #ifndef MIN_BLOCKS
-#define MIN_BLOCKS (W4_WIDE || (BITS == 8 && TOKENS > 12) ? 3 : 4)  // 128 registers a thread at most (168 at 3)
+#define MIN_BLOCKS (BITS != 16 && TOKENS > 8 ? 3 : 4)  // 128 registers a thread at most (168 at 3)
 #endif
 #include "common.cuh"
 #include "rope.cuh"
