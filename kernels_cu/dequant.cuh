@@ -73,6 +73,20 @@ __device__ __forceinline__ uint32_t code_pair(uint32_t w, uint32_t bias, int s) 
     return hsub2(biased, bias);
 }
 
+// 4 bits, one shift a word (Marlin's dequantization, exact as code_pair<4>): pairs 0 and 2 (bits 0-3 | 16-19 of w and
+// of w >> 8) under the exponent of 1024 as above; pairs 1 and 3 (bits 4-7 | 20-23) masked in place under the exponent
+// of FP16 64 (0x5400, whose ulp is 1/16), so that bits 4-7 read as 64 + q exactly, less (64 + zero) (bias64).
+#define FP16_64X2 0x54005400u  // FP16 64 in both halves
+
+__device__ __forceinline__ uint32_t zero_bias64(uint32_t params) { return hadd2(prmt<0x3232>(params, 0), FP16_64X2); }
+
+// Pair s (0..3) of word w as code_pair<4>(w, bias, s), given w8 = w >> 8 (shared by pairs 2 and 3).
+__device__ __forceinline__ uint32_t code_pair4(uint32_t w, uint32_t w8, uint32_t bias, uint32_t bias64, int s) {
+    const uint32_t src = s < 2 ? w : w8;
+    return s % 2 == 0 ? hsub2(lop3<LUT_A_AND_B_OR_C>(src, 0x000F000Fu, FP16_1024X2), bias)
+                      : hsub2(lop3<LUT_A_AND_B_OR_C>(src, 0x00F000F0u, FP16_64X2), bias64);
+}
+
 // A word's codes (32 / CODE_BITS of them) as FP16 pairs (q - zero): pairs[s] holds codes 2s and 2s + 1.
 template <int CODE_BITS>
 __device__ __forceinline__ void dequant_word(uint32_t w, uint32_t bias, uint32_t (&pairs)[16 / CODE_BITS]) {

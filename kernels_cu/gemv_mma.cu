@@ -11,26 +11,35 @@
 // Weights, unchanged from the formats the prefill GEMMs read (no reshuffle at load): FP16 W [M, K] row-major, or
 // cullama/model/quant.py's qweight [M, K * BITS / 32] uint32 (codes interleaved for dequant.cuh) and qparams
 // [M, K / group, 2] FP16 (scale, zero). Parameters: one signature for every BITS, (W, qparams) for the weight and
-// `group` last (a BITS 16 kernel reads neither qparams nor group; gemv_logits, FP16 only, has neither). x, in and the outputs are [TOKENS, width] float32 rows (logits at logits_stride(V)), as before.
+// `group` last (a BITS 16 kernel reads neither qparams nor group; gemv_logits, FP16 only, has neither). x, in and the
+// outputs are [TOKENS, width] float32 rows (logits at logits_stride(V)), as before.
 //
 // Fragments without a reshuffle: the reduction index k is ours to permute as long as A and B permute it alike. Lane
 // (g = lane / 4, t = lane % 4) of a warp loads 16 contiguous bytes ("chunk" c = 4 kb + t of k-block kb) of weight row
-// n0 + g: E = 8 FP16 values, 16 INT8 or 32 INT4 codes, i.e. STEPS = E / 4 MMA k-steps. In step s the lane's B
-// fragment is elements 4s, 4s + 1 (b0) and 4s + 2, 4s + 3 (b1) of its chunk; its A fragment is the same k of token
-// rows g (a0, a2) and g + 8 (a1, a3). So MMA k-index 2t + h <-> element c E + 4s + h and 2t + 8 + h <-> c E + 4s + 2 + h.
-// FP16: b0, b1 are words 2s, 2s + 1 of the chunk. INT4 / INT8: quant.py's interleaved order puts codes 2p, 2p + 1 of a
-// word in one masked pair (dequant.cuh code_pair), so step s's four codes 4s .. 4s + 3 are pairs 2 (s % W), + 1 of
-// word s / W (W = 8 / BITS steps per word: INT4 2, INT8 1), exactly as loaded. So no weight is reshuffled: the
-// layouts (cullama/model/layout.py, quant.py), the loaders and the prefill GEMMs (gemm.cu, gemm_quant.cu) are
-// unchanged, and the twin (which reads the same formats) agrees with the kernel bit for bit on the executor.
+// n0 + g: E = 8 FP16 values, 16 INT8 or 32 INT4 codes, i.e. STEPS = E / 4 MMA k-steps. The weights are the MMA's A
+// (m16: rows g and g + 8 of an m-tile are n-tiles 2J and 2J + 1) and x its B (n8: token rows, a second n8 tile past 8
+// rows): in step s the lane's weight pairs are elements 4s, 4s + 1 (a0 / a1) and 4s + 2, 4s + 3 (a2 / a3) of its chunk,
+// its x pair b0 / b1 the same k of token row g. So MMA k-index 2t + h <-> element c E + 4s + h and 2t + 8 + h <->
+// c E + 4s + 2 + h. Each output is C plus the same 16 products in the same k order as with x as A (aab6b00's first
+// form), so the same sums, and up to 8 token rows need one MMA per 16 weight rows and step instead of two.
+// FP16: the pairs are words 2s, 2s + 1 of the chunk. INT4 / INT8: quant.py's interleaved order puts codes 2p, 2p + 1
+// of a word in one masked pair (dequant.cuh), so the pairs come straight from the loaded words: INT8 one prmt a pair;
+// INT4 one lop3 a pair and one shift a word (code_pair4: pairs 1 and 3 masked in place under FP16 64's exponent,
+// Marlin's trick with a subtraction where Marlin has an fma, so the exact q - zero without a new instruction).
+// The loaded words are used as they are (the prefill GEMMs and the loaders untouched; test_gemv_mma.py reads the formats).
 // B for quantized weights is the prefill GEMM's FP16 weight, fp16((q - zero) * scale): code_pair's exact FP16 (q - zero)
 // times the scale by one mul.rn.f16x2, so prefill and decode multiply by the same weights, and any group that is a
-// multiple of the chunk works (each lane takes its chunk's (scale, zero)). The alternative, a fresh FP32 accumulator
-// per group and fmaf(part, scale, acc), needs every MMA's 16 k inside one group (groups of 32 INT4 codes and chunk
-// orders across groups break it) and costs an FFMA per accumulator per group; the FP16 weight costs one HMUL2 per
-// code pair and is the value every FP16 model runs anyway.
+// multiple of the chunk works (each lane takes its chunk's (scale, zero); the group index by a multiply, group_of).
+// The alternative, a fresh FP32 accumulator per group and fmaf(part, scale, acc), needs every MMA's 16 k inside one
+// group and costs an FFMA per accumulator per group; the FP16 weight costs one HMUL2 per code pair. Per INT4 code pair
+// that is a lop3, a sub and a mul (plus a shift a word): 3.25 lane-instructions per weight byte, the floor of this
+// dequantization while B stays fp16((q - zero) * scale).
 // A: fp16(x * norm_w) (x * norm_w rounded to FP32 by __fmul_rn, then cvt.rn.f16x2: x rounded to FP16 as HuggingFace's
 // FP16 models do), RMSNorm's sum of x^2 taken in FP32 on the way (fmaf) and its rsqrt scale applied in the FP32 epilogue.
+// x's fragments are made once per k-block (every step), shared by the n-tiles; token rows past TOKENS stay zero and
+// are never loaded. Chunks past K (the last, partial k-block): FP16 weights zero-filled; quantized ones loaded from the
+// row's last chunk with a zero scale (+0 weights, no zero fill in the loop); x from the row's last chunk again, out of
+// Σ x² (a finite x times +0 adds +0: no sum changes, an accumulator is never -0).
 //
 // Launch: 1-D grid, THREADS (128) = WARPS (4) warps. A block owns ROWS = 8 NTILES output rows (NTILES n-tiles of 8
 // rows, every warp all of them: each A fragment feeds NTILES MMAs); its warps split K, warp w taking k-blocks w,
@@ -45,8 +54,18 @@
 // and 4.0 (INT4) from L2 / L1 (at 1 row 0.06, 0.13, 0.25; blocks sharing an SM share L1 hits). This is the design's
 // known cost at many rows: staging A in shared memory for more rows per block with split-K across blocks would cut
 // it (later work, measured first on a GPU).
-// Shapes: K % E == 0 (FP16 K % 8, INT8 K % 16, INT4 K % 32); a lane whose chunk lies past K loads zeros (A and B); for
+// Shapes: K % E == 0 (FP16 K % 8, INT8 K % 16, INT4 K % 32), K / E < 46340 (group_of); chunks past K as above; for
 // quantized weights group % E == 0 and K % group == 0 (quant.py's contract); any M.
+// Issue (issue 26: cullama/bench/issue.py's static sm_90 count, lane-instructions per weight byte over the whole
+// kernel, LLaMA-2-7B, 1 / 2 / 5 / 9 / 16 token rows, NTILES 4; aab6b00's in brackets): FP16 1.4-2.6 (1.4-2.8); INT8
+// qkv 4.29 / 4.41 / 4.41 / 5.56 / 5.25 (5.96 .. 7.73), o_proj 3.38-3.93 (4.81-6.11), gate_up 4.19-5.41 (5.94-7.63),
+// down 3.28-3.82 (4.73-6.02); INT4 qkv 7.14 / 7.20 / 7.20 / 9.03 / 8.77 (9.14 .. 10.56), o_proj 5.38-6.10 (7.30-7.75),
+// gate_up 6.95-9.30 (8.84-10.36), down 5.19-5.87 (7.12-7.58). What is left over 5.0: INT4's dequantization floor (3.25
+// a byte, above) plus, in the RMSNorm kernels, x's work per element of every token row loaded for A (fmaf for Σ x²,
+// x * norm_w, the norm weight's conversion, half a cvt), ~2 a byte at NTILES 4 whatever the row count up to 8 (lanes
+// g >= TOKENS issue with the rest) and ~3.5 at 16: it is the same work in every block, so only more rows per block
+// (NTILES 8: ~half; it needs UNROLL 1 and MIN_BLOCKS 3 against spills) or x's work done once per launch lowers it.
+// MIN_BLOCKS 3 / UNROLL 1 for INT4 past 8 rows keeps those variants from spilling (W4_WIDE).
 //
 // Bit-exactness by construction: every output (token m, row n) is, per warp, the chain of that warp's MMAs over its
 // k-blocks in order and the steps in order; an MMA output depends only on its own A row and B column (the executor's
@@ -65,15 +84,15 @@
 #ifndef NTILES
 #define NTILES 4  // n-tiles of 8 output rows per block (each warp covers all of them)
 #endif
+// INT4 at 9..16 token rows holds two rows' x fragments (32 registers) beside its weights: one k-block a batch and up to
+// 168 registers (3 blocks an SM: qkv's 384 blocks still in one wave on 132 SMs), else ptxas spills.
+// Past 8 rows FP16 takes 2 k-blocks a batch (sm_120 spills at 4) and INT8 past 8 rows 3 blocks an SM (sm_80, sm_100 spill).
+#define W4_WIDE (BITS == 4 && TOKENS > 8)
 #ifndef UNROLL
-#define UNROLL (BITS == 16 ? 4 : BITS == 8 ? 2 : 1)  // k-blocks per warp in one batch of loads
+#define UNROLL (BITS == 16 ? (TOKENS > 8 ? 2 : 4) : W4_WIDE ? 1 : 2)  // k-blocks per warp in one batch of loads
 #endif
-// Resident blocks per SM that ptxas must leave room for: 4 (128 registers a thread) fits FP16 and INT8 with no spills
-// on sm_80 .. sm_120. INT4 (its dequantization's temporaries) spilled 4-8 bytes of gemv_qkv_rope / gemv_gate_up_silu
-// on sm_100 / sm_120 (NVRTC 12.9) at 128 registers with UNROLL 2, and at 128 with UNROLL 1 (TOKENS 9..14, sm_100), and
-// at 168 with UNROLL 2; UNROLL 1 with 3 blocks (168) spills nowhere (95-107 registers used).
 #ifndef MIN_BLOCKS
-#define MIN_BLOCKS (BITS == 4 ? 3 : 4)
+#define MIN_BLOCKS (BITS != 16 && TOKENS > 8 ? 3 : 4)  // 128 registers a thread at most (168 at 3)
 #endif
 #include "common.cuh"
 #include "rope.cuh"
@@ -93,6 +112,11 @@
 #define ELEMS (128 / BITS)  // k elements per 16-byte chunk
 #define STEPS (ELEMS / 4)   // MMA k-steps per chunk (4 of each lane's k per step)
 #define QUANT (BITS != 16)
+#define MTILES (NTILES / 2)         // MMA m-tiles of 16 weight rows (two n-tiles of 8)
+#define NCOLS (TOKENS > 8 ? 2 : 1)  // MMA n8 tiles of token rows
+#if NTILES % 2
+#error "NTILES must be even (an MMA m-tile is two n-tiles)"
+#endif
 
 // The warps' partial sums: dot[w][row][token] and RMSNorm's Σ x² per (warp, lane % 4, token).
 struct Partials {
@@ -118,11 +142,18 @@ struct Loads {
     const uint4* row[NTILES];
     const uint32_t* params[NTILES];
     int vecs, group_vecs;  // chunks per row; chunks per group
+    uint32_t magic;        // ceil(2^31 / group_vecs): chunk c's group is umulhi(2 c, magic) (group_of)
     uint4 w[UNROLL][NTILES];
 #if QUANT
     uint32_t p[UNROLL][NTILES];
 #endif
 };
+
+// c / group_vecs without a division in the loop: with magic = (2^31 + e) / d (0 <= e < d), 2 c magic / 2^32 is
+// c / d + c e / (d 2^31), whose second term stays under 1 / d (so the floor is c / d's) while c d < 2^31: K / E < 46340.
+__device__ __forceinline__ int group_of(const Loads& b, int c) {
+    return (int)(((uint64_t)(2u * (uint32_t)c) * b.magic) >> 32);  // mul.hi.u32
+}
 
 __device__ __forceinline__ void load_batch(Loads& b, int base) {
     const int t = threadIdx.x % 4;
@@ -131,13 +162,16 @@ __device__ __forceinline__ void load_batch(Loads& b, int base) {
         const int c = 4 * (base + WARPS * u) + t;
         const bool inside = c < b.vecs;
 #if QUANT
-        const int group = inside ? c / b.group_vecs : 0;
+        // Past K: the row's last chunk, loaded (no zero fill), with a zero scale: weights (q - zero) * 0 = +0
+        const int cc = min(c, b.vecs - 1), group = group_of(b, cc);
 #endif
 #pragma unroll
         for (int j = 0; j < NTILES; ++j) {
-            b.w[u][j] = inside ? load_stream(b.row[j] + c) : make_uint4(0, 0, 0, 0);
 #if QUANT
+            b.w[u][j] = load_stream(b.row[j] + cc);
             b.p[u][j] = inside ? b.params[j][group] : 0u;
+#else
+            b.w[u][j] = inside ? load_stream(b.row[j] + c) : make_uint4(0, 0, 0, 0);
 #endif
         }
     }
@@ -149,6 +183,7 @@ __device__ __forceinline__ void first_batch(Loads& b, const void* __restrict__ W
     const int g = threadIdx.x % WARP / 4;
     b.vecs = K / ELEMS;
     b.group_vecs = QUANT ? group / ELEMS : 1;  // FP16: no groups (qparams and group unread)
+    b.magic = (0x80000000u + (uint32_t)b.group_vecs - 1u) / (uint32_t)b.group_vecs;
 #pragma unroll
     for (int j = 0; j < NTILES; ++j) {
         const int r = block_row<KIND>(8 * j + g, M, hd, n_pairs);
@@ -158,18 +193,21 @@ __device__ __forceinline__ void first_batch(Loads& b, const void* __restrict__ W
     load_batch(b, threadIdx.x / WARP);
 }
 
-// B fragment (b0, b1) of step s from a lane's chunk w (and its (scale, zero) word p when quantized).
+// The weight pairs (b0: elements 4s, 4s + 1; b1: 4s + 2, 4s + 3) of step s from a lane's chunk w (and its (scale,
+// zero) word p when quantized): FP16 as loaded, quantized fp16((q - zero) * scale).
 __device__ __forceinline__ void b_fragment(const uint4& w, uint32_t p, int s, uint32_t& b0, uint32_t& b1) {
     const uint32_t words[4] = {w.x, w.y, w.z, w.w};
 #if BITS == 16
     b0 = words[2 * s], b1 = words[2 * s + 1];
+#elif BITS == 8
+    const uint32_t bias = zero_bias(p), scale = scale_x2(p), word = words[s];  // one step a word
+    b0 = hmul2(code_pair<8>(word, bias, 0), scale);
+    b1 = hmul2(code_pair<8>(word, bias, 1), scale);
 #else
-    const uint32_t bias = zero_bias(p), scale = scale_x2(p);
-    constexpr int WORD_STEPS = 8 / BITS;  // steps per 32-bit word: 2 (INT4), 1 (INT8)
-    const uint32_t word = words[s / WORD_STEPS];
-    const int pair = 2 * (s % WORD_STEPS);
-    b0 = hmul2(code_pair<BITS>(word, bias, pair), scale);
-    b1 = hmul2(code_pair<BITS>(word, bias, pair + 1), scale);
+    const uint32_t bias = zero_bias(p), bias64 = zero_bias64(p), scale = scale_x2(p);
+    const uint32_t word = words[s / 2], pair = 2 * (s % 2);  // two steps a word: pairs 0, 1 then 2, 3
+    b0 = hmul2(code_pair4(word, word >> 8, bias, bias64, pair), scale);
+    b1 = hmul2(code_pair4(word, word >> 8, bias, bias64, pair + 1), scale);
 #endif
 }
 
@@ -179,40 +217,64 @@ __device__ __forceinline__ uint32_t pack_f16x2(float lo, float hi) {
     return r;
 }
 
-// The A fragment of step s of chunk c for token row `tok` (zero past TOKENS or past K): x[tok][c E + 4s .. + 3],
-// times the norm weight (NORM), as two FP16 pairs; ss += Σ x² of those four (NORM).
+// x's pairs of step s for one token row: x[k .. k + 3] (times the norm weights gn, NORM) as two FP16 pairs; ss += Σ x²
+// of those four (NORM).
 template <bool NORM>
-__device__ __forceinline__ void a_pair(const float* __restrict__ x, const half_t* __restrict__ gw, int K, int tok,
-                                       int c, int vecs, int s, uint32_t& lo, uint32_t& hi, float& ss) {
-    lo = hi = 0u;
-    if (tok >= TOKENS || c >= vecs) return;
-    const int k = c * ELEMS + 4 * s;
-    const float4 x4 = *reinterpret_cast<const float4*>(x + (size_t)tok * K + k);
+__device__ __forceinline__ void x_pair(const float* __restrict__ xk, const float (&gn)[4], bool inside, uint32_t (&f)[2],
+                                       float& ss) {
+    const float4 x4 = *reinterpret_cast<const float4*>(xk);
     float v[4] = {x4.x, x4.y, x4.z, x4.w};
     if (NORM) {
-        const uint2 g2 = *reinterpret_cast<const uint2*>(gw + k);
-        const float g[4] = {lo_f(g2.x), hi_f(g2.x), lo_f(g2.y), hi_f(g2.y)};
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
-            ss = fmaf(v[i], v[i], ss);
-            v[i] = __fmul_rn(v[i], g[i]);
+            if (inside) ss = fmaf(v[i], v[i], ss);
+            v[i] = __fmul_rn(v[i], gn[i]);
         }
     }
-    lo = pack_f16x2(v[0], v[1]);
-    hi = pack_f16x2(v[2], v[3]);
+    f[0] = pack_f16x2(v[0], v[1]);
+    f[1] = pack_f16x2(v[2], v[3]);
+}
+
+// The x fragments of chunk c (every step) for token rows g (x0) and g + 8 (x1, TOKENS > 8 and g + 8 < TOKENS): once
+// per k-block, shared by every n-tile (the norm weights converted once for both rows). A chunk past K (inside false)
+// comes as the row's last chunk again, whose weights are +0 there (load_batch): its products add +0, which changes no
+// sum (an accumulator is never -0), and it stays out of Σ x².
+template <bool NORM>
+__device__ __forceinline__ void x_fragments(const float* __restrict__ x, const half_t* __restrict__ gw, int K, int c,
+                                            bool inside, int g, uint32_t (&x0)[STEPS][2], uint32_t (&x1)[STEPS][2],
+                                            float& ss0, float& ss1) {
+#pragma unroll
+    for (int s = 0; s < STEPS; ++s) {
+        const int k = c * ELEMS + 4 * s;
+        float gn[4] = {1.f, 1.f, 1.f, 1.f};
+        if (NORM) {
+            const uint2 g2 = *reinterpret_cast<const uint2*>(gw + k);
+            gn[0] = lo_f(g2.x), gn[1] = hi_f(g2.x), gn[2] = lo_f(g2.y), gn[3] = hi_f(g2.y);
+        }
+        x_pair<NORM>(x + (size_t)g * K + k, gn, inside, x0[s], ss0);
+        if (TOKENS > 8 && g + 8 < TOKENS) x_pair<NORM>(x + (size_t)(g + 8) * K + k, gn, inside, x1[s], ss1);
+    }
 }
 
 // The warp's products over its k-blocks, then every warp's partials into shared memory (after a barrier, sum_dot /
-// sum_ss read them).
+// sum_ss read them). The MMA takes the weights as A (m-tile J: rows 16J + g and 16J + g + 8 = n-tiles 2J and 2J + 1)
+// and x as B (n8 tile n: token rows 8n .. 8n + 7): each output is the same 16 products in the same k order as with x
+// as A, so the same sums (the executor's and the twin's), and a launch of up to 8 token rows issues half the MMAs.
 template <bool NORM>
 __device__ __forceinline__ void block_dot(Loads& b, int K, const float* __restrict__ x, const half_t* __restrict__ gw,
                                           Partials& part) {
     const int lane = threadIdx.x % WARP, warp = threadIdx.x / WARP, g = lane / 4, t = lane % 4;
     const int kblocks = (b.vecs + 3) / 4;
-    float acc[NTILES][4];
+    float acc[MTILES][NCOLS][4];
 #pragma unroll
-    for (int j = 0; j < NTILES; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
+    for (int J = 0; J < MTILES; ++J)
+#pragma unroll
+        for (int n = 0; n < NCOLS; ++n) acc[J][n][0] = acc[J][n][1] = acc[J][n][2] = acc[J][n][3] = 0.f;
     float ss0 = 0.f, ss1 = 0.f;  // Σ x² of token rows g and g + 8 over this lane's k
+    // x's fragments: zero for token rows past TOKENS (never loaded, never written), and past K.
+    uint32_t x0[STEPS][2], x1[STEPS][2];
+#pragma unroll
+    for (int s = 0; s < STEPS; ++s) x0[s][0] = x0[s][1] = x1[s][0] = x1[s][1] = 0u;
     for (int base = warp; base < kblocks; base += WARPS * UNROLL) {
         if (base != warp) load_batch(b, base);  // the first batch is in flight
 #pragma unroll
@@ -220,36 +282,33 @@ __device__ __forceinline__ void block_dot(Loads& b, int K, const float* __restri
             const int kb = base + WARPS * u;
             if (kb >= kblocks) continue;  // not break: a break can keep the loop from unrolling
             const int c = 4 * kb + t;
+            if (g < TOKENS) x_fragments<NORM>(x, gw, K, min(c, b.vecs - 1), c < b.vecs, g, x0, x1, ss0, ss1);
 #pragma unroll
             for (int s = 0; s < STEPS; ++s) {
-                uint32_t a[4];
-                a_pair<NORM>(x, gw, K, g, c, b.vecs, s, a[0], a[2], ss0);
-                if (TOKENS > 8) {
-                    a_pair<NORM>(x, gw, K, g + 8, c, b.vecs, s, a[1], a[3], ss1);
-                } else {
-                    a[1] = a[3] = 0u;
-                }
 #pragma unroll
-                for (int j = 0; j < NTILES; ++j) {
-                    uint32_t b0, b1;
+                for (int J = 0; J < MTILES; ++J) {
+                    uint32_t a[4];  // a0, a2: row g of n-tile 2J; a1, a3: of n-tile 2J + 1
 #if QUANT
-                    b_fragment(b.w[u][j], b.p[u][j], s, b0, b1);
+                    b_fragment(b.w[u][2 * J], b.p[u][2 * J], s, a[0], a[2]);
+                    b_fragment(b.w[u][2 * J + 1], b.p[u][2 * J + 1], s, a[1], a[3]);
 #else
-                    b_fragment(b.w[u][j], 0u, s, b0, b1);
+                    b_fragment(b.w[u][2 * J], 0u, s, a[0], a[2]);
+                    b_fragment(b.w[u][2 * J + 1], 0u, s, a[1], a[3]);
 #endif
-                    mma_16816(acc[j], a, b0, b1);
+                    mma_16816(acc[J][0], a, x0[s][0], x0[s][1]);
+                    if (TOKENS > 8) mma_16816(acc[J][NCOLS - 1], a, x1[s][0], x1[s][1]);
                 }
             }
         }
     }
-    // C fragment of tile j: (token g, rows 8j + 2t, + 1) in acc[j][0..1], token g + 8 in acc[j][2..3].
+    // C fragment of m-tile J, n8 tile n: rows 16J + g (acc[J][n][0..1]) and 16J + g + 8 (acc[J][n][2..3]), token rows
+    // 8n + 2t and 8n + 2t + 1.
 #pragma unroll
-    for (int j = 0; j < NTILES; ++j) {
-        part.dot[warp][8 * j + 2 * t][g] = acc[j][0];
-        part.dot[warp][8 * j + 2 * t + 1][g] = acc[j][1];
-        part.dot[warp][8 * j + 2 * t][g + 8] = acc[j][2];
-        part.dot[warp][8 * j + 2 * t + 1][g + 8] = acc[j][3];
-    }
+    for (int J = 0; J < MTILES; ++J)
+#pragma unroll
+        for (int n = 0; n < NCOLS; ++n)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) part.dot[warp][16 * J + 8 * (e / 2) + g][8 * n + 2 * t + e % 2] = acc[J][n][e];
     part.ss[warp][t][g] = ss0;
     part.ss[warp][t][g + 8] = ss1;
     __syncthreads();
@@ -286,8 +345,8 @@ __device__ __forceinline__ float silu(float a) { return __fdiv_rn(a, __fadd_rn(1
 // hd] float32 (after RoPE); k_cache, v_cache [slots, n_kv_heads, max_seq, hd] FP16 (this layer's), token row t's
 // written in its slot at its position (state [slots, 8], step_rows [TOKENS, 2]: common.cuh); rope [max_seq, hd/2, 2].
 extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS)
-gemv_qkv_rope(const float* __restrict__ x, const half_t* __restrict__ norm_w, const uint4* __restrict__ W, const half_t* __restrict__ qparams,
-              const half_t* __restrict__ bias,
+gemv_qkv_rope(const float* __restrict__ x, const half_t* __restrict__ norm_w, const uint4* __restrict__ W,
+              const half_t* __restrict__ qparams, const half_t* __restrict__ bias,
               float* __restrict__ q_out, half_t* __restrict__ k_cache, half_t* __restrict__ v_cache,
               const float* __restrict__ rope, const int* __restrict__ state, const int* __restrict__ step_rows, int d,
               int n_heads, int n_kv_heads, int hd, int max_seq, float eps, int group) {
