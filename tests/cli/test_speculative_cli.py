@@ -74,8 +74,8 @@ def test_chat_takes_the_same_options(stories_dir):
     (("--speculative", "draft"), ["--speculative draft needs --draft-model"]),
     (("--draft-tokens", 3), ["--draft-tokens and --adaptive-draft need --speculative or --draft-model"]),
     (("--adaptive-draft",), ["need --speculative or --draft-model"]),
-    (("--speculative", "ngram", "--draft-tokens", 0), ["--draft-tokens must be an integer from 1 to 8, got 0"]),
-    (("--speculative", "ngram", "--draft-tokens", 9), ["--draft-tokens must be an integer from 1 to 8, got 9"]),
+    (("--speculative", "ngram", "--draft-tokens", 0), ["--draft-tokens must be an integer from 1 to 15, got 0"]),
+    (("--speculative", "ngram", "--draft-tokens", 16), ["--draft-tokens must be an integer from 1 to 15, got 16"]),
     (("--speculative", "ngram", "--draft-model", "STORIES"), ["--draft-model", "--speculative ngram"]),
 ])
 @pytest.mark.parametrize("command", ["generate", "chat"])

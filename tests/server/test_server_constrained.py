@@ -371,7 +371,9 @@ def test_langchain_with_structured_output_bodies(family, method):
     the golden tiny models' replies end more often); what langchain reads back validates: the content against the
     schema (json_schema; json_mode: a JSON object), the one tool call's arguments against the tool's parameters."""
     ended = 0
-    for seed in range(8):
+    for seed in range(16):  # until 3 replies end (8 seeds ended 2+ before the decode GEMVs moved to tensor cores)
+        if ended == 3:
+            break
         status, answer = family_chat(family, max_tokens=400, temperature=1.0, seed=seed, **LANGCHAIN_BODIES[method])
         assert status == 200, answer
         choice = answer["choices"][0]

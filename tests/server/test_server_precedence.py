@@ -153,7 +153,7 @@ def test_a_request_overrides_the_servers_speculative_defaults(drafting, calls, f
 
 @pytest.mark.parametrize("fields, param", [
     ({"draft_tokens": 0}, "draft_tokens"),  # 0 is refused, never replaced by the server's 6
-    ({"draft_tokens": 9}, "draft_tokens"),
+    ({"draft_tokens": 16}, "draft_tokens"),
     ({"speculative": "off", "draft_tokens": 3}, "draft_tokens"),  # with plain decoding there is nothing to draft
     ({"speculative": "off", "adaptive_draft": True}, "adaptive_draft"),
 ])

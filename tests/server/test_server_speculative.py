@@ -205,8 +205,8 @@ def test_chat_streams_the_plain_answer(server):
 BAD_FIELDS = [  # (what, fields, param, words of the message)
     ("an unknown method", {"speculative": "eagle"}, "speculative", "'ngram', 'draft' or 'off'"),
     ("a method that is not a string", {"speculative": True}, "speculative", "'ngram', 'draft' or 'off'"),
-    ("draft_tokens 0", {"draft_tokens": 0}, "draft_tokens", "from 1 to 8, got 0"),
-    ("draft_tokens 9", {"speculative": "ngram", "draft_tokens": 9}, "draft_tokens", "from 1 to 8, got 9"),
+    ("draft_tokens 0", {"draft_tokens": 0}, "draft_tokens", "from 1 to 15, got 0"),
+    ("draft_tokens 16", {"speculative": "ngram", "draft_tokens": 16}, "draft_tokens", "from 1 to 15, got 16"),
     ("draft_tokens as text", {"draft_tokens": "4"}, "draft_tokens", "valid integer"),
     ("draft_tokens as a float", {"draft_tokens": 4.0}, "draft_tokens", "valid integer"),
     ("draft_tokens true", {"draft_tokens": True}, "draft_tokens", "valid integer"),
@@ -257,7 +257,7 @@ WRONG_FLAGS = [
     ("--draft-tokens", "3"),
     ("--adaptive-draft",),
     ("--speculative", "ngram", "--draft-tokens", "0"),
-    ("--speculative", "ngram", "--draft-tokens", "9"),
+    ("--speculative", "ngram", "--draft-tokens", "16"),
     ("--speculative", "ngram", "--draft-model", "STORIES"),
     ("--speculative", "eagle"),
 ]

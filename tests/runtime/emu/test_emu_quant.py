@@ -70,21 +70,25 @@ def gemm(launch, bits):
 
 # (id, file, original text, its replacement, the check that must fail)
 MUTATIONS = [
-    ("int4-nibble-order-plain", "dequant.cuh", "lop3<LUT_A_AND_B_OR_C>(w >> (4 * s), 0x000F000Fu",
-     "lop3<LUT_A_AND_B_OR_C>(w >> (4 * (s ^ 1)), 0x000F000Fu", gemv(4, [(96, 32)])),  # pairs 0 <-> 1, 2 <-> 3
+    # code_pair4 (gemv_mma.cu's INT4 path): pair s read as pair s ^ 1, i.e. pairs 0 <-> 1, 2 <-> 3
+    ("int4-nibble-order-plain", "dequant.cuh", "return s % 2 == 0 ? hsub2(", "return s % 2 == 1 ? hsub2(",
+     gemv(4, [(96, 32)])),
     ("int8-byte-order-plain", "dequant.cuh", "s == 0 ? prmt<0x4240>(w, 0x64646464u) : prmt<0x4341>(w, 0x64646464u)",
      "s == 0 ? prmt<0x4140>(w, 0x64646464u) : prmt<0x4342>(w, 0x64646464u)", gemv(8, [(80, 16)])),
     ("zero-off-by-one", "dequant.cuh", "hadd2(prmt<0x3232>(params, 0), FP16_1024X2)",
      "hadd2(prmt<0x3232>(params, 0), 0x64016401u)", gemv(4, [(96, 32)])),
-    ("scale-and-zero-swapped", "dequant.cuh", "prmt<0x3232>(params, 0)", "prmt<0x1010>(params, 0)",
+    # the chunk's (scale, zero) word with its halves exchanged (prmt 0x1032) before both are taken (INT8 path)
+    ("scale-and-zero-swapped", "gemv_mma.cu", "bias = zero_bias(p), scale = scale_x2(p), word = words[s];",
+     "bias = zero_bias(prmt<0x1032>(p, 0)), scale = scale_x2(prmt<0x1032>(p, 0)), word = words[s];",
      gemv(8, [(80, 16)])),
     # gemv_mma.cu on quantized weights (its other seeded bugs: tests/runtime/emu/test_emu_gemv_mma.py)
     ("group-in-codes-not-chunks", "gemv_mma.cu", "b.group_vecs = QUANT ? group / ELEMS : 1;",
      "b.group_vecs = QUANT ? group / 8 : 1;", gemv(8, [(240, 48)])),
     ("scale-per-row-not-per-group", "gemv_mma.cu", "b.p[u][j] = inside ? b.params[j][group] : 0u;",
      "b.p[u][j] = inside ? b.params[j][0] : 0u;", gemv(4, [(192, 64)])),
-    ("token-rows-share-one-x", "gemv_mma.cu", "reinterpret_cast<const float4*>(x + (size_t)tok * K + k)",
-     "reinterpret_cast<const float4*>(x + k)", lambda launch: gemv_checks.check_row_independence(launch, 4, 3)),
+    # x_fragments: token row g (every row at TOKENS <= 8, as in the check's 3) reads token row 0's x
+    ("token-rows-share-one-x", "gemv_mma.cu", "x_pair<NORM>(x + (size_t)g * K + k, gn,", "x_pair<NORM>(x + k, gn,",
+     lambda launch: gemv_checks.check_row_independence(launch, 4, 3)),
     ("gemm-int4-codes-of-the-other-half-row", "gemm_quant.cu", "&s.codes[stage][row][half * THREAD_WORDS]",
      "&s.codes[stage][row][(1 - half) * THREAD_WORDS]", lambda launch: gemm(launch, 4)),
     ("gemm-params-one-tile-late", "gemm_quant.cu", "params = tile_params(prow, kt + 1, k0, k1, group);",
