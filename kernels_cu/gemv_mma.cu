@@ -58,8 +58,8 @@
 // quantized weights group % E == 0 and K % group == 0 (quant.py's contract); any M.
 // Issue (issue 26: cullama/bench/issue.py's static sm_90 count, lane-instructions per weight byte over the whole
 // kernel, LLaMA-2-7B, 1 / 2 / 5 / 9 / 16 token rows, NTILES 4; aab6b00's in brackets): FP16 1.4-2.6 (1.4-2.8); INT8
-// qkv 4.29 / 4.41 / 4.41 / 5.56 / 5.25 (5.96 .. 7.73), o_proj 3.38-3.93 (4.81-6.11), gate_up 4.19-5.41 (5.94-7.63),
-// down 3.28-3.82 (4.73-6.02); INT4 qkv 7.14 / 7.20 / 7.20 / 9.03 / 8.77 (9.14 .. 10.56), o_proj 5.38-6.10 (7.30-7.75),
+// qkv 4.29 / 4.41 / 4.41 / 5.49 / 5.23 (5.96 .. 7.73), o_proj 3.38-3.91 (4.81-6.11), gate_up 4.19-5.40 (5.94-7.63),
+// down 3.28-3.80 (4.73-6.02); INT4 qkv 7.14 / 7.20 / 7.20 / 9.03 / 8.77 (9.14 .. 10.56), o_proj 5.38-6.10 (7.30-7.75),
 // gate_up 6.95-9.30 (8.84-10.36), down 5.19-5.87 (7.12-7.58). What is left over 5.0: INT4's dequantization floor (3.25
 // a byte, above) plus, in the RMSNorm kernels, x's work per element of every token row loaded for A (fmaf for Σ x²,
 // x * norm_w, the norm weight's conversion, half a cvt), ~2 a byte at NTILES 4 whatever the row count up to 8 (lanes
