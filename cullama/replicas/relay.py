@@ -484,7 +484,7 @@ class Exchange:
                 self.events = events
                 return
             body, self.events = events[:cut], events[cut:]
-        self.client.write(b"%x\r\n%b\r\n" % (len(body), body) if self.chunked else body)
+        self.piece(body)
 
     def piece(self, body: bytes) -> None:
         """A piece of the answer's body, framed for the client."""
