@@ -88,6 +88,16 @@
 // 168 registers (3 blocks an SM: qkv's 384 blocks still in one wave on 132 SMs), else ptxas spills.
 // Past 8 rows FP16 takes 2 k-blocks a batch (sm_120 spills at 4) and INT8 past 8 rows 3 blocks an SM (sm_80, sm_100 spill).
 #define W4_WIDE (BITS == 4 && TOKENS > 8)
+// KBLOCK_SCALE 1 (quantized weights whose group is a multiple of 4 chunks, 4 ELEMS: INT4 g128 and per channel, INT8
+// per channel; the plan chooses it, ops/gemv_mma.py defines()): a k-block's 4 chunks, so all 16 k of each of its MMAs,
+// lie in one group, so B is the exact FP16 (q - zero) with no scale multiply per code pair, each k-block's MMAs chain
+// from zero and the k-block's sum enters the FP32 accumulator as fmaf(part, scale, acc), the row's scale of that
+// group. An HMUL2 per code pair (1.0 a byte INT4, 0.5 INT8) becomes an FFMA per C element per k-block (0.125 a byte
+// at up to 8 rows). The weights are then exactly (q - zero) * scale, where the other form (and the prefill GEMM) rounds
+// them to FP16 first: decode is the more exact of the two. Such a group divides K, so no k-block is partial.
+#ifndef KBLOCK_SCALE
+#define KBLOCK_SCALE 0
+#endif
 #ifndef UNROLL
 #define UNROLL (BITS == 16 ? (TOKENS > 8 ? 2 : 4) : W4_WIDE ? 1 : 2)  // k-blocks per warp in one batch of loads
 #endif
@@ -114,6 +124,9 @@
 #define QUANT (BITS != 16)
 #define MTILES (NTILES / 2)         // MMA m-tiles of 16 weight rows (two n-tiles of 8)
 #define NCOLS (TOKENS > 8 ? 2 : 1)  // MMA n8 tiles of token rows
+#if KBLOCK_SCALE && !QUANT
+#error "KBLOCK_SCALE is for quantized weights (BITS 8 or 4)"
+#endif
 #if NTILES % 2
 #error "NTILES must be even (an MMA m-tile is two n-tiles)"
 #endif
@@ -162,14 +175,15 @@ __device__ __forceinline__ void load_batch(Loads& b, int base) {
         const int c = 4 * (base + WARPS * u) + t;
         const bool inside = c < b.vecs;
 #if QUANT
-        // Past K: the row's last chunk, loaded (no zero fill), with a zero scale: weights (q - zero) * 0 = +0
+        // Past K: the row's last chunk, loaded (no zero fill), with a zero scale: weights (q - zero) * 0 = +0. With
+        // KBLOCK_SCALE no k-block is partial: only the k-blocks past the last (never used) are clamped.
         const int cc = min(c, b.vecs - 1), group = group_of(b, cc);
 #endif
 #pragma unroll
         for (int j = 0; j < NTILES; ++j) {
 #if QUANT
             b.w[u][j] = load_stream(b.row[j] + cc);
-            b.p[u][j] = inside ? b.params[j][group] : 0u;
+            b.p[u][j] = KBLOCK_SCALE || inside ? b.params[j][group] : 0u;
 #else
             b.w[u][j] = inside ? load_stream(b.row[j] + c) : make_uint4(0, 0, 0, 0);
 #endif
@@ -194,20 +208,26 @@ __device__ __forceinline__ void first_batch(Loads& b, const void* __restrict__ W
 }
 
 // The weight pairs (b0: elements 4s, 4s + 1; b1: 4s + 2, 4s + 3) of step s from a lane's chunk w (and its (scale,
-// zero) word p when quantized): FP16 as loaded, quantized fp16((q - zero) * scale).
+// zero) word p when quantized): FP16 as loaded, quantized fp16((q - zero) * scale), or with KBLOCK_SCALE the exact
+// FP16 (q - zero) (the scale comes after the k-block's MMAs).
 __device__ __forceinline__ void b_fragment(const uint4& w, uint32_t p, int s, uint32_t& b0, uint32_t& b1) {
     const uint32_t words[4] = {w.x, w.y, w.z, w.w};
 #if BITS == 16
     b0 = words[2 * s], b1 = words[2 * s + 1];
 #elif BITS == 8
-    const uint32_t bias = zero_bias(p), scale = scale_x2(p), word = words[s];  // one step a word
-    b0 = hmul2(code_pair<8>(word, bias, 0), scale);
-    b1 = hmul2(code_pair<8>(word, bias, 1), scale);
+    const uint32_t bias = zero_bias(p), word = words[s];  // one step a word
+    b0 = code_pair<8>(word, bias, 0);
+    b1 = code_pair<8>(word, bias, 1);
 #else
-    const uint32_t bias = zero_bias(p), bias64 = zero_bias64(p), scale = scale_x2(p);
+    const uint32_t bias = zero_bias(p), bias64 = zero_bias64(p);
     const uint32_t word = words[s / 2], pair = 2 * (s % 2);  // two steps a word: pairs 0, 1 then 2, 3
-    b0 = hmul2(code_pair4(word, word >> 8, bias, bias64, pair), scale);
-    b1 = hmul2(code_pair4(word, word >> 8, bias, bias64, pair + 1), scale);
+    b0 = code_pair4(word, word >> 8, bias, bias64, pair);
+    b1 = code_pair4(word, word >> 8, bias, bias64, pair + 1);
+#endif
+#if QUANT && !KBLOCK_SCALE
+    const uint32_t scale = scale_x2(p);
+    b0 = hmul2(b0, scale);
+    b1 = hmul2(b1, scale);
 #endif
 }
 
@@ -283,6 +303,15 @@ __device__ __forceinline__ void block_dot(Loads& b, int K, const float* __restri
             if (kb >= kblocks) continue;  // not break: a break can keep the loop from unrolling
             const int c = 4 * kb + t;
             if (g < TOKENS) x_fragments<NORM>(x, gw, K, min(c, b.vecs - 1), c < b.vecs, g, x0, x1, ss0, ss1);
+#if KBLOCK_SCALE
+            float part[MTILES][NCOLS][4];  // this k-block's sums, unscaled: chained from zero
+#pragma unroll
+            for (int J = 0; J < MTILES; ++J)
+#pragma unroll
+                for (int n = 0; n < NCOLS; ++n) part[J][n][0] = part[J][n][1] = part[J][n][2] = part[J][n][3] = 0.f;
+#else
+            float (&part)[MTILES][NCOLS][4] = acc;  // the products go straight into the accumulators
+#endif
 #pragma unroll
             for (int s = 0; s < STEPS; ++s) {
 #pragma unroll
@@ -295,10 +324,21 @@ __device__ __forceinline__ void block_dot(Loads& b, int K, const float* __restri
                     b_fragment(b.w[u][2 * J], 0u, s, a[0], a[2]);
                     b_fragment(b.w[u][2 * J + 1], 0u, s, a[1], a[3]);
 #endif
-                    mma_16816(acc[J][0], a, x0[s][0], x0[s][1]);
-                    if (TOKENS > 8) mma_16816(acc[J][NCOLS - 1], a, x1[s][0], x1[s][1]);
+                    mma_16816(part[J][0], a, x0[s][0], x0[s][1]);
+                    if (TOKENS > 8) mma_16816(part[J][NCOLS - 1], a, x1[s][0], x1[s][1]);
                 }
             }
+#if KBLOCK_SCALE
+            // C element e of m-tile J is row g of n-tile 2J + e / 2: the lane's own row, whose (scale, zero) word it
+            // loaded for this k-block (all 4 chunks in one group: every lane t has the same one)
+#pragma unroll
+            for (int J = 0; J < MTILES; ++J)
+#pragma unroll
+                for (int n = 0; n < NCOLS; ++n)
+#pragma unroll
+                    for (int e = 0; e < 4; ++e)
+                        acc[J][n][e] = __fmaf_rn(part[J][n][e], lo_f(b.p[u][2 * J + e / 2]), acc[J][n][e]);
+#endif
         }
     }
     // C fragment of m-tile J, n8 tile n: rows 16J + g (acc[J][n][0..1]) and 16J + g + 8 (acc[J][n][2..3]), token rows

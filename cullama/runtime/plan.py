@@ -337,10 +337,11 @@ def gemv_rows(tokens: int = 1) -> int:
     return GEMV_ROWS
 
 
-def gemv(name: str, tokens: int = 1, bits: int = 16) -> KernelSpec:
+def gemv(name: str, tokens: int = 1, bits: int = 16, group: int = 0) -> KernelSpec:
     """A gemv_mma.cu kernel for `tokens` token rows (1: a decode step; k + 1 a verify step; B a batch group) on FP16
-    (bits 16) or INT8 / INT4 weights: one kernel, a token row computed alike whatever the other rows."""
-    return KernelSpec(gemv_mma_ops.SOURCE, name, gemv_mma_ops.defines(bits, tokens))
+    (bits 16) or INT8 / INT4 weights in groups of `group` along K: one kernel, a token row computed alike whatever
+    the other rows (its KBLOCK_SCALE form where the groups hold whole k-blocks)."""
+    return KernelSpec(gemv_mma_ops.SOURCE, name, gemv_mma_ops.defines(bits, tokens, group))
 
 
 def attention(name: str, cfg: LlamaConfig) -> KernelSpec:
@@ -388,7 +389,8 @@ class _Weights:
     def gemv(self, name: str, field: str, tokens: int) -> tuple[KernelSpec, int, int]:
         """(kernel, output rows per block, threads) of a decode or verify GEMV of `field`."""
         fmt = self.format(field)
-        return gemv(name, tokens, 16 if fmt is None else fmt.bits), gemv_rows(tokens), GEMV_THREADS
+        return (gemv(name, tokens, 16 if fmt is None else fmt.bits, 0 if fmt is None else fmt.group),
+                gemv_rows(tokens), GEMV_THREADS)
 
     def gemm(self, field: str, kernel: GemmKernel) -> GemmKernel:
         """The prefill GEMM of `field`: the plan's choice for FP16, gemm_quant.cu for a quantized linear."""

@@ -85,7 +85,7 @@ def test_a_quantized_decode_step_runs_the_quantized_kernels_with_their_group():
                  ("gemv_mma.cu", "gemv_residual")]
     assert kernels_of(plan) == per_layer * 32 + [("gemv_mma.cu", "gemv_logits"), ("sampling.cu", "sample")]
     first = plan.launches[0]
-    assert first.spec.defines == gemv_mma.defines(4, 1) and first.block == gemv_mma.THREADS
+    assert first.spec.defines == gemv_mma.defines(4, 1, 128) and first.block == gemv_mma.THREADS
     assert plan.launches[-2].spec.defines == gemv_mma.defines(16, 1)  # the lm_head stays FP16
     assert [a.name for a in first.args[2:4]] == ["layers.0.wqkv.qweight", "layers.0.wqkv.qparams"]
     assert first.args[-1] == np.int32(128) and type(first.args[-1]) is np.int32  # the group, last
@@ -95,7 +95,7 @@ def test_a_quantized_decode_step_runs_the_quantized_kernels_with_their_group():
     assert plan.launches[4].args[-2:] == (np.int32(11008), np.int32(128))  # down: K = ff, its group
     verify = plans.verify_plan(layout, 512, 4)
     quantized = [l for l in verify.launches if l.spec.source == "gemv_mma.cu" and l.spec.name != "gemv_logits"]
-    assert {l.spec.defines for l in quantized} == {gemv_mma.defines(4, 5)}
+    assert {l.spec.defines for l in quantized} == {gemv_mma.defines(4, 5, 128)}
 
 
 def test_a_quantized_prefill_runs_gemm_quant_with_the_mma_geometry_and_an_fp16_lm_head():
@@ -179,5 +179,7 @@ def test_every_quantized_kernel_variant_the_plans_launch_is_the_twins_and_compil
             specs |= plans.verify_plan(layout, 64, k).kernels()
         defines = {s.defines for s in specs | plans.decode_plan(layout, 64).kernels()
                    if s.source == "gemv_mma.cu" and s.name != "gemv_logits"}
-        assert defines == {gemv_mma.defines(bits, tokens) for tokens in range(1, plans.VERIFY_ROWS + 1)}
+        groups = {layout.linear(0, field).format.group for field in layouts.LINEARS}
+        assert defines == {gemv_mma.defines(bits, tokens, group) for tokens in range(1, plans.VERIFY_ROWS + 1)
+                           for group in groups}
         assert defines <= set(gemv_mma.VARIANTS)

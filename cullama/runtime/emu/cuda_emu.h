@@ -102,6 +102,7 @@ static inline float sqrtf(float x) { return __builtin_sqrtf(x); }
 static inline float rsqrtf(float x) { return 1.0f / __builtin_sqrtf(x); }  // the twins' 1 / sqrt, not MUFU.RSQ
 static inline float fmaxf(float a, float b) { return __builtin_fmaxf(a, b); }
 static inline float fmaf(float a, float b, float c) { return __builtin_fmaf(a, b, c); }  // one rounding
+static inline float __fmaf_rn(float a, float b, float c) { return __builtin_fmaf(a, b, c); }  // fmaf, never contracted away
 static inline float fminf(float a, float b) { return __builtin_fminf(a, b); }
 
 #define EMU_MINMAX(T)                                             \

@@ -40,13 +40,20 @@ MAX_TOKENS = 16  # the MMA's M
 FORMATS = (16, 8, 4)  # BITS: FP16, W8A16, W4A16
 
 
-def defines(bits: int = 16, tokens: int = 1) -> tuple:
-    """The compile-time defines of the kernel the plans launch for `bits` and `tokens` token rows."""
+def kblock_scale(bits: int, group: int) -> bool:
+    """Whether a quantized weight's groups hold whole k-blocks (4 chunks of 128 / bits codes each): then the kernel
+    scales each k-block's sum in FP32 (KBLOCK_SCALE) instead of each code pair in FP16."""
+    return bits != 16 and group > 0 and group % (4 * (128 // bits)) == 0
+
+
+def defines(bits: int = 16, tokens: int = 1, group: int = 0) -> tuple:
+    """The compile-time defines of the kernel the plans launch for `bits` and `tokens` token rows on a weight of
+    groups of `group` along K (quantized; 0 or absent for FP16)."""
     if bits not in FORMATS:
         raise ValueError(f"gemv_mma: BITS must be one of {FORMATS}, not {bits}")
     if not 1 <= tokens <= MAX_TOKENS:
         raise ValueError(f"gemv_mma: TOKENS must be 1..{MAX_TOKENS}, not {tokens}")
-    return (("BITS", bits), ("TOKENS", tokens))
+    return (("BITS", bits), ("TOKENS", tokens)) + ((("KBLOCK_SCALE", 1),) if kblock_scale(bits, group) else ())
 
 
 def rows_per_block(defs: tuple = ()) -> int:
@@ -54,8 +61,10 @@ def rows_per_block(defs: tuple = ()) -> int:
     return 8 * dict(defs).get("NTILES", NTILES)
 
 
+K_BLOCK_GROUP = 128  # a group that holds whole k-blocks for INT8 and INT4 (VARIANTS' KBLOCK_SCALE forms)
 # What CI compiles (and checks for spills) and `cullama kernels` lists: every launch a plan can make.
-VARIANTS = [defines(bits, t) for bits in FORMATS for t in range(1, MAX_TOKENS + 1)]
+VARIANTS = [defines(bits, t, group) for bits in FORMATS for group in ((0,) if bits == 16 else (128 // bits, K_BLOCK_GROUP))
+            for t in range(1, MAX_TOKENS + 1)]
 
 
 # -- the kernel's arithmetic ---------------------------------------------------------------------------------------
@@ -80,10 +89,12 @@ def _k_order(K: int, elems: int) -> tuple[np.ndarray, int]:
     return (4 * kb + t) * elems + 4 * s + 2 * upper + h, kblocks
 
 
-def mma_rows(b16: np.ndarray, a16: np.ndarray, bits: int, x: np.ndarray | None = None, g: np.ndarray | None = None):
+def mma_rows(b16: np.ndarray, a16: np.ndarray, bits: int, x: np.ndarray | None = None,
+             scale: np.ndarray | None = None):
     """The kernel's sums before the epilogue, for one token row or several at once (each row's arithmetic is its own):
     dot [T, M] float32 = B [M, K] · A [T, K] (FP16 both) in the kernel's order, and with x [T, K] float32 (RMSNorm
-    kernels) ss [T] float32, Σ x² in the kernel's order (else None)."""
+    kernels) ss [T] float32, Σ x² in the kernel's order (else None). With scale [M, kblocks] (KBLOCK_SCALE) each
+    k-block's MMAs chain from zero and enter the accumulator as fmaf(part, scale, acc)."""
     M, K = b16.shape
     T = a16.shape[0]
     elems = 128 // bits
@@ -101,13 +112,19 @@ def mma_rows(b16: np.ndarray, a16: np.ndarray, bits: int, x: np.ndarray | None =
         full[kblocks:] = K
     order = full.reshape(iters, WARPS, steps, 16)  # k-block i * WARPS + w is warp w's i-th
     acc = np.zeros((WARPS, T, M), np.float32)
+    if scale is not None:  # [WARPS, 1, M] per iteration: k-blocks past the last scale +0 sums by 0 (no change)
+        kscale = np.zeros((iters * WARPS, M), np.float32)
+        kscale[:kblocks] = scale.T
+        kscale = kscale.reshape(iters, WARPS, 1, M)
     for i in range(iters):
+        part = acc if scale is None else np.zeros_like(acc)
         for s in range(steps):
-            total = acc.astype(np.float64)  # C, then the 16 products in k order, in double; rounded once
+            total = part.astype(np.float64)  # C, then the 16 products in k order, in double; rounded once
             for kk in range(16):
                 k = order[i, :, s, kk]  # [WARPS]
                 total += a64[:, k].T[:, :, None] * bp[:, k].T.astype(np.float64)[:, None, :]
-            acc = total.astype(np.float32)
+            part = total.astype(np.float32)
+        acc = part if scale is None else _fma32(part, kscale[i], acc)
     dot = acc[0].copy()
     for w in range(1, WARPS):
         dot = dot + acc[w]
@@ -142,12 +159,22 @@ def _normed(x: np.ndarray, norm_w: np.ndarray, K: int) -> tuple[np.ndarray, np.n
     return x32, (x32 * norm_w[:K].astype(np.float32)).astype(np.float16)
 
 
-def _weights(W, qparams, K: int) -> tuple[np.ndarray, int]:
-    """(B [M, K] float16, BITS): the FP16 W, or the quantized weight as the prefill GEMM has it."""
+def _weights(W, qparams, K: int) -> tuple[np.ndarray, int, np.ndarray | None]:
+    """(B [M, K] float16, BITS, scale): the FP16 W (scale None); a quantized weight as the prefill GEMM has it,
+    fp16((q - zero) * scale) (scale None), or where its groups hold whole k-blocks (kblock_scale: the kernel's
+    KBLOCK_SCALE form) the exact (q - zero) and scale [M, kblocks] float32, each row's scale in each k-block."""
     if qparams is None:
-        return np.asarray(W)[:, :K].astype(np.float16, copy=False), 16
+        return np.asarray(W)[:, :K].astype(np.float16, copy=False), 16, None
     bits = 32 * W.shape[1] // K
-    return quant.dequantize(W, qparams, bits, np.float16), bits
+    group = K // qparams.shape[1]
+    if not kblock_scale(bits, group):
+        return quant.dequantize(W, qparams, bits, np.float16), bits, None
+    M = W.shape[0]
+    pairs = qparams.astype(np.float32)  # [M, G, 2]
+    q = quant.unpack(W, bits).reshape(M, pairs.shape[1], group).astype(np.float32)
+    exact = (q - pairs[..., 1:]).reshape(M, K).astype(np.float16)  # integers of magnitude <= 256: exact
+    span = 4 * (128 // bits)  # k per k-block
+    return exact, bits, np.ascontiguousarray(pairs[:, np.arange(K // span) * span // group, 0])
 
 
 _LIBM = ctypes.CDLL(ctypes.util.find_library("m") or "libm.so.6")
@@ -167,9 +194,9 @@ def _silu(a: np.ndarray) -> np.ndarray:
 # -- the kernels -----------------------------------------------------------------------------------------------------
 def qkv_rope(W, qparams, x, norm_w, bias, q_out, k_cache, v_cache, rope, state, step_rows, d, n_heads, n_kv_heads, hd,
              max_seq, eps):
-    b16, bits = _weights(W, qparams, d)
+    b16, bits, scale = _weights(W, qparams, d)
     x32, a16 = _normed(x, norm_w, d)
-    dot, ss = mma_rows(b16, a16, bits, x32)
+    dot, ss = mma_rows(b16, a16, bits, x32, scale)
     rows = x32.shape[0]
     y = (dot * _rms_scale(ss, d, eps)[:, None]) + bias[:b16.shape[0]].astype(np.float32)  # [rows, all heads * hd]
     y = y.reshape(rows, n_heads + 2 * n_kv_heads, hd)
@@ -187,17 +214,17 @@ def qkv_rope(W, qparams, x, norm_w, bias, q_out, k_cache, v_cache, rope, state, 
 
 
 def residual(W, qparams, inp, x, M, K):
-    b16, bits = _weights(W, qparams, K)
+    b16, bits, scale = _weights(W, qparams, K)
     a16 = token_rows(inp)[:, :K].astype(np.float32).astype(np.float16)
-    dot, _ = mma_rows(b16[:M], a16, bits)
+    dot, _ = mma_rows(b16[:M], a16, bits, scale=None if scale is None else scale[:M])
     xs = token_rows(x)
     xs[:, :M] = xs[:, :M] + dot
 
 
 def gate_up_silu(W, qparams, x, norm_w, h, ff, d, eps):
-    b16, bits = _weights(W, qparams, d)
+    b16, bits, scale = _weights(W, qparams, d)
     x32, a16 = _normed(x, norm_w, d)
-    dot, ss = mma_rows(b16[:2 * ff], a16, bits, x32)
+    dot, ss = mma_rows(b16[:2 * ff], a16, bits, x32, None if scale is None else scale[:2 * ff])
     scale = _rms_scale(ss, d, eps)[:, None]
     gate, up = dot[:, :ff] * scale, dot[:, ff:] * scale
     token_rows(h)[:, :ff] = _silu(gate) * up

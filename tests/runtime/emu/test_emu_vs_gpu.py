@@ -173,15 +173,17 @@ def test_nan_conversions_on_the_executor_equal_the_gpu(kernels):
         same_bits(f"rope_kv_rows {what} (cvt.rn.f16.f32)", gpu[i], cpu[i])
 
 
-@pytest.mark.parametrize("bits", [16, 8, 4])
-def test_gemv_mma_on_the_executor_equals_the_gpu(kernels, bits):
+@pytest.mark.parametrize("bits, kblock", [(16, False), (8, False), (4, False), (8, True), (4, True)])
+def test_gemv_mma_on_the_executor_equals_the_gpu(kernels, bits, kblock):
     """gemv_mma.cu's decode instance (gemv_residual, K over many k-blocks, a partial last n-tile): the B fragments as
-    loaded (FP16 words, or lop3 / prmt extraction and mul.rn.f16x2 of the quantized codes), the A fragments
-    (cvt.rn.f16x2) and mma.sync m16n8k16 against the GPU, within 1e-5 of the sum of |products|: the executor sums an MMA's products
-    in double, the tensor core in its own order (not bit for bit, as for the GEMMs)."""
+    loaded (FP16 words, or lop3 / prmt extraction and mul.rn.f16x2 of the quantized codes; KBLOCK_SCALE: the exact
+    codes and each k-block's fmaf by its scale), the A fragments (cvt.rn.f16x2) and mma.sync m16n8k16 against the GPU,
+    within 1e-5 of the sum of |products|: the executor sums an MMA's products in double, the tensor core in its own
+    order (not bit for bit, as for the GEMMs)."""
     rng = np.random.default_rng(bits)
-    M, K = 37, 4096 + 2 * 128 // bits
-    group = 128 // bits if bits != 16 else 0
+    M, K = 37, (4096 + 2 * 128 // bits) if not kblock else 4096 + 512
+    group = 0 if bits == 16 else 128 if kblock else 128 // bits
+    assert kblock == gemv_mma_ops.kblock_scale(bits, group)
     if bits == 16:
         W = gemv_mma_cases.rand(rng, M, K, scale=0.05, dtype=np.float16)
         weights, w16 = (W, W), W
@@ -189,7 +191,7 @@ def test_gemv_mma_on_the_executor_equals_the_gpu(kernels, bits):
         weights = gemv_mma_cases.quantized(rng, M, K, bits, group)
         w16 = quant.dequantize(*weights, bits, np.float16)
     inp, x = rng.standard_normal(K).astype(np.float32), rng.standard_normal(M).astype(np.float32)
-    spec = KernelSpec(gemv_mma_ops.SOURCE, "gemv_residual", gemv_mma_ops.defines(bits))
+    spec = KernelSpec(gemv_mma_ops.SOURCE, "gemv_residual", gemv_mma_ops.defines(bits, 1, group))
     gpu, cpu = both(kernels, spec, (-(-M // gemv_mma_ops.rows_per_block()),), gemv_mma_ops.THREADS,
                     (inp, *weights, x, np.int32(M), np.int32(K), np.int32(group)))
     bound = np.abs(w16).astype(np.float64) @ np.abs(inp.astype(np.float16)).astype(np.float64) + np.abs(x)

@@ -70,7 +70,7 @@ def check_prefill_rows_equal_decode_rows(launch, bits, M=5, N=37, K=4096 + 2 * 3
            (A, qw, qp, C, nan(1), np.zeros(1, np.uint32), np.int32(M), np.int32(N), np.int32(K), np.int32(0),
             np.int32(group)))
     decode = np.zeros((M, N), np.float32)
-    spec = KernelSpec(gemv_mma_ops.SOURCE, "gemv_residual", gemv_mma_ops.defines(bits))
+    spec = KernelSpec(gemv_mma_ops.SOURCE, "gemv_residual", gemv_mma_ops.defines(bits, 1, group))
     for m in range(M):  # a decode step per row: x [N] (1-D: one token row) += W · A[m]
         launch(spec, (-(-N // gemv_mma_ops.rows_per_block()),), gemv_mma_ops.THREADS,
                (A[m].astype(np.float32), qw, qp, decode[m], np.int32(N), np.int32(K), np.int32(group)))

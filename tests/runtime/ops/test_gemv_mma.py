@@ -41,10 +41,11 @@ def verify_rows(rows: int) -> np.ndarray:
 EPS = np.float32(1e-5)
 
 # (K, group) per BITS: K an odd multiple of the 16-byte chunk (a partial last k-block, k-blocks not a multiple of the
-# 4 warps), groups of one chunk, several, 64, 128 and all of K (group ignored for FP16).
+# 4 warps), groups of one chunk, several, 64, 128 and all of K (group ignored for FP16). Groups of whole k-blocks
+# (INT8 64, 128; INT4 128 and the last case's whole row) run the KBLOCK_SCALE form (twin.kblock_scale).
 CASES = {16: [(8, 0), (200, 0), (1048, 0)],
          8: [(80, 16), (224, 32), (240, 48), (448, 64), (1408, 128), (272, 272)],
-         4: [(96, 32), (192, 64), (1408, 128), (1056, 1056)]}
+         4: [(96, 32), (192, 64), (1408, 128), (1056, 1056), (1152, 1152)]}
 # Odd output sizes: 3 q heads, 1 kv head, hd 6 (15 RoPE pairs: a partial block), M = 37 (a partial last n-tile of the
 # second block), ff = 21, V = 45.
 HEADS, KV_HEADS, HD, M, FF, V = 3, 1, 6, 37, 21, 45
@@ -156,7 +157,7 @@ def check_against_twin(launch, bits, tokens, cases=None, seed=0, tolerance=None)
     for K, group in cases or CASES[bits]:
         case = Case(bits, K, group, seed=seed + K + group + tokens)
         rows = list(range(tokens))
-        defines = twin.defines(bits, tokens)
+        defines = twin.defines(bits, tokens, group)
         got, ref = case.run(launch, defines, rows), case.run(None, defines, rows)
         for name in got:
             what = f"{name}, BITS={bits} TOKENS={tokens} K={K} group={group}"
@@ -172,11 +173,11 @@ def check_row_independence(launch, bits, tokens, K=None, group=None, seed=1):
     K, group = (K, group) if K else CASES[bits][1]
     case = Case(bits, K, group, seed=seed)
     rows = list(range(tokens))
-    together = case.run(launch, twin.defines(bits, tokens), rows)
+    together = case.run(launch, twin.defines(bits, tokens, group), rows)
     for r in rows:
-        alone = case.run(launch, twin.defines(bits, 1), [r], pos=case.pos + r)
+        alone = case.run(launch, twin.defines(bits, 1, group), [r], pos=case.pos + r)
         others = [r] + [(r + 1 + i) % 16 for i in range(tokens - 1)]  # row r first, other rows of the case after it
-        first = case.run(launch, twin.defines(bits, tokens), others, pos=case.pos + r)
+        first = case.run(launch, twin.defines(bits, tokens, group), others, pos=case.pos + r)
         for name in ("q", "k", "v", "residual", "h", "logits"):
             if name not in together:
                 continue
@@ -198,7 +199,7 @@ def test_twins_are_the_reference_within_fp16_rounding(bits):
     float64 product of the exact weights."""
     K, group = CASES[bits][2]
     case = Case(bits, K, group, seed=3)
-    ref = case.run(None, twin.defines(bits, 4), [0, 1, 2, 3])
+    ref = case.run(None, twin.defines(bits, 4, group), [0, 1, 2, 3])
     x = case.x[:4].astype(np.float64)
     w = (case.w_res[0].astype(np.float64) if bits == 16 else
          quant.dequantize(*case.w_res, bits).astype(np.float64))
@@ -228,7 +229,11 @@ def test_defines_and_rows():
     assert twin.rows_per_block(twin.defines(8, 3)) == 32
     with pytest.raises(ValueError, match="TOKENS must be 1..16"):
         twin.defines(16, 17)
-    assert len(twin.VARIANTS) == 48
+    assert twin.defines(4, 2, 128) == (("BITS", 4), ("TOKENS", 2), ("KBLOCK_SCALE", 1))  # whole k-blocks a group
+    assert twin.defines(4, 2, 1024) == twin.defines(4, 2, 128) and twin.defines(8, 1, 64)[-1] == ("KBLOCK_SCALE", 1)
+    assert twin.defines(4, 2, 64) == (("BITS", 4), ("TOKENS", 2)) and twin.defines(8, 1, 48) == (("BITS", 8), ("TOKENS", 1))
+    assert twin.defines(16, 1, 128) == (("BITS", 16), ("TOKENS", 1))
+    assert len(twin.VARIANTS) == 16 * 5  # FP16; INT8 and INT4, each with and without KBLOCK_SCALE
 
 
 # -- GPU -----------------------------------------------------------------------------------------------------------------
