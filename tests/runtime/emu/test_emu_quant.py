@@ -78,14 +78,18 @@ MUTATIONS = [
     ("zero-off-by-one", "dequant.cuh", "hadd2(prmt<0x3232>(params, 0), FP16_1024X2)",
      "hadd2(prmt<0x3232>(params, 0), 0x64016401u)", gemv(4, [(96, 32)])),
     # the chunk's (scale, zero) word with its halves exchanged (prmt 0x1032) before both are taken (INT8 path)
-    ("scale-and-zero-swapped", "gemv_mma.cu", "bias = zero_bias(p), scale = scale_x2(p), word = words[s];",
-     "bias = zero_bias(prmt<0x1032>(p, 0)), scale = scale_x2(prmt<0x1032>(p, 0)), word = words[s];",
-     gemv(8, [(80, 16)])),
+    ("scale-and-zero-swapped", "gemv_mma.cu", "b.p[u][j] = KBLOCK_SCALE || inside ? b.params[j][group] : 0u;",
+     "b.p[u][j] = KBLOCK_SCALE || inside ? prmt<0x1032>(b.params[j][group], 0) : 0u;", gemv(8, [(80, 16)])),
+    ("kblock-scale-and-zero-swapped", "gemv_mma.cu", "b.p[u][j] = KBLOCK_SCALE || inside ? b.params[j][group] : 0u;",
+     "b.p[u][j] = KBLOCK_SCALE || inside ? prmt<0x1032>(b.params[j][group], 0) : 0u;", gemv(8, [(448, 64)])),
     # gemv_mma.cu on quantized weights (its other seeded bugs: tests/runtime/emu/test_emu_gemv_mma.py)
     ("group-in-codes-not-chunks", "gemv_mma.cu", "b.group_vecs = QUANT ? group / ELEMS : 1;",
      "b.group_vecs = QUANT ? group / 8 : 1;", gemv(8, [(240, 48)])),
-    ("scale-per-row-not-per-group", "gemv_mma.cu", "b.p[u][j] = inside ? b.params[j][group] : 0u;",
-     "b.p[u][j] = inside ? b.params[j][0] : 0u;", gemv(4, [(192, 64)])),
+    ("scale-per-row-not-per-group", "gemv_mma.cu", "b.p[u][j] = KBLOCK_SCALE || inside ? b.params[j][group] : 0u;",
+     "b.p[u][j] = KBLOCK_SCALE || inside ? b.params[j][0] : 0u;", gemv(4, [(192, 64)])),
+    ("kblock-scale-per-row-not-per-group", "gemv_mma.cu",
+     "b.p[u][j] = KBLOCK_SCALE || inside ? b.params[j][group] : 0u;",
+     "b.p[u][j] = KBLOCK_SCALE || inside ? b.params[j][0] : 0u;", gemv(4, [(1408, 128)])),
     # x_fragments: token row g (every row at TOKENS <= 8, as in the check's 3) reads token row 0's x
     ("token-rows-share-one-x", "gemv_mma.cu", "x_pair<NORM>(x + (size_t)g * K + k, gn,", "x_pair<NORM>(x + k, gn,",
      lambda launch: gemv_checks.check_row_independence(launch, 4, 3)),
