@@ -132,22 +132,26 @@ def case(kernel: str, cfg, M: int, K: int, rng, max_seq: int = 64):
     poison = lambda n: np.full(n, np.nan, np.float32)  # noqa: E731
     norm_w = (1 + 0.1 * rng.standard_normal(K)).astype(np.float16)
     eps = f32(cfg.rms_norm_eps)
+    # the RMSNorm kernels' input as gemv_residual prepares it (the plans' form): xn and Σ x² in parts
+    xn, ssp = twins.prepare(vec(K)[None], norm_w, K)
+    prepared = [("xn", xn[0]), ("ssp", ssp[0])]
     if kernel == "gemv_qkv_rope":
         state = np.zeros(8, np.int32)
         state[0] = max_seq - 1  # the position written in the KV cache
         cache = lambda: np.zeros((cfg.num_kv_heads, max_seq, cfg.head_dim), np.float16)  # noqa: E731
-        return ([("x", vec(K)), ("norm_w", norm_w), ("W", None), ("bias", np.zeros(M, np.float16)),
+        return (prepared + [("W", None), ("bias", np.zeros(M, np.float16)),
                  ("q", poison(cfg.q_dim)), ("k", cache()), ("v", cache()), ("rope", plans.rope_table(cfg, max_seq)),
                  ("state", state), ("rows", np.zeros((1, 2), np.int32)), ("d", i32(K)),
                  ("heads", i32(cfg.num_heads)), ("kv_heads", i32(cfg.num_kv_heads)), ("hd", i32(cfg.head_dim)),
                  ("max_seq", i32(max_seq)), ("eps", eps)], ["q", "k", "v"])
     if kernel == "gemv_residual":
-        return [("in", vec(K)), ("W", None), ("x", vec(M)), ("M", i32(M)), ("K", i32(K))], ["x"]
+        next_norm = (1 + 0.1 * rng.standard_normal(M)).astype(np.float16)
+        return ([("in", vec(K)), ("W", None), ("x", vec(M)), ("norm_w", next_norm), ("xn", np.zeros(M, np.float16)),
+                 ("ssp", np.zeros(plans.ss_parts(M), np.float32)), ("M", i32(M)), ("K", i32(K))], ["x"])
     if kernel == "gemv_gate_up_silu":
-        return ([("x", vec(K)), ("norm_w", norm_w), ("W", None), ("h", poison(M // 2)), ("ff", i32(M // 2)),
-                 ("d", i32(K)), ("eps", eps)], ["h"])
-    return ([("x", vec(K)), ("norm_w", norm_w), ("W", None), ("logits", poison(M)), ("V", i32(M)), ("d", i32(K)),
-             ("eps", eps)], ["logits"])
+        return (prepared + [("W", None), ("h", poison(M // 2)), ("ff", i32(M // 2)), ("d", i32(K)), ("eps", eps)],
+                ["h"])
+    return prepared + [("W", None), ("logits", poison(M)), ("V", i32(M)), ("d", i32(K)), ("eps", eps)], ["logits"]
 
 
 def random_fp16(cp, loader, shape, seed: int, std: float = 0.02):
@@ -234,14 +238,20 @@ def graph_us(cp, stream, launches: int, launch, trials: int) -> list[float]:
         return [events_ms(cp, stream, lambda: graph.launch(stream), 1) / launches * 1e3 for _ in range(trials)]
 
 
-# The variants timed per bits, one token row (a decode step): the plan's first, then NTILES 2 (16 rows a block, twice
-# the blocks: the candidate for the 7B o_proj / down's 128 blocks on 132 SMs).
-SWEEP = {bits: [twins.defines(bits), twins.defines(bits) + (("NTILES", 2),)] for bits in twins.FORMATS}
+def sweep_variants(bits: int, group: int = 0) -> list[tuple]:
+    """The variants timed for `bits` on weights in groups of `group` (quantized), one token row (a decode step): the
+    plan's first (its KBLOCK_SCALE form where the groups hold whole k-blocks), then NTILES 2 (16 rows a block, twice
+    the blocks: the candidate for the 7B o_proj / down's 128 blocks on 132 SMs)."""
+    plan = twins.defines(bits, 1, group)
+    return [plan, plan + (("NTILES", 2),)]
 
 
-def gemv_kernels(weights: Weights):
-    """(source, twins module, decode variants) of the GEMV kernels for this storage."""
-    return twins.SOURCE, twins, SWEEP[weights.bits]
+SWEEP = {bits: sweep_variants(bits) for bits in twins.FORMATS}  # without groups (FP16's are the plan's)
+
+
+def gemv_kernels(weights: Weights, K: int):
+    """(source, twins module, decode variants) of the GEMV kernels for this storage and K."""
+    return twins.SOURCE, twins, sweep_variants(weights.bits, 0 if weights.bits == 16 else weights.group(K))
 
 
 def gemv_args(weights: Weights, kernel: str, named: list, K: int) -> list:
@@ -259,7 +269,7 @@ def sweep_shape(cp, loader, cfg, label, kernel, M, K, args, pdl=None, weights=We
     rng = np.random.default_rng(0)
     named, outputs = case(kernel, cfg, M, K, rng)
     named = gemv_args(weights, kernel, named, K)
-    source, module, variants = gemv_kernels(weights)
+    source, module, variants = gemv_kernels(weights, K)
     nbytes = weights.nbytes(M, K)
     l2 = cp.cuda.runtime.getDeviceProperties(cp.cuda.Device().id)["l2CacheSize"]
     n_copies = max(3, math.ceil(args.l2_multiple * l2 / nbytes))

@@ -4,9 +4,12 @@
 // kernel, with the token rows as the MMA's M (rows past TOKENS are zero) and the weights as B.
 //
 //   gemv_qkv_rope      q|k|v = W_qkv · rmsnorm(x) + b   + RoPE on q and k, k and v written to the KV cache
-//   gemv_residual      x += W · in                  (o_proj on the attention output, down_proj on h)
+//   gemv_residual      x += W · in                  (o_proj on the attention output, down_proj on h), and the next
+//                      RMSNorm kernel's input prepared from the new x: xn = fp16(x * norm_w), Σ x² in parts
 //   gemv_gate_up_silu  h = silu(W_gate · n) * (W_up · n),  n = rmsnorm(x)
 //   gemv_logits        logits = W_lm_head · rmsnorm(x)   (FP16 only: the lm_head stays FP16, as AWQ and GPTQ keep it)
+//   *_x                the three RMSNorm kernels on x itself (a step's first qkv, whose x the embedding writes; an
+//                      act-order linear's gathered x; a prefill's last row for the logits)
 //
 // Weights, unchanged from the formats the prefill GEMMs read (no reshuffle at load): FP16 W [M, K] row-major, or
 // cullama/model/quant.py's qweight [M, K * BITS / 32] uint32 (codes interleaved for dequant.cuh) and qparams
@@ -35,7 +38,13 @@
 // that is a lop3, a sub and a mul (plus a shift a word): 3.25 lane-instructions per weight byte, the floor of this
 // dequantization while B stays fp16((q - zero) * scale).
 // A: fp16(x * norm_w) (x * norm_w rounded to FP32 by __fmul_rn, then cvt.rn.f16x2: x rounded to FP16 as HuggingFace's
-// FP16 models do), RMSNorm's sum of x^2 taken in FP32 on the way (fmaf) and its rsqrt scale applied in the FP32 epilogue.
+// FP16 models do), RMSNorm's rsqrt scale applied in the FP32 epilogue. Prepared (X_PREP, the RMSNorm kernels the plans
+// launch after a gemv_residual): that kernel's epilogue wrote xn = fp16(x * norm_w) [TOKENS, K] and Σ x² in parts of
+// SS_SPAN (32) elements, ssp [TOKENS, ceil(K / 32)] (an fmaf chain each), so each lane loads its chunk of xn as its B
+// values as they are (E / 8 16-byte loads a chunk and token row) and the block adds the parts once (prepared_scales:
+// the same order in every block and kernel). In the *_x forms (X_NORM) every block does that work itself per element
+// and token row slot while loading A: the sum of x^2 in FP32 (fmaf), x * norm_w, the norm weight's conversion, half a
+// cvt: ~2 lane-instructions a weight byte at INT4 and up to 8 rows, ~3.5 past 8, the same in every block.
 // x's fragments are made once per k-block (every step), shared by the n-tiles; token rows past TOKENS stay zero and
 // are never loaded. Chunks past K (the last, partial k-block): FP16 weights zero-filled; quantized ones loaded from the
 // row's last chunk with a zero scale (+0 weights, no zero fill in the loop); x from the row's last chunk again, out of
@@ -57,14 +66,13 @@
 // Shapes: K % E == 0 (FP16 K % 8, INT8 K % 16, INT4 K % 32), K / E < 46340 (group_of); chunks past K as above; for
 // quantized weights group % E == 0 and K % group == 0 (quant.py's contract); any M.
 // Issue (issue 26: cullama/bench/issue.py's static sm_90 count, lane-instructions per weight byte over the whole
-// kernel, LLaMA-2-7B, 1 / 2 / 5 / 9 / 16 token rows, NTILES 4; aab6b00's in brackets): FP16 1.4-2.6 (1.4-2.8); INT8
-// qkv 4.29 / 4.41 / 4.41 / 5.49 / 5.23 (5.96 .. 7.73), o_proj 3.38-3.91 (4.81-6.11), gate_up 4.19-5.40 (5.94-7.63),
-// down 3.28-3.80 (4.73-6.02); INT4 qkv 7.14 / 7.20 / 7.20 / 9.03 / 8.77 (9.14 .. 10.56), o_proj 5.38-6.10 (7.30-7.75),
-// gate_up 6.95-9.30 (8.84-10.36), down 5.19-5.87 (7.12-7.58). What is left over 5.0: INT4's dequantization floor (3.25
-// a byte, above) plus, in the RMSNorm kernels, x's work per element of every token row loaded for A (fmaf for Σ x²,
-// x * norm_w, the norm weight's conversion, half a cvt), ~2 a byte at NTILES 4 whatever the row count up to 8 (lanes
-// g >= TOKENS issue with the rest) and ~3.5 at 16: it is the same work in every block, so only more rows per block
-// (NTILES 8: ~half; it needs UNROLL 1 and MIN_BLOCKS 3 against spills) or x's work done once per launch lowers it.
+// kernel, LLaMA-2-7B, 1-8 / 9-16 token rows, NTILES 4, 2026-12-07): FP16 1.3-1.9 / 1.6-2.6; INT8 (KBLOCK_SCALE)
+// prepared qkv and gate_up 2.8-2.9 / 3.4-3.5, o_proj and down 2.8-3.1 / 3.3-3.7, qkv_x 3.8-3.9 / 4.9-5.2; INT4
+// (KBLOCK_SCALE) prepared qkv and gate_up 4.3-4.5 / 5.0-5.4, o_proj 4.7-4.8 / 5.6-5.7, down 4.3-4.4 / 5.1-5.2, qkv_x
+// 6.2 / 8.0-8.6. Before KBLOCK_SCALE and the prepared input (1c187dc^): INT4 qkv 7.1-7.2 / 8.8-9.0, o_proj 5.4-5.5 /
+// 6.1. The INT4 floor is its dequantization, a lop3 and a sub per code pair and a shift a word (2.25 a byte with
+// KBLOCK_SCALE, 3.25 with the HMUL2 per pair); past 8 rows a second n8 tile doubles the MMAs and x's loads, and
+// gemv_residual converts its float32 input per element and token row slot in every block (0.75 a byte at 16 rows).
 // MIN_BLOCKS 3 / UNROLL 1 for INT4 past 8 rows keeps those variants from spilling (W4_WIDE).
 //
 // Bit-exactness by construction: every output (token m, row n) is, per warp, the chain of that warp's MMAs over its
@@ -131,11 +139,25 @@
 #error "NTILES must be even (an MMA m-tile is two n-tiles)"
 #endif
 
-// The warps' partial sums: dot[w][row][token] and RMSNorm's Σ x² per (warp, lane % 4, token).
+// The warps' partial sums: dot[w][row][token] and RMSNorm's Σ x² per (warp, lane % 4, token); the token rows'
+// RMSNorm scales (prepared input); gemv_residual's new x of the block's rows (its Σ x² part).
 struct Partials {
     float dot[WARPS][ROWS][16];
     float ss[WARPS][4][16];
+    float scale[16];
+    float x[16][ROWS];
 };
+
+// -- the input forms of block_dot -----------------------------------------------------------------------------------
+// X_RAW: float32 rows, converted to FP16 (gemv_residual's `in`). X_NORM: float32 rows x times the norm weights,
+// RMSNorm's Σ x² taken on the way (the *_x kernels: a step's first qkv, whose x the embedding writes; an act-order
+// linear's gathered x; the prefill's logits). X_PREP: the input prepared once by the kernel that wrote x
+// (gemv_residual's epilogue): xn = fp16(x * norm_w) [TOKENS, K] as the MMA's B values as they are, and the Σ x² parts
+// ssp [TOKENS, ceil(K / SS_SPAN)] (ss_parts). In X_NORM every block repeats x's work per element and token row slot
+// (~2 lane-instructions a weight byte at INT4 and up to 8 rows, ~3.5 past 8); X_PREP leaves a 16-byte load per chunk.
+enum XForm { X_RAW, X_NORM, X_PREP };
+#define SS_SPAN 32  // x elements per Σ x² part: the rows of one gemv_residual block at the plans' NTILES 4
+#define SS_LANE_PARTS 8  // parts a lane adds in prepared_scales: up to 32 x 8 parts, d <= 8192 (plan.check_supported)
 
 // -- the rows of a block (index i in 0 .. ROWS - 1): clamped to the last one past the end (computed, never stored) --
 enum RowKind { PLAIN_ROWS, QKV_ROWS, GATE_UP_ROWS };
@@ -276,13 +298,32 @@ __device__ __forceinline__ void x_fragments(const float* __restrict__ x, const h
     }
 }
 
+// The prepared x fragments of chunk c (every step) for token rows g (x0) and g + 8 (x1, TOKENS > 8 and g + 8 <
+// TOKENS): the chunk's ELEMS halves of xn as they are (the pairs of step s are words 2s, 2s + 1, as for FP16 weights).
+// A chunk past K comes as the row's last chunk again, whose weights are +0 there (load_batch).
+__device__ __forceinline__ void xn_fragments(const half_t* __restrict__ xn, int K, int c, int g,
+                                             uint32_t (&x0)[STEPS][2], uint32_t (&x1)[STEPS][2]) {
+#pragma unroll
+    for (int i = 0; i < ELEMS / 8; ++i) {
+        const uint4 w0 = *(reinterpret_cast<const uint4*>(xn + (size_t)g * K + (size_t)c * ELEMS) + i);
+        x0[2 * i][0] = w0.x, x0[2 * i][1] = w0.y, x0[2 * i + 1][0] = w0.z, x0[2 * i + 1][1] = w0.w;
+        if (TOKENS > 8 && g + 8 < TOKENS) {
+            const uint4 w1 = *(reinterpret_cast<const uint4*>(xn + (size_t)(g + 8) * K + (size_t)c * ELEMS) + i);
+            x1[2 * i][0] = w1.x, x1[2 * i][1] = w1.y, x1[2 * i + 1][0] = w1.z, x1[2 * i + 1][1] = w1.w;
+        }
+    }
+}
+
 // The warp's products over its k-blocks, then every warp's partials into shared memory (after a barrier, sum_dot /
 // sum_ss read them). The MMA takes the weights as A (m-tile J: rows 16J + g and 16J + g + 8 = n-tiles 2J and 2J + 1)
 // and x as B (n8 tile n: token rows 8n .. 8n + 7): each output is the same 16 products in the same k order as with x
 // as A, so the same sums (the executor's and the twin's), and a launch of up to 8 token rows issues half the MMAs.
-template <bool NORM>
-__device__ __forceinline__ void block_dot(Loads& b, int K, const float* __restrict__ x, const half_t* __restrict__ gw,
-                                          Partials& part) {
+template <int FORM>
+__device__ __forceinline__ void block_dot(Loads& b, int K, const void* __restrict__ input,
+                                          const half_t* __restrict__ gw, Partials& part) {
+    constexpr bool NORM = FORM == X_NORM;
+    const float* __restrict__ x = static_cast<const float*>(input);
+    const half_t* __restrict__ xn = static_cast<const half_t*>(input);
     const int lane = threadIdx.x % WARP, warp = threadIdx.x / WARP, g = lane / 4, t = lane % 4;
     const int kblocks = (b.vecs + 3) / 4;
     float acc[MTILES][NCOLS][4];
@@ -302,7 +343,11 @@ __device__ __forceinline__ void block_dot(Loads& b, int K, const float* __restri
             const int kb = base + WARPS * u;
             if (kb >= kblocks) continue;  // not break: a break can keep the loop from unrolling
             const int c = 4 * kb + t;
-            if (g < TOKENS) x_fragments<NORM>(x, gw, K, min(c, b.vecs - 1), c < b.vecs, g, x0, x1, ss0, ss1);
+            if (FORM == X_PREP) {
+                if (g < TOKENS) xn_fragments(xn, K, min(c, b.vecs - 1), g, x0, x1);
+            } else if (g < TOKENS) {
+                x_fragments<NORM>(x, gw, K, min(c, b.vecs - 1), c < b.vecs, g, x0, x1, ss0, ss1);
+            }
 #if KBLOCK_SCALE
             float part[MTILES][NCOLS][4];  // this k-block's sums, unscaled: chained from zero
 #pragma unroll
@@ -362,7 +407,26 @@ __device__ __forceinline__ float sum_dot(const Partials& part, int i, int tok) {
     return d;
 }
 
-// Token row tok's RMSNorm scale rsqrt(Σ x² / K + eps): the partials in (warp, lane % 4) order.
+// The prepared input's RMSNorm scales rsqrt(Σ x² / K + eps) into part.scale (warp w: token rows w, w + WARPS, ...;
+// read after block_dot's barrier): per lane its parts l, l + 32, ... of ssp in order, then the lanes' sums in a
+// butterfly (lane l + lane l ^ 1, then ^ 2, ^ 4, ^ 8, ^ 16: the same tree on every lane, as a + b == b + a), so every
+// kernel that reads these parts gets the same scale.
+__device__ __forceinline__ void prepared_scales(Partials& part, const float* __restrict__ ssp, int K, float eps) {
+    const int lane = threadIdx.x % WARP, parts = (K + SS_SPAN - 1) / SS_SPAN;
+    for (int tok = threadIdx.x / WARP; tok < TOKENS; tok += WARPS) {
+        float v = 0.f;
+#pragma unroll
+        for (int j = 0; j < SS_LANE_PARTS; ++j) {  // unrolled, the parts past the last skipped
+            const int i = lane + WARP * j;
+            if (i < parts) v = __fadd_rn(v, ssp[(size_t)tok * parts + i]);
+        }
+#pragma unroll
+        for (int m = 1; m < WARP; m *= 2) v = __fadd_rn(v, __shfl_xor_sync(0xffffffffu, v, m));
+        if (lane == 0) part.scale[tok] = rsqrtf(__fadd_rn(__fdiv_rn(v, (float)K), eps));
+    }
+}
+
+// Token row tok's RMSNorm scale rsqrt(Σ x² / K + eps): the partials in (warp, lane % 4) order (X_NORM).
 __device__ __forceinline__ float rms_scale(const Partials& part, int tok, int K, float eps) {
     float ss = part.ss[0][0][tok];
 #pragma unroll
@@ -377,6 +441,21 @@ __device__ __forceinline__ float rms_scale(const Partials& part, int tok, int K,
 
 __device__ __forceinline__ float silu(float a) { return __fdiv_rn(a, __fadd_rn(1.f, expf(-a))); }
 
+// The RMSNorm kernels' input, in two forms: the *_x kernels take (x [TOKENS, d] float32, norm_w [d] FP16) and do
+// the norm's work per block (X_NORM); the others take what gemv_residual prepared, (xn [TOKENS, d] FP16 = x * norm_w,
+// ssp [TOKENS, ceil(d / SS_SPAN)] float32: Σ x² in parts), and only load it (X_PREP). `in` and `aux` are the pair.
+template <int FORM>
+__device__ __forceinline__ float norm_scale(const Partials& part, int tok, int K, float eps) {
+    return FORM == X_PREP ? part.scale[tok] : rms_scale(part, tok, K, eps);
+}
+
+template <int FORM>
+__device__ __forceinline__ void norm_input(Loads& loads, int K, const void* __restrict__ in, const void* __restrict__ aux,
+                                           float eps, Partials& part) {
+    if (FORM == X_PREP) prepared_scales(part, static_cast<const float*>(aux), K, eps);  // read after block_dot's barrier
+    block_dot<FORM>(loads, K, in, FORM == X_PREP ? nullptr : static_cast<const half_t*>(aux), part);
+}
+
 // The weight parameters, one signature for every BITS: W is the FP16 W [M, K] or quant.py's qweight [M, K BITS / 32]
 // uint32 (read as 16-byte chunks either way), qparams its (scale, zero) pairs and group its group size; a BITS 16
 // kernel reads neither (the plan passes W and 0): first_batch ignores them.
@@ -384,23 +463,24 @@ __device__ __forceinline__ float silu(float a) { return __fdiv_rn(a, __fadd_rn(1
 // [(n_heads + 2 n_kv_heads) hd] FP16 (Qwen2's; zeros for a model without), added before RoPE; q_out [TOKENS, n_heads
 // hd] float32 (after RoPE); k_cache, v_cache [slots, n_kv_heads, max_seq, hd] FP16 (this layer's), token row t's
 // written in its slot at its position (state [slots, 8], step_rows [TOKENS, 2]: common.cuh); rope [max_seq, hd/2, 2].
-extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS)
-gemv_qkv_rope(const float* __restrict__ x, const half_t* __restrict__ norm_w, const uint4* __restrict__ W,
-              const half_t* __restrict__ qparams, const half_t* __restrict__ bias,
-              float* __restrict__ q_out, half_t* __restrict__ k_cache, half_t* __restrict__ v_cache,
-              const float* __restrict__ rope, const int* __restrict__ state, const int* __restrict__ step_rows, int d,
-              int n_heads, int n_kv_heads, int hd, int max_seq, float eps, int group) {
-    __shared__ Partials part;
+template <int FORM>
+__device__ __forceinline__ void qkv_rope(const void* __restrict__ in, const void* __restrict__ aux,
+                                         const uint4* __restrict__ W, const half_t* __restrict__ qparams,
+                                         const half_t* __restrict__ bias, float* __restrict__ q_out,
+                                         half_t* __restrict__ k_cache, half_t* __restrict__ v_cache,
+                                         const float* __restrict__ rope, const int* __restrict__ state,
+                                         const int* __restrict__ step_rows, int d, int n_heads, int n_kv_heads, int hd,
+                                         int max_seq, float eps, int group, Partials& part) {
     pdl_launch_dependents();  // the next kernel may start streaming its weights
     const int half_hd = hd / 2, n_pairs = (n_heads + 2 * n_kv_heads) * half_hd;
     Loads loads;
     first_batch<QKV_ROWS>(loads, W, qparams, d, group, 0, hd, n_pairs);
     pdl_wait();  // everything below may read what the previous kernel wrote
-    block_dot<true>(loads, d, x, norm_w, part);
+    norm_input<FORM>(loads, d, in, aux, eps, part);
     for (int item = threadIdx.x; item < TOKENS * PAIRS; item += THREADS) {
         const int tok = item / PAIRS, i = item % PAIRS, p = blockIdx.x * PAIRS + i;
         if (p >= n_pairs) continue;
-        const float scale = rms_scale(part, tok, d, eps);
+        const float scale = norm_scale<FORM>(part, tok, d, eps);
         const int row0 = (p / half_hd) * hd + p % half_hd;  // the pair's rows: row0, row0 + hd / 2 (block_row)
         // Rounded products and adds, never contracted: every token row scales and adds alike
         const float y0 = __fadd_rn(__fmul_rn(sum_dot(part, 2 * i, tok), scale), h2f(bias[row0]));
@@ -412,56 +492,130 @@ gemv_qkv_rope(const float* __restrict__ x, const half_t* __restrict__ norm_w, co
     }
 }
 
-// grid: ceil(M / ROWS). x [TOKENS, M] float32 += W [M, K] · in [TOKENS, K].
+extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS)
+gemv_qkv_rope(const half_t* __restrict__ xn, const float* __restrict__ ssp, const uint4* __restrict__ W,
+              const half_t* __restrict__ qparams, const half_t* __restrict__ bias, float* __restrict__ q_out,
+              half_t* __restrict__ k_cache, half_t* __restrict__ v_cache, const float* __restrict__ rope,
+              const int* __restrict__ state, const int* __restrict__ step_rows, int d, int n_heads, int n_kv_heads,
+              int hd, int max_seq, float eps, int group) {
+    __shared__ Partials part;
+    qkv_rope<X_PREP>(xn, ssp, W, qparams, bias, q_out, k_cache, v_cache, rope, state, step_rows, d, n_heads,
+                     n_kv_heads, hd, max_seq, eps, group, part);
+}
+
+extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS)
+gemv_qkv_rope_x(const float* __restrict__ x, const half_t* __restrict__ norm_w, const uint4* __restrict__ W,
+                const half_t* __restrict__ qparams, const half_t* __restrict__ bias, float* __restrict__ q_out,
+                half_t* __restrict__ k_cache, half_t* __restrict__ v_cache, const float* __restrict__ rope,
+                const int* __restrict__ state, const int* __restrict__ step_rows, int d, int n_heads, int n_kv_heads,
+                int hd, int max_seq, float eps, int group) {
+    __shared__ Partials part;
+    qkv_rope<X_NORM>(x, norm_w, W, qparams, bias, q_out, k_cache, v_cache, rope, state, step_rows, d, n_heads,
+                     n_kv_heads, hd, max_seq, eps, group, part);
+}
+
+// grid: ceil(M / ROWS). x [TOKENS, M] float32 += W [M, K] · in [TOKENS, K]; then the next RMSNorm kernel's input
+// prepared from the new x (X_PREP): xn [TOKENS, M] FP16 = fp16(x * norm_w) (norm_w [M]: that kernel's norm weights,
+// rounded as the X_NORM form rounds them) and ssp [TOKENS, ceil(M / SS_SPAN)] float32, part b the Σ x² of rows
+// b SS_SPAN .. (fmaf in row order): one part a block at the plans' 32 rows a block.
 extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS)
 gemv_residual(const float* __restrict__ in, const uint4* __restrict__ W, const half_t* __restrict__ qparams,
-              float* __restrict__ x, int M, int K, int group) {
+              float* __restrict__ x, const half_t* __restrict__ norm_w, half_t* __restrict__ xn, float* __restrict__ ssp,
+              int M, int K, int group) {
     __shared__ Partials part;
     pdl_launch_dependents();  // the next kernel may start streaming its weights
     Loads loads;
     first_batch<PLAIN_ROWS>(loads, W, qparams, K, group, M, 0, 0);
     pdl_wait();  // everything below may read what the previous kernel wrote
-    block_dot<false>(loads, K, in, nullptr, part);
+    block_dot<X_RAW>(loads, K, in, nullptr, part);
     for (int item = threadIdx.x; item < TOKENS * ROWS; item += THREADS) {
         const int tok = item / ROWS, i = item % ROWS, row = blockIdx.x * ROWS + i;
-        if (row < M) x[(size_t)tok * M + row] = __fadd_rn(x[(size_t)tok * M + row], sum_dot(part, i, tok));
+        if (row >= M) continue;
+        const float v = __fadd_rn(x[(size_t)tok * M + row], sum_dot(part, i, tok));
+        x[(size_t)tok * M + row] = v;
+        xn[(size_t)tok * M + row] = f2h(__fmul_rn(v, h2f(norm_w[row])));
+        part.x[tok][i] = v;
     }
+    __syncthreads();
+#if ROWS % SS_SPAN == 0
+    constexpr int PER_BLOCK = ROWS / SS_SPAN;  // parts a block writes
+    if (threadIdx.x < TOKENS * PER_BLOCK) {
+        const int tok = threadIdx.x / PER_BLOCK, p = threadIdx.x % PER_BLOCK, parts = (M + SS_SPAN - 1) / SS_SPAN;
+        const int first = (int)blockIdx.x * ROWS + p * SS_SPAN, rows = M - first;  // the part's rows from `first`
+        float ss = 0.f;
+#pragma unroll
+        for (int i = 0; i < SS_SPAN; ++i) {
+            if (i < rows) ss = __fmaf_rn(part.x[tok][p * SS_SPAN + i], part.x[tok][p * SS_SPAN + i], ss);
+        }
+        if (rows > 0) ssp[(size_t)tok * parts + first / SS_SPAN] = ss;
+    }
+#endif  // NTILES 2 (16 rows a block: a sweep's candidate, no plan's) leaves ssp as it is
 }
 
 // grid: ceil(ff / PAIRS). W [2 ff, d]: gate rows then up rows. h [TOKENS, ff] float32.
-extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS)
-gemv_gate_up_silu(const float* __restrict__ x, const half_t* __restrict__ norm_w, const uint4* __restrict__ W,
-                  const half_t* __restrict__ qparams, float* __restrict__ h, int ff, int d, float eps, int group) {
-    __shared__ Partials part;
+template <int FORM>
+__device__ __forceinline__ void gate_up_silu(const void* __restrict__ in, const void* __restrict__ aux,
+                                             const uint4* __restrict__ W, const half_t* __restrict__ qparams,
+                                             float* __restrict__ h, int ff, int d, float eps, int group,
+                                             Partials& part) {
     pdl_launch_dependents();  // the next kernel may start streaming its weights
     Loads loads;
     first_batch<GATE_UP_ROWS>(loads, W, qparams, d, group, ff, 0, ff);
     pdl_wait();  // everything below may read what the previous kernel wrote
-    block_dot<true>(loads, d, x, norm_w, part);
+    norm_input<FORM>(loads, d, in, aux, eps, part);
     for (int item = threadIdx.x; item < TOKENS * PAIRS; item += THREADS) {
         const int tok = item / PAIRS, i = item % PAIRS, r = blockIdx.x * PAIRS + i;
         if (r >= ff) continue;
-        const float scale = rms_scale(part, tok, d, eps);
+        const float scale = norm_scale<FORM>(part, tok, d, eps);
         const float gate = __fmul_rn(sum_dot(part, 2 * i, tok), scale);
         const float up = __fmul_rn(sum_dot(part, 2 * i + 1, tok), scale);
         h[(size_t)tok * ff + r] = __fmul_rn(silu(gate), up);
     }
 }
 
+extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS)
+gemv_gate_up_silu(const half_t* __restrict__ xn, const float* __restrict__ ssp, const uint4* __restrict__ W,
+                  const half_t* __restrict__ qparams, float* __restrict__ h, int ff, int d, float eps, int group) {
+    __shared__ Partials part;
+    gate_up_silu<X_PREP>(xn, ssp, W, qparams, h, ff, d, eps, group, part);
+}
+
+extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS)
+gemv_gate_up_silu_x(const float* __restrict__ x, const half_t* __restrict__ norm_w, const uint4* __restrict__ W,
+                    const half_t* __restrict__ qparams, float* __restrict__ h, int ff, int d, float eps, int group) {
+    __shared__ Partials part;
+    gate_up_silu<X_NORM>(x, norm_w, W, qparams, h, ff, d, eps, group, part);
+}
+
 #if !QUANT
 // grid: ceil(V / ROWS). logits [TOKENS, V] float32 (rows at logits_stride(V)) = W [V, d] · rmsnorm(x [TOKENS, d]).
-extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS)
-gemv_logits(const float* __restrict__ x, const half_t* __restrict__ norm_w, const half_t* __restrict__ W,
-            float* __restrict__ logits, int V, int d, float eps) {
-    __shared__ Partials part;
+template <int FORM>
+__device__ __forceinline__ void logits_rows(const void* __restrict__ in, const void* __restrict__ aux,
+                                            const half_t* __restrict__ W, float* __restrict__ logits, int V, int d,
+                                            float eps, Partials& part) {
     pdl_launch_dependents();  // the next kernel may start streaming its weights
     Loads loads;
     first_batch<PLAIN_ROWS>(loads, W, nullptr, d, 0, V, 0, 0);
     pdl_wait();  // everything below may read what the previous kernel wrote
-    block_dot<true>(loads, d, x, norm_w, part);
+    norm_input<FORM>(loads, d, in, aux, eps, part);
     for (int item = threadIdx.x; item < TOKENS * ROWS; item += THREADS) {
         const int tok = item / ROWS, i = item % ROWS, row = blockIdx.x * ROWS + i;
-        if (row < V) logits[(size_t)tok * logits_stride(V) + row] = __fmul_rn(sum_dot(part, i, tok), rms_scale(part, tok, d, eps));
+        if (row < V)
+            logits[(size_t)tok * logits_stride(V) + row] = __fmul_rn(sum_dot(part, i, tok), norm_scale<FORM>(part, tok, d, eps));
     }
+}
+
+extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS)
+gemv_logits(const half_t* __restrict__ xn, const float* __restrict__ ssp, const half_t* __restrict__ W,
+            float* __restrict__ logits, int V, int d, float eps) {
+    __shared__ Partials part;
+    logits_rows<X_PREP>(xn, ssp, W, logits, V, d, eps, part);
+}
+
+extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS)
+gemv_logits_x(const float* __restrict__ x, const half_t* __restrict__ norm_w, const half_t* __restrict__ W,
+              float* __restrict__ logits, int V, int d, float eps) {
+    __shared__ Partials part;
+    logits_rows<X_NORM>(x, norm_w, W, logits, V, d, eps, part);
 }
 #endif

@@ -22,11 +22,12 @@ def quant_shapes(rec: dict) -> dict[str, list[dict]]:
 
 
 def default_variant(bits) -> str | None:
-    """The decode variant this checkout's plan would launch for `bits` (cullama.runtime.ops.gemv_mma.defines)."""
+    """The decode variant this checkout's plan launches for `bits` at the LLaMA-2-7B shapes (cullama.runtime.ops.
+    gemv_mma.defines; INT4 g128 and INT8 per channel both hold whole k-blocks a group: the KBLOCK_SCALE form)."""
     try:
         from cullama.runtime.ops import gemv_mma
 
-        return " ".join(f"{k}={v}" for k, v in gemv_mma.defines(int(bits)))
+        return " ".join(f"{k}={v}" for k, v in gemv_mma.defines(int(bits), 1, gemv_mma.K_BLOCK_GROUP))
     except Exception:  # noqa: BLE001 - cullama not importable, or bits not 4 / 8: the report says "unknown"
         return None
 

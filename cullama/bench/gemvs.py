@@ -68,7 +68,8 @@ def steps(layout: layouts.Layout, max_seq: int = 64) -> list[tuple[str, int, pla
 
 def plan_variants(config: LlamaConfig | None = None, formats=FORMATS) -> list[Variant]:
     """Every distinct GEMV launch (a kernel whose name starts with "gemv") of the plans of `config` (LLaMA-2-7B)
-    in each format, with the plans that make it; layer 0's launches (every layer launches the same)."""
+    in each format, with the plans that make it; layers 0 and 1's launches (every later layer launches layer 1's;
+    layer 0's qkv reads the embedding, gemv_qkv_rope_x)."""
     config = config or preset("llama-2-7b")
     found: dict[tuple, Variant] = {}
     for fmt in formats:
@@ -81,8 +82,8 @@ def plan_variants(config: LlamaConfig | None = None, formats=FORMATS) -> list[Va
                 passed = dict.fromkeys(a.name for a in launch.args if getattr(a, "name", None) in buffers)
                 matrices = [buffers[n] for n in passed if len(buffers[n].shape) >= 2]  # a buffer passed twice: once
                 names = [re.sub(r"^layers\.\d+\.", "", b.name).split(".")[0] for b in matrices]
-                if any(re.match(r"layers\.(?!0\.)", b.name) for b in matrices):
-                    continue  # another layer: the same launch
+                if any(re.match(r"layers\.(?!0\.|1\.)", b.name) for b in matrices):
+                    continue  # another layer: the same launch (layer 1: a step's first qkv is another kernel)
                 field = names[0]
                 M = matrices[0].shape[0]
                 K = layout.shape(field)[1] if field in layouts.LINEARS else config.hidden_size
@@ -98,26 +99,33 @@ def plan_variants(config: LlamaConfig | None = None, formats=FORMATS) -> list[Va
 
 
 def field_of(launch: plans.Launch, layout: layouts.Layout) -> str | None:
-    """The weight a GEMV launch reads, as SHAPE_NAMES names it ("qkv", ..., "lm_head"), where it is layer 0's (or the
-    lm_head); None for another layer's."""
+    """The weight a GEMV launch reads, as SHAPE_NAMES names it ("qkv", ..., "lm_head"), where it is layer 0's or 1's
+    (or the lm_head); None for another layer's."""
     buffers = {b.name for b in layout.buffers()}
     for a in launch.args:
         name = getattr(a, "name", None)
-        if name in buffers and (name == "lm_head" or name.startswith("layers.0.")):
-            field = re.sub(r"^layers\.0\.", "", name).split(".")[0]
+        if name in buffers and (name == "lm_head" or re.match(r"layers\.[01]\.", name)):
+            field = re.sub(r"^layers\.[01]\.", "", name).split(".")[0]
             if field in SHAPE_NAMES:
                 return SHAPE_NAMES[field]
     return None
 
 
 def batch_launches(layout: layouts.Layout, rows: int, max_seq: int = 64) -> dict[str, plans.Launch]:
-    """{shape: Launch} of the GEMVs of a batched step of `rows` token rows (layer 0's and the lm_head's): the same
-    kernels a verify step of rows - 1 drafts and (rows = 1) a decode step launch, on the verify buffers' first rows."""
+    """{shape: Launch} of the GEMVs of a batched step of `rows` token rows (layer 0's, layer 1's qkv and the
+    lm_head's): the same kernels a verify step of rows - 1 drafts and (rows = 1) a decode step launch, on the verify
+    buffers' first rows. "qkv" is the kernel of every layer but the first (gemv_qkv_rope, the prepared input);
+    "qkv_x" the first layer's (gemv_qkv_rope_x, on the embedding)."""
     out = {}
     for launch in plans.batch_plan(layout, max_seq, rows).launches:
         if launch.spec.name.startswith("gemv") and (shape := field_of(launch, layout)) is not None:
-            out.setdefault(shape, launch)
+            out.setdefault(shape + ("_x" if launch.spec.name.endswith("_x") else ""), launch)
     return out
+
+
+def launch_key(v: Variant) -> str:
+    """The batch_launches key of a plan variant."""
+    return v.shape + ("_x" if v.kernel.endswith("_x") else "")
 
 
 POSITION_ROOM = 16  # token rows a launch may have: buffers put row 0 at max_seq - 16, row t at + t
@@ -153,6 +161,8 @@ def launch_buffers(launch: plans.Launch, layout: layouts.Layout, rng, max_seq: i
         elif b.dtype == "int32":  # a rows table [..., rows, 2]: (slot 0, offset t)
             out[name] = np.zeros(b.shape, np.int32)
             out[name][..., 1] = np.arange(b.shape[-2])
+        elif name.endswith("x_ss"):  # Σ x² parts of a prepared input: sums of squares, never negative
+            out[name] = np.abs(rng.standard_normal(b.shape)).astype(b.dtype) * 32
         elif b.kind == "cache":
             out[name] = np.zeros(b.shape, b.dtype)
         elif b.kind == "weight":

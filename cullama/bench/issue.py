@@ -48,19 +48,22 @@ from .gemvs import FORMATS, Variant, plan_variants
 SMS, CLOCK = 132, 1.98e9  # H100 SXM and H200: 132 SMs; the boost clock a streaming kernel holds
 LANES_PER_CLOCK = 128  # 4 schedulers x 32 lanes issue per SM and clock
 LIMIT = 5.0  # lane-instructions per weight byte over the whole kernel that a plan's GEMV may take (issue 26)
-# Where gemv_mma.cu is still over LIMIT (issue 26 open for them), counted 2026-12-07 after KBLOCK_SCALE: INT4 qkv and
-# gate_up at every row count (the RMSNorm kernels' x work, x * norm_w and the sum of x^2 per element and token row,
-# done by every block: ~2 a byte at 1-8 rows, ~3.5 at 9-16), INT4 o_proj / down and INT8 qkv / gate_up at 9-16 rows.
-# The lever is x prepared once per step by the kernel that writes it (benchmarks/PREDICTIONS.md: a warp-staged x inside
-# each block was counted and only helps at 1 row). Until then each is held to its count plus 2 %, so that a change
-# that makes it slower still fails; `cullama kernels --issue` marks them OVER all the same.
-OPEN = {("int4", "qkv"): 8.8, ("int4", "o_proj"): 5.4, ("int4", "gate_up"): 9.0, ("int4", "down"): 5.2,
-        ("int8", "qkv"): 5.35, ("int8", "gate_up"): 5.25}
+# Where gemv_mma.cu is still over LIMIT (issue 26 open for them), counted 2026-12-07 with KBLOCK_SCALE and the
+# prepared RMSNorm input, each held to its count plus 2 % so that a change that makes it slower still fails (`cullama
+# kernels --issue` marks them OVER all the same). Keyed (format, kernel, shape):
+# - gemv_qkv_rope_x, a step's first qkv (layer 0), which reads the embedding that embed_rows or sample wrote and does
+#   its RMSNorm's x work in every block: INT4 at every row count, INT8 at 9-15 rows. The lever: those two writers
+#   preparing x as gemv_residual does.
+# - INT4 at 9-16 token rows: gemv_residual (its float32 input converted per element and token row in every block, and
+#   the prepared-input epilogue) and the prepared qkv / gate_up (their epilogues and the second n8 tile's MMAs).
+OPEN = {("int4", "gemv_qkv_rope_x", "qkv"): 8.8, ("int8", "gemv_qkv_rope_x", "qkv"): 5.35,
+        ("int4", "gemv_qkv_rope", "qkv"): 5.55, ("int4", "gemv_gate_up_silu", "gate_up"): 5.55,
+        ("int4", "gemv_residual", "o_proj"): 5.8, ("int4", "gemv_residual", "down"): 5.3}
 
 
 def limit_of(v: "Variant") -> float:
     """The whole-kernel bound `v` is held to: LIMIT, or its OPEN ceiling while issue 26 is open for it."""
-    return OPEN.get((v.fmt, v.shape), LIMIT)
+    return OPEN.get((v.fmt, v.kernel, v.shape), LIMIT)
 ARCH = "sm_90"
 
 
@@ -152,20 +155,30 @@ def count(instructions: list[sass.Instruction], threads: int, thread_streamed: f
             stack.append(j)
     size = [len(block) for block in code]
     loads = [sum(_weight_load_bytes(ins) for ins in block) for block in code]
-    # Each back edge tail -> head (tail at or after head) and its natural loop: head and every block that reaches
+    # Each back edge tail -> head (tail at or after head, and reached from head: a jump back to an earlier address
+    # that closes no cycle is no loop) and its natural loop: head and every block reached from head that reaches
     # tail without passing head. ptxas may place part of a loop's body after the code that follows the loop (a
     # branch out and back), so a loop is that set of blocks, not the address range from head to tail.
+    def forward(head: int) -> set[int]:
+        seen, stack = {head}, [head]
+        while stack:
+            for j in succ[stack.pop()] - seen:
+                seen.add(j)
+                stack.append(j)
+        return seen
+
     def natural(head: int, tail: int) -> frozenset[int]:
+        ahead = forward(head)
         body, stack = {head}, [tail]
         while stack:
             b = stack.pop()
-            if b not in body:
+            if b not in body and b in ahead:
                 body.add(b)
                 stack.extend(p for p in preds[b] if p in reached)
         return frozenset(body)
 
-    loops = sorted(((i, q, natural(i, q)) for i in reached for q in preds[i] if q >= i and q in reached),
-                   key=lambda l: (len(l[2]), l[0]))
+    loops = sorted(((i, q, natural(i, q)) for i in reached for q in preds[i]
+                    if q >= i and q in reached and q in forward(i)), key=lambda l: (len(l[2]), l[0]))
     streaming = [l for l in loops if any(loads[b] for b in l[2])]
     main = streaming[0] if streaming else None
     inside = set(main[2]) if main else set()

@@ -47,7 +47,7 @@ import numpy as np
 
 from ..model.config import LlamaConfig
 from ..common.errors import KernelError
-from ..model.layout import GATHERED, LINEARS, NO_BIAS, Buffer, Layout, as_layout, decode_floor_ms
+from ..model.layout import GATHERED, LINEARS, NO_BIAS, NORM_OF, Buffer, Layout, as_layout, buffer_name, decode_floor_ms
 from .ops import attention_mma as attention_mma_ops
 from .ops import gemv_mma as gemv_mma_ops
 from .prefill_kernels import GemmKernel, PrefillKernels, cdiv, quant_gemm, tile_counters, workspace_floats
@@ -74,7 +74,7 @@ ROW_THREADS = 256  # the row-wise prefill kernels: one block per token row
 # and write nothing. tests/runtime/test_contracts.py checks this in their sources. Every kernel of the decode
 # step and of a prefill chunk is one.
 OVERLAP_SAFE = frozenset({"gemv_qkv_rope", "attention_decode", "gemv_residual", "gemv_gate_up_silu",
-                          "gemv_logits", "sample",
+                          "gemv_logits", "gemv_qkv_rope_x", "gemv_gate_up_silu_x", "gemv_logits_x", "sample",
                           "embed_rows", "rmsnorm_rows", "rope_kv_rows", "silu_mul_rows", "gemm", "gemm_wgmma",
                           "attention_prefill", "attention_prefill_mma",
                           "gemm_quant", "gather_f32", "gather_f16"})
@@ -130,6 +130,9 @@ def check_supported(cfg: LlamaConfig) -> None:
     if cfg.group_size > 8:
         raise KernelError(f"{cfg.name}: {cfg.group_size} query heads per key/value head are not supported by "
                           "cullama's kernels (at most 8)")
+    if ss_parts(cfg.hidden_size) > MAX_SS_PARTS:
+        raise KernelError(f"{cfg.name}: hidden_size {cfg.hidden_size} is not supported by cullama's kernels "
+                          f"(at most {MAX_SS_PARTS * gemv_mma_ops.SS_SPAN})")
 
 
 def attention_splits(cfg: LlamaConfig) -> int:
@@ -191,6 +194,9 @@ def runtime_buffers(model: LlamaConfig | Layout, max_seq: int, chunk: int | None
         Buffer("batch_ids", (batch_groups(slots), VERIFY_ROWS), "int32", "state"),  # [groups, rows] their tokens
         # decode step
         Buffer("x", (d,), "float32", "activation"),  # [d] the residual stream
+        # the next RMSNorm GEMV's input as gemv_residual prepares it: fp16(x * norm_w) and Σ x² in parts
+        Buffer("xn", (d,), "float16", "activation"),  # [d]
+        Buffer("x_ss", (ss_parts(d),), "float32", "activation"),  # [ceil(d / SS_SPAN)]
         Buffer("q", (cfg.q_dim,), "float32", "activation"),  # [heads * hd] after RoPE
         Buffer("attn_part", (cfg.num_heads, attention_splits(cfg), hd + 2), "float32", "activation"),
         Buffer("attn_count", (cfg.num_kv_heads,), "uint32", "activation"),  # arrivals per kv head (zeroed)
@@ -203,6 +209,8 @@ def runtime_buffers(model: LlamaConfig | Layout, max_seq: int, chunk: int | None
         Buffer("verify_out", (VERIFY_ROWS + 1,), "int32", "activation"),  # [1 + rows] n accepted, those n ids
         Buffer("verify_arrivals", (1,), "uint32", "activation"),  # sample blocks done (zero between launches)
         Buffer("verify_x", (VERIFY_ROWS, d), "float32", "activation"),  # [rows, d] residual streams
+        Buffer("verify_xn", (VERIFY_ROWS, d), "float16", "activation"),  # [rows, d] as xn
+        Buffer("verify_x_ss", (VERIFY_ROWS, ss_parts(d)), "float32", "activation"),  # [rows, ceil(d / SS_SPAN)]
         Buffer("verify_q", (VERIFY_ROWS, cfg.q_dim), "float32", "activation"),  # [rows, heads * hd]
         Buffer("verify_attn_part", (VERIFY_ROWS, cfg.num_heads, attention_splits(cfg), hd + 2), "float32",
                "activation"),  # [rows, heads, splits, hd + 2]
@@ -332,6 +340,14 @@ def rope_table(cfg: LlamaConfig, max_seq: int) -> np.ndarray:
 
 
 # -- kernels --------------------------------------------------------------------------------------
+MAX_SS_PARTS = 32 * 8  # a prepared RMSNorm input's Σ x² parts that gemv_mma.cu adds (32 lanes x SS_LANE_PARTS)
+
+
+def ss_parts(d: int) -> int:
+    """The Σ x² parts of a prepared RMSNorm input of width d (gemv_residual's blocks over d rows)."""
+    return cdiv(d, gemv_mma_ops.SS_SPAN)
+
+
 def gemv_rows(tokens: int = 1) -> int:
     """Weight rows per GEMV block (the same for every row count)."""
     return GEMV_ROWS
@@ -419,6 +435,15 @@ class _Weights:
     def norm(self, field: str) -> Ref:
         return Ref(self.layout.norm_name(self.layer, field))
 
+    def natural_norm(self, field: str) -> Ref:
+        """The norm weight of `field`'s RMSNorm in the model's input order (what gemv_residual prepares x with)."""
+        return Ref(buffer_name(NORM_OF[field], self.layer))
+
+    def prepared(self, field: str) -> bool:
+        """Whether `field`'s RMSNorm GEMV reads the input gemv_residual prepared (not under act-order, whose kernel
+        reads the gathered x and applies its permuted norm weights itself)."""
+        return self.layout.perm_name(self.layer, field) is None
+
     def bias(self) -> Ref:
         """The q|k|v bias (zeros for a model without)."""
         return Ref(self.layout.bias_name(self.layer))
@@ -496,18 +521,27 @@ def _step_launches(layout: Layout, max_seq: int, rows: int, act, sample_vocab: i
     nh, nkv, hd, eps = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, f32(cfg.rms_norm_eps)
     window = i32(attention_window(cfg, max_seq))
     launches = []
+    prepared = (act("xn"), act("x_ss"))  # gemv_residual's output for the next RMSNorm GEMV (X_PREP)
     for i in range(cfg.num_layers):
         w = _Weights(layout, i)
-        qkv, qkv_rows, qkv_threads = w.gemv("gemv_qkv_rope", "wqkv", rows)
+        # The RMSNorm GEMVs read what the residual before them prepared; a step's first qkv reads the embedding
+        # (x, as embed_rows or sample wrote it) and an act-order linear its gathered x: their *_x kernels
+        qkv_prepared, gate_up_prepared = i > 0 and w.prepared("wqkv"), w.prepared("w_gate_up")
+        qkv, qkv_rows, qkv_threads = w.gemv("gemv_qkv_rope" + ("" if qkv_prepared else "_x"), "wqkv", rows)
         o, o_rows, o_threads = w.gemv("gemv_residual", "wo", rows)
-        gate_up, gate_up_rows, gate_up_threads = w.gemv("gemv_gate_up_silu", "w_gate_up", rows)
+        gate_up, gate_up_rows, gate_up_threads = w.gemv(
+            "gemv_gate_up_silu" + ("" if gate_up_prepared else "_x"), "w_gate_up", rows)
         down, down_rows, down_threads = w.gemv("gemv_residual", "w_down", rows)
         gather_qkv, x_qkv = w.gathered("wqkv", act("x"), act("x_perm"), d, rows, GATHER_F32)
         gather_o, attn_out = w.gathered("wo", act("attn_out"), act("attn_out_perm"), cfg.q_dim, rows, GATHER_F32)
         gather_gate_up, x_gate_up = w.gathered("w_gate_up", act("x"), act("x_perm"), d, rows, GATHER_F32)
+        qkv_in = prepared if qkv_prepared else (x_qkv, w.norm("wqkv"))
+        gate_up_in = prepared if gate_up_prepared else (x_gate_up, w.norm("w_gate_up"))
+        # down prepares the next layer's qkv input, or the logits'
+        next_norm = (_Weights(layout, i + 1).natural_norm("wqkv") if i + 1 < cfg.num_layers else Ref("final_norm"))
         launches += gather_qkv + [
             Launch(qkv, (cdiv(cfg.qkv_dim // 2, qkv_rows // 2), 1, 1), qkv_threads,
-                   (x_qkv, w.norm("wqkv"), *w.gemv_args("wqkv"), w.bias(), act("q"), Ref("k_cache", i),
+                   (*qkv_in, *w.gemv_args("wqkv"), w.bias(), act("q"), Ref("k_cache", i),
                     Ref("v_cache", i), Ref("rope"), Ref("state"), step_rows, i32(d), i32(nh), i32(nkv), i32(hd),
                     i32(max_seq), eps, w.gemv_group("wqkv"))),
             Launch(attention("attention_decode", cfg), (nkv, attention_splits(cfg), rows), ATTENTION_THREADS,
@@ -515,31 +549,35 @@ def _step_launches(layout: Layout, max_seq: int, rows: int, act, sample_vocab: i
                     act("attn_out"), Ref("state"), step_rows, i32(max_seq), f32(1.0 / np.sqrt(hd)), window)),
         ] + gather_o + [
             Launch(o, (cdiv(d, o_rows), 1, 1), o_threads,
-                   (attn_out, *w.gemv_args("wo"), act("x"), i32(d), i32(cfg.q_dim), w.gemv_group("wo"))),
+                   (attn_out, *w.gemv_args("wo"), act("x"), w.natural_norm("w_gate_up"), *prepared, i32(d),
+                    i32(cfg.q_dim), w.gemv_group("wo"))),
         ] + gather_gate_up + [
             Launch(gate_up, (cdiv(ff, gate_up_rows // 2), 1, 1), gate_up_threads,
-                   (x_gate_up, w.norm("w_gate_up"), *w.gemv_args("w_gate_up"), act("h"), i32(ff), i32(d), eps,
+                   (*gate_up_in, *w.gemv_args("w_gate_up"), act("h"), i32(ff), i32(d), eps,
                     w.gemv_group("w_gate_up"))),
             Launch(down, (cdiv(d, down_rows), 1, 1), down_threads,
-                   (act("h"), *w.gemv_args("w_down"), act("x"), i32(d), i32(ff), w.gemv_group("w_down"))),
+                   (act("h"), *w.gemv_args("w_down"), act("x"), next_norm, *prepared, i32(d), i32(ff),
+                    w.gemv_group("w_down"))),
         ]
-    return launches + _logits_and_sample(cfg, act("x"), act("logits"), rows, sample_vocab, step_rows, batch)
+    return launches + _logits_and_sample(cfg, act("x"), act("logits"), rows, sample_vocab, step_rows, batch,
+                                         prepared)
 
 
 def _logits_and_sample(cfg: LlamaConfig, x: Ref, logits: Ref = Ref("logits"), rows: int = 1,
                        sample_vocab: int | None = None, step_rows: Ref = Ref("slot_rows", 0),
-                       batch: Ref | None = None) -> list[Launch]:
+                       batch: Ref | None = None, prepared: tuple[Ref, Ref] | None = None) -> list[Launch]:
     """logits = lm_head · rmsnorm(x) for `rows` token rows, then the sample kernel over them (1 row: the next
     token; more: a verify step's acceptance). Either way it sets up the next decode step (state, seen, x).
-    Only the first sample_vocab ids (default: all) get a logit and can be drawn."""
+    Only the first sample_vocab ids (default: all) get a logit and can be drawn. `prepared`: x's RMSNorm input as
+    the last gemv_residual prepared it (gemv_logits), else gemv_logits_x on x (a prefill's last row)."""
     d, V = cfg.hidden_size, sample_vocab or cfg.vocab_size
     lm_head = Ref("lm_head") if V == cfg.vocab_size else Ref("lm_head", rows=V)  # its first V rows: the twin's W
     picks = Ref("verify_picks", rows=rows) if batch is None else batch
     verify = [Ref("verify_ids", rows=rows), picks, Ref("verify_out", rows=rows + 1), Ref("verify_arrivals")]
     next_x = Ref("x") if batch is None else x  # a batched step: each row's next input in its own row
     return [
-        Launch(gemv("gemv_logits", rows), (cdiv(V, gemv_rows(rows)), 1, 1), GEMV_THREADS,
-               (x, Ref("final_norm"), lm_head, logits, i32(V), i32(d), f32(cfg.rms_norm_eps))),
+        Launch(gemv("gemv_logits" + ("" if prepared else "_x"), rows), (cdiv(V, gemv_rows(rows)), 1, 1), GEMV_THREADS,
+               (*(prepared or (x, Ref("final_norm"))), lm_head, logits, i32(V), i32(d), f32(cfg.rms_norm_eps))),
         Launch(SAMPLE, (rows, 1, 1), SAMPLE_THREADS,
                (logits, Ref("seen"), Ref("state"), Ref("fparams"), Ref("embed"), next_x, step_rows,
                 *verify, Ref("masks"), i32(V), i32(d), i32(seen_stride(cfg.vocab_size)),

@@ -533,7 +533,7 @@ def test_quantized_sections_target_and_decision(made, records, tmp_path, capsys)
     assert target(text, "every W4 / W8 GEMV")[1] == "FAIL"  # the CPU's fake GPU is far from 3.9 TB/s
 
     r = copy.deepcopy(records)
-    default4 = " ".join(f"{k}={v}" for k, v in gemv_mma.defines(4))
+    default4 = " ".join(f"{k}={v}" for k, v in gemv_mma.defines(4, 1, gemv_mma.K_BLOCK_GROUP))
     other4 = next(row["variant"] for row in r["gemv_quant.json"]["rows"]
                   if row["bits"] == 4 and row["variant"] != default4)
     for row in r["gemv_quant.json"]["rows"]:

@@ -65,25 +65,29 @@ def test_gemv_twin_rows_are_one_row_launches(rows):
 
     q, caches = np.full((rows, heads * hd), np.nan, np.float32), [np.zeros((kv_heads, max_seq, hd), np.float16)
                                                                   for _ in range(2)]
-    gemv_twin.gemv_qkv_rope(x, g, wqkv, wqkv, bias, q, *caches, rope, state_at(pos), verify_rows(rows), d, *shape, 0)
+    xn, ssp = gemv_twin.prepare(x, g, d)  # the RMSNorm kernels' input as gemv_residual prepares it
+    gemv_twin.gemv_qkv_rope(xn, ssp, wqkv, wqkv, bias, q, *caches, rope, state_at(pos), verify_rows(rows), d, *shape, 0)
     inp, x_res = rand(rng, rows, heads * hd, dtype=np.float32), x.copy()
-    gemv_twin.gemv_residual(inp, wo, wo, x_res, d, heads * hd, 0)
+    xn_res, ssp_res = np.zeros((rows, d), np.float16), np.zeros((rows, plans.ss_parts(d)), np.float32)
+    gemv_twin.gemv_residual(inp, wo, wo, x_res, g, xn_res, ssp_res, d, heads * hd, 0)
     h, logits = np.full((rows, ff), np.nan, np.float32), np.full((rows, LD), np.nan, np.float32)
-    gemv_twin.gemv_gate_up_silu(x, g, w_gu, w_gu, h, ff, d, EPS, 0)
-    gemv_twin.gemv_logits(x, g, w_lm, logits, V, d, EPS)
+    gemv_twin.gemv_gate_up_silu_x(x, g, w_gu, w_gu, h, ff, d, EPS, 0)
+    gemv_twin.gemv_logits(xn, ssp, w_lm, logits, V, d, EPS)
     for t in range(rows):
         q1, caches1 = np.full(heads * hd, np.nan, np.float32), [np.zeros_like(caches[0]) for _ in range(2)]
-        gemv_twin.gemv_qkv_rope(x[t].copy(), g, wqkv, wqkv, bias, q1, *caches1, rope, state_at(pos + t),
+        gemv_twin.gemv_qkv_rope(xn[t].copy(), ssp[t].copy(), wqkv, wqkv, bias, q1, *caches1, rope, state_at(pos + t),
                                 verify_rows(1), d, *shape, 0)
         np.testing.assert_array_equal(q[t], q1)
         for cache, one in zip(caches, caches1):
             np.testing.assert_array_equal(cache[:, pos + t], one[:, pos + t])
-        x1 = x[t].copy()
-        gemv_twin.gemv_residual(inp[t].copy(), wo, wo, x1, d, heads * hd, 0)
+        x1, xn1, ssp1 = x[t].copy(), np.zeros(d, np.float16), np.zeros(plans.ss_parts(d), np.float32)
+        gemv_twin.gemv_residual(inp[t].copy(), wo, wo, x1, g, xn1, ssp1, d, heads * hd, 0)
         np.testing.assert_array_equal(x_res[t], x1)
+        np.testing.assert_array_equal(xn_res[t], xn1)
+        np.testing.assert_array_equal(ssp_res[t], ssp1)
         h1, l1 = np.full(ff, np.nan, np.float32), np.full(V, np.nan, np.float32)
-        gemv_twin.gemv_gate_up_silu(x[t].copy(), g, w_gu, w_gu, h1, ff, d, EPS, 0)
-        gemv_twin.gemv_logits(x[t].copy(), g, w_lm, l1, V, d, EPS)
+        gemv_twin.gemv_gate_up_silu_x(x[t].copy(), g, w_gu, w_gu, h1, ff, d, EPS, 0)
+        gemv_twin.gemv_logits(xn[t].copy(), ssp[t].copy(), w_lm, l1, V, d, EPS)
         np.testing.assert_array_equal(h[t], h1)
         np.testing.assert_array_equal(logits[t, :V], l1)
     assert np.isnan(logits[:, V:]).all()  # the rows' padding is never written
@@ -571,6 +575,7 @@ def check_gemv_rows(launch, rows, d=136, ff=184, V=1001, heads=5, kv_heads=1, hd
     rope = np.stack(rope_tables(hd, np.arange(max_seq), 10000.0), -1).astype(np.float32)
     shape = (np.int32(d), np.int32(heads), np.int32(kv_heads), np.int32(hd), np.int32(max_seq), np.float32(EPS))
     zero = np.int32(0)  # the group: unread at BITS 16
+    xn, ssp = gemv_twin.prepare(x, g, d)  # the prepared RMSNorm input (gemv_qkv_rope, gemv_logits)
 
     def run(tokens, sl, pos_now):
         """Every kernel on token rows `sl` of the inputs: {output name: array}."""
@@ -578,19 +583,22 @@ def check_gemv_rows(launch, rows, d=136, ff=184, V=1001, heads=5, kv_heads=1, hd
         spec = lambda name: plans.gemv(name, tokens)  # noqa: E731
         q, caches = nan(n, heads * hd), [nan(kv_heads, max_seq, hd, dtype=np.float16) for _ in range(2)]
         launch(spec("gemv_qkv_rope"), (-(-(heads + 2 * kv_heads) * hd // per_block),), plans.GEMV_THREADS,
-               (x[sl].copy(), g, wqkv, wqkv, bias, q, *caches, rope, state_at(pos_now), verify_rows(n), *shape, zero))
+               (xn[sl].copy(), ssp[sl].copy(), wqkv, wqkv, bias, q, *caches, rope, state_at(pos_now), verify_rows(n),
+                *shape, zero))
         xo, xd = x[sl].copy(), x[sl].copy()
+        prepared = {name: (nan(n, d, dtype=np.float16), nan(n, plans.ss_parts(d))) for name in ("o", "down")}
         launch(spec("gemv_residual"), (-(-d // per_block),), plans.GEMV_THREADS,
-               (inp[sl].copy(), wo, wo, xo, np.int32(d), np.int32(heads * hd), zero))
+               (inp[sl].copy(), wo, wo, xo, g, *prepared["o"], np.int32(d), np.int32(heads * hd), zero))
         launch(spec("gemv_residual"), (-(-d // per_block),), plans.GEMV_THREADS,
-               (hin[sl].copy(), w_down, w_down, xd, np.int32(d), np.int32(ff), zero))
+               (hin[sl].copy(), w_down, w_down, xd, g, *prepared["down"], np.int32(d), np.int32(ff), zero))
         h, logits = nan(n, ff), nan(n, logits_stride(V))
-        launch(spec("gemv_gate_up_silu"), (-(-ff // (per_block // 2)),), plans.GEMV_THREADS,
+        launch(spec("gemv_gate_up_silu_x"), (-(-ff // (per_block // 2)),), plans.GEMV_THREADS,
                (x[sl].copy(), g, w_gu, w_gu, h, np.int32(ff), np.int32(d), np.float32(EPS), zero))
         launch(spec("gemv_logits"), (-(-V // per_block),), plans.GEMV_THREADS,
-               (x[sl].copy(), g, w_lm, logits, np.int32(V), np.int32(d), np.float32(EPS)))
+               (xn[sl].copy(), ssp[sl].copy(), w_lm, logits, np.int32(V), np.int32(d), np.float32(EPS)))
         return {"q": q, "k": caches[0][:, pos_now:pos_now + n], "v": caches[1][:, pos_now:pos_now + n], "o": xo,
-                "down": xd, "h": h, "logits": logits}
+                "down": xd, "o xn": prepared["o"][0], "o ssp": prepared["o"][1], "down xn": prepared["down"][0],
+                "down ssp": prepared["down"][1], "h": h, "logits": logits}
 
     many = run(rows, slice(None), pos)
     for t in range(rows):
@@ -599,11 +607,11 @@ def check_gemv_rows(launch, rows, d=136, ff=184, V=1001, heads=5, kv_heads=1, hd
             np.testing.assert_array_equal(row, value, err_msg=f"{name}, row {t} of {rows}")
     twin_q = np.empty((rows, heads * hd), np.float32)
     caches = [np.zeros((kv_heads, max_seq, hd), np.float16) for _ in range(2)]
-    gemv_twin.gemv_qkv_rope(x, g, wqkv, wqkv, bias, twin_q, *caches, rope, state_at(pos), verify_rows(rows), d, heads,
-                            kv_heads, hd, max_seq, EPS, 0)
+    gemv_twin.gemv_qkv_rope(xn, ssp, wqkv, wqkv, bias, twin_q, *caches, rope, state_at(pos), verify_rows(rows), d,
+                            heads, kv_heads, hd, max_seq, EPS, 0)
     np.testing.assert_allclose(many["q"], twin_q, rtol=2e-3, atol=2e-3)  # and right, not only consistent
     twin_logits = np.empty((rows, logits_stride(V)), np.float32)
-    gemv_twin.gemv_logits(x, g, w_lm, twin_logits, V, d, EPS)
+    gemv_twin.gemv_logits(xn, ssp, w_lm, twin_logits, V, d, EPS)
     np.testing.assert_allclose(many["logits"][:, :V], twin_logits[:, :V], rtol=2e-3, atol=2e-3)
     assert np.isnan(many["logits"][:, V:]).all()  # the rows' padding is never written
 

@@ -7,7 +7,7 @@ or bytes a __restrict__ argument shares with another, fails too (launch.py). The
 its NumPy twin this way, and CULLAMA_FAKE_GPU=emu runs the GPU tests end to end on it.
 
     from cullama.runtime.emu import launch
-    launch(KernelSpec("gemv_mma.cu", "gemv_residual", defines), grid, block, (inp, W, W, x, M, K, group))
+    launch(KernelSpec("gemv_mma.cu", "gemv_residual", defines), grid, block, (inp, W, W, x, norm_w, xn, ssp, M, K, group))
 
 It cannot see what only a GPU can show: the order in which blocks run and meet (blocks run one after another
 here), the memory model between threads (every store is visible at once), or the tensor cores' and special

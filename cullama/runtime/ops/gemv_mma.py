@@ -191,72 +191,152 @@ def _silu(a: np.ndarray) -> np.ndarray:
     return a / (np.float32(1.0) + _expf(-a))
 
 
+# -- the RMSNorm kernels' two input forms ---------------------------------------------------------------------------
+SS_SPAN = ROWS  # x elements per Σ x² part of a prepared input: gemv_residual's rows per block
+
+
+def _raw_input(x, norm_w, K: int):
+    """The *_x kernels' input (x float32 rows, norm_w): (A = fp16(x * norm_w) [T, K], x [T, K] for mma_rows' Σ x²)."""
+    x32, a16 = _normed(x, norm_w, K)
+    return a16, x32
+
+
+def prepared_ss(ssp: np.ndarray, K: int) -> np.ndarray:
+    """Σ x² [T] of a prepared input from its parts ssp [T, ceil(K / SS_SPAN)], in prepared_scales' order: lane l
+    adds parts l, l + 32, ... from +0 in order, then the lanes' sums in a butterfly (l + l ^ 1, then ^ 2, ..., ^ 16)."""
+    parts = -(-K // SS_SPAN)
+    ssp = token_rows(ssp)[:, :parts].astype(np.float32)
+    T = ssp.shape[0]
+    lanes = np.zeros((T, 32), np.float32)
+    for i in range(parts):
+        lanes[:, i % 32] = lanes[:, i % 32] + ssp[:, i]
+    m = 1
+    while m < 32:
+        lanes = lanes + lanes[:, np.arange(32) ^ m]
+        m *= 2
+    return lanes[:, 0].copy()
+
+
+def prepare(x: np.ndarray, norm_w: np.ndarray, M: int) -> tuple[np.ndarray, np.ndarray]:
+    """What gemv_residual writes for the next RMSNorm kernel from the new x [T, M] float32 rows: xn [T, M] float16 =
+    fp16(x * norm_w) and ssp [T, ceil(M / SS_SPAN)] float32, part b the fmaf chain of x^2 over rows b SS_SPAN .. in
+    order (each part starting at +0)."""
+    x32 = np.ascontiguousarray(token_rows(x)[:, :M], np.float32)
+    xn = (x32 * norm_w[:M].astype(np.float32)).astype(np.float16)
+    parts = -(-M // SS_SPAN)
+    ssp = np.zeros((x32.shape[0], parts), np.float32)
+    for b in range(parts):
+        for r in range(b * SS_SPAN, min(M, (b + 1) * SS_SPAN)):
+            ssp[:, b] = _fma32(x32[:, r], x32[:, r], ssp[:, b])
+    return xn, ssp
+
+
+def _norm_input(prepared: bool, first, second, K: int):
+    """(A [T, K] float16, x [T, K] float32 or None, ss [T] or None): the kernel's A operand and how its RMSNorm sum is
+    had: from x (the *_x forms, mma_rows sums it) or from the prepared parts."""
+    if prepared:
+        return np.ascontiguousarray(token_rows(first)[:, :K], np.float16), None, prepared_ss(second, K)
+    a16, x32 = _raw_input(first, second, K)
+    return a16, x32, None
+
+
 # -- the kernels -----------------------------------------------------------------------------------------------------
-def qkv_rope(W, qparams, x, norm_w, bias, q_out, k_cache, v_cache, rope, state, step_rows, d, n_heads, n_kv_heads, hd,
-             max_seq, eps):
+def qkv_rope(W, qparams, prepared, first, second, bias, q_out, k_cache, v_cache, rope, state, step_rows, d, n_heads,
+             n_kv_heads, hd, max_seq, eps):
     b16, bits, scale = _weights(W, qparams, d)
-    x32, a16 = _normed(x, norm_w, d)
-    dot, ss = mma_rows(b16, a16, bits, x32, scale)
-    rows = x32.shape[0]
+    a16, x32, ss = _norm_input(prepared, first, second, d)
+    dot, ss_x = mma_rows(b16, a16, bits, x32, scale)
+    ss = ss_x if ss is None else ss
+    rows = a16.shape[0]
     y = (dot * _rms_scale(ss, d, eps)[:, None]) + bias[:b16.shape[0]].astype(np.float32)  # [rows, all heads * hd]
     y = y.reshape(rows, n_heads + 2 * n_kv_heads, hd)
     slots, positions = row_positions(step_rows, state, rows)
     angles = rope[positions]  # [rows, hd/2, 2]: each row's cos and sin at its position
     cos, sin = angles[:, None, :, 0], angles[:, None, :, 1]
     qk = y[:, : n_heads + n_kv_heads]
-    first, second = qk[..., : hd // 2].copy(), qk[..., hd // 2:].copy()
-    qk[..., : hd // 2] = first * cos - second * sin
-    qk[..., hd // 2:] = second * cos + first * sin
+    first_half, second_half = qk[..., : hd // 2].copy(), qk[..., hd // 2:].copy()
+    qk[..., : hd // 2] = first_half * cos - second_half * sin
+    qk[..., hd // 2:] = second_half * cos + first_half * sin
     token_rows(q_out)[:, : n_heads * hd] = y[:, :n_heads].reshape(rows, -1)
     keys, values = (c.reshape(-1, n_kv_heads, max_seq, hd) for c in (k_cache, v_cache))  # [slots, ...]
     keys[slots, :, positions] = y[:, n_heads: n_heads + n_kv_heads].astype(np.float16)  # [rows, kv_heads, hd]
     values[slots, :, positions] = y[:, n_heads + n_kv_heads:].astype(np.float16)
 
 
-def residual(W, qparams, inp, x, M, K):
+def residual(W, qparams, inp, x, M, K, norm_w=None, xn=None, ssp=None):
     b16, bits, scale = _weights(W, qparams, K)
     a16 = token_rows(inp)[:, :K].astype(np.float32).astype(np.float16)
     dot, _ = mma_rows(b16[:M], a16, bits, scale=None if scale is None else scale[:M])
     xs = token_rows(x)
     xs[:, :M] = xs[:, :M] + dot
+    if norm_w is not None:
+        n, parts = prepare(xs, norm_w, M)
+        token_rows(xn)[:, :M] = n
+        token_rows(ssp)[:, :parts.shape[1]] = parts
 
 
-def gate_up_silu(W, qparams, x, norm_w, h, ff, d, eps):
+def gate_up_silu(W, qparams, prepared, first, second, h, ff, d, eps):
     b16, bits, scale = _weights(W, qparams, d)
-    x32, a16 = _normed(x, norm_w, d)
-    dot, ss = mma_rows(b16[:2 * ff], a16, bits, x32, None if scale is None else scale[:2 * ff])
+    a16, x32, ss = _norm_input(prepared, first, second, d)
+    dot, ss_x = mma_rows(b16[:2 * ff], a16, bits, x32, None if scale is None else scale[:2 * ff])
+    ss = ss_x if ss is None else ss
     scale = _rms_scale(ss, d, eps)[:, None]
     gate, up = dot[:, :ff] * scale, dot[:, ff:] * scale
     token_rows(h)[:, :ff] = _silu(gate) * up
+
+
+def logits_rows(prepared, first, second, W, logits, V, d, eps):
+    a16, x32, ss = _norm_input(prepared, first, second, d)
+    dot, ss_x = mma_rows(np.asarray(W)[:V, :d].astype(np.float16, copy=False), a16, 16, x32)
+    ss = ss_x if ss is None else ss
+    out = dot * _rms_scale(ss, d, eps)[:, None]
+    for lt, row in zip(logit_rows(logits, V, len(out)), out):
+        lt[:V] = row
 
 
 def _quantized(W) -> bool:
     return np.asarray(W).dtype == np.uint32  # quant.py's qweight; an FP16 W otherwise (qparams and group unread)
 
 
-def gemv_qkv_rope(x, norm_w, W, qparams, bias, q_out, k_cache, v_cache, rope, state, step_rows, d, n_heads, n_kv_heads,
+def gemv_qkv_rope(xn, ssp, W, qparams, bias, q_out, k_cache, v_cache, rope, state, step_rows, d, n_heads, n_kv_heads,
                   hd, max_seq, eps, group):
-    """Per token row t of x [T, d] (or [d]): q|k|v = W · rmsnorm(x[t]) + bias, then RoPE; q_out[t] [heads hd] f32,
-    k_cache / v_cache [slots, kv_heads, max_seq, hd] f16 written in row t's slot at its position. W: FP16 [M, d], or
-    quant.py's qweight with its qparams (and group)."""
-    qkv_rope(W, qparams if _quantized(W) else None, x, norm_w, bias, q_out, k_cache, v_cache, rope, state, step_rows,
-             d, n_heads, n_kv_heads, hd, max_seq, eps)
+    """Per token row t of a prepared input (xn [T, d] float16 = x * norm_w, ssp: its Σ x² parts, gemv_residual's):
+    q|k|v = W · rmsnorm(x[t]) + bias, then RoPE; q_out[t] [heads hd] f32, k_cache / v_cache [slots, kv_heads,
+    max_seq, hd] f16 written in row t's slot at its position. W: FP16 [M, d], or quant.py's qweight with its qparams
+    (and group)."""
+    qkv_rope(W, qparams if _quantized(W) else None, True, xn, ssp, bias, q_out, k_cache, v_cache, rope, state,
+             step_rows, d, n_heads, n_kv_heads, hd, max_seq, eps)
 
 
-def gemv_residual(inp, W, qparams, x, M, K, group):
-    """x[t, :M] += W [M, K] · in[t, :K] per token row t (1-D: one row)."""
-    residual(W, qparams if _quantized(W) else None, inp, x, M, K)
+def gemv_qkv_rope_x(x, norm_w, W, qparams, bias, q_out, k_cache, v_cache, rope, state, step_rows, d, n_heads,
+                    n_kv_heads, hd, max_seq, eps, group):
+    """gemv_qkv_rope on float32 rows x [T, d] (or [d]) and the norm weights, its RMSNorm done in the kernel."""
+    qkv_rope(W, qparams if _quantized(W) else None, False, x, norm_w, bias, q_out, k_cache, v_cache, rope, state,
+             step_rows, d, n_heads, n_kv_heads, hd, max_seq, eps)
 
 
-def gemv_gate_up_silu(x, norm_w, W, qparams, h, ff, d, eps, group):
-    """h[t, :ff] = silu(gate) * up, gate|up = W [2 ff, d] · rmsnorm(x[t]) per token row t."""
-    gate_up_silu(W, qparams if _quantized(W) else None, x, norm_w, h, ff, d, eps)
+def gemv_residual(inp, W, qparams, x, norm_w, xn, ssp, M, K, group):
+    """x[t, :M] += W [M, K] · in[t, :K] per token row t (1-D: one row); then the next RMSNorm kernel's prepared
+    input from the new x: xn[t, :M] = fp16(x * norm_w), ssp[t] its Σ x² parts (prepare)."""
+    residual(W, qparams if _quantized(W) else None, inp, x, M, K, norm_w, xn, ssp)
 
 
-def gemv_logits(x, norm_w, W, logits, V, d, eps):
-    """logits[t, :V] = W [V, d] · rmsnorm(x[t]) per token row t, rows at logits_stride(V) (FP16 W only)."""
-    x32, a16 = _normed(x, norm_w, d)
-    dot, ss = mma_rows(np.asarray(W)[:V, :d].astype(np.float16, copy=False), a16, 16, x32)
-    out = dot * _rms_scale(ss, d, eps)[:, None]
-    for lt, row in zip(logit_rows(logits, V, len(out)), out):
-        lt[:V] = row
+def gemv_gate_up_silu(xn, ssp, W, qparams, h, ff, d, eps, group):
+    """h[t, :ff] = silu(gate) * up, gate|up = W [2 ff, d] · rmsnorm(x[t]) per token row t of a prepared input."""
+    gate_up_silu(W, qparams if _quantized(W) else None, True, xn, ssp, h, ff, d, eps)
+
+
+def gemv_gate_up_silu_x(x, norm_w, W, qparams, h, ff, d, eps, group):
+    """gemv_gate_up_silu on float32 rows x and the norm weights."""
+    gate_up_silu(W, qparams if _quantized(W) else None, False, x, norm_w, h, ff, d, eps)
+
+
+def gemv_logits(xn, ssp, W, logits, V, d, eps):
+    """logits[t, :V] = W [V, d] · rmsnorm(x[t]) per token row t of a prepared input, rows at logits_stride(V) (FP16
+    W only)."""
+    logits_rows(True, xn, ssp, W, logits, V, d, eps)
+
+
+def gemv_logits_x(x, norm_w, W, logits, V, d, eps):
+    """gemv_logits on float32 rows x and the norm weights."""
+    logits_rows(False, x, norm_w, W, logits, V, d, eps)

@@ -192,10 +192,15 @@ def test_gemv_mma_on_the_executor_equals_the_gpu(kernels, bits, kblock):
         w16 = quant.dequantize(*weights, bits, np.float16)
     inp, x = rng.standard_normal(K).astype(np.float32), rng.standard_normal(M).astype(np.float32)
     spec = KernelSpec(gemv_mma_ops.SOURCE, "gemv_residual", gemv_mma_ops.defines(bits, 1, group))
+    norm_w = (1 + 0.1 * rng.standard_normal(M)).astype(np.float16)  # the next RMSNorm's, for the prepared input
+    xn, ssp = np.zeros(M, np.float16), np.zeros(-(-M // gemv_mma_ops.SS_SPAN), np.float32)
     gpu, cpu = both(kernels, spec, (-(-M // gemv_mma_ops.rows_per_block()),), gemv_mma_ops.THREADS,
-                    (inp, *weights, x, np.int32(M), np.int32(K), np.int32(group)))
+                    (inp, *weights, x, norm_w, xn, ssp, np.int32(M), np.int32(K), np.int32(group)))
     bound = np.abs(w16).astype(np.float64) @ np.abs(inp.astype(np.float16)).astype(np.float64) + np.abs(x)
     agree(f"gemv_mma residual BITS={bits} M={M} K={K}", gpu[3], cpu[3], bound, 1e-5)
+    for i, prepared in ((5, "xn"), (6, "ssp")):  # from the new x: as close as x itself
+        want = gemv_mma_ops.prepare(gpu[3][None], norm_w, M)[i - 5][0]
+        np.testing.assert_array_equal(gpu[i], want, err_msg=f"residual's {prepared} from its x")
 
 
 @pytest.mark.parametrize("bits", [4, 8])

@@ -82,8 +82,9 @@ def check_qkv_batch(launch, bits, positions=(7, 0, 30, 12), table=((2, 0), (0, 0
         n = len(rows_table)
         q = nan(n, heads * hd)
         caches = [nan(slots, kv_heads, max_seq, hd, dtype=np.float16) for _ in range(2)]
+        xn, ssp = gemv_twin.prepare(xs, g, d)  # the input as gemv_residual prepares it
         launch(qkv_spec(bits, n), (-(-M // per_block),), threads,
-               (xs.copy(), g, *weights, bias, q, *caches, rope, state.copy(), rows_table, *shape, *group))
+               (xn, ssp, *weights, bias, q, *caches, rope, state.copy(), rows_table, *shape, *group))
         return q, caches
 
     q, (k, v) = run(x, table, per_block)

@@ -103,6 +103,7 @@ class Case:
         self.x, self.inp = rand(rng, tokens, K), rand(rng, tokens, K)
         self.norm_w = rand(rng, K, dtype=np.float16)
         self.x0 = rand(rng, tokens, M)
+        self.norm_next = rand(rng, M, dtype=np.float16)  # the norm gemv_residual prepares its new x with
         self.w_qkv = weights(rng, bits, (HEADS + 2 * KV_HEADS) * HD, K, group)
         self.bias = rand(rng, (HEADS + 2 * KV_HEADS) * HD, dtype=np.float16)
         self.w_res, self.w_gu = weights(rng, bits, M, K, group), weights(rng, bits, 2 * FF, K, group)
@@ -112,12 +113,15 @@ class Case:
             self.w_qkv, self.w_res, self.w_gu = ((w[0], w[0]) for w in (self.w_qkv, self.w_res, self.w_gu))
         self.g = (np.int32(group),)
 
-    def run(self, fn, defines, rows, pos=None):
+    def run(self, fn, defines, rows, pos=None, form="prep"):
         """{output: array} of every kernel on token rows `rows` (a list of indices into the case's rows), by `fn`:
-        a launcher (spec, grid, block, args), or None for the twins. pos: the first row's position."""
+        a launcher (spec, grid, block, args), or None for the twins. pos: the first row's position. form: "prep",
+        the RMSNorm kernels on the input prepared from x as gemv_residual prepares it (twin.prepare); "x", their
+        *_x forms on x and the norm weights."""
         T, K = len(rows), self.K
         pos = self.pos if pos is None else pos
         x, inp, x0 = self.x[rows], self.inp[rows], self.x0[rows]
+        suffix, norm_in = ("", twin.prepare(x, self.norm_w, K)) if form == "prep" else ("_x", (x, self.norm_w))
         rpb = twin.rows_per_block(defines)
         out = {}
 
@@ -130,37 +134,41 @@ class Case:
         q = nan(T, HEADS * HD)
         kc, vc = (nan(KV_HEADS, self.max_seq, HD, dtype=np.float16) for _ in range(2))
         pairs = (HEADS + 2 * KV_HEADS) * HD // 2
-        call("gemv_qkv_rope", -(-pairs // (rpb // 2)),
-             (x, self.norm_w, *self.w_qkv, self.bias, q, kc, vc, self.rope, state_at(pos), verify_rows(T), np.int32(K),
+        call("gemv_qkv_rope" + suffix, -(-pairs // (rpb // 2)),
+             (*norm_in, *self.w_qkv, self.bias, q, kc, vc, self.rope, state_at(pos), verify_rows(T), np.int32(K),
               np.int32(HEADS), np.int32(KV_HEADS), np.int32(HD), np.int32(self.max_seq), EPS, *self.g))
         out["q"], out["k"], out["v"] = q, kc[:, pos:pos + T], vc[:, pos:pos + T]
         out["k outside"] = np.delete(kc, range(pos, pos + T), axis=1)
         out["v outside"] = np.delete(vc, range(pos, pos + T), axis=1)
         xr = out_rows(x0)
-        call("gemv_residual", -(-M // rpb), (inp, *self.w_res, xr, np.int32(M), np.int32(K), *self.g))
+        xn, ssp = nan(T, M, dtype=np.float16), nan(T, -(-M // twin.SS_SPAN))
+        call("gemv_residual", -(-M // rpb), (inp, *self.w_res, xr, self.norm_next, xn, ssp, np.int32(M), np.int32(K),
+                                             *self.g))
         out["residual"] = rows_of(xr, T, M, "gemv_residual")
+        out["residual xn"], out["residual ssp"] = xn, ssp
         h = out_rows(nan(T, FF))
-        call("gemv_gate_up_silu", -(-FF // (rpb // 2)),
-             (x, self.norm_w, *self.w_gu, h, np.int32(FF), np.int32(K), EPS, *self.g))
+        call("gemv_gate_up_silu" + suffix, -(-FF // (rpb // 2)),
+             (*norm_in, *self.w_gu, h, np.int32(FF), np.int32(K), EPS, *self.g))
         out["h"] = rows_of(h, T, FF, "gemv_gate_up_silu")
         if self.bits == 16:
             stride = -(-V // 4) * 4
             logits = np.full(T * stride + 3, np.nan, np.float32)
-            call("gemv_logits", -(-V // rpb), (x, self.norm_w, *self.w_lm, logits, np.int32(V), np.int32(K), EPS))
+            call("gemv_logits" + suffix, -(-V // rpb), (*norm_in, *self.w_lm, logits, np.int32(V), np.int32(K), EPS))
             out["logits"] = logits
         return out
 
 
-def check_against_twin(launch, bits, tokens, cases=None, seed=0, tolerance=None):
-    """Every kernel of (BITS, TOKENS) against its twin on each (K, group) case: bit for bit (tolerance None: the
-    executor), or within `tolerance` relative (a GPU), NaN-poisoned outputs and what lies outside the rows exact."""
-    for K, group in cases or CASES[bits]:
+def check_against_twin(launch, bits, tokens, cases=None, seed=0, tolerance=None, forms=("prep", "x")):
+    """Every kernel of (BITS, TOKENS) against its twin on each (K, group) case, the RMSNorm kernels in both input
+    forms: bit for bit (tolerance None: the executor), or within `tolerance` relative (a GPU), NaN-poisoned outputs
+    and what lies outside the rows exact."""
+    for (K, group), form in [(c, f) for c in cases or CASES[bits] for f in forms]:
         case = Case(bits, K, group, seed=seed + K + group + tokens)
         rows = list(range(tokens))
         defines = twin.defines(bits, tokens, group)
-        got, ref = case.run(launch, defines, rows), case.run(None, defines, rows)
+        got, ref = case.run(launch, defines, rows, form=form), case.run(None, defines, rows, form=form)
         for name in got:
-            what = f"{name}, BITS={bits} TOKENS={tokens} K={K} group={group}"
+            what = f"{name}, BITS={bits} TOKENS={tokens} K={K} group={group} ({form})"
             if tolerance is None or "outside" in name:
                 exact(got[name], ref[name], what)
             else:
@@ -178,7 +186,7 @@ def check_row_independence(launch, bits, tokens, K=None, group=None, seed=1):
         alone = case.run(launch, twin.defines(bits, 1, group), [r], pos=case.pos + r)
         others = [r] + [(r + 1 + i) % 16 for i in range(tokens - 1)]  # row r first, other rows of the case after it
         first = case.run(launch, twin.defines(bits, tokens, group), others, pos=case.pos + r)
-        for name in ("q", "k", "v", "residual", "h", "logits"):
+        for name in ("q", "k", "v", "residual", "residual xn", "residual ssp", "h", "logits"):
             if name not in together:
                 continue
             if name == "logits":
@@ -210,6 +218,31 @@ def test_twins_are_the_reference_within_fp16_rounding(bits):
     y = n @ w.T
     want = y[:, :FF] / (1 + np.exp(-y[:, :FF])) * y[:, FF:]
     close(ref["h"], want, 2e-3, "gate_up against float64")
+
+
+@pytest.mark.parametrize("bits", twin.FORMATS)
+def test_the_prepared_input_and_x_give_the_same_outputs_within_float32_sums(bits):
+    """The RMSNorm kernels on gemv_residual's prepared input (xn, Σ x² in parts) and their *_x forms on x: the same
+    A, Σ x² summed in another order, so within a few float32 ulps of the scale."""
+    K, group = CASES[bits][2]
+    case = Case(bits, K, group, seed=4)
+    prep = case.run(None, twin.defines(bits, 3, group), [0, 1, 2], form="prep")
+    raw = case.run(None, twin.defines(bits, 3, group), [0, 1, 2], form="x")
+    for name in ("q", "h", "logits"):
+        if name in prep:
+            close(prep[name], raw[name], 1e-5, f"{name}: prepared against x (BITS={bits})")
+
+
+def test_prepare_is_what_the_residual_writes():
+    """twin.prepare: xn = fp16(x * norm_w), and part b the fmaf chain of x^2 over rows 32 b .. (the last part short)."""
+    rng = np.random.default_rng(5)
+    x, norm_w = rand(rng, 2, 70), rand(rng, 70, dtype=np.float16)
+    xn, ssp = twin.prepare(x, norm_w, 70)
+    assert xn.dtype == np.float16 and (xn == (x * norm_w.astype(np.float32)).astype(np.float16)).all()
+    assert ssp.shape == (2, 3)
+    np.testing.assert_allclose(ssp, [[(x[t, 32 * b:32 * b + 32].astype(np.float64) ** 2).sum() for b in range(3)]
+                                     for t in range(2)], rtol=1e-5)
+    assert twin.prepared_ss(ssp, 70) == pytest.approx((x.astype(np.float64) ** 2).sum(axis=1), rel=1e-5)
 
 
 def test_fma_emulation_rounds_once():
