@@ -463,19 +463,17 @@ __device__ __forceinline__ void norm_input(Loads& loads, int K, const void* __re
 // [(n_heads + 2 n_kv_heads) hd] FP16 (Qwen2's; zeros for a model without), added before RoPE; q_out [TOKENS, n_heads
 // hd] float32 (after RoPE); k_cache, v_cache [slots, n_kv_heads, max_seq, hd] FP16 (this layer's), token row t's
 // written in its slot at its position (state [slots, 8], step_rows [TOKENS, 2]: common.cuh); rope [max_seq, hd/2, 2].
+// Each kernel's prologue stands in its own body (the tests read what it touches before pdl_wait: weights only):
+// pdl_launch_dependents (the next kernel may start streaming its weights), the first batch of weight loads, then
+// pdl_wait (everything after it may read what the previous kernel wrote); the rest is these templates'.
 template <int FORM>
-__device__ __forceinline__ void qkv_rope(const void* __restrict__ in, const void* __restrict__ aux,
-                                         const uint4* __restrict__ W, const half_t* __restrict__ qparams,
+__device__ __forceinline__ void qkv_rope(Loads& loads, const void* __restrict__ in, const void* __restrict__ aux,
                                          const half_t* __restrict__ bias, float* __restrict__ q_out,
                                          half_t* __restrict__ k_cache, half_t* __restrict__ v_cache,
                                          const float* __restrict__ rope, const int* __restrict__ state,
                                          const int* __restrict__ step_rows, int d, int n_heads, int n_kv_heads, int hd,
-                                         int max_seq, float eps, int group, Partials& part) {
-    pdl_launch_dependents();  // the next kernel may start streaming its weights
+                                         int max_seq, float eps, Partials& part) {
     const int half_hd = hd / 2, n_pairs = (n_heads + 2 * n_kv_heads) * half_hd;
-    Loads loads;
-    first_batch<QKV_ROWS>(loads, W, qparams, d, group, 0, hd, n_pairs);
-    pdl_wait();  // everything below may read what the previous kernel wrote
     norm_input<FORM>(loads, d, in, aux, eps, part);
     for (int item = threadIdx.x; item < TOKENS * PAIRS; item += THREADS) {
         const int tok = item / PAIRS, i = item % PAIRS, p = blockIdx.x * PAIRS + i;
@@ -499,8 +497,12 @@ gemv_qkv_rope(const half_t* __restrict__ xn, const float* __restrict__ ssp, cons
               const int* __restrict__ state, const int* __restrict__ step_rows, int d, int n_heads, int n_kv_heads,
               int hd, int max_seq, float eps, int group) {
     __shared__ Partials part;
-    qkv_rope<X_PREP>(xn, ssp, W, qparams, bias, q_out, k_cache, v_cache, rope, state, step_rows, d, n_heads,
-                     n_kv_heads, hd, max_seq, eps, group, part);
+    pdl_launch_dependents();
+    Loads loads;
+    first_batch<QKV_ROWS>(loads, W, qparams, d, group, 0, hd, (n_heads + 2 * n_kv_heads) * (hd / 2));
+    pdl_wait();
+    qkv_rope<X_PREP>(loads, xn, ssp, bias, q_out, k_cache, v_cache, rope, state, step_rows, d, n_heads, n_kv_heads,
+                     hd, max_seq, eps, part);
 }
 
 extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS)
@@ -510,8 +512,12 @@ gemv_qkv_rope_x(const float* __restrict__ x, const half_t* __restrict__ norm_w, 
                 const int* __restrict__ state, const int* __restrict__ step_rows, int d, int n_heads, int n_kv_heads,
                 int hd, int max_seq, float eps, int group) {
     __shared__ Partials part;
-    qkv_rope<X_NORM>(x, norm_w, W, qparams, bias, q_out, k_cache, v_cache, rope, state, step_rows, d, n_heads,
-                     n_kv_heads, hd, max_seq, eps, group, part);
+    pdl_launch_dependents();
+    Loads loads;
+    first_batch<QKV_ROWS>(loads, W, qparams, d, group, 0, hd, (n_heads + 2 * n_kv_heads) * (hd / 2));
+    pdl_wait();
+    qkv_rope<X_NORM>(loads, x, norm_w, bias, q_out, k_cache, v_cache, rope, state, step_rows, d, n_heads, n_kv_heads,
+                     hd, max_seq, eps, part);
 }
 
 // grid: ceil(M / ROWS). x [TOKENS, M] float32 += W [M, K] · in [TOKENS, K]; then the next RMSNorm kernel's input
@@ -554,14 +560,8 @@ gemv_residual(const float* __restrict__ in, const uint4* __restrict__ W, const h
 
 // grid: ceil(ff / PAIRS). W [2 ff, d]: gate rows then up rows. h [TOKENS, ff] float32.
 template <int FORM>
-__device__ __forceinline__ void gate_up_silu(const void* __restrict__ in, const void* __restrict__ aux,
-                                             const uint4* __restrict__ W, const half_t* __restrict__ qparams,
-                                             float* __restrict__ h, int ff, int d, float eps, int group,
-                                             Partials& part) {
-    pdl_launch_dependents();  // the next kernel may start streaming its weights
-    Loads loads;
-    first_batch<GATE_UP_ROWS>(loads, W, qparams, d, group, ff, 0, ff);
-    pdl_wait();  // everything below may read what the previous kernel wrote
+__device__ __forceinline__ void gate_up_silu(Loads& loads, const void* __restrict__ in, const void* __restrict__ aux,
+                                             float* __restrict__ h, int ff, int d, float eps, Partials& part) {
     norm_input<FORM>(loads, d, in, aux, eps, part);
     for (int item = threadIdx.x; item < TOKENS * PAIRS; item += THREADS) {
         const int tok = item / PAIRS, i = item % PAIRS, r = blockIdx.x * PAIRS + i;
@@ -577,26 +577,29 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS)
 gemv_gate_up_silu(const half_t* __restrict__ xn, const float* __restrict__ ssp, const uint4* __restrict__ W,
                   const half_t* __restrict__ qparams, float* __restrict__ h, int ff, int d, float eps, int group) {
     __shared__ Partials part;
-    gate_up_silu<X_PREP>(xn, ssp, W, qparams, h, ff, d, eps, group, part);
+    pdl_launch_dependents();
+    Loads loads;
+    first_batch<GATE_UP_ROWS>(loads, W, qparams, d, group, ff, 0, ff);
+    pdl_wait();
+    gate_up_silu<X_PREP>(loads, xn, ssp, h, ff, d, eps, part);
 }
 
 extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS)
 gemv_gate_up_silu_x(const float* __restrict__ x, const half_t* __restrict__ norm_w, const uint4* __restrict__ W,
                     const half_t* __restrict__ qparams, float* __restrict__ h, int ff, int d, float eps, int group) {
     __shared__ Partials part;
-    gate_up_silu<X_NORM>(x, norm_w, W, qparams, h, ff, d, eps, group, part);
+    pdl_launch_dependents();
+    Loads loads;
+    first_batch<GATE_UP_ROWS>(loads, W, qparams, d, group, ff, 0, ff);
+    pdl_wait();
+    gate_up_silu<X_NORM>(loads, x, norm_w, h, ff, d, eps, part);
 }
 
 #if !QUANT
 // grid: ceil(V / ROWS). logits [TOKENS, V] float32 (rows at logits_stride(V)) = W [V, d] · rmsnorm(x [TOKENS, d]).
 template <int FORM>
-__device__ __forceinline__ void logits_rows(const void* __restrict__ in, const void* __restrict__ aux,
-                                            const half_t* __restrict__ W, float* __restrict__ logits, int V, int d,
-                                            float eps, Partials& part) {
-    pdl_launch_dependents();  // the next kernel may start streaming its weights
-    Loads loads;
-    first_batch<PLAIN_ROWS>(loads, W, nullptr, d, 0, V, 0, 0);
-    pdl_wait();  // everything below may read what the previous kernel wrote
+__device__ __forceinline__ void logits_rows(Loads& loads, const void* __restrict__ in, const void* __restrict__ aux,
+                                            float* __restrict__ logits, int V, int d, float eps, Partials& part) {
     norm_input<FORM>(loads, d, in, aux, eps, part);
     for (int item = threadIdx.x; item < TOKENS * ROWS; item += THREADS) {
         const int tok = item / ROWS, i = item % ROWS, row = blockIdx.x * ROWS + i;
@@ -609,13 +612,21 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS)
 gemv_logits(const half_t* __restrict__ xn, const float* __restrict__ ssp, const half_t* __restrict__ W,
             float* __restrict__ logits, int V, int d, float eps) {
     __shared__ Partials part;
-    logits_rows<X_PREP>(xn, ssp, W, logits, V, d, eps, part);
+    pdl_launch_dependents();
+    Loads loads;
+    first_batch<PLAIN_ROWS>(loads, W, nullptr, d, 0, V, 0, 0);
+    pdl_wait();
+    logits_rows<X_PREP>(loads, xn, ssp, logits, V, d, eps, part);
 }
 
 extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS)
 gemv_logits_x(const float* __restrict__ x, const half_t* __restrict__ norm_w, const half_t* __restrict__ W,
               float* __restrict__ logits, int V, int d, float eps) {
     __shared__ Partials part;
-    logits_rows<X_NORM>(x, norm_w, W, logits, V, d, eps, part);
+    pdl_launch_dependents();
+    Loads loads;
+    first_batch<PLAIN_ROWS>(loads, W, nullptr, d, 0, V, 0, 0);
+    pdl_wait();
+    logits_rows<X_NORM>(loads, x, norm_w, logits, V, d, eps, part);
 }
 #endif

@@ -83,7 +83,8 @@ def test_a_quantized_decode_step_runs_the_quantized_kernels_with_their_group():
     per_layer = [("gemv_mma.cu", "gemv_qkv_rope"), ("attention.cu", "attention_decode"),
                  ("gemv_mma.cu", "gemv_residual"), ("gemv_mma.cu", "gemv_gate_up_silu"),
                  ("gemv_mma.cu", "gemv_residual")]
-    assert kernels_of(plan) == per_layer * 32 + [("gemv_mma.cu", "gemv_logits"), ("sampling.cu", "sample")]
+    first_layer = [("gemv_mma.cu", "gemv_qkv_rope_x")] + per_layer[1:]  # its qkv on the embedding, x itself
+    assert kernels_of(plan) == first_layer + per_layer * 31 + [("gemv_mma.cu", "gemv_logits"), ("sampling.cu", "sample")]
     first = plan.launches[0]
     assert first.spec.defines == gemv_mma.defines(4, 1, 128) and first.block == gemv_mma.THREADS
     assert plan.launches[-2].spec.defines == gemv_mma.defines(16, 1)  # the lm_head stays FP16
@@ -91,7 +92,7 @@ def test_a_quantized_decode_step_runs_the_quantized_kernels_with_their_group():
     assert first.args[-1] == np.int32(128) and type(first.args[-1]) is np.int32  # the group, last
     rows = gemv_mma.rows_per_block(gemv_mma.defines(4, 1))
     grids = {l.spec.name: l.grid[0] for l in plan.launches[:5]}
-    assert grids["gemv_qkv_rope"] * rows >= 12288 and grids["gemv_gate_up_silu"] * rows // 2 >= 11008
+    assert grids["gemv_qkv_rope_x"] * rows >= 12288 and grids["gemv_gate_up_silu"] * rows // 2 >= 11008
     assert plan.launches[4].args[-2:] == (np.int32(11008), np.int32(128))  # down: K = ff, its group
     verify = plans.verify_plan(layout, 512, 4)
     quantized = [l for l in verify.launches if l.spec.source == "gemv_mma.cu" and l.spec.name != "gemv_logits"]
@@ -116,8 +117,9 @@ def test_act_order_gathers_before_wqkv_wo_and_gate_up_but_not_down(act_order_dir
     assert all(layout.linear(i, f).permuted for i in range(2) for f in layouts.LINEARS)
     decode = kernels_of(plans.decode_plan(layout, 64))
     layer = decode[:len(decode) // 2 - 1]
-    assert [name for _, name in layer] == ["gather_f32", "gemv_qkv_rope", "attention_decode", "gather_f32",
-                                           "gemv_residual", "gather_f32", "gemv_gate_up_silu", "gemv_residual"]
+    # act-order: each gathered linear's kernel reads the gathered x and applies its permuted norm itself (*_x)
+    assert [name for _, name in layer] == ["gather_f32", "gemv_qkv_rope_x", "attention_decode", "gather_f32",
+                                           "gemv_residual", "gather_f32", "gemv_gate_up_silu_x", "gemv_residual"]
     launches = plans.decode_plan(layout, 64).launches
     assert [a.name for a in launches[0].args[:3]] == ["x", "layers.0.wqkv.perm", "x_perm"]
     assert [a.name for a in launches[1].args[:2]] == ["x_perm", "layers.0.attn_norm.permuted"]

@@ -414,15 +414,17 @@ def test_read_only_loads_and_restrict_pointers_are_checked_against_the_writes(pr
 
 
 def test_a_real_kernel_with_aliased_restrict_arguments_fails_its_launch():
-    """gemv_residual(in, W, qparams, x): x += W in, every pointer __restrict__ (and W read with ld.global.nc). A plan
+    """gemv_residual(in, W, qparams, x, norm_w, xn, ssp): x += W in (and the prepared xn, ssp), every pointer
+    __restrict__ (and W read with ld.global.nc). A plan
     that passed x as `in` too would read what it writes; the launch says so. (W passed twice, as the plans do for FP16
     weights, is allowed: neither copy is written.)"""
     spec = KernelSpec("gemv_mma.cu", "gemv_residual", (("BITS", 16), ("TOKENS", 1)))
-    assert build.library(spec.source, spec.defines).kernels["gemv_residual"].restrict == (True, True, True, True,
-                                                                                          False, False, False)
+    assert build.library(spec.source, spec.defines).kernels["gemv_residual"].restrict == (
+        (True,) * 7 + (False,) * 3)
     rng = np.random.default_rng(0)
     W, x = rng.standard_normal((64, 64)).astype(np.float16), rng.standard_normal(64).astype(np.float32)
-    scalars = (np.int32(64), np.int32(64), np.int32(0))
+    prepared = (np.ones(64, np.float16), np.zeros(64, np.float16), np.zeros(2, np.float32))  # norm_w, xn, ssp
+    scalars = (*prepared, np.int32(64), np.int32(64), np.int32(0))
     with pytest.raises(emu.EmuError, match="gemv_residual: arguments 0 and 3 share bytes that the launch wrote, but "
                                            "argument 0 is __restrict__"):
         emu.launch(spec, 2, GEMV_THREADS, (x, W, W, x, *scalars))

@@ -282,9 +282,10 @@ def test_qkv_epilogue_at_llama3_and_qwen2_head_dims(hd, group, schedule):
     q, kc, vc = nan(heads * hd), nan(kv, max_seq, hd, dtype=np.float16), nan(kv, max_seq, hd, dtype=np.float16)
     rq, rk, rv = q.copy(), kc.copy(), vc.copy()
     one_row = np.zeros((1, 2), np.int32)  # the rows table of a decode step: slot 0, offset 0
-    gemv_twin.gemv_qkv_rope(x, norm_w, W, W, bias, rq, rk, rv, rope, state, one_row, *scalars, 0)
+    xn, ssp = gemv_twin.prepare(x, norm_w, d)  # the input as the residual before it prepares it
+    gemv_twin.gemv_qkv_rope(xn, ssp, W, W, bias, rq, rk, rv, rope, state, one_row, *scalars, 0)
     run(plan.gemv("gemv_qkv_rope"), -(-rows // plan.gemv_rows()), GEMV_THREADS,  # FP16: W twice, group 0
-        (x, norm_w, W, W, bias, q, kc, vc, rope, state, one_row, *scalars, np.int32(0)), schedule)
+        (xn, ssp, W, W, bias, q, kc, vc, rope, state, one_row, *scalars, np.int32(0)), schedule)
     close(q, rq, 1e-5, "gemv_qkv_rope q")
     close(kc[:, pos], rk[:, pos], 2e-3, "gemv_qkv_rope k")
     close(vc[:, pos], rv[:, pos], 2e-3, "gemv_qkv_rope v")

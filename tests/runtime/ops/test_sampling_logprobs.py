@@ -155,8 +155,8 @@ def test_the_scored_plans_are_the_plain_ones_and_the_kernel():
     assert rows.grid == (4, 1, 1) and rows.args[0] == plans.Ref("verify_logits", rows=4)
     none, logits, sample = (plans.prefill_plan(cfg, 64, 8, 9, out) for out in ("none", "logits", "sample"))
     prefill = plans.scored_prefill_plan(none, logits, sample, cfg.vocab_size, cfg.vocab_size, 9, 3, 1)
-    tail = sample.launches[len(none.launches):]  # gemv_logits and sample on the last row
-    assert [l.spec.name for l in tail] == ["gemv_logits", "sample"]
+    tail = sample.launches[len(none.launches):]  # gemv_logits_x (on x: no gemv_residual before it) and sample
+    assert [l.spec.name for l in tail] == ["gemv_logits_x", "sample"]
     assert prefill.launches == logits.launches + [plans.prompt_logprobs(cfg.vocab_size, cfg.vocab_size, 9, 3)] + \
         tail + [plans.token_logprobs(cfg.vocab_size, 1, 1)]
     early = plans.scored_prefill_plan(none, logits, None, cfg.vocab_size, cfg.vocab_size, 9, 3, None)
