@@ -73,7 +73,7 @@ ROW_THREADS = 256  # the row-wise prefill kernels: one block per token row
 # the CUDA backend's `overlap` mode): before pdl_wait() they read only weights, which no kernel writes,
 # and write nothing. tests/runtime/test_contracts.py checks this in their sources. Every kernel of the decode
 # step and of a prefill chunk is one.
-OVERLAP_SAFE = frozenset({"gemv_qkv_rope", "attention_decode", "gemv_residual", "gemv_gate_up_silu",
+OVERLAP_SAFE = frozenset({"gemv_qkv_rope", "attention_decode", "gemv_residual", "gemv_residual_h", "gemv_gate_up_silu",
                           "gemv_logits", "gemv_qkv_rope_x", "gemv_gate_up_silu_x", "gemv_logits_x", "sample",
                           "embed_rows", "rmsnorm_rows", "rope_kv_rows", "silu_mul_rows", "gemm", "gemm_wgmma",
                           "attention_prefill", "attention_prefill_mma",
@@ -201,7 +201,7 @@ def runtime_buffers(model: LlamaConfig | Layout, max_seq: int, chunk: int | None
         Buffer("attn_part", (cfg.num_heads, attention_splits(cfg), hd + 2), "float32", "activation"),
         Buffer("attn_count", (cfg.num_kv_heads,), "uint32", "activation"),  # arrivals per kv head (zeroed)
         Buffer("attn_out", (cfg.q_dim,), "float32", "activation"),  # [heads * hd]
-        Buffer("h", (ff,), "float32", "activation"),  # [ff] silu(gate) * up
+        Buffer("h", (ff,), "float16", "activation"),  # [ff] silu(gate) * up, as down multiplies it
         Buffer("logits", (V,), "float32", "activation"),  # [vocab]
         # verify step: the decode step's activations for up to VERIFY_ROWS token rows, and the acceptance
         Buffer("verify_ids", (VERIFY_ROWS,), "int32", "state"),  # [rows] row inputs: last sampled, drafts (host)
@@ -216,7 +216,7 @@ def runtime_buffers(model: LlamaConfig | Layout, max_seq: int, chunk: int | None
                "activation"),  # [rows, heads, splits, hd + 2]
         Buffer("verify_attn_count", (VERIFY_ROWS, cfg.num_kv_heads), "uint32", "activation"),  # [rows, kv heads]
         Buffer("verify_attn_out", (VERIFY_ROWS, cfg.q_dim), "float32", "activation"),  # [rows, heads * hd]
-        Buffer("verify_h", (VERIFY_ROWS, ff), "float32", "activation"),  # [rows, ff]
+        Buffer("verify_h", (VERIFY_ROWS, ff), "float16", "activation"),  # [rows, ff]
         # [rows, vocab] at a row stride of vocab rounded up to 4 (16-byte aligned rows for the sample kernel)
         Buffer("verify_logits", (VERIFY_ROWS, logits_stride(V)), "float32", "activation"),
         # a step's log-probabilities (the logprobs kernel's rows): a decode step's or a prefill's token in row 0,
@@ -531,7 +531,7 @@ def _step_launches(layout: Layout, max_seq: int, rows: int, act, sample_vocab: i
         o, o_rows, o_threads = w.gemv("gemv_residual", "wo", rows)
         gate_up, gate_up_rows, gate_up_threads = w.gemv(
             "gemv_gate_up_silu" + ("" if gate_up_prepared else "_x"), "w_gate_up", rows)
-        down, down_rows, down_threads = w.gemv("gemv_residual", "w_down", rows)
+        down, down_rows, down_threads = w.gemv("gemv_residual_h", "w_down", rows)  # h: FP16
         gather_qkv, x_qkv = w.gathered("wqkv", act("x"), act("x_perm"), d, rows, GATHER_F32)
         gather_o, attn_out = w.gathered("wo", act("attn_out"), act("attn_out_perm"), cfg.q_dim, rows, GATHER_F32)
         gather_gate_up, x_gate_up = w.gathered("w_gate_up", act("x"), act("x_perm"), d, rows, GATHER_F32)

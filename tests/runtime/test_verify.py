@@ -70,7 +70,7 @@ def test_gemv_twin_rows_are_one_row_launches(rows):
     inp, x_res = rand(rng, rows, heads * hd, dtype=np.float32), x.copy()
     xn_res, ssp_res = np.zeros((rows, d), np.float16), np.zeros((rows, plans.ss_parts(d)), np.float32)
     gemv_twin.gemv_residual(inp, wo, wo, x_res, g, xn_res, ssp_res, d, heads * hd, 0)
-    h, logits = np.full((rows, ff), np.nan, np.float32), np.full((rows, LD), np.nan, np.float32)
+    h, logits = np.full((rows, ff), np.nan, np.float16), np.full((rows, LD), np.nan, np.float32)
     gemv_twin.gemv_gate_up_silu_x(x, g, w_gu, w_gu, h, ff, d, EPS, 0)
     gemv_twin.gemv_logits(xn, ssp, w_lm, logits, V, d, EPS)
     for t in range(rows):
@@ -85,7 +85,7 @@ def test_gemv_twin_rows_are_one_row_launches(rows):
         np.testing.assert_array_equal(x_res[t], x1)
         np.testing.assert_array_equal(xn_res[t], xn1)
         np.testing.assert_array_equal(ssp_res[t], ssp1)
-        h1, l1 = np.full(ff, np.nan, np.float32), np.full(V, np.nan, np.float32)
+        h1, l1 = np.full(ff, np.nan, np.float16), np.full(V, np.nan, np.float32)
         gemv_twin.gemv_gate_up_silu_x(x[t].copy(), g, w_gu, w_gu, h1, ff, d, EPS, 0)
         gemv_twin.gemv_logits(xn[t].copy(), ssp[t].copy(), w_lm, l1, V, d, EPS)
         np.testing.assert_array_equal(h[t], h1)
@@ -571,7 +571,7 @@ def check_gemv_rows(launch, rows, d=136, ff=184, V=1001, heads=5, kv_heads=1, hd
     wqkv, wo = rand(rng, (heads + 2 * kv_heads) * hd, d, scale=0.1), rand(rng, d, heads * hd, scale=0.1)
     w_gu, w_down, w_lm = rand(rng, 2 * ff, d, scale=0.1), rand(rng, d, ff, scale=0.1), rand(rng, V, d, scale=0.1)
     bias = rand(rng, (heads + 2 * kv_heads) * hd)  # Qwen2's q|k|v bias: every row adds it alike
-    inp, hin = rand(rng, rows, heads * hd, dtype=np.float32), rand(rng, rows, ff, dtype=np.float32)
+    inp, hin = rand(rng, rows, heads * hd, dtype=np.float32), rand(rng, rows, ff, dtype=np.float16)  # h: FP16
     rope = np.stack(rope_tables(hd, np.arange(max_seq), 10000.0), -1).astype(np.float32)
     shape = (np.int32(d), np.int32(heads), np.int32(kv_heads), np.int32(hd), np.int32(max_seq), np.float32(EPS))
     zero = np.int32(0)  # the group: unread at BITS 16
@@ -589,9 +589,9 @@ def check_gemv_rows(launch, rows, d=136, ff=184, V=1001, heads=5, kv_heads=1, hd
         prepared = {name: (nan(n, d, dtype=np.float16), nan(n, plans.ss_parts(d))) for name in ("o", "down")}
         launch(spec("gemv_residual"), (-(-d // per_block),), plans.GEMV_THREADS,
                (inp[sl].copy(), wo, wo, xo, g, *prepared["o"], np.int32(d), np.int32(heads * hd), zero))
-        launch(spec("gemv_residual"), (-(-d // per_block),), plans.GEMV_THREADS,
+        launch(spec("gemv_residual_h"), (-(-d // per_block),), plans.GEMV_THREADS,
                (hin[sl].copy(), w_down, w_down, xd, g, *prepared["down"], np.int32(d), np.int32(ff), zero))
-        h, logits = nan(n, ff), nan(n, logits_stride(V))
+        h, logits = nan(n, ff, dtype=np.float16), nan(n, logits_stride(V))
         launch(spec("gemv_gate_up_silu_x"), (-(-ff // (per_block // 2)),), plans.GEMV_THREADS,
                (x[sl].copy(), g, w_gu, w_gu, h, np.int32(ff), np.int32(d), np.float32(EPS), zero))
         launch(spec("gemv_logits"), (-(-V // per_block),), plans.GEMV_THREADS,

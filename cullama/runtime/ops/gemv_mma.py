@@ -321,8 +321,14 @@ def gemv_residual(inp, W, qparams, x, norm_w, xn, ssp, M, K, group):
     residual(W, qparams if _quantized(W) else None, inp, x, M, K, norm_w, xn, ssp)
 
 
+def gemv_residual_h(inp, W, qparams, x, norm_w, xn, ssp, M, K, group):
+    """gemv_residual on an FP16 input (down's: gate_up's h [T, K] float16)."""
+    residual(W, qparams if _quantized(W) else None, inp, x, M, K, norm_w, xn, ssp)
+
+
 def gemv_gate_up_silu(xn, ssp, W, qparams, h, ff, d, eps, group):
-    """h[t, :ff] = silu(gate) * up, gate|up = W [2 ff, d] · rmsnorm(x[t]) per token row t of a prepared input."""
+    """h[t, :ff] = fp16(silu(gate) * up) (h float16), gate|up = W [2 ff, d] · rmsnorm(x[t]) per token row t of a
+    prepared input."""
     gate_up_silu(W, qparams if _quantized(W) else None, True, xn, ssp, h, ff, d, eps)
 
 

@@ -75,6 +75,8 @@ MUTATIONS = [
      "for (int m = 1; m < WARP; m *= 2) v = __fadd_rn(v, __shfl_xor_sync(0xffffffffu, v, m));\n        if (lane == 0) part.scale",
      "for (int m = 2; m < WARP; m *= 2) v = __fadd_rn(v, __shfl_xor_sync(0xffffffffu, v, m));\n        if (lane == 0) part.scale",
      against_twin(16)),
+    ("fp16-input-read-as-float32", "gemv_mma.cu", "if (FORM == X_PREP || FORM == X_HALF) {", "if (FORM == X_PREP) {",
+     against_twin(8, 3)),
     ("prepared-x-of-token-row-0", "gemv_mma.cu", "xn + (size_t)g * K + (size_t)c * ELEMS",
      "xn + (size_t)0 * K + (size_t)c * ELEMS", against_twin(8, 3)),
     ("last-partial-k-block-skipped", "gemv_mma.cu", "const int kblocks = (b.vecs + 3) / 4;",

@@ -83,12 +83,12 @@ def weights(rng, bits, rows, K, group):
 
 def out_rows(start: np.ndarray) -> np.ndarray:
     """An output buffer from its rows [T, width]: one row is 1-D with GUARD after it; T > 1 rows are [T, width]."""
-    return np.concatenate([start[0], GUARD]) if start.shape[0] == 1 else start.copy()
+    return np.concatenate([start[0], GUARD.astype(start.dtype)]) if start.shape[0] == 1 else start.copy()
 
 
 def rows_of(out: np.ndarray, T: int, width: int, what: str) -> np.ndarray:
     if T == 1:
-        exact(out[width:], GUARD, f"{what} past its row")
+        exact(out[width:], GUARD.astype(out.dtype), f"{what} past its row")
     return out[:T * width].reshape(T, width)
 
 
@@ -146,7 +146,13 @@ class Case:
                                              *self.g))
         out["residual"] = rows_of(xr, T, M, "gemv_residual")
         out["residual xn"], out["residual ssp"] = xn, ssp
-        h = out_rows(nan(T, FF))
+        # down's form: an FP16 input (gate_up's h), the same sums
+        xh = out_rows(x0)
+        xn_h, ssp_h = nan(T, M, dtype=np.float16), nan(T, -(-M // twin.SS_SPAN))
+        call("gemv_residual_h", -(-M // rpb), (inp.astype(np.float16), *self.w_res, xh, self.norm_next, xn_h, ssp_h,
+                                               np.int32(M), np.int32(K), *self.g))
+        out["residual_h"] = rows_of(xh, T, M, "gemv_residual_h")
+        h = out_rows(nan(T, FF, dtype=np.float16))
         call("gemv_gate_up_silu" + suffix, -(-FF // (rpb // 2)),
              (*norm_in, *self.w_gu, h, np.int32(FF), np.int32(K), EPS, *self.g))
         out["h"] = rows_of(h, T, FF, "gemv_gate_up_silu")
@@ -186,7 +192,7 @@ def check_row_independence(launch, bits, tokens, K=None, group=None, seed=1):
         alone = case.run(launch, twin.defines(bits, 1, group), [r], pos=case.pos + r)
         others = [r] + [(r + 1 + i) % 16 for i in range(tokens - 1)]  # row r first, other rows of the case after it
         first = case.run(launch, twin.defines(bits, tokens, group), others, pos=case.pos + r)
-        for name in ("q", "k", "v", "residual", "residual xn", "residual ssp", "h", "logits"):
+        for name in ("q", "k", "v", "residual", "residual xn", "residual ssp", "residual_h", "h", "logits"):
             if name not in together:
                 continue
             if name == "logits":
