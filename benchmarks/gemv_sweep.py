@@ -3,8 +3,8 @@
     python benchmarks/gemv_sweep.py [--json FILE] [--bits 16|4,8] [--rows 1,2,5,9,16] [--trials N] [--launches N]
                                     [--l2-multiple K] [--model PRESET]
 
-Each shape is timed with the kernel the decode step uses for it (qkv: gemv_qkv_rope, o_proj: gemv_residual,
-down: gemv_residual_h, gate_up: gemv_gate_up_silu, lm_head: gemv_logits), one token row, in every variant of
+Each shape is timed with the kernel the decode step uses for it (qkv: gemv_qkv_rope, o_proj and
+down: gemv_residual, gate_up: gemv_gate_up_silu, lm_head: gemv_logits), one token row, in every variant of
 SWEEP below (the plan's, then the candidates). --model sweeps another preset's shapes instead, as the decode
 step runs them (cullama.model.layout.device_config; the tests run `tiny` on a fake CuPy). Launches are
 captured in a CUDA graph (as in the decode step) that rotates over copies of the weight matrix
@@ -121,7 +121,7 @@ def shapes(cfg):
     return [(f"qkv {cfg.qkv_dim}x{d}", "gemv_qkv_rope", cfg.qkv_dim, d),
             (f"o_proj {d}x{cfg.q_dim}", "gemv_residual", d, cfg.q_dim),
             (f"gate_up {2 * ff}x{d}", "gemv_gate_up_silu", 2 * ff, d),
-            (f"down {d}x{ff}", "gemv_residual_h", d, ff),
+            (f"down {d}x{ff}", "gemv_residual", d, ff),
             (f"lm_head {cfg.vocab_size}x{d}", "gemv_logits", cfg.vocab_size, d)]
 
 
@@ -144,8 +144,8 @@ def case(kernel: str, cfg, M: int, K: int, rng, max_seq: int = 64):
                  ("state", state), ("rows", np.zeros((1, 2), np.int32)), ("d", i32(K)),
                  ("heads", i32(cfg.num_heads)), ("kv_heads", i32(cfg.num_kv_heads)), ("hd", i32(cfg.head_dim)),
                  ("max_seq", i32(max_seq)), ("eps", eps)], ["q", "k", "v"])
-    if kernel in ("gemv_residual", "gemv_residual_h"):  # the input: float32 (attention's), FP16 (gate_up's h)
-        inp = vec(K) if kernel == "gemv_residual" else vec(K).astype(np.float16)
+    if kernel == "gemv_residual":  # the input: FP16 (attention's output, gate_up's h)
+        inp = vec(K).astype(np.float16)
         next_norm = (1 + 0.1 * rng.standard_normal(M)).astype(np.float16)
         return ([("in", inp), ("W", None), ("x", vec(M)), ("norm_w", next_norm), ("xn", np.zeros(M, np.float16)),
                  ("ssp", np.zeros(plans.ss_parts(M), np.float32)), ("M", i32(M)), ("K", i32(K))], ["x"])

@@ -27,7 +27,8 @@
 // [rows, n_heads * HD] FP16; k_cache, v_cache: decode [slots, n_kv_heads, max_seq, HD] FP16 (this layer's, every
 // slot's), prefill [n_kv_heads, max_seq, HD] (this layer's, the prompt's slot's); state [slots, STATE_LEN], rows
 // [rows, ROW_FIELDS] int32 (decode); part [rows, n_heads, splits, HD + 2] float32 (acc[HD], m, l: unnormalised
-// sums of one split); count [rows, n_kv_heads] uint32, zero between launches; out [rows, n_heads * HD] float32.
+// sums of one split); count [rows, n_kv_heads] uint32, zero between launches; out [rows, n_heads * HD] FP16 (o_proj's
+// input as it multiplies it: rounded once here, not in each of its blocks).
 // Query head h uses kv head h / GROUP.
 #include "common.cuh"
 
@@ -201,7 +202,7 @@ __device__ __forceinline__ float combine_warps(const State<NQ>* red, int j, int 
 // offset the pointers: every row runs the same instructions on its own data, whatever gridDim.z is.
 extern "C" __global__ void __launch_bounds__(THREADS)
 attention_decode(const float* __restrict__ q, const half_t* __restrict__ k_cache, const half_t* __restrict__ v_cache,
-                 float* part, unsigned int* count, float* __restrict__ out, const int* __restrict__ state,
+                 float* part, unsigned int* count, half_t* __restrict__ out, const int* __restrict__ state,
                  const int* __restrict__ step_rows, int max_seq, float scale, int window) {
     __shared__ __align__(16) State<GROUP> red;
     __shared__ bool is_last;
@@ -260,7 +261,7 @@ attention_decode(const float* __restrict__ q, const half_t* __restrict__ k_cache
             a += load_coherent(p + s * PART_STRIDE + d) * c;
             l += load_coherent(p + s * PART_STRIDE + HEAD_DIM + 1) * c;
         }
-        out[(kv * GROUP + g) * HEAD_DIM + d] = a / l;
+        out[(kv * GROUP + g) * HEAD_DIM + d] = f2h(a / l);
     }
     if (threadIdx.x == 0) count[kv] = 0u;
 }

@@ -4,8 +4,8 @@
 // kernel, with the token rows as the MMA's M (rows past TOKENS are zero) and the weights as B.
 //
 //   gemv_qkv_rope      q|k|v = W_qkv · rmsnorm(x) + b   + RoPE on q and k, k and v written to the KV cache
-//   gemv_residual      x += W · in                  (o_proj on the attention output; gemv_residual_h: down_proj on
-//                      h, FP16), and the next
+//   gemv_residual      x += W · in                  (o_proj on the attention output, down_proj on h; both FP16),
+//                      and the next
 //                      RMSNorm kernel's input prepared from the new x: xn = fp16(x * norm_w), Σ x² in parts
 //   gemv_gate_up_silu  h = silu(W_gate · n) * (W_up · n),  n = rmsnorm(x), h in FP16
 //   gemv_logits        logits = W_lm_head · rmsnorm(x)   (FP16 only: the lm_head stays FP16, as AWQ and GPTQ keep it)
@@ -68,14 +68,13 @@
 // quantized weights group % E == 0 and K % group == 0 (quant.py's contract); any M.
 // Issue (issue 26: cullama/bench/issue.py's static sm_90 count, lane-instructions per weight byte over the whole
 // kernel, LLaMA-2-7B, 1-8 / 9-16 token rows, NTILES 4, 2026-12-07): FP16 1.3-1.9 / 1.5-2.6; INT8 (KBLOCK_SCALE)
-// prepared qkv and gate_up 2.8-2.9 / 3.4-3.6, o_proj 3.0-3.1 / 3.6-3.7, down (FP16 h) 2.6-2.7 / 3.0-3.1, qkv_x
-// 3.8-3.9 / 4.9-5.2; INT4 (KBLOCK_SCALE) prepared qkv and gate_up 4.3-4.7 / 5.0-5.4, o_proj 4.7-4.8 / 5.6-5.7,
-// down 4.0-4.1 / 4.5-4.6, qkv_x 6.2-6.3 / 8.0-8.6. Before KBLOCK_SCALE and the prepared input (1c187dc^): INT4 qkv
-// 7.1-7.2 / 8.8-9.0, o_proj and down 5.2-5.5 / 5.9-6.1. The INT4 floor is its dequantization, a lop3 and a sub per
-// code pair and a shift a word (2.25 a byte with KBLOCK_SCALE, 3.25 with the HMUL2 per pair); past 8 rows a second
-// n8 tile doubles the MMAs and x's loads, and gemv_residual (o_proj) converts its float32 input per element and token
-// row slot in every block (0.75 a byte at 16 rows; attention writing FP16 would take it out, as gate_up's FP16 h
-// did for down).
+// prepared qkv and gate_up 2.8-2.9 / 3.4-3.6, o_proj 2.8-2.9 / 3.2-3.3, down 2.6-2.7 / 3.0-3.1, qkv_x 3.8-3.9 /
+// 4.9-5.2; INT4 (KBLOCK_SCALE) prepared qkv and gate_up 4.3-4.7 / 5.0-5.4, o_proj 4.4-4.5 / 5.0, down 4.0-4.1 /
+// 4.5-4.6, qkv_x 6.2-6.3 / 8.0-8.6. Before KBLOCK_SCALE, the prepared input and FP16 inputs for the residual
+// (1c187dc^): INT4 qkv 7.1-7.2 / 8.8-9.0, o_proj and down 5.2-5.5 / 5.9-6.1. The INT4 floor is its dequantization, a
+// lop3 and a sub per code pair and a shift a word (2.25 a byte with KBLOCK_SCALE, 3.25 with the HMUL2 per pair);
+// past 8 rows a second n8 tile doubles the MMAs and the input's loads, and the epilogues weigh on the smaller
+// matrices.
 // MIN_BLOCKS 3 / UNROLL 1 for INT4 past 8 rows keeps those variants from spilling (W4_WIDE).
 //
 // Bit-exactness by construction: every output (token m, row n) is, per warp, the chain of that warp's MMAs over its
@@ -152,14 +151,13 @@ struct Partials {
 };
 
 // -- the input forms of block_dot -----------------------------------------------------------------------------------
-// X_RAW: float32 rows, converted to FP16 (gemv_residual's `in`: o_proj's, attention's output). X_HALF: FP16 rows
-// as they are (gemv_residual_h's `in`: down's, gate_up's h). X_NORM: float32 rows x times the norm weights,
+// X_HALF: FP16 rows as they are (gemv_residual's `in`: attention's output for o_proj, gate_up's h for down). X_NORM: float32 rows x times the norm weights,
 // RMSNorm's Σ x² taken on the way (the *_x kernels: a step's first qkv, whose x the embedding writes; an act-order
 // linear's gathered x; the prefill's logits). X_PREP: the input prepared once by the kernel that wrote x
 // (gemv_residual's epilogue): xn = fp16(x * norm_w) [TOKENS, K] as the MMA's B values as they are, and the Σ x² parts
 // ssp [TOKENS, ceil(K / SS_SPAN)] (ss_parts). In X_NORM every block repeats x's work per element and token row slot
 // (~2 lane-instructions a weight byte at INT4 and up to 8 rows, ~3.5 past 8); X_PREP leaves a 16-byte load per chunk.
-enum XForm { X_RAW, X_HALF, X_NORM, X_PREP };
+enum XForm { X_HALF, X_NORM, X_PREP };
 #define SS_SPAN 32  // x elements per Σ x² part: the rows of one gemv_residual block at the plans' NTILES 4
 #define SS_LANE_PARTS 8  // parts a lane adds in prepared_scales: up to 32 x 8 parts, d <= 8192 (plan.check_supported)
 
@@ -524,8 +522,8 @@ gemv_qkv_rope_x(const float* __restrict__ x, const half_t* __restrict__ norm_w, 
                      hd, max_seq, eps, part);
 }
 
-// grid: ceil(M / ROWS). x [TOKENS, M] float32 += W [M, K] · in [TOKENS, K] (gemv_residual: float32 `in`, o_proj on
-// attention's output; gemv_residual_h: FP16 `in`, down on gate_up's h); then the next RMSNorm kernel's input
+// grid: ceil(M / ROWS). x [TOKENS, M] float32 += W [M, K] · in [TOKENS, K] (FP16: attention's output for o_proj,
+// gate_up's h for down); then the next RMSNorm kernel's input
 // prepared from the new x (X_PREP): xn [TOKENS, M] FP16 = fp16(x * norm_w) (norm_w [M]: that kernel's norm weights,
 // rounded as the X_NORM form rounds them) and ssp [TOKENS, ceil(M / SS_SPAN)] float32, part b the Σ x² of rows
 // b SS_SPAN .. (fmaf in row order): one part a block at the plans' 32 rows a block.
@@ -560,21 +558,9 @@ __device__ __forceinline__ void residual(Loads& loads, const void* __restrict__ 
 
 
 extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS)
-gemv_residual(const float* __restrict__ in, const uint4* __restrict__ W, const half_t* __restrict__ qparams,
+gemv_residual(const half_t* __restrict__ in, const uint4* __restrict__ W, const half_t* __restrict__ qparams,
               float* __restrict__ x, const half_t* __restrict__ norm_w, half_t* __restrict__ xn, float* __restrict__ ssp,
               int M, int K, int group) {
-    __shared__ Partials part;
-    pdl_launch_dependents();
-    Loads loads;
-    first_batch<PLAIN_ROWS>(loads, W, qparams, K, group, M, 0, 0);
-    pdl_wait();
-    residual<X_RAW>(loads, in, x, norm_w, xn, ssp, M, K, part);
-}
-
-extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS)
-gemv_residual_h(const half_t* __restrict__ in, const uint4* __restrict__ W, const half_t* __restrict__ qparams,
-                float* __restrict__ x, const half_t* __restrict__ norm_w, half_t* __restrict__ xn,
-                float* __restrict__ ssp, int M, int K, int group) {
     __shared__ Partials part;
     pdl_launch_dependents();
     Loads loads;

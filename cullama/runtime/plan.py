@@ -73,7 +73,7 @@ ROW_THREADS = 256  # the row-wise prefill kernels: one block per token row
 # the CUDA backend's `overlap` mode): before pdl_wait() they read only weights, which no kernel writes,
 # and write nothing. tests/runtime/test_contracts.py checks this in their sources. Every kernel of the decode
 # step and of a prefill chunk is one.
-OVERLAP_SAFE = frozenset({"gemv_qkv_rope", "attention_decode", "gemv_residual", "gemv_residual_h", "gemv_gate_up_silu",
+OVERLAP_SAFE = frozenset({"gemv_qkv_rope", "attention_decode", "gemv_residual", "gemv_gate_up_silu",
                           "gemv_logits", "gemv_qkv_rope_x", "gemv_gate_up_silu_x", "gemv_logits_x", "sample",
                           "embed_rows", "rmsnorm_rows", "rope_kv_rows", "silu_mul_rows", "gemm", "gemm_wgmma",
                           "attention_prefill", "attention_prefill_mma",
@@ -200,7 +200,7 @@ def runtime_buffers(model: LlamaConfig | Layout, max_seq: int, chunk: int | None
         Buffer("q", (cfg.q_dim,), "float32", "activation"),  # [heads * hd] after RoPE
         Buffer("attn_part", (cfg.num_heads, attention_splits(cfg), hd + 2), "float32", "activation"),
         Buffer("attn_count", (cfg.num_kv_heads,), "uint32", "activation"),  # arrivals per kv head (zeroed)
-        Buffer("attn_out", (cfg.q_dim,), "float32", "activation"),  # [heads * hd]
+        Buffer("attn_out", (cfg.q_dim,), "float16", "activation"),  # [heads * hd], as o_proj multiplies it
         Buffer("h", (ff,), "float16", "activation"),  # [ff] silu(gate) * up, as down multiplies it
         Buffer("logits", (V,), "float32", "activation"),  # [vocab]
         # verify step: the decode step's activations for up to VERIFY_ROWS token rows, and the acceptance
@@ -215,7 +215,7 @@ def runtime_buffers(model: LlamaConfig | Layout, max_seq: int, chunk: int | None
         Buffer("verify_attn_part", (VERIFY_ROWS, cfg.num_heads, attention_splits(cfg), hd + 2), "float32",
                "activation"),  # [rows, heads, splits, hd + 2]
         Buffer("verify_attn_count", (VERIFY_ROWS, cfg.num_kv_heads), "uint32", "activation"),  # [rows, kv heads]
-        Buffer("verify_attn_out", (VERIFY_ROWS, cfg.q_dim), "float32", "activation"),  # [rows, heads * hd]
+        Buffer("verify_attn_out", (VERIFY_ROWS, cfg.q_dim), "float16", "activation"),  # [rows, heads * hd]
         Buffer("verify_h", (VERIFY_ROWS, ff), "float16", "activation"),  # [rows, ff]
         # [rows, vocab] at a row stride of vocab rounded up to 4 (16-byte aligned rows for the sample kernel)
         Buffer("verify_logits", (VERIFY_ROWS, logits_stride(V)), "float32", "activation"),
@@ -282,9 +282,9 @@ def _gathered_buffers(cfg: LlamaConfig, chunk: int) -> list[Buffer]:
     (before wo)."""
     d, q = cfg.hidden_size, cfg.q_dim
     return [Buffer("x_perm", (d,), "float32", "activation"),  # [d] x in the input order
-            Buffer("attn_out_perm", (q,), "float32", "activation"),  # [heads * hd]
+            Buffer("attn_out_perm", (q,), "float16", "activation"),  # [heads * hd]
             Buffer("verify_x_perm", (VERIFY_ROWS, d), "float32", "activation"),  # [rows, d]
-            Buffer("verify_attn_out_perm", (VERIFY_ROWS, q), "float32", "activation"),  # [rows, heads * hd]
+            Buffer("verify_attn_out_perm", (VERIFY_ROWS, q), "float16", "activation"),  # [rows, heads * hd]
             Buffer("xn_rows_perm", (chunk, d), "float16", "activation"),  # [n, d] rmsnorm(x) in the input order
             Buffer("attn_rows_perm", (chunk, q), "float16", "activation")]  # [n, heads * hd]
 
@@ -531,9 +531,9 @@ def _step_launches(layout: Layout, max_seq: int, rows: int, act, sample_vocab: i
         o, o_rows, o_threads = w.gemv("gemv_residual", "wo", rows)
         gate_up, gate_up_rows, gate_up_threads = w.gemv(
             "gemv_gate_up_silu" + ("" if gate_up_prepared else "_x"), "w_gate_up", rows)
-        down, down_rows, down_threads = w.gemv("gemv_residual_h", "w_down", rows)  # h: FP16
+        down, down_rows, down_threads = w.gemv("gemv_residual", "w_down", rows)
         gather_qkv, x_qkv = w.gathered("wqkv", act("x"), act("x_perm"), d, rows, GATHER_F32)
-        gather_o, attn_out = w.gathered("wo", act("attn_out"), act("attn_out_perm"), cfg.q_dim, rows, GATHER_F32)
+        gather_o, attn_out = w.gathered("wo", act("attn_out"), act("attn_out_perm"), cfg.q_dim, rows, GATHER_F16)
         gather_gate_up, x_gate_up = w.gathered("w_gate_up", act("x"), act("x_perm"), d, rows, GATHER_F32)
         qkv_in = prepared if qkv_prepared else (x_qkv, w.norm("wqkv"))
         gate_up_in = prepared if gate_up_prepared else (x_gate_up, w.norm("w_gate_up"))

@@ -82,7 +82,7 @@ def test_a_quantized_decode_step_runs_the_quantized_kernels_with_their_group():
     plan = plans.decode_plan(layout, 512)
     per_layer = [("gemv_mma.cu", "gemv_qkv_rope"), ("attention.cu", "attention_decode"),
                  ("gemv_mma.cu", "gemv_residual"), ("gemv_mma.cu", "gemv_gate_up_silu"),
-                 ("gemv_mma.cu", "gemv_residual_h")]
+                 ("gemv_mma.cu", "gemv_residual")]
     first_layer = [("gemv_mma.cu", "gemv_qkv_rope_x")] + per_layer[1:]  # its qkv on the embedding, x itself
     assert kernels_of(plan) == first_layer + per_layer * 31 + [("gemv_mma.cu", "gemv_logits"), ("sampling.cu", "sample")]
     first = plan.launches[0]
@@ -118,8 +118,8 @@ def test_act_order_gathers_before_wqkv_wo_and_gate_up_but_not_down(act_order_dir
     decode = kernels_of(plans.decode_plan(layout, 64))
     layer = decode[:len(decode) // 2 - 1]
     # act-order: each gathered linear's kernel reads the gathered x and applies its permuted norm itself (*_x)
-    assert [name for _, name in layer] == ["gather_f32", "gemv_qkv_rope_x", "attention_decode", "gather_f32",
-                                           "gemv_residual", "gather_f32", "gemv_gate_up_silu_x", "gemv_residual_h"]
+    assert [name for _, name in layer] == ["gather_f32", "gemv_qkv_rope_x", "attention_decode", "gather_f16",
+                                           "gemv_residual", "gather_f32", "gemv_gate_up_silu_x", "gemv_residual"]
     launches = plans.decode_plan(layout, 64).launches
     assert [a.name for a in launches[0].args[:3]] == ["x", "layers.0.wqkv.perm", "x_perm"]
     assert [a.name for a in launches[1].args[:2]] == ["x_perm", "layers.0.attn_norm.permuted"]

@@ -67,7 +67,7 @@ def test_gemv_twin_rows_are_one_row_launches(rows):
                                                                   for _ in range(2)]
     xn, ssp = gemv_twin.prepare(x, g, d)  # the RMSNorm kernels' input as gemv_residual prepares it
     gemv_twin.gemv_qkv_rope(xn, ssp, wqkv, wqkv, bias, q, *caches, rope, state_at(pos), verify_rows(rows), d, *shape, 0)
-    inp, x_res = rand(rng, rows, heads * hd, dtype=np.float32), x.copy()
+    inp, x_res = rand(rng, rows, heads * hd, dtype=np.float16), x.copy()
     xn_res, ssp_res = np.zeros((rows, d), np.float16), np.zeros((rows, plans.ss_parts(d)), np.float32)
     gemv_twin.gemv_residual(inp, wo, wo, x_res, g, xn_res, ssp_res, d, heads * hd, 0)
     h, logits = np.full((rows, ff), np.nan, np.float16), np.full((rows, LD), np.nan, np.float32)
@@ -119,13 +119,13 @@ def test_attention_twin_rows_are_one_row_launches(hd, group, kv_heads, pos, rows
     q, k, v, max_seq, scale = attention_rows(hd, group, kv_heads, pos, rows, splits)
     heads, window = kv_heads * group, window or max_seq
     part = np.full((rows, heads, splits, hd + 2), np.nan, np.float32)
-    count, out = np.ones((rows, kv_heads), np.uint32), np.full((rows, heads * hd), np.nan, np.float32)
+    count, out = np.ones((rows, kv_heads), np.uint32), np.full((rows, heads * hd), np.nan, np.float16)
     attention_twin.attention_decode(q, k, v, part, count, out, state_at(pos), verify_rows(rows), max_seq, scale, window,
                                     grid=(kv_heads, splits, rows))
     assert not count.any()
     for t in range(rows):
         part1, count1 = np.full((heads, splits, hd + 2), np.nan, np.float32), np.ones(kv_heads, np.uint32)
-        out1 = np.full(heads * hd, np.nan, np.float32)
+        out1 = np.full(heads * hd, np.nan, np.float16)
         attention_twin.attention_decode(q[t].copy(), k, v, part1, count1, out1, state_at(pos + t), verify_rows(1),
                                         max_seq, scale, window, grid=(kv_heads, splits, 1))
         np.testing.assert_array_equal(out[t], out1)
@@ -571,7 +571,7 @@ def check_gemv_rows(launch, rows, d=136, ff=184, V=1001, heads=5, kv_heads=1, hd
     wqkv, wo = rand(rng, (heads + 2 * kv_heads) * hd, d, scale=0.1), rand(rng, d, heads * hd, scale=0.1)
     w_gu, w_down, w_lm = rand(rng, 2 * ff, d, scale=0.1), rand(rng, d, ff, scale=0.1), rand(rng, V, d, scale=0.1)
     bias = rand(rng, (heads + 2 * kv_heads) * hd)  # Qwen2's q|k|v bias: every row adds it alike
-    inp, hin = rand(rng, rows, heads * hd, dtype=np.float32), rand(rng, rows, ff, dtype=np.float16)  # h: FP16
+    inp, hin = rand(rng, rows, heads * hd, dtype=np.float16), rand(rng, rows, ff, dtype=np.float16)  # FP16 inputs
     rope = np.stack(rope_tables(hd, np.arange(max_seq), 10000.0), -1).astype(np.float32)
     shape = (np.int32(d), np.int32(heads), np.int32(kv_heads), np.int32(hd), np.int32(max_seq), np.float32(EPS))
     zero = np.int32(0)  # the group: unread at BITS 16
@@ -589,7 +589,7 @@ def check_gemv_rows(launch, rows, d=136, ff=184, V=1001, heads=5, kv_heads=1, hd
         prepared = {name: (nan(n, d, dtype=np.float16), nan(n, plans.ss_parts(d))) for name in ("o", "down")}
         launch(spec("gemv_residual"), (-(-d // per_block),), plans.GEMV_THREADS,
                (inp[sl].copy(), wo, wo, xo, g, *prepared["o"], np.int32(d), np.int32(heads * hd), zero))
-        launch(spec("gemv_residual_h"), (-(-d // per_block),), plans.GEMV_THREADS,
+        launch(spec("gemv_residual"), (-(-d // per_block),), plans.GEMV_THREADS,
                (hin[sl].copy(), w_down, w_down, xd, g, *prepared["down"], np.int32(d), np.int32(ff), zero))
         h, logits = nan(n, ff, dtype=np.float16), nan(n, logits_stride(V))
         launch(spec("gemv_gate_up_silu_x"), (-(-ff // (per_block // 2)),), plans.GEMV_THREADS,
@@ -624,7 +624,8 @@ def check_attention_rows(launch, hd, group, kv_heads, pos, rows, splits, window=
     spec = KernelSpec("attention.cu", "attention_decode", (("HEAD_DIM", hd), ("GROUP", group)))
 
     def run(sl, n, pos_now):
-        out, part, count = nan(n, heads * hd), nan(n, heads, splits, hd + 2), np.zeros((n, kv_heads), np.uint32)
+        out, part = nan(n, heads * hd, dtype=np.float16), nan(n, heads, splits, hd + 2)  # out: FP16
+        count = np.zeros((n, kv_heads), np.uint32)
         launch(spec, (kv_heads, splits, n), plans.ATTENTION_THREADS,
                (q[sl].copy(), k, v, part, count, out, state_at(pos_now), verify_rows(n), np.int32(max_seq),
                 np.float32(scale),

@@ -32,7 +32,7 @@ VARIANTS = [(("HEAD_DIM", hd), ("GROUP", g), ("ROWS_Q", r)) for hd, g, r in
 
 
 def attention_decode(q, k_cache, v_cache, part, count, out, state, step_rows, max_seq, scale, window, *, grid):
-    """Per token row t < grid[2] (1 for a decode step): out[t] [heads*hd] f32 = attention of q[t] [heads*hd]
+    """Per token row t < grid[2] (1 for a decode step): out[t] [heads*hd] f16 = attention of q[t] [heads*hd]
     over keys max(0, p - window + 1)..p of its slot's k_cache/v_cache [slots, kv_heads, max_seq, hd] f16, where
     step_rows [>= grid[2], 2] int32 gives the row's (slot, offset) and p = state[slot, POS] + offset (state [slots,
     8]); part[t] [heads, splits, hd+2] gets each split's (acc, m, l) as the kernel writes it (the splits divide

@@ -316,13 +316,8 @@ def gemv_qkv_rope_x(x, norm_w, W, qparams, bias, q_out, k_cache, v_cache, rope, 
 
 
 def gemv_residual(inp, W, qparams, x, norm_w, xn, ssp, M, K, group):
-    """x[t, :M] += W [M, K] · in[t, :K] per token row t (1-D: one row); then the next RMSNorm kernel's prepared
+    """x[t, :M] += W [M, K] · in[t, :K] per token row t (1-D: one row; `in` float16: attention's output, or h); then the next RMSNorm kernel's prepared
     input from the new x: xn[t, :M] = fp16(x * norm_w), ssp[t] its Σ x² parts (prepare)."""
-    residual(W, qparams if _quantized(W) else None, inp, x, M, K, norm_w, xn, ssp)
-
-
-def gemv_residual_h(inp, W, qparams, x, norm_w, xn, ssp, M, K, group):
-    """gemv_residual on an FP16 input (down's: gate_up's h [T, K] float16)."""
     residual(W, qparams if _quantized(W) else None, inp, x, M, K, norm_w, xn, ssp)
 
 

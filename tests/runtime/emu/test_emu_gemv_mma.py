@@ -30,8 +30,9 @@ def test_every_schedule(bits, schedule):
 
 @pytest.mark.parametrize("bits", twin.FORMATS)
 @pytest.mark.parametrize("tokens", [2, 8, 9, 16])
-def test_a_row_is_the_row_alone_and_row_0(bits, tokens):
-    checks.check_row_independence(emu_launcher("shuffled"), bits, tokens)
+@pytest.mark.parametrize("form", ["prep", "x"])
+def test_a_row_is_the_row_alone_and_row_0(bits, tokens, form):
+    checks.check_row_independence(emu_launcher("shuffled"), bits, tokens, form=form)
 
 
 def against_twin(bits, tokens=9):

@@ -80,13 +80,13 @@ def check_attention_decode(defines, schedule, source_dir=None, n=20, window=None
     if window:
         k[:, :max(0, n - window)], v[:, :max(0, n - window)] = np.nan, np.nan
     ref_part, _, ref_out = attention_cases.run_decode_twin(q, k, v, state, max_seq, scale, splits, window)
-    part, out, count = nan(*ref_part.shape), nan(*ref_out.shape), np.zeros(kv_heads, np.uint32)
+    part, out, count = nan(*ref_part.shape), nan(*ref_out.shape, dtype=np.float16), np.zeros(kv_heads, np.uint32)
     spec = KernelSpec("attention.cu", "attention_decode", (("HEAD_DIM", hd), ("GROUP", group)))
     run(spec, (kv_heads, splits), ATTENTION_THREADS,
         (q, k, v, part, count, out, state, attention_cases.ONE_ROW, np.int32(max_seq), np.float32(scale),
          np.int32(window or max_seq)),
         schedule, source_dir)
-    close(out, ref_out, 1e-5, "attention_decode out")
+    close(out, ref_out, 1e-3, "attention_decode out")  # FP16: within one rounding where the float32 sums differ
     empty = np.isinf(ref_part[0, :, hd])  # the splits past the keys: acc 0, m -inf, l 0, exactly
     assert empty[-1] and not empty[0]
     close(part[:, ~empty], ref_part[:, ~empty], 1e-5, "attention_decode partials")

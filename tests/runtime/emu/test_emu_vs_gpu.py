@@ -190,7 +190,7 @@ def test_gemv_mma_on_the_executor_equals_the_gpu(kernels, bits, kblock):
     else:
         weights = gemv_mma_cases.quantized(rng, M, K, bits, group)
         w16 = quant.dequantize(*weights, bits, np.float16)
-    inp, x = rng.standard_normal(K).astype(np.float32), rng.standard_normal(M).astype(np.float32)
+    inp, x = rng.standard_normal(K).astype(np.float16), rng.standard_normal(M).astype(np.float32)  # inp: FP16
     spec = KernelSpec(gemv_mma_ops.SOURCE, "gemv_residual", gemv_mma_ops.defines(bits, 1, group))
     norm_w = (1 + 0.1 * rng.standard_normal(M)).astype(np.float16)  # the next RMSNorm's, for the prepared input
     xn, ssp = np.zeros(M, np.float16), np.zeros(-(-M // gemv_mma_ops.SS_SPAN), np.float32)

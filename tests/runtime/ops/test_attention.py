@@ -88,7 +88,7 @@ def run_decode_twin(q, k, v, state, max_seq, scale, splits, window=None):
     heads, hd = q.size // k.shape[2], k.shape[2]
     part = np.full((heads, splits, hd + 2), np.nan, np.float32)
     count = np.zeros(k.shape[0], np.uint32)
-    out = np.full(heads * hd, np.nan, np.float32)
+    out = np.full(heads * hd, np.nan, np.float16)  # FP16: o_proj's input
     ops.attention_decode(q, k, v, part, count, out, state, ONE_ROW, max_seq, scale, window or max_seq,
                          grid=(k.shape[0], splits, 1))
     return part, count, out
@@ -119,7 +119,7 @@ def test_decode_twin(hd, group, kv_heads, n, splits):
     part, count, out = run_decode_twin(q, k, v, state, max_seq, scale, splits)
     qh = q.reshape(-1, hd)
     np.testing.assert_allclose(out.reshape(-1, hd), reference(qh, k[:, :n], v[:, :n], float(scale)),
-                               rtol=1e-4, atol=1e-5)
+                               rtol=1e-3, atol=1e-4)  # out is FP16 (o_proj's input): its rounding
     for s in range(splits):  # each split's unnormalised state, empty splits included
         acc, m, l = reference_part(qh, k, v, float(scale), s, splits, n)
         np.testing.assert_allclose(part[:, s, :hd], acc, rtol=1e-4, atol=1e-4)
@@ -136,7 +136,7 @@ def test_decode_twin_sliding_window(hd, group, kv_heads, n, splits, window):
     part, _, out = run_decode_twin(q, k, v, state, max_seq, scale, splits, window)
     first, qh = max(0, n - window), q.reshape(-1, hd)
     np.testing.assert_allclose(out.reshape(-1, hd), reference(qh, k[:, first:n], v[:, first:n], float(scale)),
-                               rtol=1e-4, atol=1e-5)
+                               rtol=1e-3, atol=1e-4)
     for s in range(splits):
         acc, m, l = reference_part(qh, k, v, float(scale), s, splits, n, first)
         np.testing.assert_allclose(part[:, s, :hd], acc, rtol=1e-4, atol=1e-4)
@@ -156,8 +156,8 @@ def test_decode_twin_empty_splits():
 def test_decode_twin_ignores_split_count():
     q, k, v, state, max_seq, scale = decode_inputs(64, 4, 2, 77, 1)
     outs = [run_decode_twin(q, k, v, state, max_seq, scale, splits)[2] for splits in (1, 2, 7, 32, 100)]
-    for out in outs[1:]:
-        np.testing.assert_allclose(out, outs[0], rtol=1e-5, atol=1e-6)
+    for out in outs[1:]:  # FP16 outputs: one rounding apart where the float32 sums differ
+        np.testing.assert_allclose(out, outs[0], rtol=1e-3, atol=1e-4)
 
 
 @pytest.mark.parametrize("hd,group,kv_heads,start,rows,buffer_rows,rows_q", PREFILL_CASES)
@@ -278,7 +278,7 @@ def test_decode_kernel(kernels, hd, group, kv_heads, n, splits, window):
     part, _, out = run_decode_twin(q, k, v, state, max_seq, scale, splits, window)
     heads = kv_heads * group
     d_part = poisoned(cp, part.shape, np.float32)
-    d_out = poisoned(cp, out.shape, np.float32)
+    d_out = poisoned(cp, out.shape, np.float16)
     d_count = cp.zeros(kv_heads, np.uint32)
     args = (cp.asarray(q), cp.asarray(k), cp.asarray(v), d_part, d_count, d_out, cp.asarray(state),
             cp.asarray(ONE_ROW), np.int32(max_seq), np.float32(scale), np.int32(window or max_seq))

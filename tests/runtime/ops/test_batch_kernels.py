@@ -143,7 +143,8 @@ def check_attention_batch(launch, hd, group, kv_heads, splits, positions, table,
 
     def run(qs, step_rows):
         n = len(step_rows)
-        out, part, count = nan(n, heads * hd), nan(n, heads, splits, hd + 2), np.zeros((n, kv_heads), np.uint32)
+        out, part = nan(n, heads * hd, dtype=np.float16), nan(n, heads, splits, hd + 2)  # out: FP16
+        count = np.zeros((n, kv_heads), np.uint32)
         launch(spec, (kv_heads, splits, n), plans.ATTENTION_THREADS,
                (qs.copy(), k, v, part, count, out, state.copy(), step_rows, np.int32(max_seq), np.float32(scale),
                 np.int32(window)))
@@ -155,7 +156,7 @@ def check_attention_batch(launch, hd, group, kv_heads, splits, positions, table,
         out1, part1 = run(q[r:r + 1], row[None].copy())
         np.testing.assert_array_equal(out[r:r + 1], out1, err_msg=f"row {r} {row.tolist()}")
         np.testing.assert_array_equal(part[r:r + 1], part1, err_msg=f"row {r} {row.tolist()}")
-    twin_out = nan(rows, heads * hd)
+    twin_out = nan(rows, heads * hd, dtype=np.float16)
     attention_twin.attention_decode(q, k, v, nan(rows, heads, splits, hd + 2), np.zeros((rows, kv_heads), np.uint32),
                                     twin_out, state, table, max_seq, scale, window, grid=(kv_heads, splits, rows))
     np.testing.assert_allclose(out, twin_out, rtol=1e-3, atol=1e-4)

@@ -73,7 +73,7 @@ def check_prefill_rows_equal_decode_rows(launch, bits, M=5, N=37, K=4096 + 2 * 3
     spec = KernelSpec(gemv_mma_ops.SOURCE, "gemv_residual", gemv_mma_ops.defines(bits, 1, group))
     for m in range(M):  # a decode step per row: x [N] (1-D: one token row) += W · A[m]
         launch(spec, (-(-N // gemv_mma_ops.rows_per_block()),), gemv_mma_ops.THREADS,
-               (A[m].astype(np.float32), qw, qp, decode[m], np.ones(N, np.float16), np.zeros(N, np.float16),
+               (A[m].copy(), qw, qp, decode[m], np.ones(N, np.float16), np.zeros(N, np.float16),
                 np.zeros(-(-N // gemv_mma_ops.SS_SPAN), np.float32), np.int32(N), np.int32(K), np.int32(group)))
     bound = np.abs(A).astype(np.float64) @ np.abs(quant.dequantize(qw, qp, bits)).astype(np.float64).T
     diff = np.abs(C.astype(np.float64) - decode)

@@ -100,7 +100,7 @@ class Case:
         rng = np.random.default_rng(seed)
         self.bits, self.K, self.group = bits, K, group
         self.pos, self.max_seq = 5, 5 + 2 * tokens + 2  # room for row r at pos + r, then 15 rows after it
-        self.x, self.inp = rand(rng, tokens, K), rand(rng, tokens, K)
+        self.x, self.inp = rand(rng, tokens, K), rand(rng, tokens, K, dtype=np.float16)  # inp: o_proj's / down's FP16
         self.norm_w = rand(rng, K, dtype=np.float16)
         self.x0 = rand(rng, tokens, M)
         self.norm_next = rand(rng, M, dtype=np.float16)  # the norm gemv_residual prepares its new x with
@@ -146,12 +146,6 @@ class Case:
                                              *self.g))
         out["residual"] = rows_of(xr, T, M, "gemv_residual")
         out["residual xn"], out["residual ssp"] = xn, ssp
-        # down's form: an FP16 input (gate_up's h), the same sums
-        xh = out_rows(x0)
-        xn_h, ssp_h = nan(T, M, dtype=np.float16), nan(T, -(-M // twin.SS_SPAN))
-        call("gemv_residual_h", -(-M // rpb), (inp.astype(np.float16), *self.w_res, xh, self.norm_next, xn_h, ssp_h,
-                                               np.int32(M), np.int32(K), *self.g))
-        out["residual_h"] = rows_of(xh, T, M, "gemv_residual_h")
         h = out_rows(nan(T, FF, dtype=np.float16))
         call("gemv_gate_up_silu" + suffix, -(-FF // (rpb // 2)),
              (*norm_in, *self.w_gu, h, np.int32(FF), np.int32(K), EPS, *self.g))
@@ -181,18 +175,18 @@ def check_against_twin(launch, bits, tokens, cases=None, seed=0, tolerance=None,
                 close(got[name], ref[name], tolerance if name not in ("k", "v") else 2e-3, what)
 
 
-def check_row_independence(launch, bits, tokens, K=None, group=None, seed=1):
+def check_row_independence(launch, bits, tokens, K=None, group=None, seed=1, form="prep"):
     """Row r of a TOKENS-row launch equals bit for bit the same row launched alone (TOKENS 1, at its position) and
-    the same row as row 0 of a TOKENS-row launch whose other rows are different."""
+    the same row as row 0 of a TOKENS-row launch whose other rows are different (the RMSNorm kernels' `form`: Case.run)."""
     K, group = (K, group) if K else CASES[bits][1]
     case = Case(bits, K, group, seed=seed)
     rows = list(range(tokens))
-    together = case.run(launch, twin.defines(bits, tokens, group), rows)
+    together = case.run(launch, twin.defines(bits, tokens, group), rows, form=form)
     for r in rows:
-        alone = case.run(launch, twin.defines(bits, 1, group), [r], pos=case.pos + r)
+        alone = case.run(launch, twin.defines(bits, 1, group), [r], pos=case.pos + r, form=form)
         others = [r] + [(r + 1 + i) % 16 for i in range(tokens - 1)]  # row r first, other rows of the case after it
-        first = case.run(launch, twin.defines(bits, tokens, group), others, pos=case.pos + r)
-        for name in ("q", "k", "v", "residual", "residual xn", "residual ssp", "residual_h", "h", "logits"):
+        first = case.run(launch, twin.defines(bits, tokens, group), others, pos=case.pos + r, form=form)
+        for name in ("q", "k", "v", "residual", "residual xn", "residual ssp", "h", "logits"):
             if name not in together:
                 continue
             if name == "logits":
