@@ -15,8 +15,9 @@
 // Weights, unchanged from the formats the prefill GEMMs read (no reshuffle at load): FP16 W [M, K] row-major, or
 // cullama/model/quant.py's qweight [M, K * BITS / 32] uint32 (codes interleaved for dequant.cuh) and qparams
 // [M, K / group, 2] FP16 (scale, zero). Parameters: one signature for every BITS, (W, qparams) for the weight and
-// `group` last (a BITS 16 kernel reads neither qparams nor group; gemv_logits, FP16 only, has neither). x, in and the
-// outputs are [TOKENS, width] float32 rows (logits at logits_stride(V)), as before.
+// `group` last (a BITS 16 kernel reads neither qparams nor group; gemv_logits, FP16 only, has neither). Rows are
+// [TOKENS, width]: x, q_out and logits float32 (logits at logits_stride(V)); gemv_residual's `in`, h and the prepared
+// xn FP16.
 //
 // Fragments without a reshuffle: the reduction index k is ours to permute as long as A and B permute it alike. Lane
 // (g = lane / 4, t = lane % 4) of a warp loads 16 contiguous bytes ("chunk" c = 4 kb + t of k-block kb) of weight row
@@ -59,9 +60,10 @@
 // every (token row, output pair) on all 128 threads.
 // Grid: qkv ceil(pairs / PAIRS), residual / logits ceil(M / ROWS), gate_up ceil(ff / PAIRS); ROWS 32 (NTILES 4):
 // LLaMA-2-7B: qkv 384, o_proj and down 128, gate_up 688, lm_head 1000 blocks for 132 SMs.
-// x re-reads: each block reads its token rows of x once (its warps split K): TOKENS * K * 4 bytes against ROWS * K *
-// BITS / 8 bytes of weights, a ratio of 32 TOKENS / (ROWS BITS): at 16 rows and ROWS 32 that is 1.0 (FP16), 2.0 (INT8)
-// and 4.0 (INT4) from L2 / L1 (at 1 row 0.06, 0.13, 0.25; blocks sharing an SM share L1 hits). This is the design's
+// Input re-reads: each block reads its token rows of the input once (its warps split K): TOKENS * K * 2 bytes (FP16:
+// every plan kernel but the *_x ones, which read float32 x, twice that) against ROWS * K * BITS / 8 bytes of weights,
+// a ratio of 16 TOKENS / (ROWS BITS): at 16 rows and ROWS 32 that is 0.5 (FP16), 1.0 (INT8) and 2.0 (INT4) from L2 /
+// L1 (at 1 row 0.03, 0.06, 0.13; blocks sharing an SM share L1 hits). This is the design's
 // known cost at many rows: staging A in shared memory for more rows per block with split-K across blocks would cut
 // it (later work, measured first on a GPU).
 // Shapes: K % E == 0 (FP16 K % 8, INT8 K % 16, INT4 K % 32), K / E < 46340 (group_of); chunks past K as above; for
@@ -151,12 +153,13 @@ struct Partials {
 };
 
 // -- the input forms of block_dot -----------------------------------------------------------------------------------
-// X_HALF: FP16 rows as they are (gemv_residual's `in`: attention's output for o_proj, gate_up's h for down). X_NORM: float32 rows x times the norm weights,
-// RMSNorm's Σ x² taken on the way (the *_x kernels: a step's first qkv, whose x the embedding writes; an act-order
-// linear's gathered x; the prefill's logits). X_PREP: the input prepared once by the kernel that wrote x
-// (gemv_residual's epilogue): xn = fp16(x * norm_w) [TOKENS, K] as the MMA's B values as they are, and the Σ x² parts
-// ssp [TOKENS, ceil(K / SS_SPAN)] (ss_parts). In X_NORM every block repeats x's work per element and token row slot
-// (~2 lane-instructions a weight byte at INT4 and up to 8 rows, ~3.5 past 8); X_PREP leaves a 16-byte load per chunk.
+// X_HALF: FP16 rows as they are (gemv_residual's `in`: attention's output for o_proj, gate_up's h for down).
+// X_NORM: float32 rows x times the norm weights, RMSNorm's Σ x² taken on the way (the *_x kernels: a step's first
+// qkv, whose x the embedding writes; an act-order linear's gathered x; the prefill's logits). X_PREP: the input
+// prepared once by the kernel that wrote x (gemv_residual's epilogue): xn = fp16(x * norm_w) [TOKENS, K] as the MMA's
+// B values as they are, and the Σ x² parts ssp [TOKENS, ceil(K / SS_SPAN)] (plan.ss_parts). In X_NORM every block
+// repeats x's work per element and token row slot (~2 lane-instructions a weight byte at INT4 and up to 8 rows, ~3.5
+// past 8); X_PREP leaves a 16-byte load per chunk.
 enum XForm { X_HALF, X_NORM, X_PREP };
 #define SS_SPAN 32  // x elements per Σ x² part: the rows of one gemv_residual block at the plans' NTILES 4
 #define SS_LANE_PARTS 8  // parts a lane adds in prepared_scales: up to 32 x 8 parts, d <= 8192 (plan.check_supported)
@@ -261,42 +264,35 @@ __device__ __forceinline__ uint32_t pack_f16x2(float lo, float hi) {
     return r;
 }
 
-// x's pairs of step s for one token row: x[k .. k + 3] (times the norm weights gn, NORM) as two FP16 pairs; ss += Σ x²
-// of those four (NORM).
-template <bool NORM>
+// x's pairs of step s for one token row (X_NORM): x[k .. k + 3] times the norm weights gn as two FP16 pairs; ss += Σ
+// x² of those four (inside K).
 __device__ __forceinline__ void x_pair(const float* __restrict__ xk, const float (&gn)[4], bool inside, uint32_t (&f)[2],
                                        float& ss) {
     const float4 x4 = *reinterpret_cast<const float4*>(xk);
     float v[4] = {x4.x, x4.y, x4.z, x4.w};
-    if (NORM) {
 #pragma unroll
-        for (int i = 0; i < 4; ++i) {
-            if (inside) ss = fmaf(v[i], v[i], ss);
-            v[i] = __fmul_rn(v[i], gn[i]);
-        }
+    for (int i = 0; i < 4; ++i) {
+        if (inside) ss = __fmaf_rn(v[i], v[i], ss);
+        v[i] = __fmul_rn(v[i], gn[i]);
     }
     f[0] = pack_f16x2(v[0], v[1]);
     f[1] = pack_f16x2(v[2], v[3]);
 }
 
-// The x fragments of chunk c (every step) for token rows g (x0) and g + 8 (x1, TOKENS > 8 and g + 8 < TOKENS): once
-// per k-block, shared by every n-tile (the norm weights converted once for both rows). A chunk past K (inside false)
-// comes as the row's last chunk again, whose weights are +0 there (load_batch): its products add +0, which changes no
-// sum (an accumulator is never -0), and it stays out of Σ x².
-template <bool NORM>
+// The x fragments of chunk c (X_NORM, every step) for token rows g (x0) and g + 8 (x1, TOKENS > 8 and g + 8 <
+// TOKENS): once per k-block, shared by every n-tile (the norm weights converted once for both rows). A chunk past K
+// (inside false) comes as the row's last chunk again, whose weights are +0 there (load_batch): its products add +0,
+// which changes no sum (an accumulator is never -0), and it stays out of Σ x².
 __device__ __forceinline__ void x_fragments(const float* __restrict__ x, const half_t* __restrict__ gw, int K, int c,
                                             bool inside, int g, uint32_t (&x0)[STEPS][2], uint32_t (&x1)[STEPS][2],
                                             float& ss0, float& ss1) {
 #pragma unroll
     for (int s = 0; s < STEPS; ++s) {
         const int k = c * ELEMS + 4 * s;
-        float gn[4] = {1.f, 1.f, 1.f, 1.f};
-        if (NORM) {
-            const uint2 g2 = *reinterpret_cast<const uint2*>(gw + k);
-            gn[0] = lo_f(g2.x), gn[1] = hi_f(g2.x), gn[2] = lo_f(g2.y), gn[3] = hi_f(g2.y);
-        }
-        x_pair<NORM>(x + (size_t)g * K + k, gn, inside, x0[s], ss0);
-        if (TOKENS > 8 && g + 8 < TOKENS) x_pair<NORM>(x + (size_t)(g + 8) * K + k, gn, inside, x1[s], ss1);
+        const uint2 g2 = *reinterpret_cast<const uint2*>(gw + k);
+        const float gn[4] = {lo_f(g2.x), hi_f(g2.x), lo_f(g2.y), hi_f(g2.y)};
+        x_pair(x + (size_t)g * K + k, gn, inside, x0[s], ss0);
+        if (TOKENS > 8 && g + 8 < TOKENS) x_pair(x + (size_t)(g + 8) * K + k, gn, inside, x1[s], ss1);
     }
 }
 
@@ -323,7 +319,6 @@ __device__ __forceinline__ void xn_fragments(const half_t* __restrict__ xn, int 
 template <int FORM>
 __device__ __forceinline__ void block_dot(Loads& b, int K, const void* __restrict__ input,
                                           const half_t* __restrict__ gw, Partials& part) {
-    constexpr bool NORM = FORM == X_NORM;
     const float* __restrict__ x = static_cast<const float*>(input);
     const half_t* __restrict__ xn = static_cast<const half_t*>(input);
     const int lane = threadIdx.x % WARP, warp = threadIdx.x / WARP, g = lane / 4, t = lane % 4;
@@ -348,7 +343,7 @@ __device__ __forceinline__ void block_dot(Loads& b, int K, const void* __restric
             if (FORM == X_PREP || FORM == X_HALF) {
                 if (g < TOKENS) xn_fragments(xn, K, min(c, b.vecs - 1), g, x0, x1);
             } else if (g < TOKENS) {
-                x_fragments<NORM>(x, gw, K, min(c, b.vecs - 1), c < b.vecs, g, x0, x1, ss0, ss1);
+                x_fragments(x, gw, K, min(c, b.vecs - 1), c < b.vecs, g, x0, x1, ss0, ss1);
             }
 #if KBLOCK_SCALE
             float part[MTILES][NCOLS][4];  // this k-block's sums, unscaled: chained from zero
@@ -452,9 +447,9 @@ __device__ __forceinline__ float norm_scale(const Partials& part, int tok, int K
 }
 
 template <int FORM>
-__device__ __forceinline__ void norm_input(Loads& loads, int K, const void* __restrict__ in, const void* __restrict__ aux,
-                                           float eps, Partials& part) {
-    if (FORM == X_PREP) prepared_scales(part, static_cast<const float*>(aux), K, eps);  // read after block_dot's barrier
+__device__ __forceinline__ void norm_input(Loads& loads, int K, const void* __restrict__ in,
+                                           const void* __restrict__ aux, float eps, Partials& part) {
+    if (FORM == X_PREP) prepared_scales(part, static_cast<const float*>(aux), K, eps);  // read after block_dot's sync
     block_dot<FORM>(loads, K, in, FORM == X_PREP ? nullptr : static_cast<const half_t*>(aux), part);
 }
 
@@ -559,8 +554,8 @@ __device__ __forceinline__ void residual(Loads& loads, const void* __restrict__ 
 
 extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS)
 gemv_residual(const half_t* __restrict__ in, const uint4* __restrict__ W, const half_t* __restrict__ qparams,
-              float* __restrict__ x, const half_t* __restrict__ norm_w, half_t* __restrict__ xn, float* __restrict__ ssp,
-              int M, int K, int group) {
+              float* __restrict__ x, const half_t* __restrict__ norm_w, half_t* __restrict__ xn,
+              float* __restrict__ ssp, int M, int K, int group) {
     __shared__ Partials part;
     pdl_launch_dependents();
     Loads loads;
@@ -615,8 +610,10 @@ __device__ __forceinline__ void logits_rows(Loads& loads, const void* __restrict
     norm_input<FORM>(loads, d, in, aux, eps, part);
     for (int item = threadIdx.x; item < TOKENS * ROWS; item += THREADS) {
         const int tok = item / ROWS, i = item % ROWS, row = blockIdx.x * ROWS + i;
-        if (row < V)
-            logits[(size_t)tok * logits_stride(V) + row] = __fmul_rn(sum_dot(part, i, tok), norm_scale<FORM>(part, tok, d, eps));
+        if (row < V) {
+            const float scale = norm_scale<FORM>(part, tok, d, eps);
+            logits[(size_t)tok * logits_stride(V) + row] = __fmul_rn(sum_dot(part, i, tok), scale);
+        }
     }
 }
 

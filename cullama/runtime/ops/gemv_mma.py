@@ -195,21 +195,17 @@ def _silu(a: np.ndarray) -> np.ndarray:
 SS_SPAN = ROWS  # x elements per Σ x² part of a prepared input: gemv_residual's rows per block
 
 
-def _raw_input(x, norm_w, K: int):
-    """The *_x kernels' input (x float32 rows, norm_w): (A = fp16(x * norm_w) [T, K], x [T, K] for mma_rows' Σ x²)."""
-    x32, a16 = _normed(x, norm_w, K)
-    return a16, x32
-
-
 def prepared_ss(ssp: np.ndarray, K: int) -> np.ndarray:
     """Σ x² [T] of a prepared input from its parts ssp [T, ceil(K / SS_SPAN)], in prepared_scales' order: lane l
-    adds parts l, l + 32, ... from +0 in order, then the lanes' sums in a butterfly (l + l ^ 1, then ^ 2, ..., ^ 16)."""
+    adds parts l, l + 32, ... from +0 in order, then the lanes' sums in a butterfly (l + l ^ 1, then ^ 2, ..., ^ 16).
+    (Parts past the last are +0 here: adding them changes no sum, as the kernel's skipping them.)"""
     parts = -(-K // SS_SPAN)
-    ssp = token_rows(ssp)[:, :parts].astype(np.float32)
-    T = ssp.shape[0]
-    lanes = np.zeros((T, 32), np.float32)
-    for i in range(parts):
-        lanes[:, i % 32] = lanes[:, i % 32] + ssp[:, i]
+    rows = token_rows(ssp)[:, :parts].astype(np.float32)
+    padded = np.zeros((rows.shape[0], -(-parts // 32) * 32), np.float32)
+    padded[:, :parts] = rows
+    lanes = np.zeros((rows.shape[0], 32), np.float32)
+    for chunk in padded.reshape(rows.shape[0], -1, 32).transpose(1, 0, 2):  # parts l, l + 32, ... of each lane
+        lanes = lanes + chunk
     m = 1
     while m < 32:
         lanes = lanes + lanes[:, np.arange(32) ^ m]
@@ -220,34 +216,35 @@ def prepared_ss(ssp: np.ndarray, K: int) -> np.ndarray:
 def prepare(x: np.ndarray, norm_w: np.ndarray, M: int) -> tuple[np.ndarray, np.ndarray]:
     """What gemv_residual writes for the next RMSNorm kernel from the new x [T, M] float32 rows: xn [T, M] float16 =
     fp16(x * norm_w) and ssp [T, ceil(M / SS_SPAN)] float32, part b the fmaf chain of x^2 over rows b SS_SPAN .. in
-    order (each part starting at +0)."""
+    order (each part starting at +0; rows past M, +0 here, add +0)."""
     x32 = np.ascontiguousarray(token_rows(x)[:, :M], np.float32)
     xn = (x32 * norm_w[:M].astype(np.float32)).astype(np.float16)
     parts = -(-M // SS_SPAN)
+    spans = np.zeros((x32.shape[0], parts * SS_SPAN), np.float32)
+    spans[:, :M] = x32
+    spans = spans.reshape(x32.shape[0], parts, SS_SPAN)
     ssp = np.zeros((x32.shape[0], parts), np.float32)
-    for b in range(parts):
-        for r in range(b * SS_SPAN, min(M, (b + 1) * SS_SPAN)):
-            ssp[:, b] = _fma32(x32[:, r], x32[:, r], ssp[:, b])
+    for i in range(SS_SPAN):  # every part's chain at once, row i of each
+        ssp = _fma32(spans[..., i], spans[..., i], ssp)
     return xn, ssp
 
 
-def _norm_input(prepared: bool, first, second, K: int):
-    """(A [T, K] float16, x [T, K] float32 or None, ss [T] or None): the kernel's A operand and how its RMSNorm sum is
-    had: from x (the *_x forms, mma_rows sums it) or from the prepared parts."""
+def _norm_dot(b16: np.ndarray, bits: int, scale, prepared: bool, first, second, K: int):
+    """(dot [T, M], ss [T]) of an RMSNorm kernel: A and Σ x² from the prepared input (first, second = xn, ssp) or,
+    in the *_x forms, from x and the norm weights (first, second = x, norm_w; mma_rows sums x^2 as the kernel does)."""
     if prepared:
-        return np.ascontiguousarray(token_rows(first)[:, :K], np.float16), None, prepared_ss(second, K)
-    a16, x32 = _raw_input(first, second, K)
-    return a16, x32, None
+        a16 = np.ascontiguousarray(token_rows(first)[:, :K], np.float16)
+        return mma_rows(b16, a16, bits, scale=scale)[0], prepared_ss(second, K)
+    x32, a16 = _normed(first, second, K)
+    return mma_rows(b16, a16, bits, x32, scale)
 
 
 # -- the kernels -----------------------------------------------------------------------------------------------------
 def qkv_rope(W, qparams, prepared, first, second, bias, q_out, k_cache, v_cache, rope, state, step_rows, d, n_heads,
              n_kv_heads, hd, max_seq, eps):
     b16, bits, scale = _weights(W, qparams, d)
-    a16, x32, ss = _norm_input(prepared, first, second, d)
-    dot, ss_x = mma_rows(b16, a16, bits, x32, scale)
-    ss = ss_x if ss is None else ss
-    rows = a16.shape[0]
+    dot, ss = _norm_dot(b16, bits, scale, prepared, first, second, d)
+    rows = dot.shape[0]
     y = (dot * _rms_scale(ss, d, eps)[:, None]) + bias[:b16.shape[0]].astype(np.float32)  # [rows, all heads * hd]
     y = y.reshape(rows, n_heads + 2 * n_kv_heads, hd)
     slots, positions = row_positions(step_rows, state, rows)
@@ -277,18 +274,14 @@ def residual(W, qparams, inp, x, M, K, norm_w=None, xn=None, ssp=None):
 
 def gate_up_silu(W, qparams, prepared, first, second, h, ff, d, eps):
     b16, bits, scale = _weights(W, qparams, d)
-    a16, x32, ss = _norm_input(prepared, first, second, d)
-    dot, ss_x = mma_rows(b16[:2 * ff], a16, bits, x32, None if scale is None else scale[:2 * ff])
-    ss = ss_x if ss is None else ss
+    dot, ss = _norm_dot(b16[:2 * ff], bits, None if scale is None else scale[:2 * ff], prepared, first, second, d)
     scale = _rms_scale(ss, d, eps)[:, None]
     gate, up = dot[:, :ff] * scale, dot[:, ff:] * scale
     token_rows(h)[:, :ff] = _silu(gate) * up
 
 
 def logits_rows(prepared, first, second, W, logits, V, d, eps):
-    a16, x32, ss = _norm_input(prepared, first, second, d)
-    dot, ss_x = mma_rows(np.asarray(W)[:V, :d].astype(np.float16, copy=False), a16, 16, x32)
-    ss = ss_x if ss is None else ss
+    dot, ss = _norm_dot(np.asarray(W)[:V, :d].astype(np.float16, copy=False), 16, None, prepared, first, second, d)
     out = dot * _rms_scale(ss, d, eps)[:, None]
     for lt, row in zip(logit_rows(logits, V, len(out)), out):
         lt[:V] = row

@@ -60,8 +60,8 @@ MUTATIONS = [
     ("kblock-sum-not-restarted", "gemv_mma.cu",
      "part[J][n][0] = part[J][n][1] = part[J][n][2] = part[J][n][3] = 0.f;",
      "part[J][n][0] = part[J][n][1] = part[J][n][2] = part[J][n][3] = acc[J][n][0];", against_twin(4)),
-    ("x-second-half-token-row-off", "gemv_mma.cu", "x_pair<NORM>(x + (size_t)(g + 8) * K + k, gn, inside, x1[s], ss1);",
-     "x_pair<NORM>(x + (size_t)(g + 7) * K + k, gn, inside, x1[s], ss1);", against_twin(16, 12)),
+    ("x-second-half-token-row-off", "gemv_mma.cu", "x_pair(x + (size_t)(g + 8) * K + k, gn, inside, x1[s], ss1);",
+     "x_pair(x + (size_t)(g + 7) * K + k, gn, inside, x1[s], ss1);", against_twin(16, 12)),
     ("residual-writes-row-0-only", "gemv_mma.cu", "        x[(size_t)tok * M + row] = v;",
      "        if (tok == 0) x[(size_t)tok * M + row] = v;", against_twin(8, 3)),
     # the prepared input (gemv_residual writes it, gemv_qkv_rope / gate_up / logits read it)

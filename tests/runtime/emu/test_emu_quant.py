@@ -91,7 +91,7 @@ MUTATIONS = [
      "b.p[u][j] = KBLOCK_SCALE || inside ? b.params[j][group] : 0u;",
      "b.p[u][j] = KBLOCK_SCALE || inside ? b.params[j][0] : 0u;", gemv(4, [(1408, 128)])),
     # x_fragments: token row g (every row at TOKENS <= 8, as in the check's 3) reads token row 0's x
-    ("token-rows-share-one-x", "gemv_mma.cu", "x_pair<NORM>(x + (size_t)g * K + k, gn,", "x_pair<NORM>(x + k, gn,",
+    ("token-rows-share-one-x", "gemv_mma.cu", "x_pair(x + (size_t)g * K + k, gn,", "x_pair(x + k, gn,",
      lambda launch: gemv_checks.check_row_independence(launch, 4, 3, form="x")),
     ("gemm-int4-codes-of-the-other-half-row", "gemm_quant.cu", "&s.codes[stage][row][half * THREAD_WORDS]",
      "&s.codes[stage][row][(1 - half) * THREAD_WORDS]", lambda launch: gemm(launch, 4)),
