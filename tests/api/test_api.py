@@ -314,6 +314,8 @@ def test_a_path_may_be_a_str_or_path_like(stories_dir):
     ({"head_dim": 96, "num_heads": 4, "num_kv_heads": 2, "hidden_size": 384}, "head_dim 96"),
     ({"num_heads": 16, "num_kv_heads": 1, "head_dim": 16}, "16 query heads per key/value head"),
     ({"hidden_size": 260}, "hidden_size 260"),
+    # past 32 x 8 parts of Σ x² a prepared RMSNorm input carries (plan.MAX_SS_PARTS)
+    ({"hidden_size": 8320, "num_heads": 65, "num_kv_heads": 13, "head_dim": 128}, "hidden_size 8320"),
 ])
 def test_shapes_the_kernels_do_not_run_are_refused_before_the_weights(tmp_path, weights_never_load, changes, needle):
     with pytest.raises(KernelError) as caught:

@@ -135,6 +135,8 @@ def test_an_empty_path_is_refused_not_taken_for_the_current_directory(tmp_path, 
     ({"head_dim": 96, "num_heads": 4, "num_kv_heads": 2, "hidden_size": 384},
      "head_dim 96 is not supported by cullama's kernels"),
     ({"num_heads": 16, "num_kv_heads": 1, "head_dim": 16}, "not supported by cullama's kernels"),
+    ({"hidden_size": 8320, "num_heads": 65, "num_kv_heads": 13, "head_dim": 128},
+     "hidden_size 8320 is not supported by cullama's kernels (at most 8192)"),
     ({"vocab_size": 8}, "token id 9 is outside the vocabulary [0, 8)"),
 ])
 def test_shapes_and_prompts_are_checked_before_the_weights_load(tmp_path, changes, fragment):
