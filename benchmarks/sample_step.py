@@ -25,7 +25,7 @@ import numpy as np
 from cullama.runtime.ops import sampling as twin
 from gemv_sweep import events_ms, positive_int, positive_ints, save_json  # benchmarks/ on sys.path
 
-D = 64  # the embedding row the kernel copies into x: the model's width does not change the sampling
+D = 4096  # LLaMA-2-7B's width: the kernel writes the next token's embedding row and its prepared RMSNorm input
 # (label, temperature, top_k, top_p, repetition penalty)
 OPTIONS = [("greedy", 0.0, 0, 1.0, 1.0), ("greedy + penalty 1.1", 0.0, 0, 1.0, 1.1),
            ("T 0.8, no cut", 0.8, 0, 1.0, 1.0), ("T 0.8, top-k 40", 0.8, 40, 1.0, 1.0),
@@ -54,6 +54,12 @@ def one_row(xp):
             xp.zeros(1, np.uint32), xp.zeros(1, np.uint32))
 
 
+def next_input(xp) -> tuple:
+    """The sample kernel's next-input arguments (norm_w, x, xn, ssp) for one row of width D."""
+    return (xp.asarray(np.ones(D, np.float16)), xp.zeros(D, np.float32), xp.zeros(D, np.float16),
+            xp.zeros(-(-D // 32), np.float32))
+
+
 def sizes(V: int) -> tuple:
     """The sample kernel's last arguments for one slot's seen [V]: V, d, seen_stride, mask_words, verify (1: a decode
     step)."""
@@ -64,11 +70,11 @@ def cpu_ms(V: int, option, reps: int) -> float:
     """Median ms of the twin's call, the state advancing between calls."""
     logits, seen, embed = inputs(V)
     state, fparams = state_and_params(option)
-    x, rows = np.zeros(D, np.float32), one_row(np)
+    nxt, rows = next_input(np), one_row(np)
     times = []
     for _ in range(reps):
         start = time.perf_counter()
-        twin.sample(logits, seen, state, fparams, embed, x, *rows, *sizes(V), grid=(1, 1, 1))
+        twin.sample(logits, seen, state, fparams, embed, *nxt, *rows, *sizes(V), grid=(1, 1, 1))
         times.append((time.perf_counter() - start) * 1e3)
     return statistics.median(times)
 
@@ -77,7 +83,7 @@ def gpu_us(cp, fn, V: int, option, reps: int) -> float:
     """us per launch of the sample kernel, by events around `reps` launches (after one untimed)."""
     logits, seen, embed = (cp.asarray(a) for a in inputs(V))
     state, fparams = (cp.asarray(a) for a in state_and_params(option))
-    args = (logits, seen, state, fparams, embed, cp.zeros(D, np.float32), *one_row(cp), *sizes(V))
+    args = (logits, seen, state, fparams, embed, *next_input(cp), *one_row(cp), *sizes(V))
     stream = cp.cuda.get_current_stream()
     launch = lambda: fn((1,), (1024,), args)  # noqa: E731
     launch()

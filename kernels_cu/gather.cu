@@ -1,7 +1,7 @@
 // gather.cu — activations in a weight's stored input order (GPTQ act-order): out[t, k] = in[t, perm[k]].
 //
-//   gather_f32   float32 rows: a decode or verify step's input to such a linear (gemv_mma.cu)
-//   gather_f16   FP16 rows: a prefill chunk's input to it (gemm_quant.cu)
+//   gather_f16   FP16 rows: the input of such a linear, a decode or verify step's (the prepared RMSNorm input xn, or
+//                attention's output; gemv_mma.cu) or a prefill chunk's (gemm_quant.cu)
 //
 // A GPTQ checkpoint with desc_act orders a linear's input channels by group (g_idx); the loader sorts the stored
 // columns once so that each group's columns are contiguous (cullama/model/quant.py's layout), keeping perm [K] int32:
@@ -15,9 +15,8 @@
 
 #define THREADS 256  // GATHER_THREADS
 
-template <typename T>
-__device__ __forceinline__ void gather_row(const T* __restrict__ in, const int* __restrict__ perm, T* __restrict__ out,
-                                           int K, int first) {
+__device__ __forceinline__ void gather_row(const half_t* __restrict__ in, const int* __restrict__ perm,
+                                           half_t* __restrict__ out, int K, int first) {
     const size_t row = (size_t)blockIdx.x * K;
     int src = first;
     for (int k = threadIdx.x; k < K; k += THREADS) {
@@ -29,15 +28,6 @@ __device__ __forceinline__ void gather_row(const T* __restrict__ in, const int* 
 
 __device__ __forceinline__ int first_index(const int* __restrict__ perm, int K) {
     return (int)threadIdx.x < K ? perm[threadIdx.x] : 0;
-}
-
-// in, out [T, K] float32.
-extern "C" __global__ void __launch_bounds__(THREADS)
-gather_f32(const float* __restrict__ in, const int* __restrict__ perm, float* __restrict__ out, int K) {
-    pdl_launch_dependents();  // the next kernel may start streaming its weights
-    const int first = first_index(perm, K);
-    pdl_wait();  // in comes from the kernel before
-    gather_row(in, perm, out, K, first);
 }
 
 // in, out [T, K] FP16.

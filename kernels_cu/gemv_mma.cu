@@ -9,8 +9,10 @@
 //                      RMSNorm kernel's input prepared from the new x: xn = fp16(x * norm_w), Σ x² in parts
 //   gemv_gate_up_silu  h = silu(W_gate · n) * (W_up · n),  n = rmsnorm(x), h in FP16
 //   gemv_logits        logits = W_lm_head · rmsnorm(x)   (FP16 only: the lm_head stays FP16, as AWQ and GPTQ keep it)
-//   *_x                the three RMSNorm kernels on x itself (a step's first qkv, whose x the embedding writes; an
-//                      act-order linear's gathered x; a prefill's last row for the logits)
+//   gemv_logits_x      gemv_logits on x itself (a prefill's last row, whose x a GEMM wrote)
+// The RMSNorm kernels read their input prepared (prepare.cuh) by the kernel that wrote x: gemv_residual, or for a
+// step's first qkv the embedding's writer (sample, embed_rows_prepared); under act-order the prepared xn gathered into
+// the weight's input order (ops/gather.py; Σ x² does not depend on the order).
 //
 // Weights, unchanged from the formats the prefill GEMMs read (no reshuffle at load): FP16 W [M, K] row-major, or
 // cullama/model/quant.py's qweight [M, K * BITS / 32] uint32 (codes interleaved for dequant.cuh) and qparams
@@ -44,9 +46,10 @@
 // launch after a gemv_residual): that kernel's epilogue wrote xn = fp16(x * norm_w) [TOKENS, K] and Σ x² in parts of
 // SS_SPAN (32) elements, ssp [TOKENS, ceil(K / 32)] (an fmaf chain each), so each lane loads its chunk of xn as its B
 // values as they are (E / 8 16-byte loads a chunk and token row) and the block adds the parts once (prepared_scales:
-// the same order in every block and kernel). In the *_x forms (X_NORM) every block does that work itself per element
+// the same order in every block and kernel). In gemv_logits_x (X_NORM) every block does that work itself per element
 // and token row slot while loading A: the sum of x^2 in FP32 (fmaf), x * norm_w, the norm weight's conversion, half a
-// cvt: ~2 lane-instructions a weight byte at INT4 and up to 8 rows, ~3.5 past 8, the same in every block.
+// cvt: ~2 lane-instructions a weight byte at INT4 and up to 8 rows, ~3.5 past 8, the same in every block (why the
+// quantized kernels have no such form).
 // x's fragments are made once per k-block (every step), shared by the n-tiles; token rows past TOKENS stay zero and
 // are never loaded. Chunks past K (the last, partial k-block): FP16 weights zero-filled; quantized ones loaded from the
 // row's last chunk with a zero scale (+0 weights, no zero fill in the loop); x from the row's last chunk again, out of
@@ -61,22 +64,24 @@
 // Grid: qkv ceil(pairs / PAIRS), residual / logits ceil(M / ROWS), gate_up ceil(ff / PAIRS); ROWS 32 (NTILES 4):
 // LLaMA-2-7B: qkv 384, o_proj and down 128, gate_up 688, lm_head 1000 blocks for 132 SMs.
 // Input re-reads: each block reads its token rows of the input once (its warps split K): TOKENS * K * 2 bytes (FP16:
-// every plan kernel but the *_x ones, which read float32 x, twice that) against ROWS * K * BITS / 8 bytes of weights,
+// every plan kernel but gemv_logits_x, which reads float32 x, twice that) against ROWS * K * BITS / 8 bytes of weights,
 // a ratio of 16 TOKENS / (ROWS BITS): at 16 rows and ROWS 32 that is 0.5 (FP16), 1.0 (INT8) and 2.0 (INT4) from L2 /
 // L1 (at 1 row 0.03, 0.06, 0.13; blocks sharing an SM share L1 hits). This is the design's
 // known cost at many rows: staging A in shared memory for more rows per block with split-K across blocks would cut
 // it (later work, measured first on a GPU).
 // Shapes: K % E == 0 (FP16 K % 8, INT8 K % 16, INT4 K % 32), K / E < 46340 (group_of); chunks past K as above; for
-// quantized weights group % E == 0 and K % group == 0 (quant.py's contract); any M.
+// quantized weights group % E == 0 and K % group == 0 (quant.py's contract); any M; qkv's hd a power of two
+// (rope.cuh; plan.check_supported).
 // Issue (issue 26: cullama/bench/issue.py's static sm_90 count, lane-instructions per weight byte over the whole
-// kernel, LLaMA-2-7B, 1-8 / 9-16 token rows, NTILES 4, 2026-12-07): FP16 1.3-1.9 / 1.5-2.6; INT8 (KBLOCK_SCALE)
-// prepared qkv and gate_up 2.8-2.9 / 3.4-3.6, o_proj 2.8-2.9 / 3.2-3.3, down 2.6-2.7 / 3.0-3.1, qkv_x 3.8-3.9 /
-// 4.9-5.2; INT4 (KBLOCK_SCALE) prepared qkv and gate_up 4.3-4.7 / 5.0-5.4, o_proj 4.4-4.5 / 5.0, down 4.0-4.1 /
-// 4.5-4.6, qkv_x 6.2-6.3 / 8.0-8.6. Before KBLOCK_SCALE, the prepared input and FP16 inputs for the residual
-// (1c187dc^): INT4 qkv 7.1-7.2 / 8.8-9.0, o_proj and down 5.2-5.5 / 5.9-6.1. The INT4 floor is its dequantization, a
-// lop3 and a sub per code pair and a shift a word (2.25 a byte with KBLOCK_SCALE, 3.25 with the HMUL2 per pair);
-// past 8 rows a second n8 tile doubles the MMAs and the input's loads, and the epilogues weigh on the smaller
-// matrices.
+// kernel, LLaMA-2-7B, 1-8 / 9-16 token rows, NTILES 4, 2026-12-07, every RMSNorm GEMV on the prepared input): FP16
+// 1.2-1.8 / 1.4-2.0; INT8 (KBLOCK_SCALE) qkv 2.8-2.9 / 3.2-3.4, gate_up 2.8-2.9 / 3.2-3.4, o_proj 2.7-2.9 / 3.2-3.3,
+// down 2.6-2.7 / 3.0-3.1; INT4 (KBLOCK_SCALE) qkv 4.3-4.6 / 4.9-5.0, gate_up 4.3-4.6 / 4.9-5.1 (5.12 at 16 rows),
+// o_proj 4.1-4.3 / 4.8-5.0, down 3.9-4.0 / 4.4-4.6. Before KBLOCK_SCALE, the prepared input and FP16 inputs for the
+// residual (1c187dc^): INT4 qkv 7.1-7.2 / 8.8-9.0, o_proj and down 5.2-5.5 / 5.9-6.1; the in-kernel RMSNorm form that
+// a step's first qkv and act-order linears ran until 2026-12-07: INT4 6.2-6.3 / 8.0-8.6. The INT4 floor is its
+// dequantization, a lop3 and a sub per code pair and a shift a word (2.25 a byte with KBLOCK_SCALE, 3.25 with the
+// HMUL2 per pair); past 8 rows a second n8 tile doubles the MMAs and the input's loads, and the epilogues weigh on the
+// smaller matrices.
 // MIN_BLOCKS 3 / UNROLL 1 for INT4 past 8 rows keeps those variants from spilling (W4_WIDE).
 //
 // Bit-exactness by construction: every output (token m, row n) is, per warp, the chain of that warp's MMAs over its
@@ -120,6 +125,7 @@
 #include "rope.cuh"
 #include "dequant.cuh"
 #include "mma.cuh"
+#include "prepare.cuh"
 
 #if BITS != 16 && BITS != 8 && BITS != 4
 #error "BITS must be 16, 8 or 4"
@@ -154,14 +160,13 @@ struct Partials {
 
 // -- the input forms of block_dot -----------------------------------------------------------------------------------
 // X_HALF: FP16 rows as they are (gemv_residual's `in`: attention's output for o_proj, gate_up's h for down).
-// X_NORM: float32 rows x times the norm weights, RMSNorm's Σ x² taken on the way (the *_x kernels: a step's first
-// qkv, whose x the embedding writes; an act-order linear's gathered x; the prefill's logits). X_PREP: the input
-// prepared once by the kernel that wrote x (gemv_residual's epilogue): xn = fp16(x * norm_w) [TOKENS, K] as the MMA's
-// B values as they are, and the Σ x² parts ssp [TOKENS, ceil(K / SS_SPAN)] (plan.ss_parts). In X_NORM every block
-// repeats x's work per element and token row slot (~2 lane-instructions a weight byte at INT4 and up to 8 rows, ~3.5
-// past 8); X_PREP leaves a 16-byte load per chunk.
+// X_NORM: float32 rows x times the norm weights, RMSNorm's Σ x² taken on the way (gemv_logits_x: a prefill's last
+// row). X_PREP: the input prepared once by the kernel that wrote x (prepare.cuh: gemv_residual's epilogue, sample,
+// embed_rows_prepared): xn = fp16(x * norm_w) [TOKENS, K] as the MMA's B values as they are, and the Σ x² parts
+// ssp [TOKENS, ceil(K / SS_SPAN)] (plan.ss_parts). In X_NORM every block repeats x's work per element and token row
+// slot (~2 lane-instructions a weight byte at INT4 and up to 8 rows, ~3.5 past 8); X_PREP leaves a 16-byte load per
+// chunk.
 enum XForm { X_HALF, X_NORM, X_PREP };
-#define SS_SPAN 32  // x elements per Σ x² part: the rows of one gemv_residual block at the plans' NTILES 4
 #define SS_LANE_PARTS 8  // parts a lane adds in prepared_scales: up to 32 x 8 parts, d <= 8192 (plan.check_supported)
 
 // -- the rows of a block (index i in 0 .. ROWS - 1): clamped to the last one past the end (computed, never stored) --
@@ -172,8 +177,8 @@ __device__ __forceinline__ int block_row(int i, int M, int hd, int n_pairs) {
     if (KIND == PLAIN_ROWS) return min((int)blockIdx.x * ROWS + i, M - 1);
     const int p = min((int)blockIdx.x * PAIRS + i / 2, n_pairs - 1);
     if (KIND == GATE_UP_ROWS) return p + (i % 2) * M;  // (gate r, up ff + r); M = ff, n_pairs = ff
-    const int half_hd = hd / 2, row0 = (p / half_hd) * hd + p % half_hd;  // RoPE pair (j, j + hd / 2) of a head
-    return row0 + (i % 2) * half_hd;
+    const int row0 = pair_head(p, hd) * hd + pair_dim(p, hd);  // RoPE pair (j, j + hd / 2) of a head
+    return row0 + (i % 2) * (hd / 2);
 }
 
 // One lane's weight rows and its batch of loads in flight: w[u][j] is its chunk of tile j's row in k-block
@@ -407,19 +412,30 @@ __device__ __forceinline__ float sum_dot(const Partials& part, int i, int tok) {
 // The prepared input's RMSNorm scales rsqrt(Σ x² / K + eps) into part.scale (warp w: token rows w, w + WARPS, ...;
 // read after block_dot's barrier): per lane its parts l, l + 32, ... of ssp in order, then the lanes' sums in a
 // butterfly (lane l + lane l ^ 1, then ^ 2, ^ 4, ^ 8, ^ 16: the same tree on every lane, as a + b == b + a), so every
-// kernel that reads these parts gets the same scale.
+// kernel that reads these parts gets the same scale. Lane i keeps the sum of the warp's i-th row and the divisions
+// and square roots run once, on those lanes (inside the loop over rows they cost 0.3 lane-instructions a weight byte
+// at INT4 and 16 rows).
 __device__ __forceinline__ void prepared_scales(Partials& part, const float* __restrict__ ssp, int K, float eps) {
-    const int lane = threadIdx.x % WARP, parts = (K + SS_SPAN - 1) / SS_SPAN;
-    for (int tok = threadIdx.x / WARP; tok < TOKENS; tok += WARPS) {
+    const int lane = threadIdx.x % WARP, warp = threadIdx.x / WARP, parts = (K + SS_SPAN - 1) / SS_SPAN;
+    float mine = 0.f;  // lane i: the sum of this warp's i-th token row (tok = warp + WARPS i)
+#pragma unroll
+    for (int t = 0; t < (TOKENS + WARPS - 1) / WARPS; ++t) {
+        const int tok = warp + WARPS * t;
+        if (tok >= TOKENS) break;
+        const float* __restrict__ row = ssp + (size_t)tok * parts;
         float v = 0.f;
 #pragma unroll
         for (int j = 0; j < SS_LANE_PARTS; ++j) {  // unrolled, the parts past the last skipped
             const int i = lane + WARP * j;
-            if (i < parts) v = __fadd_rn(v, ssp[(size_t)tok * parts + i]);
+            if (i < parts) v = __fadd_rn(v, row[i]);
         }
 #pragma unroll
         for (int m = 1; m < WARP; m *= 2) v = __fadd_rn(v, __shfl_xor_sync(0xffffffffu, v, m));
-        if (lane == 0) part.scale[tok] = rsqrtf(__fadd_rn(__fdiv_rn(v, (float)K), eps));
+        if (lane == t) mine = v;
+    }
+    const int tok = warp + WARPS * lane;  // lane i: the scale of the warp's i-th row, one division for all of them
+    if (lane < (TOKENS + WARPS - 1) / WARPS && tok < TOKENS) {
+        part.scale[tok] = rsqrtf(__fadd_rn(__fdiv_rn(mine, (float)K), eps));
     }
 }
 
@@ -438,9 +454,10 @@ __device__ __forceinline__ float rms_scale(const Partials& part, int tok, int K,
 
 __device__ __forceinline__ float silu(float a) { return __fdiv_rn(a, __fadd_rn(1.f, expf(-a))); }
 
-// The RMSNorm kernels' input, in two forms: the *_x kernels take (x [TOKENS, d] float32, norm_w [d] FP16) and do
-// the norm's work per block (X_NORM); the others take what gemv_residual prepared, (xn [TOKENS, d] FP16 = x * norm_w,
-// ssp [TOKENS, ceil(d / SS_SPAN)] float32: Σ x² in parts), and only load it (X_PREP). `in` and `aux` are the pair.
+// The RMSNorm kernels' input, in two forms: gemv_logits_x takes (x [TOKENS, d] float32, norm_w [d] FP16) and does
+// the norm's work per block (X_NORM); the others take what the kernel that wrote x prepared, (xn [TOKENS, d] FP16 =
+// x * norm_w, ssp [TOKENS, ceil(d / SS_SPAN)] float32: Σ x² in parts), and only load it (X_PREP). `in` and `aux`
+// are the pair.
 template <int FORM>
 __device__ __forceinline__ float norm_scale(const Partials& part, int tok, int K, float eps) {
     return FORM == X_PREP ? part.scale[tok] : rms_scale(part, tok, K, eps);
@@ -476,7 +493,7 @@ __device__ __forceinline__ void qkv_rope(Loads& loads, const void* __restrict__ 
         const int tok = item / PAIRS, i = item % PAIRS, p = blockIdx.x * PAIRS + i;
         if (p >= n_pairs) continue;
         const float scale = norm_scale<FORM>(part, tok, d, eps);
-        const int row0 = (p / half_hd) * hd + p % half_hd;  // the pair's rows: row0, row0 + hd / 2 (block_row)
+        const int row0 = pair_head(p, hd) * hd + pair_dim(p, hd);  // the pair's rows: row0, row0 + hd / 2 (block_row)
         // Rounded products and adds, never contracted: every token row scales and adds alike
         const float y0 = __fadd_rn(__fmul_rn(sum_dot(part, 2 * i, tok), scale), h2f(bias[row0]));
         const float y1 = __fadd_rn(__fmul_rn(sum_dot(part, 2 * i + 1, tok), scale), h2f(bias[row0 + half_hd]));
@@ -502,21 +519,6 @@ gemv_qkv_rope(const half_t* __restrict__ xn, const float* __restrict__ ssp, cons
                      hd, max_seq, eps, part);
 }
 
-extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS)
-gemv_qkv_rope_x(const float* __restrict__ x, const half_t* __restrict__ norm_w, const uint4* __restrict__ W,
-                const half_t* __restrict__ qparams, const half_t* __restrict__ bias, float* __restrict__ q_out,
-                half_t* __restrict__ k_cache, half_t* __restrict__ v_cache, const float* __restrict__ rope,
-                const int* __restrict__ state, const int* __restrict__ step_rows, int d, int n_heads, int n_kv_heads,
-                int hd, int max_seq, float eps, int group) {
-    __shared__ Partials part;
-    pdl_launch_dependents();
-    Loads loads;
-    first_batch<QKV_ROWS>(loads, W, qparams, d, group, 0, hd, (n_heads + 2 * n_kv_heads) * (hd / 2));
-    pdl_wait();
-    qkv_rope<X_NORM>(loads, x, norm_w, bias, q_out, k_cache, v_cache, rope, state, step_rows, d, n_heads, n_kv_heads,
-                     hd, max_seq, eps, part);
-}
-
 // grid: ceil(M / ROWS). x [TOKENS, M] float32 += W [M, K] · in [TOKENS, K] (FP16: attention's output for o_proj,
 // gate_up's h for down); then the next RMSNorm kernel's input
 // prepared from the new x (X_PREP): xn [TOKENS, M] FP16 = fp16(x * norm_w) (norm_w [M]: that kernel's norm weights,
@@ -527,12 +529,16 @@ __device__ __forceinline__ void residual(Loads& loads, const void* __restrict__ 
                                          const half_t* __restrict__ norm_w, half_t* __restrict__ xn,
                                          float* __restrict__ ssp, int M, int K, Partials& part) {
     block_dot<FORM>(loads, K, in, nullptr, part);
-    for (int item = threadIdx.x; item < TOKENS * ROWS; item += THREADS) {
-        const int tok = item / ROWS, i = item % ROWS, row = blockIdx.x * ROWS + i;
-        if (row >= M) continue;
+    // Rounds of the block's (token row, row) items, thread t taking items t, t + THREADS, ...: a trip count the
+    // compiler knows, where `item = threadIdx.x; item < TOKENS * ROWS; item += THREADS` left it a remainder copy of
+    // the body (0.06 lane-instructions a byte at INT4 and 16 rows)
+#pragma unroll
+    for (int round = 0; round < (TOKENS * ROWS + THREADS - 1) / THREADS; ++round) {
+        const int item = threadIdx.x + round * THREADS, tok = item / ROWS, i = item % ROWS, row = blockIdx.x * ROWS + i;
+        if (item >= TOKENS * ROWS || row >= M) continue;
         const float v = __fadd_rn(x[(size_t)tok * M + row], sum_dot(part, i, tok));
         x[(size_t)tok * M + row] = v;
-        xn[(size_t)tok * M + row] = f2h(__fmul_rn(v, h2f(norm_w[row])));
+        xn[(size_t)tok * M + row] = norm_input(v, norm_w[row]);
         part.x[tok][i] = v;
     }
     __syncthreads();
@@ -541,11 +547,7 @@ __device__ __forceinline__ void residual(Loads& loads, const void* __restrict__ 
     if (threadIdx.x < TOKENS * PER_BLOCK) {
         const int tok = threadIdx.x / PER_BLOCK, p = threadIdx.x % PER_BLOCK, parts = (M + SS_SPAN - 1) / SS_SPAN;
         const int first = (int)blockIdx.x * ROWS + p * SS_SPAN, rows = M - first;  // the part's rows from `first`
-        float ss = 0.f;
-#pragma unroll
-        for (int i = 0; i < SS_SPAN; ++i) {
-            if (i < rows) ss = __fmaf_rn(part.x[tok][p * SS_SPAN + i], part.x[tok][p * SS_SPAN + i], ss);
-        }
+        const float ss = ss_part([&](int i) { return part.x[tok][p * SS_SPAN + i]; }, rows);
         if (rows > 0) ssp[(size_t)tok * parts + first / SS_SPAN] = ss;
     }
 #endif  // NTILES 2 (16 rows a block: a sweep's candidate, no plan's) leaves ssp as it is
@@ -589,17 +591,6 @@ gemv_gate_up_silu(const half_t* __restrict__ xn, const float* __restrict__ ssp, 
     first_batch<GATE_UP_ROWS>(loads, W, qparams, d, group, ff, 0, ff);
     pdl_wait();
     gate_up_silu<X_PREP>(loads, xn, ssp, h, ff, d, eps, part);
-}
-
-extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS)
-gemv_gate_up_silu_x(const float* __restrict__ x, const half_t* __restrict__ norm_w, const uint4* __restrict__ W,
-                    const half_t* __restrict__ qparams, half_t* __restrict__ h, int ff, int d, float eps, int group) {
-    __shared__ Partials part;
-    pdl_launch_dependents();
-    Loads loads;
-    first_batch<GATE_UP_ROWS>(loads, W, qparams, d, group, ff, 0, ff);
-    pdl_wait();
-    gate_up_silu<X_NORM>(loads, x, norm_w, h, ff, d, eps, part);
 }
 
 #if !QUANT

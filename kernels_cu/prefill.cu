@@ -1,6 +1,7 @@
 // prefill.cu — the prompt path's row-wise glue between its GEMMs (gemm.cu), one token row per block.
 //
 //   embed_rows      x_rows[r] = float(embed[ids[r]]), or NaN everywhere for an id outside [0, vocab)
+//   embed_rows_prepared  the same, and each row's prepared RMSNorm input (prepare.cuh) for a decode-step form
 //   rmsnorm_rows    out_rows[r] = fp16(x_rows[r] * rsqrt(mean(x_rows[r]^2) + eps) * w)
 //   rope_kv_rows    q|k|v row + bias -> RoPE on q and k; q_rows[r] = fp16(q), k and v into the KV cache at start + r
 //   silu_mul_rows   h_rows[r, i] = fp16(silu(gate) * up), gate|up = gu_rows[r, i], gu_rows[r, ff + i]
@@ -13,6 +14,7 @@
 // vectors; cullama.runtime.plan.check_supported guarantees both), hd even. The same math as gemv_mma.cu's fused
 // decode kernels (rmsnorm in gemv_* and bias + RoPE + cache write in gemv_qkv_rope), on whole rows.
 #include "common.cuh"
+#include "prepare.cuh"
 #include "rope.cuh"
 
 #define THREADS 256  // ROW_THREADS
@@ -24,26 +26,45 @@ __device__ __forceinline__ float silu(float a) { return a / (1.f + expf(-a)); }
 // the sample kernel writes the third, but the gather is bounded here as well (as sample bounds its drafts), so that
 // no id can make it read outside embed: a row with an id outside [0, vocab) becomes NaN, its logits NaN, and its
 // sample finds no usable logit (NO_TOKEN), which fails that row's request alone.
+__device__ __forceinline__ const half_t* embedding_row(const int* __restrict__ ids, const half_t* __restrict__ embed,
+                                                       int d, int vocab) {
+    const int id = ids[blockIdx.x];
+    return id < 0 || id >= vocab ? nullptr : embed + (size_t)id * d;  // nullptr: the row is NaN
+}
+
 extern "C" __global__ void __launch_bounds__(THREADS)
 embed_rows(const int* __restrict__ ids, const half_t* __restrict__ embed, float* __restrict__ x_rows, int d,
            int vocab) {
     pdl_launch_dependents();  // the next kernel may start streaming its weights
     pdl_wait();               // the rows come from the kernel before
-    const int r = blockIdx.x;
-    const int id = ids[r];
-    float4* dst = reinterpret_cast<float4*>(x_rows + (size_t)r * d);
-    if (id < 0 || id >= vocab) {
+    const half_t* e = embedding_row(ids, embed, d, vocab);
+    float4* dst = reinterpret_cast<float4*>(x_rows + (size_t)blockIdx.x * d);
+    if (!e) {
         const float4 poison = make_float4(QUIET_NAN, QUIET_NAN, QUIET_NAN, QUIET_NAN);
         for (int v = threadIdx.x; v < d / 4; v += THREADS) dst[v] = poison;
         return;
     }
-    const uint4* src = reinterpret_cast<const uint4*>(embed + (size_t)id * d);
+    const uint4* src = reinterpret_cast<const uint4*>(e);
     for (int v = threadIdx.x; v < d / 8; v += THREADS) {
         float f[8];
         unpack8(src[v], f);
         dst[2 * v] = make_float4(f[0], f[1], f[2], f[3]);
         dst[2 * v + 1] = make_float4(f[4], f[5], f[6], f[7]);
     }
+}
+
+// embed_rows for a decode-step form (a verify step's or a batch group's rows): x_rows [n, d] as embed_rows writes
+// them, and each row's prepared RMSNorm input (prepare.cuh) for the step's first gemv_qkv_rope: xn_rows [n, d] FP16
+// with norm_w [d] FP16 (layer 0's attention norm), ssp_rows [n, ceil(d / SS_SPAN)] float32.
+extern "C" __global__ void __launch_bounds__(THREADS)
+embed_rows_prepared(const int* __restrict__ ids, const half_t* __restrict__ embed, const half_t* __restrict__ norm_w,
+                    float* __restrict__ x_rows, half_t* __restrict__ xn_rows, float* __restrict__ ssp_rows, int d,
+                    int vocab) {
+    pdl_launch_dependents();  // the next kernel may start streaming its weights
+    pdl_wait();               // the rows come from the kernel before
+    const size_t r = blockIdx.x, parts = (d + SS_SPAN - 1) / SS_SPAN;
+    embed_prepared(embedding_row(ids, embed, d, vocab), QUIET_NAN, norm_w, x_rows + r * d, xn_rows + r * d,
+                   ssp_rows + r * parts, d, THREADS);
 }
 
 // x_rows [n, d] float32; w [d] FP16; out_rows [n, d] FP16.

@@ -9,6 +9,11 @@
 #pragma once
 #include "common.cuh"
 
+// Pair p's head and its dim j < hd / 2. hd is a power of two (cullama.runtime.plan.check_supported): a shift and a
+// mask, not an integer division per pair (a dozen instructions each, in every qkv block's address setup).
+__device__ __forceinline__ int pair_head(int p, int hd) { return p >> (__ffs(hd) - 2); }
+__device__ __forceinline__ int pair_dim(int p, int hd) { return p & (hd / 2 - 1); }
+
 __device__ __forceinline__ void store_value(float* p, float v) { *p = v; }
 __device__ __forceinline__ void store_value(half_t* p, float v) { *p = f2h(v); }
 
@@ -17,7 +22,7 @@ __device__ __forceinline__ void rope_store_pair(int p, float y0, float y1, const
                                                 QT* __restrict__ q_out, half_t* __restrict__ k_cache,
                                                 half_t* __restrict__ v_cache, int pos, int n_heads,
                                                 int n_kv_heads, int hd, int max_seq) {
-    const int half_hd = hd / 2, head = p / half_hd, j = p % half_hd;
+    const int half_hd = hd / 2, head = pair_head(p, hd), j = pair_dim(p, hd);
     if (head < n_heads + n_kv_heads) {  // q and k rotate; v does not
         const float c = cs[2 * j], s = cs[2 * j + 1];
         // Rounded products, never contracted into an FMA: every caller rotates a pair bit for bit alike

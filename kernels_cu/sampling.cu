@@ -2,13 +2,14 @@
 // cullama.runtime.sampling.sample (the NumPy specification) picks it, then the next step set up.
 //
 //   sample         token = sample(logits, params, seen, step); state[TOKEN] = token; state[STEP] += 1;
-//                  state[POS] += 1; seen[token] = 1; x[0:d] = embed[token] as float32 (the next input),
+//                  state[POS] += 1; seen[token] = 1; x[0:d] = embed[token] as float32 (the next input) and its
+//                  prepared RMSNorm input for layer 0's gemv_qkv_rope (prepare.cuh: xn, ssp with norm_w),
 //                  for the slot of each token row (rows table, common.cuh): its own params, seen and state.
 //                  A slot whose state[MASKED] is set (constrained decoding) draws only the ids its mask row
 //                  allows: row r of the step reads masks[slot][offset r] (below); a slot without it reads no
 //                  mask at all. Where no token can be drawn (every logit NaN or -inf): state[TOKEN] = NO_TOKEN (-1),
-//                  seen untouched, x = 0; the host raises when it reads the token. Never an index out of
-//                  bounds: a verify's draft ids are bounded here too (the host refuses any outside [0, V)
+//                  seen untouched, x = 0 (and its xn and ssp); the host raises when it reads the token. Never an
+//                  index out of bounds: a verify's draft ids are bounded here too (the host refuses any outside [0, V)
 //                  first), one outside [0, V) makes every row's pick NO_TOKEN, so the step's answer is
 //                  out = [1, NO_TOKEN] with state and seen as above.
 //   uniform_probe  out[0] = uniform(seed, step), one thread: the RNG bit for bit, for the tests
@@ -19,10 +20,11 @@
 // gemv_logits, so every parameter is read from device memory: temperature, top_p, repetition penalty from
 // fparams, top_k, seed (two words) and step from state (layouts in common.cuh), each of the row's slot. Shapes:
 // logits [rows, V] float32 (row r at r * logits_stride(V): V rounded up to 4, so every row is 16-byte aligned),
-// seen [slots, seen_stride] uint8 (nonzero = seen; seen_stride >= V, a multiple of 4), embed [V, d] FP16, x [rows,
-// d] float32, state [slots, 8] int32, fparams [slots, 4] f32, rows [rows, ROW_FIELDS] int32, ids [rows] int32,
-// picks [rows] int32, out [1 + rows] int32, arrivals [1] uint32 (zero between launches), masks [slots, MASK_ROWS,
-// mask_words] uint32 (mask_words = ceil(vocab / 32)).
+// seen [slots, seen_stride] uint8 (nonzero = seen; seen_stride >= V, a multiple of 4), embed [V, d] FP16, norm_w [d]
+// FP16, x [rows, d] float32, xn [rows, d] FP16, ssp [rows, ceil(d / SS_SPAN)] float32, state [slots, 8] int32,
+// fparams [slots, 4] f32, rows [rows, ROW_FIELDS] int32, ids [rows] int32, picks [rows] int32, out [1 + rows] int32,
+// arrivals [1] uint32 (zero between launches), masks [slots, MASK_ROWS, mask_words] uint32 (mask_words =
+// ceil(vocab / 32)).
 //
 // The allowed-token mask (constrained decoding: a grammar decides which ids may come next). Token row r of the step,
 // of slot s at offset o (the rows table), reads mask row masks[s][o] when state[s][MASKED] is 1: id i is allowed
@@ -77,6 +79,7 @@
 // a draw that close to a bucket edge may pick a neighbour of the twin's token (about 1 draw in 17
 // without top-k / top-p on 32000 random logits; almost never with a cut).
 #include "common.cuh"
+#include "prepare.cuh"
 
 #define THREADS 1024
 #define WARPS (THREADS / WARP)
@@ -392,7 +395,8 @@ __device__ __forceinline__ int sampled_token(const Transform& tf, int top_k, flo
 // row per sequence of a batched step; see the header).
 extern "C" __global__ void __launch_bounds__(THREADS)
 sample(float* logits, unsigned char* __restrict__ seen, int* __restrict__ state,
-       const float* __restrict__ fparams, const half_t* __restrict__ embed, float* __restrict__ x,
+       const float* __restrict__ fparams, const half_t* __restrict__ embed, const half_t* __restrict__ norm_w,
+       float* __restrict__ x, half_t* __restrict__ xn, float* __restrict__ ssp,
        const int* __restrict__ step_rows, const int* __restrict__ ids, int* picks, int* __restrict__ out,
        unsigned int* arrivals, const unsigned int* __restrict__ masks, int V, int d, int seen_stride, int mask_words,
        int verify) {
@@ -488,9 +492,9 @@ sample(float* logits, unsigned char* __restrict__ seen, int* __restrict__ state,
         slot_state[STATE_STEP] += n;
         slot_state[STATE_POS] += n;
     }
-    const half_t* embedded = embed + (size_t)max(token, 0) * d;
-    float* const next = x + (verify ? 0 : (size_t)row * d);  // the row's next input
-    for (int i = threadIdx.x; i < d; i += THREADS) next[i] = token != NO_TOKEN ? h2f(embedded[i]) : 0.f;
+    const size_t at = verify ? 0 : row, parts = (d + SS_SPAN - 1) / SS_SPAN;  // the row's next input: x row `at`
+    embed_prepared(token != NO_TOKEN ? embed + (size_t)token * d : nullptr, 0.f, norm_w, x + at * d, xn + at * d,
+                   ssp + at * parts, d, THREADS);
 }
 
 // One thread: out[0] = uniform(seed, step).

@@ -68,8 +68,7 @@ def steps(layout: layouts.Layout, max_seq: int = 64) -> list[tuple[str, int, pla
 
 def plan_variants(config: LlamaConfig | None = None, formats=FORMATS) -> list[Variant]:
     """Every distinct GEMV launch (a kernel whose name starts with "gemv") of the plans of `config` (LLaMA-2-7B)
-    in each format, with the plans that make it; layers 0 and 1's launches (every later layer launches layer 1's;
-    layer 0's qkv reads the embedding, gemv_qkv_rope_x)."""
+    in each format, with the plans that make it; layers 0 and 1's launches (every later layer launches layer 1's)."""
     config = config or preset("llama-2-7b")
     found: dict[tuple, Variant] = {}
     for fmt in formats:
@@ -114,18 +113,12 @@ def field_of(launch: plans.Launch, layout: layouts.Layout) -> str | None:
 def batch_launches(layout: layouts.Layout, rows: int, max_seq: int = 64) -> dict[str, plans.Launch]:
     """{shape: Launch} of the GEMVs of a batched step of `rows` token rows (layer 0's, layer 1's qkv and the
     lm_head's): the same kernels a verify step of rows - 1 drafts and (rows = 1) a decode step launch, on the verify
-    buffers' first rows. "qkv" is the kernel of every layer but the first (gemv_qkv_rope, the prepared input);
-    "qkv_x" the first layer's (gemv_qkv_rope_x, on the embedding)."""
+    buffers' first rows."""
     out = {}
     for launch in plans.batch_plan(layout, max_seq, rows).launches:
         if launch.spec.name.startswith("gemv") and (shape := field_of(launch, layout)) is not None:
-            out.setdefault(shape + ("_x" if launch.spec.name.endswith("_x") else ""), launch)
+            out.setdefault(shape, launch)
     return out
-
-
-def launch_key(v: Variant) -> str:
-    """The batch_launches key of a plan variant."""
-    return v.shape + ("_x" if v.kernel.endswith("_x") else "")
 
 
 POSITION_ROOM = 16  # token rows a launch may have: buffers put row 0 at max_seq - 16, row t at + t

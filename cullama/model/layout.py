@@ -241,11 +241,6 @@ class Layout:
         """The q|k|v bias buffer gemv_qkv_rope and rope_kv_rows add: the layer's own, or NO_BIAS (zeros)."""
         return buffer_name(BIAS, layer) if self.config.qkv_bias else NO_BIAS
 
-    def norm_name(self, layer: int, field: str) -> str:
-        """The norm weight buffer fused into wqkv's or w_gate_up's kernels (permuted alike under act-order)."""
-        name = buffer_name(NORM_OF[field], layer)
-        return f"{name}.permuted" if self.linear(layer, field).permuted else name
-
     def buffers(self) -> list[Buffer]:
         """Every weight buffer, in load order."""
         d, V = self.device.hidden_size, self.device.vocab_size
@@ -272,8 +267,6 @@ class Layout:
                    Buffer(qparams, shapes["qparams"], "float16", "weight")]  # [M, K / group, 2]
         if self.perm_name(layer, field):
             out.append(Buffer(self.perm_name(layer, field), (K,), "int32", "weight"))  # [K] input of column k
-            if field in NORM_OF:
-                out.append(Buffer(self.norm_name(layer, field), (K,), "float16", "weight"))  # [d] in that order
         return out
 
     # -- bytes

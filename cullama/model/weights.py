@@ -31,7 +31,7 @@ from . import layout as layouts, quant, quant_checkpoint
 from .checkpoint import Checkpoint, expected_shapes, open_checkpoint, quantized_linear
 from .config import LlamaConfig
 from ..common.errors import CheckpointError, OptionError
-from .layout import (LINEARS, NORM_OF, PARTS, LayerWeights, Layout, Weights, fused_shapes, layer_fields, linear_parts,
+from .layout import (LINEARS, PARTS, LayerWeights, Layout, Weights, fused_shapes, layer_fields, linear_parts,
                      module_name, parts)
 
 Progress = Callable[[int, int], None]  # (FP16 bytes done, total)
@@ -122,7 +122,7 @@ def down_order(ckpt: Checkpoint, layout: Layout, layer: int) -> np.ndarray | Non
 
 
 def linear_tensors(ckpt: Checkpoint, layout: Layout, layer: int, field: str) -> dict[str, np.ndarray]:
-    """One linear's device buffers (name -> host array: layout.weight_names, perm_name, norm_name), in the
+    """One linear's device buffers (name -> host array: layout.weight_names, perm_name), in the
     device layout: padded; w_gate_up's gate and up rows in down_order."""
     linear = layout.linear(layer, field)
     row_perm = down_order(ckpt, layout, layer) if field == "w_gate_up" else None
@@ -154,9 +154,6 @@ def linear_tensors(ckpt: Checkpoint, layout: Layout, layer: int, field: str) -> 
         perm = None
     if layout.perm_name(layer, field):
         out[layout.perm_name(layer, field)] = perm
-        if field in NORM_OF:
-            norm = f"{module_name(layer, PARTS[NORM_OF[field]][0])}.weight"  # the norm fused into its kernels
-            out[layout.norm_name(layer, field)] = np.ascontiguousarray(ckpt.tensor(norm)[perm])
     return out
 
 

@@ -74,10 +74,9 @@ ROW_THREADS = 256  # the row-wise prefill kernels: one block per token row
 # and write nothing. tests/runtime/test_contracts.py checks this in their sources. Every kernel of the decode
 # step and of a prefill chunk is one.
 OVERLAP_SAFE = frozenset({"gemv_qkv_rope", "attention_decode", "gemv_residual", "gemv_gate_up_silu",
-                          "gemv_logits", "gemv_qkv_rope_x", "gemv_gate_up_silu_x", "gemv_logits_x", "sample",
-                          "embed_rows", "rmsnorm_rows", "rope_kv_rows", "silu_mul_rows", "gemm", "gemm_wgmma",
-                          "attention_prefill", "attention_prefill_mma",
-                          "gemm_quant", "gather_f32", "gather_f16"})
+                          "gemv_logits", "gemv_logits_x", "sample", "embed_rows", "embed_rows_prepared",
+                          "rmsnorm_rows", "rope_kv_rows", "silu_mul_rows", "gemm", "gemm_wgmma",
+                          "attention_prefill", "attention_prefill_mma", "gemm_quant", "gather_f16"})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -278,12 +277,11 @@ def _gathers(layout: Layout) -> bool:
 
 def _gathered_buffers(cfg: LlamaConfig, chunk: int) -> list[Buffer]:
     """An act-order linear's input in its weight's input order (ops/gather.py): the decode, verify and prefill
-    forms of x (before wqkv and w_gate_up, whose kernels then apply a norm weight permuted alike) and attn_out
-    (before wo)."""
+    forms of the RMSNorm input xn (before wqkv and w_gate_up) and of attn_out (before wo)."""
     d, q = cfg.hidden_size, cfg.q_dim
-    return [Buffer("x_perm", (d,), "float32", "activation"),  # [d] x in the input order
+    return [Buffer("xn_perm", (d,), "float16", "activation"),  # [d] xn in the input order
             Buffer("attn_out_perm", (q,), "float16", "activation"),  # [heads * hd]
-            Buffer("verify_x_perm", (VERIFY_ROWS, d), "float32", "activation"),  # [rows, d]
+            Buffer("verify_xn_perm", (VERIFY_ROWS, d), "float16", "activation"),  # [rows, d]
             Buffer("verify_attn_out_perm", (VERIFY_ROWS, q), "float16", "activation"),  # [rows, heads * hd]
             Buffer("xn_rows_perm", (chunk, d), "float16", "activation"),  # [n, d] rmsnorm(x) in the input order
             Buffer("attn_rows_perm", (chunk, q), "float16", "activation")]  # [n, heads * hd]
@@ -313,10 +311,21 @@ MAX_SLOTS = 64  # sequences a runner holds at most (--max-batch)
 
 
 def embed_x_plan(cfg: LlamaConfig) -> Plan:
-    """x = embed[verify_ids[0]] as float32: a sequence's next input for a decode step, written again when another
-    sequence's step wrote x in between (the sample kernel writes it at every step of its own)."""
-    return Plan("embed_x", [Launch(prefill("embed_rows"), (1, 1, 1), ROW_THREADS,
-                                   (Ref("verify_ids"), Ref("embed"), Ref("x"), i32(cfg.hidden_size), i32(cfg.vocab_size)))])
+    """x = embed[verify_ids[0]] as float32 and its prepared RMSNorm input (xn, x_ss): a sequence's next input for a
+    decode step, written again when another sequence's step wrote x in between (the sample kernel writes it at every
+    step of its own)."""
+    return Plan("embed_x", [_embed_prepared(cfg, 1, Ref("verify_ids"), Ref)])
+
+
+FIRST_NORM = Ref(buffer_name(NORM_OF["wqkv"], 0))  # layer 0's attention norm: the embedding's prepared input's
+
+
+def _embed_prepared(cfg: LlamaConfig, rows: int, ids: Ref, act) -> Launch:
+    """embed_rows_prepared of `rows` token ids into act("x"), act("xn") and act("x_ss"): a step's first gemv_qkv_rope
+    input, prepared as sample prepares it."""
+    return Launch(prefill("embed_rows_prepared"), (rows, 1, 1), ROW_THREADS,
+                  (ids, Ref("embed"), FIRST_NORM, act("x"), act("xn"), act("x_ss"), i32(cfg.hidden_size),
+                   i32(cfg.vocab_size)))
 
 
 def batch_groups(slots: int) -> int:
@@ -389,7 +398,7 @@ def _layer(i: int, name: str) -> Ref:
     return Ref(f"layers.{i}.{name}")
 
 
-GATHER_F32, GATHER_F16 = KernelSpec("gather.cu", "gather_f32"), KernelSpec("gather.cu", "gather_f16")
+GATHER_F16 = KernelSpec("gather.cu", "gather_f16")
 
 
 class _Weights:
@@ -433,27 +442,19 @@ class _Weights:
         return () if fmt is None else (i32(fmt.group),)
 
     def norm(self, field: str) -> Ref:
-        return Ref(self.layout.norm_name(self.layer, field))
-
-    def natural_norm(self, field: str) -> Ref:
-        """The norm weight of `field`'s RMSNorm in the model's input order (what gemv_residual prepares x with)."""
+        """The norm weight of `field`'s RMSNorm (what the kernel that writes x prepares its input with)."""
         return Ref(buffer_name(NORM_OF[field], self.layer))
-
-    def prepared(self, field: str) -> bool:
-        """Whether `field`'s RMSNorm GEMV reads the input gemv_residual prepared (not under act-order, whose kernel
-        reads the gathered x and applies its permuted norm weights itself)."""
-        return self.layout.perm_name(self.layer, field) is None
 
     def bias(self) -> Ref:
         """The q|k|v bias (zeros for a model without)."""
         return Ref(self.layout.bias_name(self.layer))
 
-    def gathered(self, field: str, inp: Ref, out: Ref, K: int, rows: int, spec: KernelSpec) -> tuple[list, Ref]:
+    def gathered(self, field: str, inp: Ref, out: Ref, K: int, rows: int) -> tuple[list, Ref]:
         """(the launches, the input ref) for `field`: under act-order `inp` gathered into `out`, else `inp`."""
         perm = self.layout.perm_name(self.layer, field)
         if perm is None:
             return [], inp
-        return [Launch(spec, (rows, 1, 1), ROW_THREADS, (inp, Ref(perm), out, i32(K)))], out
+        return [Launch(GATHER_F16, (rows, 1, 1), ROW_THREADS, (inp, Ref(perm), out, i32(K)))], out
 
 
 def decode_plan(model: LlamaConfig | Layout, max_seq: int, sample_vocab: int | None = None, slot: int = 0) -> Plan:
@@ -484,8 +485,7 @@ def batch_plan(model: LlamaConfig | Layout, max_seq: int, rows: int, group: int 
         return Ref(f"verify_{name}", rows=rows)
 
     ids = Ref("batch_ids", group)
-    embed = Launch(prefill("embed_rows"), (rows, 1, 1), ROW_THREADS,
-                   (ids, Ref("embed"), act("x"), i32(cfg.hidden_size), i32(cfg.vocab_size)))
+    embed = _embed_prepared(cfg, rows, ids, act)
     return Plan(f"batch[{rows}]#{group}", [embed] + _step_launches(layout, max_seq, rows, act, sample_vocab,
                                                                   Ref("batch_rows", group), ids))
 
@@ -504,8 +504,7 @@ def verify_plan(model: LlamaConfig | Layout, max_seq: int, k: int, sample_vocab:
     def act(name: str) -> Ref:  # a verify buffer's first `rows` token rows
         return Ref(f"verify_{name}", rows=rows)
 
-    embed = Launch(prefill("embed_rows"), (rows, 1, 1), ROW_THREADS,
-                   (act("ids"), Ref("embed"), act("x"), i32(cfg.hidden_size), i32(cfg.vocab_size)))
+    embed = _embed_prepared(cfg, rows, act("ids"), act)
     return Plan(f"verify[{k}]" + _at(slot),
                 [embed] + _step_launches(layout, max_seq, rows, act, sample_vocab, Ref("slot_rows", slot)))
 
@@ -513,32 +512,31 @@ def verify_plan(model: LlamaConfig | Layout, max_seq: int, k: int, sample_vocab:
 def _step_launches(layout: Layout, max_seq: int, rows: int, act, sample_vocab: int | None, step_rows: Ref,
                    batch: Ref | None = None) -> list[Launch]:
     """Every layer, the logits and the sample kernel over `rows` token rows (1: a decode step); act(name) is
-    the activation buffer `name` (x, q, attn_part, attn_count, attn_out, h, logits, and the gathered x_perm and
-    attn_out_perm) as the kernels take it; step_rows the rows table (slot, offset per row). `batch`: a batched
-    step's tokens (sample in batch mode writes each row's pick there), else a decode or verify step."""
+    the activation buffer `name` (x, its prepared xn and x_ss, q, attn_part, attn_count, attn_out, h, logits, and the
+    gathered xn_perm and attn_out_perm) as the kernels take it; step_rows the rows table (slot, offset per row).
+    `batch`: a batched step's tokens (sample in batch mode writes each row's pick there), else a decode or verify
+    step."""
     cfg = layout.device
     d, ff = cfg.hidden_size, cfg.intermediate_size
     nh, nkv, hd, eps = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, f32(cfg.rms_norm_eps)
     window = i32(attention_window(cfg, max_seq))
     launches = []
-    prepared = (act("xn"), act("x_ss"))  # gemv_residual's output for the next RMSNorm GEMV (X_PREP)
+    prepared = (act("xn"), act("x_ss"))  # x's prepared RMSNorm input (prepare.cuh), as the next RMSNorm GEMV reads it
     for i in range(cfg.num_layers):
         w = _Weights(layout, i)
-        # The RMSNorm GEMVs read what the residual before them prepared; a step's first qkv reads the embedding
-        # (x, as embed_rows or sample wrote it) and an act-order linear its gathered x: their *_x kernels
-        qkv_prepared, gate_up_prepared = i > 0 and w.prepared("wqkv"), w.prepared("w_gate_up")
-        qkv, qkv_rows, qkv_threads = w.gemv("gemv_qkv_rope" + ("" if qkv_prepared else "_x"), "wqkv", rows)
+        # The RMSNorm GEMVs read what the kernel before them prepared (gemv_residual; for a step's first qkv, the
+        # embedding's writer: embed_rows_prepared or the sample kernel before), under act-order its xn gathered into
+        # the weight's input order beside the same Σ x² parts (a sum that does not depend on the order)
+        qkv, qkv_rows, qkv_threads = w.gemv("gemv_qkv_rope", "wqkv", rows)
         o, o_rows, o_threads = w.gemv("gemv_residual", "wo", rows)
-        gate_up, gate_up_rows, gate_up_threads = w.gemv(
-            "gemv_gate_up_silu" + ("" if gate_up_prepared else "_x"), "w_gate_up", rows)
+        gate_up, gate_up_rows, gate_up_threads = w.gemv("gemv_gate_up_silu", "w_gate_up", rows)
         down, down_rows, down_threads = w.gemv("gemv_residual", "w_down", rows)
-        gather_qkv, x_qkv = w.gathered("wqkv", act("x"), act("x_perm"), d, rows, GATHER_F32)
-        gather_o, attn_out = w.gathered("wo", act("attn_out"), act("attn_out_perm"), cfg.q_dim, rows, GATHER_F16)
-        gather_gate_up, x_gate_up = w.gathered("w_gate_up", act("x"), act("x_perm"), d, rows, GATHER_F32)
-        qkv_in = prepared if qkv_prepared else (x_qkv, w.norm("wqkv"))
-        gate_up_in = prepared if gate_up_prepared else (x_gate_up, w.norm("w_gate_up"))
+        gather_qkv, xn_qkv = w.gathered("wqkv", act("xn"), act("xn_perm"), d, rows)
+        gather_o, attn_out = w.gathered("wo", act("attn_out"), act("attn_out_perm"), cfg.q_dim, rows)
+        gather_gate_up, xn_gate_up = w.gathered("w_gate_up", act("xn"), act("xn_perm"), d, rows)
+        qkv_in, gate_up_in = (xn_qkv, act("x_ss")), (xn_gate_up, act("x_ss"))
         # down prepares the next layer's qkv input, or the logits'
-        next_norm = (_Weights(layout, i + 1).natural_norm("wqkv") if i + 1 < cfg.num_layers else Ref("final_norm"))
+        next_norm = (_Weights(layout, i + 1).norm("wqkv") if i + 1 < cfg.num_layers else Ref("final_norm"))
         launches += gather_qkv + [
             Launch(qkv, (cdiv(cfg.qkv_dim // 2, qkv_rows // 2), 1, 1), qkv_threads,
                    (*qkv_in, *w.gemv_args("wqkv"), w.bias(), act("q"), Ref("k_cache", i),
@@ -549,7 +547,7 @@ def _step_launches(layout: Layout, max_seq: int, rows: int, act, sample_vocab: i
                     act("attn_out"), Ref("state"), step_rows, i32(max_seq), f32(1.0 / np.sqrt(hd)), window)),
         ] + gather_o + [
             Launch(o, (cdiv(d, o_rows), 1, 1), o_threads,
-                   (attn_out, *w.gemv_args("wo"), act("x"), w.natural_norm("w_gate_up"), *prepared, i32(d),
+                   (attn_out, *w.gemv_args("wo"), act("x"), w.norm("w_gate_up"), *prepared, i32(d),
                     i32(cfg.q_dim), w.gemv_group("wo"))),
         ] + gather_gate_up + [
             Launch(gate_up, (cdiv(ff, gate_up_rows // 2), 1, 1), gate_up_threads,
@@ -567,19 +565,21 @@ def _logits_and_sample(cfg: LlamaConfig, x: Ref, logits: Ref = Ref("logits"), ro
                        sample_vocab: int | None = None, step_rows: Ref = Ref("slot_rows", 0),
                        batch: Ref | None = None, prepared: tuple[Ref, Ref] | None = None) -> list[Launch]:
     """logits = lm_head · rmsnorm(x) for `rows` token rows, then the sample kernel over them (1 row: the next
-    token; more: a verify step's acceptance). Either way it sets up the next decode step (state, seen, x).
+    token; more: a verify step's acceptance). Either way it sets up the next decode step (state, seen, x and its
+    prepared input xn, x_ss).
     Only the first sample_vocab ids (default: all) get a logit and can be drawn. `prepared`: x's RMSNorm input as
     the last gemv_residual prepared it (gemv_logits), else gemv_logits_x on x (a prefill's last row)."""
     d, V = cfg.hidden_size, sample_vocab or cfg.vocab_size
     lm_head = Ref("lm_head") if V == cfg.vocab_size else Ref("lm_head", rows=V)  # its first V rows: the twin's W
     picks = Ref("verify_picks", rows=rows) if batch is None else batch
     verify = [Ref("verify_ids", rows=rows), picks, Ref("verify_out", rows=rows + 1), Ref("verify_arrivals")]
-    next_x = Ref("x") if batch is None else x  # a batched step: each row's next input in its own row
+    # the next step's input and its prepared form: a batched step's, each row in its own row
+    next_x = (Ref("x"), Ref("xn"), Ref("x_ss")) if batch is None else (x, *prepared)
     return [
         Launch(gemv("gemv_logits" + ("" if prepared else "_x"), rows), (cdiv(V, gemv_rows(rows)), 1, 1), GEMV_THREADS,
                (*(prepared or (x, Ref("final_norm"))), lm_head, logits, i32(V), i32(d), f32(cfg.rms_norm_eps))),
         Launch(SAMPLE, (rows, 1, 1), SAMPLE_THREADS,
-               (logits, Ref("seen"), Ref("state"), Ref("fparams"), Ref("embed"), next_x, step_rows,
+               (logits, Ref("seen"), Ref("state"), Ref("fparams"), Ref("embed"), FIRST_NORM, *next_x, step_rows,
                 *verify, Ref("masks"), i32(V), i32(d), i32(seen_stride(cfg.vocab_size)),
                 i32(mask_words(cfg.vocab_size)), i32(batch is None))),
     ]
@@ -633,9 +633,9 @@ def prefill_plan(model: LlamaConfig | Layout, max_seq: int, start: int, n: int, 
     launches = [rows("embed_rows", Ref("prefill_ids"), Ref("embed"), Ref("x_rows"), i32(d), i32(V))]
     for i in range(cfg.num_layers):
         w = _Weights(layout, i)
-        gather_qkv, xn_qkv = w.gathered("wqkv", Ref("xn_rows"), Ref("xn_rows_perm"), d, n, GATHER_F16)
-        gather_o, attn = w.gathered("wo", Ref("attn_rows"), Ref("attn_rows_perm"), cfg.q_dim, n, GATHER_F16)
-        gather_gate_up, xn_gate_up = w.gathered("w_gate_up", Ref("xn_rows"), Ref("xn_rows_perm"), d, n, GATHER_F16)
+        gather_qkv, xn_qkv = w.gathered("wqkv", Ref("xn_rows"), Ref("xn_rows_perm"), d, n)
+        gather_o, attn = w.gathered("wo", Ref("attn_rows"), Ref("attn_rows_perm"), cfg.q_dim, n)
+        gather_gate_up, xn_gate_up = w.gathered("w_gate_up", Ref("xn_rows"), Ref("xn_rows_perm"), d, n)
         launches += [rows("rmsnorm_rows", Ref("x_rows"), _layer(i, "attn_norm"), Ref("xn_rows"), i32(d), eps)]
         launches += gather_qkv + [
             _gemm(w.gemm("wqkv", gemm), xn_qkv, w.weights("wqkv"), "qkv_rows", n, cfg.qkv_dim, d, False,

@@ -3,9 +3,8 @@ the LLaMA-2-7B shapes (FP16, int8, int4; read off the plans, never listed here) 
 SASS lane-instructions per weight byte over the whole kernel (cullama/bench/issue.py), and the check can fail: a
 seeded GEMV with an extra FFMA chain per weight element is over it, the same kernel without the chain under it.
 
-Where gemv_mma.cu is not under 5.0 yet (a step's first qkv, gemv_qkv_rope_x, in INT4 and at 9-15 rows in INT8; INT4
-at 9-16 rows: issue 26 stays open for them), issue.OPEN holds each to its present count plus 2 %, so a slower change
-fails here too.
+Where gemv_mma.cu is not under 5.0 yet (INT4 qkv, gate_up and o_proj at 9-16 rows: issue 26 stays open for them),
+issue.OPEN holds each to its present count plus 2 %, so a slower change fails here too.
 """
 
 from __future__ import annotations

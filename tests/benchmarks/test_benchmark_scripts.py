@@ -191,8 +191,7 @@ def test_gemv_sweep_rows_times_the_plans_kernel_per_token_count(fake, tmp_path, 
     counts = [t for t in (1, 2, 5, 9, 16) if t <= most]
     expected = []
     for bits, fmt in ((4, "int4"), (8, "int8")):
-        variants = {(v.shape, v.rows): v for v in gemvs.plan_variants(TINY, [fmt])
-                    if not v.kernel.endswith("_x")}  # qkv: every layer's but the first (the prepared input)
+        variants = {(v.shape, v.rows): v for v in gemvs.plan_variants(TINY, [fmt])}
         for shape in ("qkv", "o_proj", "gate_up", "down"):
             expected += [(bits, shape, t, variants[shape, t]) for t in counts]
     assert len(record["rows"]) == len(expected) == 2 * 4 * len(counts)
@@ -361,7 +360,7 @@ def test_decode_step_times_every_mode_and_every_kernel(fake, tmp_path, capsys):
     for r in verify["rows"]:
         assert r["replay_ms"] > 0 and r["verify_ms"] > 0 and r["x_plain"] > 0
     # one graph per k, each trial: a verify() that captures or replays it, 3 timed replays and 3 verify() calls
-    verify_graphs = [g for g in fake.graphs if g.launches[0].spec.name == "embed_rows"]
+    verify_graphs = [g for g in fake.graphs if g.launches[0].spec.name == "embed_rows_prepared"]
     assert [(g.launches[-1].grid[0], g.replays) for g in verify_graphs] == [(2, 2 * 7), (4, 2 * 7)]
     assert "verify step (k drafts" in stdout and "<= 1.10" not in stdout  # targets at k = 4 and 8 only
     assert f"{launches} launches per decode step" in stdout

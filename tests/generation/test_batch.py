@@ -135,14 +135,14 @@ def poison_row(backend: NumpyBackend, slot: int, position: int) -> None:
         if launch.spec != plans.SAMPLE:
             return fn, wants_grid
 
-        def poisoned(logits, seen, state, fparams, embed, x, step_rows, *rest, grid):
+        def poisoned(logits, seen, state, fparams, embed, norm_w, x, xn, ssp, step_rows, *rest, grid):
             rows = np.asarray(step_rows).reshape(-1, 2)[:grid[0]]
             stride = logits.size // max(grid[0], 1) if logits.ndim == 1 else logits.shape[-1]
             for r, (s, _) in enumerate(rows):
                 if s == slot and int(np.asarray(state).reshape(-1, 8)[s, 0]) == position and not hit:
                     logits.reshape(-1)[r * stride:(r + 1) * stride] = np.nan
                     hit.append(r)
-            return fn(logits, seen, state, fparams, embed, x, step_rows, *rest, grid=grid)
+            return fn(logits, seen, state, fparams, embed, norm_w, x, xn, ssp, step_rows, *rest, grid=grid)
         return poisoned, True
 
     backend._twin = twin

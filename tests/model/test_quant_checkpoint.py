@@ -63,9 +63,6 @@ def test_every_format_variant_loads_to_exactly_the_weights_the_format_says(tmp_p
             assert got.dtype == np.float32 and np.array_equal(got, expected), (i, field)
             assert layout.perm_name(i, field) is None if perm is None else \
                 np.array_equal(backend.arrays[layout.perm_name(i, field)], perm)
-            if perm is not None and field in layouts.NORM_OF:  # the fused norm, permuted alike
-                norm = backend.arrays[f"layers.{i}.{layouts.NORM_OF[field]}"]
-                assert np.array_equal(backend.arrays[layout.norm_name(i, field)], norm[perm])
     # the reference's weights: the model's own order and shapes, exactly
     weights = host_weights(ckpt, layout=layout)
     for i, layer in enumerate(weights.layers):

@@ -92,7 +92,7 @@ def test_grids_cover_every_output_row():
         assert verify["gemv_gate_up_silu"].grid[0] * per_block // 2 >= cfg.intermediate_size
         assert verify["gemv_logits"].grid[0] * per_block >= cfg.vocab_size
         assert verify["attention_decode"].grid == (cfg.num_kv_heads, plans.attention_splits(cfg), k + 1)
-        assert verify["sample"].grid == verify["embed_rows"].grid == (k + 1, 1, 1)
+        assert verify["sample"].grid == verify["embed_rows_prepared"].grid == (k + 1, 1, 1)
         assert {dict(l.spec.defines).get("TOKENS") for l in verify.values() if l.spec.source == "gemv_mma.cu"} == {k + 1}
 
 
@@ -141,7 +141,7 @@ def weight_params(cfg, name: str) -> dict[str, bool]:
 
 # Overlap-safe kernels that only quantized layouts launch (the gathers: only GPTQ act-order ones): their sources are
 # checked by test_quantized_kernels_touch_only_weights_before_pdl_wait below.
-QUANT_ONLY = {"gemm_quant", "gather_f32", "gather_f16", "gemv_gate_up_silu_x"}  # the last: act-order (GPTQ) only
+QUANT_ONLY = {"gemm_quant", "gather_f16"}
 
 
 @pytest.mark.parametrize("name", sorted(plans.OVERLAP_SAFE - QUANT_ONLY))

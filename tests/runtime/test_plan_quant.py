@@ -83,8 +83,8 @@ def test_a_quantized_decode_step_runs_the_quantized_kernels_with_their_group():
     per_layer = [("gemv_mma.cu", "gemv_qkv_rope"), ("attention.cu", "attention_decode"),
                  ("gemv_mma.cu", "gemv_residual"), ("gemv_mma.cu", "gemv_gate_up_silu"),
                  ("gemv_mma.cu", "gemv_residual")]
-    first_layer = [("gemv_mma.cu", "gemv_qkv_rope_x")] + per_layer[1:]  # its qkv on the embedding, x itself
-    assert kernels_of(plan) == first_layer + per_layer * 31 + [("gemv_mma.cu", "gemv_logits"), ("sampling.cu", "sample")]
+    # every layer's qkv on the prepared input (layer 0's: the embedding's, as sample prepared it)
+    assert kernels_of(plan) == per_layer * 32 + [("gemv_mma.cu", "gemv_logits"), ("sampling.cu", "sample")]
     first = plan.launches[0]
     assert first.spec.defines == gemv_mma.defines(4, 1, 128) and first.block == gemv_mma.THREADS
     assert plan.launches[-2].spec.defines == gemv_mma.defines(16, 1)  # the lm_head stays FP16
@@ -92,7 +92,7 @@ def test_a_quantized_decode_step_runs_the_quantized_kernels_with_their_group():
     assert first.args[-1] == np.int32(128) and type(first.args[-1]) is np.int32  # the group, last
     rows = gemv_mma.rows_per_block(gemv_mma.defines(4, 1))
     grids = {l.spec.name: l.grid[0] for l in plan.launches[:5]}
-    assert grids["gemv_qkv_rope_x"] * rows >= 12288 and grids["gemv_gate_up_silu"] * rows // 2 >= 11008
+    assert grids["gemv_qkv_rope"] * rows >= 12288 and grids["gemv_gate_up_silu"] * rows // 2 >= 11008
     assert plan.launches[4].args[-2:] == (np.int32(11008), np.int32(128))  # down: K = ff, its group
     verify = plans.verify_plan(layout, 512, 4)
     quantized = [l for l in verify.launches if l.spec.source == "gemv_mma.cu" and l.spec.name != "gemv_logits"]
@@ -117,25 +117,28 @@ def test_act_order_gathers_before_wqkv_wo_and_gate_up_but_not_down(act_order_dir
     assert all(layout.linear(i, f).permuted for i in range(2) for f in layouts.LINEARS)
     decode = kernels_of(plans.decode_plan(layout, 64))
     layer = decode[:len(decode) // 2 - 1]
-    # act-order: each gathered linear's kernel reads the gathered x and applies its permuted norm itself (*_x)
-    assert [name for _, name in layer] == ["gather_f32", "gemv_qkv_rope_x", "attention_decode", "gather_f16",
-                                           "gemv_residual", "gather_f32", "gemv_gate_up_silu_x", "gemv_residual"]
+    # act-order: each gathered linear's kernel reads its input in the weight's order: the prepared xn gathered (beside
+    # the same Σ x² parts: a sum the order does not change), attention's output gathered
+    assert [name for _, name in layer] == ["gather_f16", "gemv_qkv_rope", "attention_decode", "gather_f16",
+                                           "gemv_residual", "gather_f16", "gemv_gate_up_silu", "gemv_residual"]
     launches = plans.decode_plan(layout, 64).launches
-    assert [a.name for a in launches[0].args[:3]] == ["x", "layers.0.wqkv.perm", "x_perm"]
-    assert [a.name for a in launches[1].args[:2]] == ["x_perm", "layers.0.attn_norm.permuted"]
-    assert launches[4].args[0].name == "attn_out_perm" and launches[6].args[1].name == "layers.0.ffn_norm.permuted"
+    assert [a.name for a in launches[0].args[:3]] == ["xn", "layers.0.wqkv.perm", "xn_perm"]
+    assert [a.name for a in launches[1].args[:2]] == ["xn_perm", "x_ss"]
+    assert launches[4].args[0].name == "attn_out_perm" and [a.name for a in launches[6].args[:2]] == ["xn_perm", "x_ss"]
+    # gemv_residual prepares x with the model's own norm weights, in the model's order (the gather permutes xn)
+    assert launches[4].args[4].name == "layers.0.ffn_norm" and launches[7].args[4].name == "layers.1.attn_norm"
     prefill = plans.prefill_plan(layout, 64, 0, 9, "none").launches
     gathers = [l for l in prefill if l.spec.name == "gather_f16"]
     assert [(l.args[0].name, l.args[2].name, l.grid) for l in gathers[:3]] == [
         ("xn_rows", "xn_rows_perm", (9, 1, 1)), ("attn_rows", "attn_rows_perm", (9, 1, 1)),
         ("xn_rows", "xn_rows_perm", (9, 1, 1))]
     verify = plans.verify_plan(layout, 64, 3).launches
-    assert verify[1].spec.name == "gather_f32" and verify[1].grid == (4, 1, 1)
-    assert verify[1].args[2] == plans.Ref("verify_x_perm", rows=4)
+    assert verify[1].spec.name == "gather_f16" and verify[1].grid == (4, 1, 1)
+    assert verify[1].args[2] == plans.Ref("verify_xn_perm", rows=4)
     names = {b.name for b in plans.runtime_buffers(layout, 64)}
-    assert {"x_perm", "attn_out_perm", "verify_x_perm", "verify_attn_out_perm", "xn_rows_perm",
+    assert {"xn_perm", "attn_out_perm", "verify_xn_perm", "verify_attn_out_perm", "xn_rows_perm",
             "attn_rows_perm"} <= names
-    assert "x_perm" not in {b.name for b in plans.runtime_buffers(layouts.on_load(CONFIG, "int4"), 64)}
+    assert "xn_perm" not in {b.name for b in plans.runtime_buffers(layouts.on_load(CONFIG, "int4"), 64)}
 
 
 @pytest.mark.parametrize("case", ["gptq-act-order", "stories-int4"])

@@ -26,6 +26,7 @@ from cullama.runtime.registry import KernelSpec
 from cullama.runtime.sampling import SamplingParams
 
 from tests.conftest import FAKE_GPU
+from tests.runtime.ops.test_sampling_kernel import assert_prepared, next_input
 from tests.runtime.test_sampling import LOGITS, assert_distribution, softmax
 
 GREEDY = SamplingParams(seed=0)
@@ -71,7 +72,7 @@ def test_gemv_twin_rows_are_one_row_launches(rows):
     xn_res, ssp_res = np.zeros((rows, d), np.float16), np.zeros((rows, plans.ss_parts(d)), np.float32)
     gemv_twin.gemv_residual(inp, wo, wo, x_res, g, xn_res, ssp_res, d, heads * hd, 0)
     h, logits = np.full((rows, ff), np.nan, np.float16), np.full((rows, LD), np.nan, np.float32)
-    gemv_twin.gemv_gate_up_silu_x(x, g, w_gu, w_gu, h, ff, d, EPS, 0)
+    gemv_twin.gemv_gate_up_silu(xn, ssp, w_gu, w_gu, h, ff, d, EPS, 0)
     gemv_twin.gemv_logits(xn, ssp, w_lm, logits, V, d, EPS)
     for t in range(rows):
         q1, caches1 = np.full(heads * hd, np.nan, np.float32), [np.zeros_like(caches[0]) for _ in range(2)]
@@ -86,7 +87,7 @@ def test_gemv_twin_rows_are_one_row_launches(rows):
         np.testing.assert_array_equal(xn_res[t], xn1)
         np.testing.assert_array_equal(ssp_res[t], ssp1)
         h1, l1 = np.full(ff, np.nan, np.float16), np.full(V, np.nan, np.float32)
-        gemv_twin.gemv_gate_up_silu_x(x[t].copy(), g, w_gu, w_gu, h1, ff, d, EPS, 0)
+        gemv_twin.gemv_gate_up_silu(xn[t].copy(), ssp[t].copy(), w_gu, w_gu, h1, ff, d, EPS, 0)
         gemv_twin.gemv_logits(xn[t].copy(), ssp[t].copy(), w_lm, l1, V, d, EPS)
         np.testing.assert_array_equal(h[t], h1)
         np.testing.assert_array_equal(logits[t, :V], l1)
@@ -157,9 +158,11 @@ def run_sample_twin(logits, seen, state, fp, embed, ids):
     x, out = np.full(embed.shape[1], np.nan, np.float32), np.full(rows + 1, -7, np.int32)
     picks, arrivals = np.full(rows, -7, np.int32), np.zeros(1, np.uint32)
     V = logits.shape[1]
-    sample_twin.sample(at_row_stride(logits[:rows]), seen, state, fp, embed, x, verify_rows(rows),
+    nxt = next_input(x)
+    sample_twin.sample(at_row_stride(logits[:rows]), seen, state, fp, embed, *nxt, verify_rows(rows),
                        np.asarray(ids, np.int32), picks, out, arrivals, *verify_sizes(V, embed.shape[1]),
                        grid=(rows, 1, 1))
+    assert_prepared(nxt)
     return out, picks, x
 
 
@@ -592,8 +595,8 @@ def check_gemv_rows(launch, rows, d=136, ff=184, V=1001, heads=5, kv_heads=1, hd
         launch(spec("gemv_residual"), (-(-d // per_block),), plans.GEMV_THREADS,
                (hin[sl].copy(), w_down, w_down, xd, g, *prepared["down"], np.int32(d), np.int32(ff), zero))
         h, logits = nan(n, ff, dtype=np.float16), nan(n, logits_stride(V))
-        launch(spec("gemv_gate_up_silu_x"), (-(-ff // (per_block // 2)),), plans.GEMV_THREADS,
-               (x[sl].copy(), g, w_gu, w_gu, h, np.int32(ff), np.int32(d), np.float32(EPS), zero))
+        launch(spec("gemv_gate_up_silu"), (-(-ff // (per_block // 2)),), plans.GEMV_THREADS,
+               (xn[sl].copy(), ssp[sl].copy(), w_gu, w_gu, h, np.int32(ff), np.int32(d), np.float32(EPS), zero))
         launch(spec("gemv_logits"), (-(-V // per_block),), plans.GEMV_THREADS,
                (xn[sl].copy(), ssp[sl].copy(), w_lm, logits, np.int32(V), np.int32(d), np.float32(EPS)))
         return {"q": q, "k": caches[0][:, pos_now:pos_now + n], "v": caches[1][:, pos_now:pos_now + n], "o": xo,
@@ -673,10 +676,11 @@ def check_greedy_sample_rows(launch, V, penalty, D=40):
         state, kernel_seen = state_at(11, step=3), seen.copy()
         x, picks, out = nan(D), np.full(5, -7, np.int32), np.full(6, -7, np.int32)
         arrivals = np.zeros(1, np.uint32)
-        kernel_logits = at_row_stride(rows_logits)
-        launch(plans.SAMPLE, (5,), plans.SAMPLE_THREADS, (kernel_logits, kernel_seen, state, fp, embed, x,
+        kernel_logits, nxt = at_row_stride(rows_logits), next_input(x)
+        launch(plans.SAMPLE, (5,), plans.SAMPLE_THREADS, (kernel_logits, kernel_seen, state, fp, embed, *nxt,
                                                            verify_rows(5), np.array(ids, np.int32), picks, out,
                                                            arrivals, *verify_sizes(V, D)))
+        assert_prepared(nxt)
         twin_seen, twin_state = seen.copy(), state_at(11, step=3)
         twin_out, twin_picks, twin_x = run_sample_twin(rows_logits, twin_seen, twin_state, fp, embed, ids)
         n = int(twin_out[0])
@@ -703,8 +707,9 @@ def check_drafts_outside_the_vocabulary(launch, V=517):
             kernel_logits, state, kernel_seen = at_row_stride(logits), state_at(11, step=3, seed=5), seen.copy()
             x, picks, out = nan(embed.shape[1]), np.full(5, -7, np.int32), np.full(6, -7, np.int32)
             arrivals = np.zeros(1, np.uint32)
-            launch(plans.SAMPLE, (5,), plans.SAMPLE_THREADS, (kernel_logits, kernel_seen, state, fp, embed, x,
-                                                               verify_rows(5), ids, picks, out, arrivals,
+            launch(plans.SAMPLE, (5,), plans.SAMPLE_THREADS, (kernel_logits, kernel_seen, state, fp, embed,
+                                                               *next_input(x), verify_rows(5), ids, picks, out,
+                                                               arrivals,
                                                                *verify_sizes(V, embed.shape[1])))
             case = f"draft {bad} at {where}, temperature {fp[0]}"
             assert out[:2].tolist() == [1, sampling.NO_TOKEN] and (picks == sampling.NO_TOKEN).all(), case
@@ -744,8 +749,9 @@ def check_sampled_sample_rows(launch, V, trials, D=8):
             ids.append(pick if r != trial % 5 else (pick + 3) % V)
         state, kernel_seen = state_at(11, step=7 * trial, seed=99, top_k=50), seen.copy()
         picks, out = np.full(5, -7, np.int32), np.full(6, -7, np.int32)
-        launch(plans.SAMPLE, (5,), plans.SAMPLE_THREADS, (at_row_stride(logits), kernel_seen, state, fp, embed, nan(D),
-                                                           verify_rows(5), np.array(ids, np.int32), picks, out,
+        launch(plans.SAMPLE, (5,), plans.SAMPLE_THREADS, (at_row_stride(logits), kernel_seen, state, fp, embed,
+                                                           *next_input(nan(D)), verify_rows(5),
+                                                           np.array(ids, np.int32), picks, out,
                                                            np.zeros(1, np.uint32), *verify_sizes(V, D)))
         params = sample_twin.params_from(state_at(11, step=7 * trial, seed=99, top_k=50), fp)
         for r in range(5):
@@ -804,8 +810,8 @@ def test_gpu_sampled_verify_row_is_distributed_as_p(kernels, draft):
     state = cp.asarray(state_at(0, seed=2**63 + 9))
     ids, picks, out = cp.asarray(np.array([0, draft], np.int32)), cp.zeros(2, np.int32), cp.zeros(3, np.int32)
     args = (logits, cp.zeros(V, np.uint8), state, cp.asarray(np.array([1.0, 1.0, 1.0, 0.0], np.float32)),
-            cp.zeros((V, 8), np.float16), cp.zeros(8, np.float32), cp.asarray(verify_rows(2)), ids, picks, out,
-            cp.zeros(1, np.uint32), *verify_sizes(V, 8, cp))
+            cp.zeros((V, 8), np.float16), *next_input(cp.zeros(8, np.float32), cp), cp.asarray(verify_rows(2)), ids,
+            picks, out, cp.zeros(1, np.uint32), *verify_sizes(V, 8, cp))
     firsts, steps = [], 0
     for _ in range(n):
         fn((2,), (1024,), args)

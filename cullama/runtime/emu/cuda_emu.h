@@ -104,6 +104,7 @@ static inline float fmaxf(float a, float b) { return __builtin_fmaxf(a, b); }
 static inline float fmaf(float a, float b, float c) { return __builtin_fmaf(a, b, c); }  // one rounding
 static inline float __fmaf_rn(float a, float b, float c) { return __builtin_fmaf(a, b, c); }  // fmaf, never contracted away
 static inline float fminf(float a, float b) { return __builtin_fminf(a, b); }
+static inline int __ffs(int x) { return __builtin_ffs(x); }  // 1 + the index of the lowest set bit, 0 for 0
 
 #define EMU_MINMAX(T)                                             \
     static inline T min(T a, T b) { return a < b ? a : b; }      \

@@ -17,14 +17,10 @@ VARIANTS = [()]
 THREADS = 256  # threads per block (one block per token row)
 
 
-def gather_f32(inp, perm, out, K, *, grid):
-    """out [T, K] float32 = in[:, perm] for the grid's T rows (a decode step's single row may be 1-D): a decode
-    or verify step's inputs. Grid: (T, 1, 1), one block per row; rows at a stride of K."""
-    _gather(inp, perm, out, K, grid[0])
-
-
 def gather_f16(inp, perm, out, K, *, grid):
-    """out [n, K] float16 = in[:, perm] for the grid's n rows: a prefill chunk's GEMM input. Grid: (n, 1, 1)."""
+    """out [T, K] float16 = in[:, perm] for the grid's T rows (a decode step's single row may be 1-D): a decode or
+    verify step's GEMV input, or a prefill chunk's GEMM input. Grid: (T, 1, 1), one block per row; rows at a stride
+    of K."""
     _gather(inp, perm, out, K, grid[0])
 
 

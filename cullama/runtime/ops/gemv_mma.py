@@ -29,6 +29,7 @@ import ctypes.util
 import numpy as np
 
 from ...model import quant
+from .prepare import SS_SPAN, fma32 as _fma32, prepare, write_prepared  # noqa: F401 (prepare: the tests' X_PREP input)
 from .rows import logit_rows, row_positions, token_rows
 
 SOURCE = "gemv_mma.cu"
@@ -68,18 +69,6 @@ VARIANTS = [defines(bits, t, group) for bits in FORMATS for group in ((0,) if bi
 
 
 # -- the kernel's arithmetic ---------------------------------------------------------------------------------------
-def _fma32(a: np.ndarray, b: np.ndarray, c: np.ndarray) -> np.ndarray:
-    """fmaf(a, b, c) in float32 with one rounding: a b exact in double, the double sum's error (TwoSum) used to break
-    the one case where rounding twice differs (a sum that lands on a float32 tie)."""
-    p = a.astype(np.float64) * b
-    c64 = c.astype(np.float64)
-    s = p + c64
-    bb = s - p
-    err = (p - (s - bb)) + (c64 - bb)
-    s = np.where(err != 0, np.nextafter(s, np.where(err > 0, np.inf, -np.inf)), s)
-    return s.astype(np.float32)
-
-
 def _k_order(K: int, elems: int) -> tuple[np.ndarray, int]:
     """idx [kblocks, STEPS, 16]: the k of MMA k-index kk in step s of k-block kb (k >= K: padding), and kblocks."""
     vecs = K // elems
@@ -192,9 +181,6 @@ def _silu(a: np.ndarray) -> np.ndarray:
 
 
 # -- the RMSNorm kernels' two input forms ---------------------------------------------------------------------------
-SS_SPAN = ROWS  # x elements per Σ x² part of a prepared input: gemv_residual's rows per block
-
-
 def prepared_ss(ssp: np.ndarray, K: int) -> np.ndarray:
     """Σ x² [T] of a prepared input from its parts ssp [T, ceil(K / SS_SPAN)], in prepared_scales' order: lane l
     adds parts l, l + 32, ... from +0 in order, then the lanes' sums in a butterfly (l + l ^ 1, then ^ 2, ..., ^ 16).
@@ -213,25 +199,9 @@ def prepared_ss(ssp: np.ndarray, K: int) -> np.ndarray:
     return lanes[:, 0].copy()
 
 
-def prepare(x: np.ndarray, norm_w: np.ndarray, M: int) -> tuple[np.ndarray, np.ndarray]:
-    """What gemv_residual writes for the next RMSNorm kernel from the new x [T, M] float32 rows: xn [T, M] float16 =
-    fp16(x * norm_w) and ssp [T, ceil(M / SS_SPAN)] float32, part b the fmaf chain of x^2 over rows b SS_SPAN .. in
-    order (each part starting at +0; rows past M, +0 here, add +0)."""
-    x32 = np.ascontiguousarray(token_rows(x)[:, :M], np.float32)
-    xn = (x32 * norm_w[:M].astype(np.float32)).astype(np.float16)
-    parts = -(-M // SS_SPAN)
-    spans = np.zeros((x32.shape[0], parts * SS_SPAN), np.float32)
-    spans[:, :M] = x32
-    spans = spans.reshape(x32.shape[0], parts, SS_SPAN)
-    ssp = np.zeros((x32.shape[0], parts), np.float32)
-    for i in range(SS_SPAN):  # every part's chain at once, row i of each
-        ssp = _fma32(spans[..., i], spans[..., i], ssp)
-    return xn, ssp
-
-
 def _norm_dot(b16: np.ndarray, bits: int, scale, prepared: bool, first, second, K: int):
     """(dot [T, M], ss [T]) of an RMSNorm kernel: A and Σ x² from the prepared input (first, second = xn, ssp) or,
-    in the *_x forms, from x and the norm weights (first, second = x, norm_w; mma_rows sums x^2 as the kernel does)."""
+    in gemv_logits_x, from x and the norm weights (first, second = x, norm_w; mma_rows sums x^2 as the kernel does)."""
     if prepared:
         a16 = np.ascontiguousarray(token_rows(first)[:, :K], np.float16)
         return mma_rows(b16, a16, bits, scale=scale)[0], prepared_ss(second, K)
@@ -240,10 +210,10 @@ def _norm_dot(b16: np.ndarray, bits: int, scale, prepared: bool, first, second, 
 
 
 # -- the kernels -----------------------------------------------------------------------------------------------------
-def qkv_rope(W, qparams, prepared, first, second, bias, q_out, k_cache, v_cache, rope, state, step_rows, d, n_heads,
-             n_kv_heads, hd, max_seq, eps):
+def qkv_rope(W, qparams, xn, ssp, bias, q_out, k_cache, v_cache, rope, state, step_rows, d, n_heads, n_kv_heads, hd,
+             max_seq, eps):
     b16, bits, scale = _weights(W, qparams, d)
-    dot, ss = _norm_dot(b16, bits, scale, prepared, first, second, d)
+    dot, ss = _norm_dot(b16, bits, scale, True, xn, ssp, d)
     rows = dot.shape[0]
     y = (dot * _rms_scale(ss, d, eps)[:, None]) + bias[:b16.shape[0]].astype(np.float32)  # [rows, all heads * hd]
     y = y.reshape(rows, n_heads + 2 * n_kv_heads, hd)
@@ -267,14 +237,12 @@ def residual(W, qparams, inp, x, M, K, norm_w=None, xn=None, ssp=None):
     xs = token_rows(x)
     xs[:, :M] = xs[:, :M] + dot
     if norm_w is not None:
-        n, parts = prepare(xs, norm_w, M)
-        token_rows(xn)[:, :M] = n
-        token_rows(ssp)[:, :parts.shape[1]] = parts
+        write_prepared(xs, norm_w, xn, ssp, M)
 
 
-def gate_up_silu(W, qparams, prepared, first, second, h, ff, d, eps):
+def gate_up_silu(W, qparams, xn, ssp, h, ff, d, eps):
     b16, bits, scale = _weights(W, qparams, d)
-    dot, ss = _norm_dot(b16[:2 * ff], bits, None if scale is None else scale[:2 * ff], prepared, first, second, d)
+    dot, ss = _norm_dot(b16[:2 * ff], bits, None if scale is None else scale[:2 * ff], True, xn, ssp, d)
     scale = _rms_scale(ss, d, eps)[:, None]
     gate, up = dot[:, :ff] * scale, dot[:, ff:] * scale
     token_rows(h)[:, :ff] = _silu(gate) * up
@@ -293,18 +261,11 @@ def _quantized(W) -> bool:
 
 def gemv_qkv_rope(xn, ssp, W, qparams, bias, q_out, k_cache, v_cache, rope, state, step_rows, d, n_heads, n_kv_heads,
                   hd, max_seq, eps, group):
-    """Per token row t of a prepared input (xn [T, d] float16 = x * norm_w, ssp: its Σ x² parts, gemv_residual's):
+    """Per token row t of a prepared input (xn [T, d] float16 = x * norm_w, ssp: its Σ x² parts; ops/prepare.py):
     q|k|v = W · rmsnorm(x[t]) + bias, then RoPE; q_out[t] [heads hd] f32, k_cache / v_cache [slots, kv_heads,
     max_seq, hd] f16 written in row t's slot at its position. W: FP16 [M, d], or quant.py's qweight with its qparams
     (and group)."""
-    qkv_rope(W, qparams if _quantized(W) else None, True, xn, ssp, bias, q_out, k_cache, v_cache, rope, state,
-             step_rows, d, n_heads, n_kv_heads, hd, max_seq, eps)
-
-
-def gemv_qkv_rope_x(x, norm_w, W, qparams, bias, q_out, k_cache, v_cache, rope, state, step_rows, d, n_heads,
-                    n_kv_heads, hd, max_seq, eps, group):
-    """gemv_qkv_rope on float32 rows x [T, d] (or [d]) and the norm weights, its RMSNorm done in the kernel."""
-    qkv_rope(W, qparams if _quantized(W) else None, False, x, norm_w, bias, q_out, k_cache, v_cache, rope, state,
+    qkv_rope(W, qparams if _quantized(W) else None, xn, ssp, bias, q_out, k_cache, v_cache, rope, state,
              step_rows, d, n_heads, n_kv_heads, hd, max_seq, eps)
 
 
@@ -317,12 +278,7 @@ def gemv_residual(inp, W, qparams, x, norm_w, xn, ssp, M, K, group):
 def gemv_gate_up_silu(xn, ssp, W, qparams, h, ff, d, eps, group):
     """h[t, :ff] = fp16(silu(gate) * up) (h float16), gate|up = W [2 ff, d] · rmsnorm(x[t]) per token row t of a
     prepared input."""
-    gate_up_silu(W, qparams if _quantized(W) else None, True, xn, ssp, h, ff, d, eps)
-
-
-def gemv_gate_up_silu_x(x, norm_w, W, qparams, h, ff, d, eps, group):
-    """gemv_gate_up_silu on float32 rows x and the norm weights."""
-    gate_up_silu(W, qparams if _quantized(W) else None, False, x, norm_w, h, ff, d, eps)
+    gate_up_silu(W, qparams if _quantized(W) else None, xn, ssp, h, ff, d, eps)
 
 
 def gemv_logits(xn, ssp, W, logits, V, d, eps):

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from .prepare import write_prepared
+
 SOURCE = "prefill.cu"
 VARIANTS = [()]
 QUIET_NAN = np.uint32(0x7FFFFFFF).view(np.float32)  # common.cuh QUIET_NAN, the bits the kernel writes
@@ -25,6 +27,15 @@ def embed_rows(ids, embed, x_rows, d, vocab, *, grid):
     inside = (picked >= 0) & (picked < int(vocab))
     rows[:n, :d] = embed[np.where(inside, picked, 0), :d].astype(np.float32)
     rows[:n, :d][~inside] = QUIET_NAN
+
+
+def embed_rows_prepared(ids, embed, norm_w, x_rows, xn_rows, ssp_rows, d, vocab, *, grid):
+    """embed_rows, and each row's prepared RMSNorm input with norm_w (ops/prepare.py): xn_rows [chunk, d] f16,
+    ssp_rows [chunk, ceil(d / SS_SPAN)] f32 (NaN rows: NaN)."""
+    n = grid[0]
+    embed_rows(ids, embed, x_rows, d, vocab, grid=grid)
+    rows = x_rows.reshape(-1, x_rows.shape[-1])
+    write_prepared(rows[:n], norm_w, xn_rows.reshape(len(rows), -1)[:n], ssp_rows.reshape(len(rows), -1)[:n], int(d))
 
 
 def rmsnorm_rows(x_rows, w, out_rows, d, eps, *, grid):

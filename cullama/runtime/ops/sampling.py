@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from .. import sampling
+from .prepare import write_prepared
 from .rows import logit_rows
 
 SOURCE = "sampling.cu"
@@ -31,12 +32,14 @@ def params_from(state: np.ndarray, fparams: np.ndarray) -> sampling.SamplingPara
         seed=int(words[STATE_SEED_LO]) | int(words[STATE_SEED_HI]) << 32)
 
 
-def sample(logits, seen, state, fparams, embed, x, step_rows, ids, picks, out, arrivals, masks, V, d, seen_stride,
-           mask_words, verify, *, grid):
+def sample(logits, seen, state, fparams, embed, norm_w, x, xn, ssp, step_rows, ids, picks, out, arrivals, masks, V, d,
+           seen_stride, mask_words, verify, *, grid):
     """logits [n, V] f32 at row stride ops.rows.logits_stride(V) (a decode step's: [V]), seen [slots, seen_stride]
-    uint8, state [slots, 8] int32, fparams [slots, 4] f32, embed [V, d] f16, x [n, d] f32, step_rows [>= n, 2] int32
-    (slot, offset), ids [n] int32, picks [n] int32, out [1 + n] int32, arrivals [1], masks [slots, MASK_ROWS,
-    mask_words] uint32; n = grid[0] rows. A row's params, seen and state are its slot's (rows[r, 0]); where that
+    uint8, state [slots, 8] int32, fparams [slots, 4] f32, embed [V, d] f16, norm_w [d] f16, x [n, d] f32, xn [n, d]
+    f16, ssp [n, ceil(d / SS_SPAN)] f32, step_rows [>= n, 2] int32 (slot, offset), ids [n] int32, picks [n] int32, out
+    [1 + n] int32, arrivals [1], masks [slots, MASK_ROWS, mask_words] uint32; n = grid[0] rows. Wherever x row r is
+    written below, xn and ssp row r get its prepared RMSNorm input with norm_w (ops/prepare.py: layer 0's, for the
+    next step's first gemv_qkv_rope). A row's params, seen and state are its slot's (rows[r, 0]); where that
     slot's state[MASKED] is set, its sample() also takes allowed = mask_bits(masks[slot, offset]) (rows[r, 1]), and
     otherwise no mask is read.
 
@@ -70,10 +73,13 @@ def sample(logits, seen, state, fparams, embed, x, step_rows, ids, picks, out, a
             slot = int(table[r, ROW_SLOT])
             _sample_rows(rows_logits[r:r + 1], seens[slot], states[slot], fps[slot], embed, xs[r], ids[:1], picks[r:],
                          None, V, d, [allowed(r, slot)])
+        write_prepared(xs[:n_rows], norm_w, xn.reshape(-1, int(d))[:n_rows], ssp.reshape(len(xs), -1)[:n_rows],
+                       int(d))
         return
     slot = int(table[0, ROW_SLOT])
     _sample_rows(rows_logits, seens[slot], states[slot], fps[slot], embed, xs[0], ids, picks, out, V, d,
                  [allowed(r, slot) for r in range(n_rows)])
+    write_prepared(xs[:1], norm_w, xn.reshape(-1, int(d))[:1], ssp.reshape(len(xs), -1)[:1], int(d))
     arrivals[0] = 0
 
 

@@ -102,4 +102,4 @@ def test_the_overlapped_verify_graph_links_every_kernel_but_the_first(fake, stor
     RecordingPdl.launches = []
     assert overlapped.verify(expected[1:5]) == expected[1:6]
     names = [l.spec.name for l in overlapped.verify_plan(4).launches]
-    assert names[0] == "embed_rows" and RecordingPdl.launches == [(name, True) for name in names[1:]]
+    assert names[0] == "embed_rows_prepared" and RecordingPdl.launches == [(name, True) for name in names[1:]]

@@ -59,7 +59,10 @@ MUTATIONS = [
     ("sample-seen-of-slot-0", "sampling.cu", "const int seen_at = slot * seen_stride;", "const int seen_at = 0;",
      lambda launch: checks.check_sample_batch(launch, 517, checks.SLOT_OPTIONS, [4, 0, 5, 2, 1, 3])),
     ("sample-batch-rows-write-x-row-0", "sampling.cu",
-     "float* const next = x + (verify ? 0 : (size_t)row * d);", "float* const next = x;",
+     "const size_t at = verify ? 0 : row,", "const size_t at = 0,",
+     lambda launch: checks.check_sample_batch(launch, 517, checks.SLOT_OPTIONS, [4, 0, 5])),
+    # each row's prepared input (the next step's first qkv reads it) in row 0's place
+    ("sample-batch-rows-prepare-into-row-0", "sampling.cu", "xn + at * d,", "xn,",
      lambda launch: checks.check_sample_batch(launch, 517, checks.SLOT_OPTIONS, [4, 0, 5])),
 ]
 

@@ -14,6 +14,7 @@ import pytest
 
 from tests.runtime import test_verify as verify
 from tests.emulated import seeded_copy
+from tests.runtime.ops.test_sampling_kernel import assert_prepared, next_input
 from cullama.runtime import emu, sampling
 from cullama.runtime import plan as plans
 from cullama.runtime.emu import build
@@ -136,9 +137,12 @@ def check_sample_rows(V, rows, options, schedule, source_dir=None, D=24):
     kernel_logits, kernel_seen, kernel_state = verify.at_row_stride(logits), seen.copy(), state.copy()
     x, picks, out = verify.nan(D), np.full(rows, -7, np.int32), np.full(rows + 1, -7, np.int32)
     arrivals = np.zeros(1, np.uint32)
+    nxt = next_input(x)
     emu.launch(plans.SAMPLE, (rows,), plans.SAMPLE_THREADS,
-               (kernel_logits, kernel_seen, kernel_state, fp, embed, x, verify.verify_rows(rows), np.array(ids, np.int32),
-                picks, out, arrivals, *verify.verify_sizes(V, D)), schedule=schedule, seed=7, source_dir=source_dir)
+               (kernel_logits, kernel_seen, kernel_state, fp, embed, *nxt, verify.verify_rows(rows),
+                np.array(ids, np.int32), picks, out, arrivals, *verify.verify_sizes(V, D)), schedule=schedule, seed=7,
+               source_dir=source_dir)
+    assert_prepared(nxt)
     twin_seen, twin_state = seen.copy(), state.copy()
     twin_out, twin_picks, twin_x = verify.run_sample_twin(logits, twin_seen, twin_state, fp, embed, ids)
     np.testing.assert_array_equal(kernel_logits[:, :V], logits)  # the drafts' logits, penalised in place, put back

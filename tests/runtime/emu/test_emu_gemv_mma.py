@@ -28,9 +28,8 @@ def test_every_schedule(bits, schedule):
     checks.check_against_twin(emu_launcher(schedule), bits, 9, cases=checks.CASES[bits][:2])
 
 
-@pytest.mark.parametrize("bits", twin.FORMATS)
+@pytest.mark.parametrize("bits,form", [(16, "prep"), (16, "x"), (8, "prep"), (4, "prep")])  # "x": gemv_logits_x
 @pytest.mark.parametrize("tokens", [2, 8, 9, 16])
-@pytest.mark.parametrize("form", ["prep", "x"])
 def test_a_row_is_the_row_alone_and_row_0(bits, tokens, form):
     checks.check_row_independence(emu_launcher("shuffled"), bits, tokens, form=form)
 
@@ -65,17 +64,23 @@ MUTATIONS = [
     ("residual-writes-row-0-only", "gemv_mma.cu", "        x[(size_t)tok * M + row] = v;",
      "        if (tok == 0) x[(size_t)tok * M + row] = v;", against_twin(8, 3)),
     # the prepared input (gemv_residual writes it, gemv_qkv_rope / gate_up / logits read it)
-    ("prepared-xn-normed-by-the-first-weight", "gemv_mma.cu", "f2h(__fmul_rn(v, h2f(norm_w[row])))",
-     "f2h(__fmul_rn(v, h2f(norm_w[0])))", against_twin(16)),
+    ("prepared-xn-normed-by-the-first-weight", "gemv_mma.cu", "norm_input(v, norm_w[row])",
+     "norm_input(v, norm_w[0])", against_twin(16)),
     ("prepared-ss-part-in-the-next-block's-place", "gemv_mma.cu",
      "ssp[(size_t)tok * parts + first / SS_SPAN] = ss;",
      "ssp[(size_t)tok * parts + min(first / SS_SPAN + 1, parts - 1)] = ss;", against_twin(16)),
-    ("prepared-ss-last-row-of-a-block-left-out", "gemv_mma.cu", "if (i < rows) ss = __fmaf_rn(",
-     "if (i < rows - 1) ss = __fmaf_rn(", against_twin(4)),
+    ("prepared-ss-last-row-of-a-block-left-out", "gemv_mma.cu", "return part.x[tok][p * SS_SPAN + i]; }, rows);",
+     "return part.x[tok][p * SS_SPAN + i]; }, rows - 1);", against_twin(4)),
+    # prepare.cuh, every writer's (the residual's here; sample's and embed_rows_prepared's: test_emu_mutations.py)
+    ("prepared-part-misses-its-last-element", "prepare.cuh", "        if (i < n) {", "        if (i < n - 1) {",
+     against_twin(8)),
     ("prepared-scale-butterfly-skips-odd-lanes", "gemv_mma.cu",
-     "for (int m = 1; m < WARP; m *= 2) v = __fadd_rn(v, __shfl_xor_sync(0xffffffffu, v, m));\n        if (lane == 0) part.scale",
-     "for (int m = 2; m < WARP; m *= 2) v = __fadd_rn(v, __shfl_xor_sync(0xffffffffu, v, m));\n        if (lane == 0) part.scale",
+     "for (int m = 1; m < WARP; m *= 2) v = __fadd_rn(v, __shfl_xor_sync(0xffffffffu, v, m));\n        if (lane == t)",
+     "for (int m = 2; m < WARP; m *= 2) v = __fadd_rn(v, __shfl_xor_sync(0xffffffffu, v, m));\n        if (lane == t)",
      against_twin(16)),
+    # lane t keeps the warp's t-th row's sum: at 9 rows warp 0's rows 0, 4, 8 (row 4's scale from lane 1)
+    ("prepared-scale-of-every-row-from-lane-0", "gemv_mma.cu", "if (lane == t) mine = v;", "if (lane == 0) mine = v;",
+     against_twin(16, 9)),
     ("fp16-input-read-as-float32", "gemv_mma.cu", "if (FORM == X_PREP || FORM == X_HALF) {", "if (FORM == X_PREP) {",
      against_twin(8, 3)),
     ("prepared-x-of-token-row-0", "gemv_mma.cu", "xn + (size_t)g * K + (size_t)c * ELEMS",
@@ -87,7 +92,7 @@ MUTATIONS = [
      "    float d = part.dot[WARPS - 1][i][tok];\n#pragma unroll\n    for (int w = WARPS - 2; w >= 0; --w) d = __fadd_rn(d, part.dot[w][i][tok]);",
      against_twin(16)),
     ("norm-sum-of-squares-skips-a-lane", "gemv_mma.cu", "if (w || t) ss = __fadd_rn(ss, part.ss[w][t][tok]);",
-     "if (w || t > 1) ss = __fadd_rn(ss, part.ss[w][t][tok]);", against_twin(4)),
+     "if (w || t > 1) ss = __fadd_rn(ss, part.ss[w][t][tok]);", against_twin(16)),  # gemv_logits_x's (FP16 only)
     ("partials-barrier-removed", "gemv_mma.cu", "    part.ss[warp][t][g + 8] = ss1;\n    __syncthreads();",
      "    part.ss[warp][t][g + 8] = ss1;", against_twin(16)),
 ]

@@ -25,6 +25,7 @@ from cullama.runtime.ops import gemm as gemm_twin
 from cullama.runtime.ops import gemm_wgmma as wgmma_ops
 from cullama.runtime.ops import gemv_mma as gemv_twin
 from cullama.runtime.ops import prefill as prefill_twin
+from cullama.runtime.ops import prepare as prepare_twin
 from cullama.runtime.plan import ATTENTION_THREADS, GEMV_THREADS, ROW_THREADS, SAMPLE_THREADS
 from cullama.runtime.prefill_kernels import MMA_GEMM
 from cullama.model.reference import rope_tables
@@ -230,6 +231,16 @@ def check_prefill(schedule, source_dir=None):
         source_dir)
     exact(bad, rbad, "embed_rows of ids outside the vocabulary")
     assert np.isnan(bad[1:-1]).all() and not np.isnan(bad[[0, -1]]).any()
+    # embed_rows_prepared: the same rows, and each one's prepared RMSNorm input (NaN rows: NaN), bit for bit
+    parts = -(-d // prepare_twin.SS_SPAN)
+    got = (nan(len(bad_ids), d), nan(len(bad_ids), d, dtype=np.float16), nan(len(bad_ids), parts))
+    want = tuple(np.zeros_like(a) for a in got)
+    prefill_twin.embed_rows_prepared(bad_ids, embed, w, *want, d, vocab, grid=(len(bad_ids), 1, 1))
+    run(spec("embed_rows_prepared"), len(bad_ids), ROW_THREADS, (bad_ids, embed, w, *got, np.int32(d), np.int32(vocab)),
+        schedule, source_dir)
+    for a, b, what in zip(got, want, ("x", "xn", "ssp")):
+        exact(a, b, f"embed_rows_prepared {what}")
+    exact(got[0], rbad, "embed_rows_prepared x against embed_rows")
     xn, rxn = nan(chunk, d, dtype=np.float16), nan(chunk, d, dtype=np.float16)
     prefill_twin.rmsnorm_rows(rx, w, rxn, d, EPS, grid=(n, 1, 1))
     run(spec("rmsnorm_rows"), n, ROW_THREADS, (x, w, xn, np.int32(d), EPS), schedule, source_dir)
@@ -322,9 +333,12 @@ def check_sample(options, V, schedule, source_dir=None, draws=3, nonfinite=None)
         sample_cases.run_twin(logits, ref_seen, ref_state, fp, embed)
         x, before = nan(sample_cases.D), seen.copy()
         state[sample_cases.ops.STATE_TOKEN] = -2
+        nxt = sample_cases.next_input(x)
         run(KernelSpec("sampling.cu", "sample"), 1, SAMPLE_THREADS,
-            (logits, seen, state, fp, embed, x, *sample_cases.one_row(), *sample_cases.one_row_sizes(V, sample_cases.D)),
+            (logits, seen, state, fp, embed, *nxt, *sample_cases.one_row(),
+             *sample_cases.one_row_sizes(V, sample_cases.D)),
             schedule, source_dir)
+        sample_cases.assert_prepared(nxt)
         token, expected = int(state[sample_cases.ops.STATE_TOKEN]), int(ref_state[sample_cases.ops.STATE_TOKEN])
         where = f"sample {options} {nonfinite or ''} draw {draw}"
         assert 0 <= token < V or token == expected == sampling.NO_TOKEN, f"{where}: token {token}"

@@ -41,6 +41,9 @@ MUTATIONS = [
      "for (int o = WARP / 2; o > 0; o >>= 1) v += __shfl_xor_sync",
      "for (int o = WARP / 4; o > 0; o >>= 1) v += __shfl_xor_sync",
      block_sums),  # block_sum's warp sums (gemv_mma.cu's partials barrier: tests/runtime/emu/test_emu_gemv_mma.py)
+    # prepare.cuh (its use in gemv_residual: test_emu_gemv_mma.py): embed_rows_prepared's Σ x² parts
+    ("prepared-part-misses-its-last-element", "prepare.cuh", "        if (i < n) {", "        if (i < n - 1) {",
+     block_sums),
     ("gemm-cp.async-wait-off-by-one", "gemm.cu", "cp_async_wait<STAGES - 2>();", "cp_async_wait<STAGES - 1>();", gemm),
     ("gemm-ring-barrier-removed", "gemm.cu", "        cp_async_wait<STAGES - 2>();\n        __syncthreads();",
      "        cp_async_wait<STAGES - 2>();", gemm),

@@ -17,7 +17,7 @@ from cullama.runtime.registry import KernelSpec
 from cullama.runtime.sampling import SamplingParams
 
 from tests.runtime.ops.test_gemv_mma import quantized
-from tests.runtime.ops.test_sampling_kernel import explained
+from tests.runtime.ops.test_sampling_kernel import assert_prepared, explained, next_input
 from tests.runtime.test_verify import at_row_stride, gpu_launcher, nan, state_at
 
 STRIDE_PAD = 3  # seen rows wider than V (seen_stride = V rounded up to 4, and then some): the stride is honoured
@@ -216,11 +216,13 @@ def run_sample(launch, logits_rows, seen, state, fparams, embed, table, verify):
     rows, V = logits_rows.shape
     x, picks = nan(rows, embed.shape[1]), np.full(rows, -7, np.int32)
     kernel_logits = at_row_stride(logits_rows)
+    nxt = next_input(x)
     launch(plans.SAMPLE, (rows,), plans.SAMPLE_THREADS,
-           (kernel_logits, seen, state, fparams, embed, x, np.array(table, np.int32), np.zeros(rows, np.int32), picks,
-            np.full(rows + 1, -7, np.int32), np.zeros(1, np.uint32), np.zeros(1, np.uint32), np.int32(V),
+           (kernel_logits, seen, state, fparams, embed, *nxt, np.array(table, np.int32), np.zeros(rows, np.int32),
+            picks, np.full(rows + 1, -7, np.int32), np.zeros(1, np.uint32), np.zeros(1, np.uint32), np.int32(V),
             np.int32(embed.shape[1]), np.int32(seen.shape[1]), np.int32(-(-V // 32)), np.int32(verify)))
     np.testing.assert_array_equal(kernel_logits[:, :V], logits_rows)  # the logits are left as they were
+    assert_prepared(nxt, 1 if verify else rows)  # each written row's next input, prepared for layer 0's qkv
     return picks, x
 
 

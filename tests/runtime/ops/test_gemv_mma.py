@@ -48,7 +48,7 @@ CASES = {16: [(8, 0), (200, 0), (1048, 0)],
          4: [(96, 32), (192, 64), (1408, 128), (1056, 1056), (1152, 1152)]}
 # Odd output sizes: 3 q heads, 1 kv head, hd 6 (15 RoPE pairs: a partial block), M = 37 (a partial last n-tile of the
 # second block), ff = 21, V = 45.
-HEADS, KV_HEADS, HD, M, FF, V = 3, 1, 6, 37, 21, 45
+HEADS, KV_HEADS, HD, M, FF, V = 3, 1, 8, 37, 21, 45  # HD a power of two (plan.check_supported, rope.cuh)
 
 
 def spec(name: str, defines) -> KernelSpec:
@@ -116,12 +116,13 @@ class Case:
     def run(self, fn, defines, rows, pos=None, form="prep"):
         """{output: array} of every kernel on token rows `rows` (a list of indices into the case's rows), by `fn`:
         a launcher (spec, grid, block, args), or None for the twins. pos: the first row's position. form: "prep",
-        the RMSNorm kernels on the input prepared from x as gemv_residual prepares it (twin.prepare); "x", their
-        *_x forms on x and the norm weights."""
+        the RMSNorm kernels on the input prepared from x as gemv_residual prepares it (twin.prepare); "x", the logits
+        on x and the norm weights (gemv_logits_x, FP16 only: qkv and gate_up always read the prepared input)."""
         T, K = len(rows), self.K
         pos = self.pos if pos is None else pos
         x, inp, x0 = self.x[rows], self.inp[rows], self.x0[rows]
-        suffix, norm_in = ("", twin.prepare(x, self.norm_w, K)) if form == "prep" else ("_x", (x, self.norm_w))
+        prepared = twin.prepare(x, self.norm_w, K)
+        suffix, norm_in = ("", prepared) if form == "prep" else ("_x", (x, self.norm_w))
         rpb = twin.rows_per_block(defines)
         out = {}
 
@@ -134,8 +135,8 @@ class Case:
         q = nan(T, HEADS * HD)
         kc, vc = (nan(KV_HEADS, self.max_seq, HD, dtype=np.float16) for _ in range(2))
         pairs = (HEADS + 2 * KV_HEADS) * HD // 2
-        call("gemv_qkv_rope" + suffix, -(-pairs // (rpb // 2)),
-             (*norm_in, *self.w_qkv, self.bias, q, kc, vc, self.rope, state_at(pos), verify_rows(T), np.int32(K),
+        call("gemv_qkv_rope", -(-pairs // (rpb // 2)),
+             (*prepared, *self.w_qkv, self.bias, q, kc, vc, self.rope, state_at(pos), verify_rows(T), np.int32(K),
               np.int32(HEADS), np.int32(KV_HEADS), np.int32(HD), np.int32(self.max_seq), EPS, *self.g))
         out["q"], out["k"], out["v"] = q, kc[:, pos:pos + T], vc[:, pos:pos + T]
         out["k outside"] = np.delete(kc, range(pos, pos + T), axis=1)
@@ -147,8 +148,8 @@ class Case:
         out["residual"] = rows_of(xr, T, M, "gemv_residual")
         out["residual xn"], out["residual ssp"] = xn, ssp
         h = out_rows(nan(T, FF, dtype=np.float16))
-        call("gemv_gate_up_silu" + suffix, -(-FF // (rpb // 2)),
-             (*norm_in, *self.w_gu, h, np.int32(FF), np.int32(K), EPS, *self.g))
+        call("gemv_gate_up_silu", -(-FF // (rpb // 2)),
+             (*prepared, *self.w_gu, h, np.int32(FF), np.int32(K), EPS, *self.g))
         out["h"] = rows_of(h, T, FF, "gemv_gate_up_silu")
         if self.bits == 16:
             stride = -(-V // 4) * 4
@@ -158,10 +159,12 @@ class Case:
         return out
 
 
-def check_against_twin(launch, bits, tokens, cases=None, seed=0, tolerance=None, forms=("prep", "x")):
-    """Every kernel of (BITS, TOKENS) against its twin on each (K, group) case, the RMSNorm kernels in both input
-    forms: bit for bit (tolerance None: the executor), or within `tolerance` relative (a GPU), NaN-poisoned outputs
+def check_against_twin(launch, bits, tokens, cases=None, seed=0, tolerance=None, forms=None):
+    """Every kernel of (BITS, TOKENS) against its twin on each (K, group) case, the logits in both input forms
+    (`forms`, default both where there are logits: FP16): bit for bit (tolerance None: the executor), or within
+    `tolerance` relative (a GPU), NaN-poisoned outputs
     and what lies outside the rows exact."""
+    forms = forms or (("prep", "x") if bits == 16 else ("prep",))
     for (K, group), form in [(c, f) for c in cases or CASES[bits] for f in forms]:
         case = Case(bits, K, group, seed=seed + K + group + tokens)
         rows = list(range(tokens))
@@ -222,8 +225,8 @@ def test_twins_are_the_reference_within_fp16_rounding(bits):
 
 @pytest.mark.parametrize("bits", twin.FORMATS)
 def test_the_prepared_input_and_x_give_the_same_outputs_within_float32_sums(bits):
-    """The RMSNorm kernels on gemv_residual's prepared input (xn, Σ x² in parts) and their *_x forms on x: the same
-    A, Σ x² summed in another order, so within a few float32 ulps of the scale."""
+    """The logits on the prepared input (xn, Σ x² in parts) and on x (gemv_logits_x): the same A, Σ x² summed in
+    another order, so within a few float32 ulps of the scale (qkv and gate_up read the prepared input either way)."""
     K, group = CASES[bits][2]
     case = Case(bits, K, group, seed=4)
     prep = case.run(None, twin.defines(bits, 3, group), [0, 1, 2], form="prep")

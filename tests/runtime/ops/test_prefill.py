@@ -4,6 +4,7 @@ import numpy as np
 import pytest
 
 from cullama.runtime.ops import prefill as twin
+from cullama.runtime.ops import prepare as prepare_twin
 from cullama.runtime.plan import ROW_THREADS, prefill
 from cullama.model.reference import apply_rope, rmsnorm, rope_tables, silu
 from cullama.runtime.registry import compile_module
@@ -48,6 +49,34 @@ def test_embed_rows_makes_a_row_of_an_id_outside_the_vocabulary_nan():
     twin.embed_rows(ids, embed, x, 16, 50, grid=(len(ids), 1, 1))
     np.testing.assert_array_equal(x[[0, -1]], embed[[3, 49]].astype(np.float32))
     assert np.isnan(x[1:-1]).all()
+
+
+@pytest.mark.parametrize("d", [72, 8, 4104])  # 4104: a last Σ x² part of 8 elements
+def test_embed_rows_prepared_writes_x_and_its_prepared_input(d):
+    """embed_rows' rows, and each one's RMSNorm input for the next qkv as gemv_residual would prepare it: xn =
+    fp16(x * norm_w) (norm_w's FP16 widened, the product rounded to FP32, then to FP16) and Σ x² in fmaf chains of
+    SS_SPAN elements (from +0, in order), bit for bit; a NaN row (an id outside the vocabulary) NaN throughout; rows
+    past the grid untouched."""
+    rng = np.random.default_rng(d)
+    vocab, span = 50, prepare_twin.SS_SPAN
+    embed, norm_w = rand(rng, vocab, d, dtype=np.float16), rand(rng, d, dtype=np.float16)
+    ids = np.array([7, -1, 49, 7] + [99] * (CHUNK - 4), np.int32)
+    parts = -(-d // span)
+    x, xn, ssp = nan(CHUNK, d), nan(CHUNK, d, dtype=np.float16), nan(CHUNK, parts)
+    twin.embed_rows_prepared(ids, embed, norm_w, x, xn, ssp, d, vocab, grid=(4, 1, 1))
+    plain = nan(CHUNK, d)
+    twin.embed_rows(ids, embed, plain, d, vocab, grid=(4, 1, 1))
+    np.testing.assert_array_equal(x, plain)
+    for r in (0, 2, 3):
+        e = embed[ids[r]].astype(np.float32)
+        np.testing.assert_array_equal(xn[r], (e * norm_w.astype(np.float32)).astype(np.float16))
+        for p in range(parts):  # one float32 fma at a time
+            ss = np.float32(0)
+            for v in e[p * span:(p + 1) * span]:
+                ss = np.float32(np.float64(v) * np.float64(v) + np.float64(ss))  # v² is exact in double
+            assert ssp[r, p] == ss, (r, p)
+    assert np.isnan(xn[1].astype(np.float32)).all() and np.isnan(ssp[1]).all()
+    assert np.isnan(x[4:]).all() and np.isnan(xn[4:].astype(np.float32)).all() and np.isnan(ssp[4:]).all()
 
 
 @pytest.mark.parametrize("d", [72, 8, 4096])
@@ -97,7 +126,7 @@ def test_silu_mul_rows_matches_reference():
 
 def test_compiles_for_sm90_without_spills():
     resources = compile_module(twin.SOURCE, (), "sm_90").resources
-    assert set(resources) == {"embed_rows", "rmsnorm_rows", "rope_kv_rows", "silu_mul_rows"}
+    assert set(resources) == {"embed_rows", "embed_rows_prepared", "rmsnorm_rows", "rope_kv_rows", "silu_mul_rows"}
     for name, res in resources.items():
         assert not res.spills, (name, res)
 
@@ -133,6 +162,14 @@ def test_gpu_embed_and_rmsnorm_rows(kernels, n, d):
     check(dx, x, rtol=0, atol=0)
     launch(kernels, cp, "rmsnorm_rows", n, dx, cp.asarray(w), dxn, d, EPS)
     check(dxn, xn, rtol=2e-3, atol=2e-3)
+    # the decode-step form: the same x, and its prepared input as the twin's, bit for bit
+    parts = -(-d // prepare_twin.SS_SPAN)
+    px, pxn, pss = nan(chunk, d), nan(chunk, d, dtype=np.float16), nan(chunk, parts)
+    twin.embed_rows_prepared(ids, embed, w, px, pxn, pss, d, vocab, grid=(n, 1, 1))
+    dev = (poisoned(cp, px.shape, np.float32), poisoned(cp, pxn.shape, np.float16), poisoned(cp, pss.shape, np.float32))
+    launch(kernels, cp, "embed_rows_prepared", n, cp.asarray(ids), cp.asarray(embed), cp.asarray(w), *dev, d, vocab)
+    for got, want in zip(dev, (px, pxn, pss)):
+        check(got, want, rtol=0, atol=0)
 
 
 @pytest.mark.gpu

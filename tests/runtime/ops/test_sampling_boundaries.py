@@ -65,7 +65,8 @@ def kernel_token(logits, options, step, seen=None, schedule="shuffled") -> int:
     embed = np.zeros((V, cases.D), np.float16)
     x = np.full(cases.D, np.nan, np.float32)
     emu.launch(KernelSpec("sampling.cu", "sample"), 1, SAMPLE_THREADS,
-               (np.ascontiguousarray(logits), seen, state, fp, embed, x, *cases.one_row(), *cases.one_row_sizes(V, cases.D)),
+               (np.ascontiguousarray(logits), seen, state, fp, embed, *cases.next_input(x), *cases.one_row(),
+                *cases.one_row_sizes(V, cases.D)),
                schedule=schedule, seed=3)
     return int(state[ops.STATE_TOKEN])
 

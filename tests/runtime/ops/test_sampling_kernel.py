@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from cullama.runtime import sampling
+from cullama.runtime.ops import prepare as prepare_twin
 from cullama.runtime.ops import sampling as ops
 from cullama.runtime.registry import KernelSpec, compile_module
 from cullama.runtime.sampling import SamplingParams
@@ -71,10 +72,32 @@ def one_row_sizes(V, d):
     return np.int32(V), np.int32(d), np.int32(V), np.int32(-(-V // 32)), np.int32(1)
 
 
+def next_input(x, xp=np):
+    """sample's next-input arguments around x [rows, d] or [d] (the launch's): (norm_w, x, xn, ssp), a fixed norm
+    weight near 1 and NaN-poisoned xn [rows, d] FP16 and ssp [rows, ceil(d / SS_SPAN)]."""
+    d, rows = x.shape[-1], x.shape[:-1]
+    norm_w = (1 + 0.25 * np.random.default_rng(d).standard_normal(d)).astype(np.float16)
+    xn = np.full(rows + (d,), np.nan, np.float16)
+    ssp = np.full(rows + (-(-d // prepare_twin.SS_SPAN),), np.nan, np.float32)
+    return xp.asarray(norm_w), x, xp.asarray(xn), xp.asarray(ssp)
+
+
+def assert_prepared(args, rows=1):
+    """The first `rows` rows of xn and ssp in next_input's `args` (NumPy or CuPy, after the launch) are the prepared
+    input of those rows of x with norm_w (ops/prepare.py), bit for bit: what the next step's first qkv reads."""
+    norm_w, x, xn, ssp = (np.asarray(getattr(a, "get", lambda: a)()) for a in args)
+    d = x.shape[-1]
+    want_xn, want_ssp = prepare_twin.prepare(x.reshape(-1, d)[:rows], norm_w, d)
+    np.testing.assert_array_equal(xn.reshape(-1, d)[:rows].view(np.uint16), want_xn.view(np.uint16))
+    np.testing.assert_array_equal(ssp.reshape(len(x.reshape(-1, d)), -1)[:rows].view(np.uint32),
+                                  want_ssp.view(np.uint32))
+
+
 def run_twin(logits, seen, state, fp, embed):
-    x = np.full(D, np.nan, np.float32)
-    ops.sample(logits, seen, state, fp, embed, x, *one_row(), *one_row_sizes(logits.size, D), grid=(1, 1, 1))
-    return x
+    nxt = next_input(np.full(D, np.nan, np.float32))
+    ops.sample(logits, seen, state, fp, embed, *nxt, *one_row(), *one_row_sizes(logits.size, D), grid=(1, 1, 1))
+    assert_prepared(nxt)
+    return nxt[1]
 
 
 # ---- twin (CPU) ------------------------------------------------------------------------------
@@ -162,9 +185,11 @@ def kernel_vs_twin(kernels, V, options, draws, seed, ties=False, nonfinite=None)
             d_logits, d_embed = cp.asarray(logits), cp.asarray(embed)
         d_seen, d_state, d_x = cp.asarray(seen), cp.asarray(state), poisoned(cp, D, np.float32)
         d_state[ops.STATE_TOKEN] = -1
-        fn((1,), (THREADS,), (d_logits, d_seen, d_state, cp.asarray(fp), d_embed, d_x, *one_row(cp),
+        d_next = next_input(d_x, cp)
+        fn((1,), (THREADS,), (d_logits, d_seen, d_state, cp.asarray(fp), d_embed, *d_next, *one_row(cp),
                               *one_row_sizes(V, D)))
         dev_state, dev_seen, dev_x = d_state.get(), d_seen.get(), d_x.get()
+        assert_prepared(d_next)
         token, step, before = int(dev_state[ops.STATE_TOKEN]), int(state[ops.STATE_STEP]), seen.copy()
         params = ops.params_from(state, fp)
         run_twin(logits, seen, state, fp, embed)  # advances seen and state on the host
@@ -220,7 +245,7 @@ def test_kernel_distribution(kernels):
     fn = kernels.function(SPEC)
     d_state = cp.asarray(make_state(2**63 + 5, top_k=3))  # a seed >= 2**63: the high word negative
     args = (cp.asarray(logits), cp.zeros(8, np.uint8), d_state, cp.asarray(fparams(1.0)),
-            cp.zeros((8, D), np.float16), cp.zeros(D, np.float32), *one_row(cp), *one_row_sizes(8, D))
+            cp.zeros((8, D), np.float16), *next_input(cp.zeros(D, np.float32), cp), *one_row(cp), *one_row_sizes(8, D))
     tokens = []
     for _ in range(n):  # the kernel advances the step itself
         fn((1,), (THREADS,), args)

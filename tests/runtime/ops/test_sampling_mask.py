@@ -14,7 +14,7 @@ from cullama.runtime import plan as plans, sampling
 from cullama.runtime.ops import sampling as ops
 from cullama.runtime.sampling import NO_TOKEN, SamplingParams
 
-from tests.runtime.ops.test_sampling_kernel import explained
+from tests.runtime.ops.test_sampling_kernel import assert_prepared, explained, next_input
 from tests.runtime.test_verify import at_row_stride, gpu_launcher, nan, state_at, twin_launcher
 
 D = 24
@@ -87,11 +87,13 @@ def run_rows(launch, logits_rows, seen, state, fp, embed, table, masks, verify, 
     x, picks, out = nan(rows, embed.shape[1]), np.full(rows, -7, np.int32), np.full(rows + 1, -7, np.int32)
     kernel_logits = at_row_stride(logits_rows)
     ids = np.zeros(rows, np.int32) if ids is None else np.asarray(ids, np.int32)
+    nxt = next_input(x)
     launch(plans.SAMPLE, (rows,), plans.SAMPLE_THREADS,
-           (kernel_logits, seen, state, fp, embed, x, np.asarray(table, np.int32), ids, picks, out,
+           (kernel_logits, seen, state, fp, embed, *nxt, np.asarray(table, np.int32), ids, picks, out,
             np.zeros(1, np.uint32), masks, np.int32(V), np.int32(embed.shape[1]), np.int32(seen.shape[1]),
             np.int32(masks.shape[-1]), np.int32(verify)))
     np.testing.assert_array_equal(kernel_logits[:, :V], logits_rows)  # left as they were
+    assert_prepared(nxt, 1 if verify else rows)
     return picks, x, out
 
 
@@ -150,9 +152,9 @@ def test_twin_reads_no_mask_for_a_slot_without_state_masked():
     logits, seen, embed = case(V, 3, slots, 5)
     state = states(CUTS, slots, masked=set())
     x, picks, out = nan(3, D), np.full(3, -7, np.int32), np.zeros(4, np.int32)
-    ops.sample(at_row_stride(logits), seen, state, fparams(CUTS, slots), embed, x, np.array([[0, 0], [1, 0], [2, 0]],
-               np.int32), np.zeros(3, np.int32), picks, out, np.zeros(1, np.uint32), Unreadable(), V, D, seen.shape[1],
-               words(V), 0, grid=(3, 1, 1))
+    ops.sample(at_row_stride(logits), seen, state, fparams(CUTS, slots), embed, *next_input(x),
+               np.array([[0, 0], [1, 0], [2, 0]], np.int32), np.zeros(3, np.int32), picks, out, np.zeros(1, np.uint32),
+               Unreadable(), V, D, seen.shape[1], words(V), 0, grid=(3, 1, 1))
     assert (picks >= 0).all()
 
 

@@ -13,7 +13,7 @@ from cullama.common.errors import GenerationError
 from cullama.runtime.ops import sampling as ops
 from cullama.runtime.plan import Buffer
 from cullama.runtime.sampling import NO_TOKEN, Sampler, SamplingParams, sample
-from tests.runtime.ops.test_sampling_kernel import one_row, one_row_sizes
+from tests.runtime.ops.test_sampling_kernel import assert_prepared, next_input, one_row, one_row_sizes
 
 V = 67
 # (temperature, top_k, top_p, repetition penalty): greedy, plain, top-k, top-p, a low temperature, and penalties
@@ -87,8 +87,10 @@ def test_twin_writes_no_token_leaves_seen_and_zeroes_x():
         fparams = np.array([temperature, top_p, penalty, 0], np.float32)
         seen = (np.arange(V) % 3 == 0).astype(np.uint8)
         x = np.full(24, np.nan, np.float32)
-        ops.sample(np.full(V, np.nan, np.float32), seen, state, fparams, embed, x, *one_row(),
+        nxt = next_input(x)
+        ops.sample(np.full(V, np.nan, np.float32), seen, state, fparams, embed, *nxt, *one_row(),
                    *one_row_sizes(V, 24), grid=(1, 1, 1))
+        assert_prepared(nxt)  # x = 0: xn 0, every Σ x² part 0
         assert state.tolist() == [12, NO_TOKEN, 4, top_k, 7, 0, 0, 0], name
         np.testing.assert_array_equal(seen, (np.arange(V) % 3 == 0).astype(np.uint8))
         np.testing.assert_array_equal(x, np.zeros(24, np.float32))
