@@ -19,6 +19,7 @@ from cullama.runtime.ops import sampling as ops
 from cullama.runtime.plan import SAMPLE_THREADS
 from cullama.runtime.registry import KernelSpec
 from cullama.runtime.sampling import SamplingParams
+from tests.runtime.ops.test_sampling_kernel import next_input
 
 SEEDS = [2**32, 2**32 + 2**31 + 5, 0xDEADBEEFCAFEF00D, 2**63 + 12345, 2**64 - 1, 7]
 PROMPT = [1, 403, 407, 261, 378]
@@ -151,8 +152,9 @@ def test_the_kernel_reads_the_seed_that_start_wrote(llm, monkeypatch):
         tokens = []
         for _ in range(3):
             emu.launch(KernelSpec("sampling.cu", "sample"), 1, SAMPLE_THREADS,
-                       (logits, seen, state, fparams, embed, x, np.zeros((1, 2), np.int32), np.zeros(1, np.int32),
-                        np.zeros(1, np.int32), np.zeros(2, np.int32), np.zeros(1, np.uint32), np.zeros(1, np.uint32),
+                       (logits, seen, state, fparams, embed, *next_input(x), np.zeros((1, 2), np.int32),
+                        np.zeros(1, np.int32), np.zeros(1, np.int32), np.zeros(2, np.int32), np.zeros(1, np.uint32),
+                        np.zeros(1, np.uint32),
                         np.int32(V), np.int32(D), np.int32(V), np.int32(-(-V // 32)), np.int32(1)), schedule="shuffled")
             tokens.append(int(state[engine.TOKEN]))
         assert tokens == flat_draws(SamplingParams(1.0, seed=seed), range(start, start + 3), V), hex(seed)
