@@ -69,19 +69,22 @@
 // L1 (at 1 row 0.03, 0.06, 0.13; blocks sharing an SM share L1 hits). This is the design's
 // known cost at many rows: staging A in shared memory for more rows per block with split-K across blocks would cut
 // it (later work, measured first on a GPU).
-// Shapes: K % E == 0 (FP16 K % 8, INT8 K % 16, INT4 K % 32), K / E < 46340 (group_of); chunks past K as above; for
-// quantized weights group % E == 0 and K % group == 0 (quant.py's contract); any M; qkv's hd a power of two
-// (rope.cuh; plan.check_supported).
+// Shapes: K % E == 0 (FP16 K % 8, INT8 K % 16, INT4 K % 32), K / E < 46340 (group_of), M K / E < 2^31 (a weight
+// under 32 GiB: 32-bit chunk offsets); chunks past K as above; for quantized weights group % E == 0 and K % group
+// == 0 (quant.py's contract); any M; qkv's hd a power of two (rope.cuh; plan.check_supported).
 // Issue (issue 26: cullama/bench/issue.py's static sm_90 count, lane-instructions per weight byte over the whole
-// kernel, LLaMA-2-7B, 1-8 / 9-16 token rows, NTILES 4, 2026-12-07, every RMSNorm GEMV on the prepared input): FP16
-// 1.2-1.8 / 1.4-2.0; INT8 (KBLOCK_SCALE) qkv 2.8-2.9 / 3.2-3.4, gate_up 2.8-2.9 / 3.2-3.4, o_proj 2.7-2.9 / 3.2-3.3,
-// down 2.6-2.7 / 3.0-3.1; INT4 (KBLOCK_SCALE) qkv 4.3-4.6 / 4.9-5.0, gate_up 4.3-4.6 / 4.9-5.1 (5.12 at 16 rows),
-// o_proj 4.1-4.3 / 4.8-5.0, down 3.9-4.0 / 4.4-4.6. Before KBLOCK_SCALE, the prepared input and FP16 inputs for the
-// residual (1c187dc^): INT4 qkv 7.1-7.2 / 8.8-9.0, o_proj and down 5.2-5.5 / 5.9-6.1; the in-kernel RMSNorm form that
-// a step's first qkv and act-order linears ran until 2026-12-07: INT4 6.2-6.3 / 8.0-8.6. The INT4 floor is its
-// dequantization, a lop3 and a sub per code pair and a shift a word (2.25 a byte with KBLOCK_SCALE, 3.25 with the
-// HMUL2 per pair); past 8 rows a second n8 tile doubles the MMAs and the input's loads, and the epilogues weigh on the
-// smaller matrices.
+// kernel, LLaMA-2-7B, 1-8 / 9-16 token rows, NTILES 4, 2026-12-07, every RMSNorm GEMV on the prepared input, every
+// epilogue round counted): FP16 0.9-1.1 / 1.3-1.5; INT8 (KBLOCK_SCALE) qkv 2.4-2.6 / 3.0-3.2, gate_up 2.4-2.5 /
+// 2.9-3.1, o_proj 2.4-2.5 / 2.9-3.0, down 2.2-2.4 / 2.7-2.8; INT4 (KBLOCK_SCALE) qkv 3.9-4.1 / 4.9-5.0, gate_up
+// 3.9-4.0 / 4.7-4.8, o_proj 3.8-4.0 / 4.5-4.6, down 3.6-3.7 / 4.1-4.3. Earlier forms: 32-bit row offsets, the
+// epilogues in rounds and prepared_scales without a divergent shuffle (this count: 0 variants over 5.0; counted as
+// then, with a 16-row epilogue's second round not counted, INT4 qkv 4.3-4.6 / 4.9-5.0 and gate_up up to 5.12);
+// before KBLOCK_SCALE, the prepared input and FP16 inputs for the residual (1c187dc^): INT4 qkv 7.1-7.2 / 8.8-9.0,
+// o_proj and down 5.2-5.5 / 5.9-6.1; the in-kernel RMSNorm form that a step's first qkv and act-order linears ran
+// until 2026-12-07: INT4 6.2-6.3 / 8.0-8.6. The INT4 floor is its dequantization, a lop3 and a sub per code pair and
+// a shift a word (2.25 a byte with KBLOCK_SCALE, 3.25 with the HMUL2 per pair); past 8 rows a second n8 tile doubles
+// the MMAs and the input's loads, the epilogues take two rounds and prepared_scales sums 16 rows of parts (INT4 qkv
+// at 16 rows: main loop 4.2, epilogue ~0.45, Σ x² parts ~0.3 a byte).
 // MIN_BLOCKS 3 / UNROLL 1 for INT4 past 8 rows keeps those variants from spilling (W4_WIDE).
 //
 // Bit-exactness by construction: every output (token m, row n) is, per warp, the chain of that warp's MMAs over its
@@ -184,8 +187,11 @@ __device__ __forceinline__ int block_row(int i, int M, int hd, int n_pairs) {
 // One lane's weight rows and its batch of loads in flight: w[u][j] is its chunk of tile j's row in k-block
 // base + WARPS u, p[u][j] that chunk's (scale, zero) word (quantized).
 struct Loads {
-    const uint4* row[NTILES];
-    const uint32_t* params[NTILES];
+    const uint4* W;        // the weights as 16-byte chunks
+    const uint32_t* P;     // their (scale, zero) words
+    int row[NTILES];       // each tile's row: its first chunk, an offset from W (32-bit: 64-bit row pointers took
+                           // 8 more registers, and ptxas rebuilt them from the row index in every batch)
+    int params[NTILES];    // its first (scale, zero) word, an offset from P
     int vecs, group_vecs;  // chunks per row; chunks per group
     uint32_t magic;        // ceil(2^31 / group_vecs): chunk c's group is umulhi(2 c, magic) (group_of)
     uint4 w[UNROLL][NTILES];
@@ -214,10 +220,10 @@ __device__ __forceinline__ void load_batch(Loads& b, int base) {
 #pragma unroll
         for (int j = 0; j < NTILES; ++j) {
 #if QUANT
-            b.w[u][j] = load_stream(b.row[j] + cc);
-            b.p[u][j] = KBLOCK_SCALE || inside ? b.params[j][group] : 0u;
+            b.w[u][j] = load_stream(b.W + (b.row[j] + cc));
+            b.p[u][j] = KBLOCK_SCALE || inside ? b.P[b.params[j] + group] : 0u;
 #else
-            b.w[u][j] = inside ? load_stream(b.row[j] + c) : make_uint4(0, 0, 0, 0);
+            b.w[u][j] = inside ? load_stream(b.W + (b.row[j] + c)) : make_uint4(0, 0, 0, 0);
 #endif
         }
     }
@@ -230,11 +236,14 @@ __device__ __forceinline__ void first_batch(Loads& b, const void* __restrict__ W
     b.vecs = K / ELEMS;
     b.group_vecs = QUANT ? group / ELEMS : 1;  // FP16: no groups (qparams and group unread)
     b.magic = (0x80000000u + (uint32_t)b.group_vecs - 1u) / (uint32_t)b.group_vecs;
+    const int groups = group_of(b, b.vecs);  // K / group, without a second division (group % ELEMS == 0)
+    b.W = reinterpret_cast<const uint4*>(W);
+    b.P = reinterpret_cast<const uint32_t*>(qparams);
 #pragma unroll
     for (int j = 0; j < NTILES; ++j) {
         const int r = block_row<KIND>(8 * j + g, M, hd, n_pairs);
-        b.row[j] = reinterpret_cast<const uint4*>(W) + (size_t)r * b.vecs;
-        b.params[j] = QUANT ? reinterpret_cast<const uint32_t*>(qparams) + (size_t)r * (K / group) : nullptr;
+        b.row[j] = r * b.vecs;
+        b.params[j] = QUANT ? r * groups : 0;
     }
     load_batch(b, threadIdx.x / WARP);
 }
@@ -396,9 +405,24 @@ __device__ __forceinline__ void block_dot(Loads& b, int K, const void* __restric
         for (int n = 0; n < NCOLS; ++n)
 #pragma unroll
             for (int e = 0; e < 4; ++e) part.dot[warp][16 * J + 8 * (e / 2) + g][8 * n + 2 * t + e % 2] = acc[J][n][e];
-    part.ss[warp][t][g] = ss0;
-    part.ss[warp][t][g + 8] = ss1;
+    if (FORM == X_NORM) {  // the other forms take no Σ x² here (X_PREP's is prepared_scales')
+        part.ss[warp][t][g] = ss0;
+        part.ss[warp][t][g + 8] = ss1;
+    }
     __syncthreads();
+}
+
+// The epilogue's items 0 .. ITEMS - 1 (token row x output), thread t taking items t, t + THREADS, ...: in rounds whose
+// count the compiler knows, where `item = threadIdx.x; item < ITEMS; item += THREADS` left a loop of run-time trip
+// count with a remainder copy of the body (0.06 lane-instructions a byte at INT4 and 16 rows in gemv_residual), and
+// one that cullama/bench/issue.py can only count once where 9 to 16 token rows take two rounds.
+template <int ITEMS, typename Body>
+__device__ __forceinline__ void for_items(Body body) {
+#pragma unroll
+    for (int round = 0; round < (ITEMS + THREADS - 1) / THREADS; ++round) {
+        const int item = threadIdx.x + round * THREADS;
+        if (item < ITEMS) body(item);
+    }
 }
 
 // Output row i's dot product for token row tok: the warps' partials in warp order.
@@ -412,31 +436,37 @@ __device__ __forceinline__ float sum_dot(const Partials& part, int i, int tok) {
 // The prepared input's RMSNorm scales rsqrt(Σ x² / K + eps) into part.scale (warp w: token rows w, w + WARPS, ...;
 // read after block_dot's barrier): per lane its parts l, l + 32, ... of ssp in order, then the lanes' sums in a
 // butterfly (lane l + lane l ^ 1, then ^ 2, ^ 4, ^ 8, ^ 16: the same tree on every lane, as a + b == b + a), so every
-// kernel that reads these parts gets the same scale. Lane i keeps the sum of the warp's i-th row and the divisions
-// and square roots run once, on those lanes (inside the loop over rows they cost 0.3 lane-instructions a weight byte
-// at INT4 and 16 rows).
+// kernel that reads these parts gets the same scale. The warp's rows go together, part by part (one bounds check a
+// part for all of them, up to four independent chains); a row past TOKENS (the last of some warps) sums the last
+// row again, unused, so that no load waits on a second predicate and every shuffle runs on the whole warp (a
+// `break` there made ptxas add a divergent-shuffle fallback). Lane i keeps the sum of the warp's i-th row and the
+// divisions and square roots run once, on those lanes (inside the loop over rows they cost 0.3 lane-instructions a
+// weight byte at INT4 and 16 rows).
 __device__ __forceinline__ void prepared_scales(Partials& part, const float* __restrict__ ssp, int K, float eps) {
+    constexpr int WARP_ROWS = (TOKENS + WARPS - 1) / WARPS;  // token rows a warp sums
     const int lane = threadIdx.x % WARP, warp = threadIdx.x / WARP, parts = (K + SS_SPAN - 1) / SS_SPAN;
+    float v[WARP_ROWS];  // the lane's sums of rows warp, warp + WARPS, ...
+#pragma unroll
+    for (int t = 0; t < WARP_ROWS; ++t) v[t] = 0.f;
+#pragma unroll
+    for (int j = 0; j < SS_LANE_PARTS; ++j) {  // unrolled, the parts past the last skipped
+        const int i = lane + WARP * j;
+        if (i >= parts) continue;
+#pragma unroll
+        for (int t = 0; t < WARP_ROWS; ++t) {
+            const int tok = min(warp + WARPS * t, TOKENS - 1);  // past TOKENS: the last row again, its sum unused
+            v[t] = __fadd_rn(v[t], ssp[tok * parts + i]);
+        }
+    }
     float mine = 0.f;  // lane i: the sum of this warp's i-th token row (tok = warp + WARPS i)
 #pragma unroll
-    for (int t = 0; t < (TOKENS + WARPS - 1) / WARPS; ++t) {
-        const int tok = warp + WARPS * t;
-        if (tok >= TOKENS) break;
-        const float* __restrict__ row = ssp + (size_t)tok * parts;
-        float v = 0.f;
+    for (int t = 0; t < WARP_ROWS; ++t) {
 #pragma unroll
-        for (int j = 0; j < SS_LANE_PARTS; ++j) {  // unrolled, the parts past the last skipped
-            const int i = lane + WARP * j;
-            if (i < parts) v = __fadd_rn(v, row[i]);
-        }
-#pragma unroll
-        for (int m = 1; m < WARP; m *= 2) v = __fadd_rn(v, __shfl_xor_sync(0xffffffffu, v, m));
-        if (lane == t) mine = v;
+        for (int m = 1; m < WARP; m *= 2) v[t] = __fadd_rn(v[t], __shfl_xor_sync(0xffffffffu, v[t], m));
+        if (lane == t) mine = v[t];
     }
     const int tok = warp + WARPS * lane;  // lane i: the scale of the warp's i-th row, one division for all of them
-    if (lane < (TOKENS + WARPS - 1) / WARPS && tok < TOKENS) {
-        part.scale[tok] = rsqrtf(__fadd_rn(__fdiv_rn(mine, (float)K), eps));
-    }
+    if (lane < WARP_ROWS && tok < TOKENS) part.scale[tok] = rsqrtf(__fadd_rn(__fdiv_rn(mine, (float)K), eps));
 }
 
 // Token row tok's RMSNorm scale rsqrt(Σ x² / K + eps): the partials in (warp, lane % 4) order (X_NORM).
@@ -489,19 +519,23 @@ __device__ __forceinline__ void qkv_rope(Loads& loads, const void* __restrict__ 
                                          int max_seq, float eps, Partials& part) {
     const int half_hd = hd / 2, n_pairs = (n_heads + 2 * n_kv_heads) * half_hd;
     norm_input<FORM>(loads, d, in, aux, eps, part);
-    for (int item = threadIdx.x; item < TOKENS * PAIRS; item += THREADS) {
-        const int tok = item / PAIRS, i = item % PAIRS, p = blockIdx.x * PAIRS + i;
-        if (p >= n_pairs) continue;
+    // A thread's pair is the same in every round (THREADS is a multiple of PAIRS): its rows and bias once
+    static_assert(THREADS % PAIRS == 0, "a thread's pair must not change between rounds");
+    const int i = threadIdx.x % PAIRS, p = min((int)blockIdx.x * PAIRS + i, n_pairs - 1);  // clamped: not stored
+    const int row0 = pair_head(p, hd) * hd + pair_dim(p, hd);  // the pair's rows: row0, row0 + hd / 2 (block_row)
+    const float b0 = h2f(bias[row0]), b1 = h2f(bias[row0 + half_hd]);
+    for_items<TOKENS * PAIRS>([&](int item) {
+        const int tok = item / PAIRS;
+        if ((int)blockIdx.x * PAIRS + i >= n_pairs) return;
         const float scale = norm_scale<FORM>(part, tok, d, eps);
-        const int row0 = pair_head(p, hd) * hd + pair_dim(p, hd);  // the pair's rows: row0, row0 + hd / 2 (block_row)
         // Rounded products and adds, never contracted: every token row scales and adds alike
-        const float y0 = __fadd_rn(__fmul_rn(sum_dot(part, 2 * i, tok), scale), h2f(bias[row0]));
-        const float y1 = __fadd_rn(__fmul_rn(sum_dot(part, 2 * i + 1, tok), scale), h2f(bias[row0 + half_hd]));
+        const float y0 = __fadd_rn(__fmul_rn(sum_dot(part, 2 * i, tok), scale), b0);
+        const float y1 = __fadd_rn(__fmul_rn(sum_dot(part, 2 * i + 1, tok), scale), b1);
         const int pos = row_pos(step_rows, state, tok);
         const size_t slot_off = (size_t)row_slot(step_rows, tok) * n_kv_heads * max_seq * hd;  // the row's slot
         rope_store_pair(p, y0, y1, rope + pos * half_hd * 2, q_out + (size_t)tok * n_heads * hd, k_cache + slot_off,
                         v_cache + slot_off, pos, n_heads, n_kv_heads, hd, max_seq);
-    }
+    });
 }
 
 extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS)
@@ -520,27 +554,23 @@ gemv_qkv_rope(const half_t* __restrict__ xn, const float* __restrict__ ssp, cons
 }
 
 // grid: ceil(M / ROWS). x [TOKENS, M] float32 += W [M, K] · in [TOKENS, K] (FP16: attention's output for o_proj,
-// gate_up's h for down); then the next RMSNorm kernel's input
-// prepared from the new x (X_PREP): xn [TOKENS, M] FP16 = fp16(x * norm_w) (norm_w [M]: that kernel's norm weights,
-// rounded as the X_NORM form rounds them) and ssp [TOKENS, ceil(M / SS_SPAN)] float32, part b the Σ x² of rows
-// b SS_SPAN .. (fmaf in row order): one part a block at the plans' 32 rows a block.
+// gate_up's h for down); then the next RMSNorm kernel's input prepared from the new x (X_PREP): xn [TOKENS, M] FP16 =
+// fp16(x * norm_w) (norm_w [M]: that kernel's norm weights, rounded as the X_NORM form rounds them) and ssp [TOKENS,
+// ceil(M / SS_SPAN)] float32, part b the Σ x² of rows b SS_SPAN .. (fmaf in row order): one part a block at the
+// plans' 32 rows a block.
 template <int FORM>
 __device__ __forceinline__ void residual(Loads& loads, const void* __restrict__ in, float* __restrict__ x,
                                          const half_t* __restrict__ norm_w, half_t* __restrict__ xn,
                                          float* __restrict__ ssp, int M, int K, Partials& part) {
     block_dot<FORM>(loads, K, in, nullptr, part);
-    // Rounds of the block's (token row, row) items, thread t taking items t, t + THREADS, ...: a trip count the
-    // compiler knows, where `item = threadIdx.x; item < TOKENS * ROWS; item += THREADS` left it a remainder copy of
-    // the body (0.06 lane-instructions a byte at INT4 and 16 rows)
-#pragma unroll
-    for (int round = 0; round < (TOKENS * ROWS + THREADS - 1) / THREADS; ++round) {
-        const int item = threadIdx.x + round * THREADS, tok = item / ROWS, i = item % ROWS, row = blockIdx.x * ROWS + i;
-        if (item >= TOKENS * ROWS || row >= M) continue;
+    for_items<TOKENS * ROWS>([&](int item) {
+        const int tok = item / ROWS, i = item % ROWS, row = blockIdx.x * ROWS + i;
+        if (row >= M) return;
         const float v = __fadd_rn(x[(size_t)tok * M + row], sum_dot(part, i, tok));
         x[(size_t)tok * M + row] = v;
         xn[(size_t)tok * M + row] = norm_input(v, norm_w[row]);
         part.x[tok][i] = v;
-    }
+    });
     __syncthreads();
 #if ROWS % SS_SPAN == 0
     constexpr int PER_BLOCK = ROWS / SS_SPAN;  // parts a block writes
@@ -552,7 +582,6 @@ __device__ __forceinline__ void residual(Loads& loads, const void* __restrict__ 
     }
 #endif  // NTILES 2 (16 rows a block: a sweep's candidate, no plan's) leaves ssp as it is
 }
-
 
 extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS)
 gemv_residual(const half_t* __restrict__ in, const uint4* __restrict__ W, const half_t* __restrict__ qparams,
@@ -572,14 +601,14 @@ template <int FORM>
 __device__ __forceinline__ void gate_up_silu(Loads& loads, const void* __restrict__ in, const void* __restrict__ aux,
                                              half_t* __restrict__ h, int ff, int d, float eps, Partials& part) {
     norm_input<FORM>(loads, d, in, aux, eps, part);
-    for (int item = threadIdx.x; item < TOKENS * PAIRS; item += THREADS) {
+    for_items<TOKENS * PAIRS>([&](int item) {
         const int tok = item / PAIRS, i = item % PAIRS, r = blockIdx.x * PAIRS + i;
-        if (r >= ff) continue;
+        if (r >= ff) return;
         const float scale = norm_scale<FORM>(part, tok, d, eps);
         const float gate = __fmul_rn(sum_dot(part, 2 * i, tok), scale);
         const float up = __fmul_rn(sum_dot(part, 2 * i + 1, tok), scale);
         h[(size_t)tok * ff + r] = f2h(__fmul_rn(silu(gate), up));
-    }
+    });
 }
 
 extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS)
@@ -599,13 +628,13 @@ template <int FORM>
 __device__ __forceinline__ void logits_rows(Loads& loads, const void* __restrict__ in, const void* __restrict__ aux,
                                             float* __restrict__ logits, int V, int d, float eps, Partials& part) {
     norm_input<FORM>(loads, d, in, aux, eps, part);
-    for (int item = threadIdx.x; item < TOKENS * ROWS; item += THREADS) {
+    for_items<TOKENS * ROWS>([&](int item) {
         const int tok = item / ROWS, i = item % ROWS, row = blockIdx.x * ROWS + i;
         if (row < V) {
             const float scale = norm_scale<FORM>(part, tok, d, eps);
             logits[(size_t)tok * logits_stride(V) + row] = __fmul_rn(sum_dot(part, i, tok), scale);
         }
-    }
+    });
 }
 
 extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS)

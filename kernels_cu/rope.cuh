@@ -24,7 +24,8 @@ __device__ __forceinline__ void rope_store_pair(int p, float y0, float y1, const
                                                 int n_kv_heads, int hd, int max_seq) {
     const int half_hd = hd / 2, head = pair_head(p, hd), j = pair_dim(p, hd);
     if (head < n_heads + n_kv_heads) {  // q and k rotate; v does not
-        const float c = cs[2 * j], s = cs[2 * j + 1];
+        const float2 c_s = reinterpret_cast<const float2*>(cs)[j];  // one 8-byte load (cs: rope's row, 8-aligned)
+        const float c = c_s.x, s = c_s.y;
         // Rounded products, never contracted into an FMA: every caller rotates a pair bit for bit alike
         // (decode and verify rows are compared bit for bit; NVRTC contracts a*b + c where it likes).
         const float r0 = __fsub_rn(__fmul_rn(y0, c), __fmul_rn(y1, s));

@@ -12,19 +12,24 @@ GEMVs within a few per cent): the kernel's SASS is cut into basic blocks (cullam
 from the entry counts (a subroutine reached by CALL, the slow path of a division, does not).
 - The main loop is the innermost loop that holds the streaming weight loads (LDG .NA: load_stream's
   ld.global.nc.L1::no_allocate): a back edge's natural loop, every block that reaches its tail without passing its
-  head (not the address range from head to tail: ptxas may place part of a body after the code that follows). Its steady-state iteration runs every instruction in its range, an inner loop times
-  its trip count (read off the ISETP against a constant that ends it, counting up by a constant step).
+  head (not the address range from head to tail: ptxas may place part of a body after the code that follows). Its
+  steady-state iteration runs every instruction in its blocks, an inner loop times its trip count (read off the
+  ISETP against a constant that ends it, counting up by a constant step).
   loop instr/B = those instructions / the weight bytes the iteration's streaming loads bring (16 per LDG.128).
 - The whole kernel, per thread: everything outside the main loop once (prologue, reduction), the loop as many times
   as the thread's share of the streamed bytes (the block's, at the real shape: total / grid / threads) asks, where
   the weight loads issued before the loop (a first batch before griddepcontrol.wait) count for the first iteration
   and that iteration skips the loop's own load batch (the forward branch around it); the epilogue past the block's
   last barrier once per block where a predicated EXIT right after that barrier sends the other threads away (one
-  warp: `if (threadIdx.x >= TOKENS) return;`), else on every warp; all over the thread's share of the block's weight
-  bytes (codes and quantization parameters). Fractional iterations stand for the last, partial ones; a loop outside
-  the main one runs its trip count (the same ISETP rule, `for (i = threadIdx.x; i < n; i += THREADS)` included).
-  A loop whose trip count does not read off the SASS (a bound known only at run time: ptxas's remainder loops
-  of an epilogue's `for (i = threadIdx.x; i < n; i += THREADS)`) counts once, and the report says how many did.
+  warp: `if (threadIdx.x >= N) return;`, its predicate traced back to threadIdx.x and immediates alone; an EXIT
+  that also reads a parameter or blockIdx, `if (p >= n_pairs) return;`, leaves every warp in every block but the
+  last), else on every warp; all over the thread's share of the block's weight bytes (codes and quantization
+  parameters). Fractional iterations stand for the last, partial ones; a loop outside the main one runs its trip
+  count (the same ISETP rule, `for (i = threadIdx.x; i < n; i += THREADS)` included). A loop whose trip count does
+  not read off the SASS (a bound known only at run time: ptxas's remainder loops of an epilogue's `for (i =
+  threadIdx.x; i < n; i += THREADS)`) counts once, too few times where it runs more, and the report says how many
+  did (the plans' GEMVs have none: their epilogues run in rounds of a known count). Both sides of a branch count,
+  as if every warp ran both (the q and the K/V stores of qkv's epilogue): an upper bound there.
   So whole-kernel instr/B = issue slots a block spends / the bytes it reads. Only 16-byte streaming loads count as
   weight vectors (a 4-byte (scale, zero) load is not one, as in the note).
 Every instruction counts as one issue slot (sm_90 has no dual issue); stalls, the launch cost and the sub-limits of
@@ -32,13 +37,13 @@ single pipes are not in these numbers, which are therefore a lower bound on issu
 bandwidth the issue rate allows ("ceiling" = min(1, budget / whole-kernel instr/B)).
 
 The variants are read off the plans (cullama/bench/gemvs.py), never listed here: whichever kernels the plans
-launch whose name starts with "gemv" (gemv.cu and gemv_quant.cu today; gemv_mma.cu's kernels, of the same names,
-once the plans launch them) are the ones counted.
+launch whose name starts with "gemv" (gemv_mma.cu's) are the ones counted.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import re
 
 from ..model.config import LlamaConfig
 from ..runtime.registry import compile_module
@@ -47,18 +52,8 @@ from .gemvs import FORMATS, Variant, plan_variants
 
 SMS, CLOCK = 132, 1.98e9  # H100 SXM and H200: 132 SMs; the boost clock a streaming kernel holds
 LANES_PER_CLOCK = 128  # 4 schedulers x 32 lanes issue per SM and clock
-LIMIT = 5.0  # lane-instructions per weight byte over the whole kernel that a plan's GEMV may take (issue 26)
-# Where gemv_mma.cu is still over LIMIT (issue 26 open for it), counted 2026-12-07, held to its count plus 2 % so that
-# a change that makes it slower still fails (`cullama kernels --issue` marks it OVER all the same). Keyed (format,
-# kernel, shape): INT4 gate_up at 16 token rows (5.12; 4.9-5.0 at 9-15 rows): its main loop recomputes load addresses
-# that the 15-row form keeps (4.61 a byte in the loop against 4.45), and its epilogue's silu divides per output.
-OPEN = {("int4", "gemv_gate_up_silu", "gate_up"): 5.22}
-
-
-def limit_of(v: "Variant") -> float:
-    """The whole-kernel bound `v` is held to: LIMIT, or its OPEN ceiling while issue 26 is open for it."""
-    return OPEN.get((v.fmt, v.kernel, v.shape), LIMIT)
 ARCH = "sm_90"
+LIMIT = 5.0  # lane-instructions per weight byte over the whole kernel that a plan's GEMV may take (issue 26)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -205,8 +200,10 @@ def count(instructions: list[sass.Instruction], threads: int, thread_streamed: f
 
 
 def _sends_away(code: list[list[sass.Instruction]], barriers: list[int]) -> bool:
-    """Whether the kernel sends most threads away right after its last barrier (`if (threadIdx.x >= TOKENS)
-    return;`: a predicated EXIT before any branch), so that what follows runs on one warp; else on every warp."""
+    """Whether the kernel sends most threads away right after its last barrier (`if (threadIdx.x >= N) return;`: a
+    predicated EXIT before any branch, its predicate computed from threadIdx.x and constants alone), so that what
+    follows runs on one warp; else on every warp. An EXIT whose predicate also reads a kernel parameter or blockIdx
+    (`if (p >= n_pairs) return;`: the last block's rows past the matrix) sends no warp away in the other blocks."""
     if not barriers:
         return False
     last = code[max(barriers)]
@@ -214,9 +211,45 @@ def _sends_away(code: list[list[sass.Instruction]], barriers: list[int]) -> bool
     following = after + (code[max(barriers) + 1] if max(barriers) + 1 < len(code) else [])
     for ins in following:
         if ins.opcode == "EXIT":
-            return ins.predicate is not None
+            if ins.predicate is None:
+                return False
+            linear = [i for block in code for i in block]
+            return _from_thread_index(linear, linear.index(ins), ins.predicate.lstrip("!"))
         if ins.opcode in sass.BRANCHES:
             return False
+    return False
+
+
+_CONSTANT = re.compile(r"^-?(0x[0-9a-f]+|[0-9.]+(e[+-]?[0-9]+)?|RZ|PT|!PT|URZ)$", re.IGNORECASE)
+
+
+def _from_thread_index(linear: list[sass.Instruction], at: int, register: str, depth: int = 12) -> bool:
+    """Whether `register` (R or P), as read by linear[at], holds a value computed from threadIdx.x (S2R SR_TID.X)
+    and immediates alone: its last write before `at` in address order, and so on back (straight-line code: the
+    prologue and the code between it and the barrier). Anything else (a load, a kernel parameter c[..] or a uniform
+    register, blockIdx, a write not found) is no."""
+    if depth == 0:
+        return False
+    for j in range(at - 1, -1, -1):
+        ins = linear[j]
+        # the destination, and a predicate written beside it (ISETP's second, IADD3's or LEA's carry)
+        written = ins.operands[:1] + [o for o in ins.operands[1:2] if re.fullmatch(r"P[0-9]+|PT", o)]
+        if register not in written:
+            continue
+        if ins.predicate is not None or ins.opcode in ("LDG", "LDS", "LDC", "LD", "S2UR", "SHFL", "CALL"):
+            return False  # a conditional write or a value from memory
+        if ins.opcode == "S2R":
+            return ins.operands[1:] == ["SR_TID.X"]
+        for operand in ins.operands[len(written):]:
+            name = operand.split(".")[0].strip("-!|")
+            if _CONSTANT.match(operand.lstrip("|")) or name in ("RZ", "PT"):
+                continue
+            if re.fullmatch(r"[RP][0-9]+", name):
+                if not _from_thread_index(linear, j, name, depth - 1):
+                    return False
+                continue
+            return False  # c[..] (a parameter), UR, SR_CTAID, an address
+        return True
     return False
 
 
@@ -257,13 +290,13 @@ def count_variant(v: Variant, tool: str, cache: dict | None = None) -> tuple[Cou
         resources[v.kernel].registers
 
 
-def over_budget(v: Variant, c: Count, limit: float = LIMIT) -> str | None:
-    """A one-line complaint where a variant's whole kernel takes more than `limit` lane-instructions per byte."""
-    if c.whole_per_byte <= limit:
+def over_budget(v: Variant, c: Count) -> str | None:
+    """A one-line complaint where a variant's whole kernel takes more than LIMIT lane-instructions per byte."""
+    if c.whole_per_byte <= LIMIT:
         return None
     return (f"{v.source} {v.kernel} ({v.define_text}) at {v.shape} {v.M}x{v.K}, {v.fmt}, {v.rows} token rows "
             f"({', '.join(v.steps)}): {c.whole_per_byte:.2f} lane-instructions per weight byte over the whole kernel, "
-            f"over the issue budget's {limit}")
+            f"over the issue budget's {LIMIT}")
 
 
 def report(config: LlamaConfig | None = None, formats=FORMATS) -> list[str]:

@@ -2,9 +2,8 @@
 the LLaMA-2-7B shapes (FP16, int8, int4; read off the plans, never listed here) issues at most issue.LIMIT (5.0)
 SASS lane-instructions per weight byte over the whole kernel (cullama/bench/issue.py), and the check can fail: a
 seeded GEMV with an extra FFMA chain per weight element is over it, the same kernel without the chain under it.
-
-Where gemv_mma.cu is not under 5.0 yet (INT4 qkv, gate_up and o_proj at 9-16 rows: issue 26 stays open for them),
-issue.OPEN holds each to its present count plus 2 %, so a slower change fails here too.
+Every loop of those kernels counts at its trip count (none has one the SASS does not say), and an early return
+sends warps away only where its condition reads threadIdx.x alone.
 """
 
 from __future__ import annotations
@@ -36,10 +35,12 @@ def disassembled():
 @pytest.mark.parametrize("variant", [pytest.param(v, id=v.label) for v in VARIANTS])
 def test_every_plan_gemv_is_within_the_issue_budget(variant, tool, disassembled):
     counted, _ = issue.count_variant(variant, tool, disassembled)
-    print(f"{variant.label}: loop {counted.loop_per_byte:.2f}/B, whole {counted.whole_per_byte:.2f}/B"
-          + (f" ({counted.guessed_trips} loops of unread trip count counted once)" if counted.guessed_trips else ""))
+    print(f"{variant.label}: loop {counted.loop_per_byte:.2f}/B, whole {counted.whole_per_byte:.2f}/B")
     assert counted.loop_bytes > 0, f"{variant.label}: no streaming weight loads (LDG .NA) found in its SASS"
-    problem = issue.over_budget(variant, counted, issue.limit_of(variant))
+    # A loop of run-time trip count counts once (the module's method), too low where it runs more: the plans'
+    # kernels have none (their epilogues run in rounds the compiler knows: gemv_mma.cu's for_items)
+    assert counted.guessed_trips == 0, f"{variant.label}: {counted.guessed_trips} loops of unread trip count"
+    problem = issue.over_budget(variant, counted)
     assert problem is None, problem
 
 
@@ -195,3 +196,26 @@ def test_a_jump_back_that_closes_no_cycle_is_no_loop():
             ins(0xb0, "BRA", "0x20")]  # an earlier address, but no cycle: not a loop (three blocks with the entry)
     counted = issue.count(code, threads=32, thread_streamed=16 * 64, thread_bytes=16 * 64)
     assert counted.loop_instructions == 6 and counted.loop_bytes == 16
+
+
+@pytest.mark.parametrize("bound, one_warp", [("0xf", True), ("c[0x0][0x210]", False), ("UR4", False)])
+def test_an_early_return_counts_one_warp_only_when_it_reads_threadidx_alone(bound, one_warp):
+    """Past the last barrier, `if (threadIdx.x >= 16) return;` (a predicated EXIT from S2R SR_TID.X and an immediate)
+    leaves one warp to run the rest: that code counts once per block (1/4 per thread of 128). An EXIT that compares
+    with a kernel parameter (`if (p >= n_pairs) return;`, c[..] or a uniform register) sends no warp away outside
+    the last block: the rest counts on every warp."""
+    def ins(address, opcode, *operands, modifiers=(), predicate=None):
+        return sass.Instruction(address, predicate, opcode, tuple(modifiers), list(operands))
+
+    code = [ins(0x00, "S2R", "R0", "SR_TID.X"),
+            ins(0x10, "LOP3", "R1", "R0", "0x7f", "RZ", "0xc0", "!PT"),
+            ins(0x20, "LDG", "R4", "[R2]", modifiers=("E", "NA", "128")),
+            ins(0x30, "BAR", "SYNC", "0x0"),
+            ins(0x40, "ISETP", "P0", "PT", "R1", bound, "PT", modifiers=("GT", "U32", "AND")),
+            ins(0x50, "EXIT", predicate="P0")]
+    code += [ins(0x60 + 0x10 * i, "FADD", "R5", "R5", "R4") for i in range(40)]
+    code += [ins(0x60 + 0x10 * 40, "EXIT")]
+    counted = issue.count(code, threads=128, thread_streamed=16, thread_bytes=16)
+    before = 4 + 2  # S2R, LOP3, LDG, BAR; ISETP and EXIT (in the barrier's block)
+    epilogue = 41  # the FADDs and the last EXIT
+    assert counted.whole_instructions == pytest.approx(before + (epilogue / 4 if one_warp else epilogue))

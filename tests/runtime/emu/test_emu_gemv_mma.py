@@ -52,8 +52,9 @@ MUTATIONS = [
     ("quant-group-of-the-next-chunk", "gemv_mma.cu", "const int cc = min(c, b.vecs - 1), group = group_of(b, cc);",
      "const int cc = min(c, b.vecs - 1), group = min(group_of(b, cc + 1), b.vecs / b.group_vecs - 1);",
      against_twin(8)),
-    ("quant-weights-past-k-not-zeroed", "gemv_mma.cu", "b.p[u][j] = KBLOCK_SCALE || inside ? b.params[j][group] : 0u;",
-     "b.p[u][j] = b.params[j][group];", against_twin(4)),
+    ("quant-weights-past-k-not-zeroed", "gemv_mma.cu",
+     "b.p[u][j] = KBLOCK_SCALE || inside ? b.P[b.params[j] + group] : 0u;",
+     "b.p[u][j] = b.P[b.params[j] + group];", against_twin(4)),
     ("kblock-scale-of-the-wrong-row", "gemv_mma.cu", "lo_f(b.p[u][2 * J + e / 2])", "lo_f(b.p[u][2 * J])",
      against_twin(4)),
     ("kblock-sum-not-restarted", "gemv_mma.cu",
@@ -75,12 +76,12 @@ MUTATIONS = [
     ("prepared-part-misses-its-last-element", "prepare.cuh", "        if (i < n) {", "        if (i < n - 1) {",
      against_twin(8)),
     ("prepared-scale-butterfly-skips-odd-lanes", "gemv_mma.cu",
-     "for (int m = 1; m < WARP; m *= 2) v = __fadd_rn(v, __shfl_xor_sync(0xffffffffu, v, m));\n        if (lane == t)",
-     "for (int m = 2; m < WARP; m *= 2) v = __fadd_rn(v, __shfl_xor_sync(0xffffffffu, v, m));\n        if (lane == t)",
+     "for (int m = 1; m < WARP; m *= 2) v[t] = __fadd_rn(v[t], __shfl_xor_sync(",
+     "for (int m = 2; m < WARP; m *= 2) v[t] = __fadd_rn(v[t], __shfl_xor_sync(",
      against_twin(16)),
     # lane t keeps the warp's t-th row's sum: at 9 rows warp 0's rows 0, 4, 8 (row 4's scale from lane 1)
-    ("prepared-scale-of-every-row-from-lane-0", "gemv_mma.cu", "if (lane == t) mine = v;", "if (lane == 0) mine = v;",
-     against_twin(16, 9)),
+    ("prepared-scale-of-every-row-from-lane-0", "gemv_mma.cu", "if (lane == t) mine = v[t];",
+     "if (lane == 0) mine = v[t];", against_twin(16, 9)),
     ("fp16-input-read-as-float32", "gemv_mma.cu", "if (FORM == X_PREP || FORM == X_HALF) {", "if (FORM == X_PREP) {",
      against_twin(8, 3)),
     ("prepared-x-of-token-row-0", "gemv_mma.cu", "xn + (size_t)g * K + (size_t)c * ELEMS",
@@ -93,8 +94,8 @@ MUTATIONS = [
      against_twin(16)),
     ("norm-sum-of-squares-skips-a-lane", "gemv_mma.cu", "if (w || t) ss = __fadd_rn(ss, part.ss[w][t][tok]);",
      "if (w || t > 1) ss = __fadd_rn(ss, part.ss[w][t][tok]);", against_twin(16)),  # gemv_logits_x's (FP16 only)
-    ("partials-barrier-removed", "gemv_mma.cu", "    part.ss[warp][t][g + 8] = ss1;\n    __syncthreads();",
-     "    part.ss[warp][t][g + 8] = ss1;", against_twin(16)),
+    ("partials-barrier-removed", "gemv_mma.cu", "        part.ss[warp][t][g + 8] = ss1;\n    }\n    __syncthreads();",
+     "        part.ss[warp][t][g + 8] = ss1;\n    }", against_twin(16)),
 ]
 
 

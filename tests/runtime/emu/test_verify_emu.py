@@ -78,7 +78,7 @@ MUTATIONS = [
     ("attention-rows-share-the-first-row's-window", "attention.cu", "const int first = max(n - window, 0);",
      "const int first = max(n - row - window, 0);",
      lambda launch: checks.check_attention_rows(launch, *checks.WINDOW_CASES[1])),
-    ("gemv-bias-on-the-first-row-only", "gemv_mma.cu", "h2f(bias[row0]));", "h2f(bias[row0]) * (tok == 0));",
+    ("gemv-bias-on-the-first-row-only", "gemv_mma.cu", "scale), b0);", "scale), b0 * (tok == 0));",
      lambda launch: checks.check_gemv_rows(launch, 3, d=72, ff=56, V=37, heads=3, kv_heads=1, hd=8, pos=5)),
     # the warps' partials added last to first in a multi-row launch only: a row's sum then depends on TOKENS
     # (decode 1, verify k + 1), as a kernel whose order follows its variant would
