@@ -52,12 +52,27 @@ __device__ __forceinline__ uint32_t hmul2(uint32_t a, uint32_t b) {
     return d;
 }
 
+// A word's high (low) half in both halves, as two 16-bit moves: ptxas folds them into the FP16x2 instruction that
+// reads the result (its operand selector .H1_H1 / .H0_H0), where a prmt stays an instruction of its own (4 an
+// iteration of gemv_mma.cu's INT4 loop at 16 rows, 0.06 lane-instructions a weight byte).
+__device__ __forceinline__ uint32_t hi_x2(uint32_t a) {
+    uint32_t d;
+    asm("{ .reg .b16 lo, hi; mov.b32 {lo, hi}, %1; mov.b32 %0, {hi, hi}; }" : "=r"(d) : "r"(a));
+    return d;
+}
+
+__device__ __forceinline__ uint32_t lo_x2(uint32_t a) {
+    uint32_t d;
+    asm("{ .reg .b16 lo, hi; mov.b32 {lo, hi}, %1; mov.b32 %0, {lo, lo}; }" : "=r"(d) : "r"(a));
+    return d;
+}
+
 // A group's (scale, zero) word of qparams (scale in the low half) -> (1024 + zero) in both halves: exact, as
 // zero <= 256 is an integer and FP16's ulp is 1 from 1024 to 2048.
-__device__ __forceinline__ uint32_t zero_bias(uint32_t params) { return hadd2(prmt<0x3232>(params, 0), FP16_1024X2); }
+__device__ __forceinline__ uint32_t zero_bias(uint32_t params) { return hadd2(hi_x2(params), FP16_1024X2); }
 
 // The scale in both halves (gemm_quant's FP16 multiply).
-__device__ __forceinline__ uint32_t scale_x2(uint32_t params) { return prmt<0x1010>(params, 0); }
+__device__ __forceinline__ uint32_t scale_x2(uint32_t params) { return lo_x2(params); }
 
 // Codes 2s and 2s + 1 of word w as the FP16 pair (q - zero) (low half: code 2s), s = 0 .. 16 / CODE_BITS - 1: a
 // constant once the callers' loops are unrolled (prmt's selector must be an immediate).
@@ -78,7 +93,7 @@ __device__ __forceinline__ uint32_t code_pair(uint32_t w, uint32_t bias, int s) 
 // of FP16 64 (0x5400, whose ulp is 1/16), so that bits 4-7 read as 64 + q exactly, less (64 + zero) (bias64).
 #define FP16_64X2 0x54005400u  // FP16 64 in both halves
 
-__device__ __forceinline__ uint32_t zero_bias64(uint32_t params) { return hadd2(prmt<0x3232>(params, 0), FP16_64X2); }
+__device__ __forceinline__ uint32_t zero_bias64(uint32_t params) { return hadd2(hi_x2(params), FP16_64X2); }
 
 // Pair s (0..3) of word w as code_pair<4>(w, bias, s), given w8 = w >> 8 (shared by pairs 2 and 3).
 __device__ __forceinline__ uint32_t code_pair4(uint32_t w, uint32_t w8, uint32_t bias, uint32_t bias64, int s) {

@@ -74,11 +74,11 @@
 // == 0 (quant.py's contract); any M; qkv's hd a power of two (rope.cuh; plan.check_supported).
 // Issue (issue 26: cullama/bench/issue.py's static sm_90 count, lane-instructions per weight byte over the whole
 // kernel, LLaMA-2-7B, 1-8 / 9-16 token rows, NTILES 4, 2026-12-07, every RMSNorm GEMV on the prepared input, every
-// epilogue round counted): FP16 0.9-1.1 / 1.3-1.5; INT8 (KBLOCK_SCALE) qkv 2.4-2.6 / 3.0-3.2, gate_up 2.4-2.5 /
-// 2.9-3.1, o_proj 2.4-2.5 / 2.9-3.0, down 2.2-2.4 / 2.7-2.8; INT4 (KBLOCK_SCALE) qkv 3.9-4.1 / 4.9-5.0, gate_up
-// 3.9-4.0 / 4.7-4.8, o_proj 3.8-4.0 / 4.5-4.6, down 3.6-3.7 / 4.1-4.3. Earlier forms: 32-bit row offsets, the
-// epilogues in rounds and prepared_scales without a divergent shuffle (this count: 0 variants over 5.0; counted as
-// then, with a 16-row epilogue's second round not counted, INT4 qkv 4.3-4.6 / 4.9-5.0 and gate_up up to 5.12);
+// epilogue round counted): FP16 0.9-1.1 / 1.3-1.5; INT8 (KBLOCK_SCALE) qkv 2.4-2.5 / 3.0-3.1, gate_up 2.3-2.5 /
+// 2.9-3.0, o_proj 2.3-2.5 / 2.8-2.9, down 2.2-2.3 / 2.6-2.7; INT4 (KBLOCK_SCALE) qkv 3.9-4.1 / 4.9, gate_up 3.8-4.0 /
+// 4.6-4.7, o_proj 3.7-3.9 / 4.4-4.6, down 3.5-3.7 / 4.1-4.2: none over 5.0. Earlier forms: before 32-bit row
+// offsets, the epilogues in rounds, prepared_scales without a divergent shuffle and hi_x2 (dequant.cuh), counted as
+// then (a 16-row epilogue's second round not counted), INT4 qkv 4.3-4.6 / 4.9-5.0 and gate_up up to 5.12;
 // before KBLOCK_SCALE, the prepared input and FP16 inputs for the residual (1c187dc^): INT4 qkv 7.1-7.2 / 8.8-9.0,
 // o_proj and down 5.2-5.5 / 5.9-6.1; the in-kernel RMSNorm form that a step's first qkv and act-order linears ran
 // until 2026-12-07: INT4 6.2-6.3 / 8.0-8.6. The INT4 floor is its dequantization, a lop3 and a sub per code pair and

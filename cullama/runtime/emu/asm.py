@@ -51,6 +51,8 @@ PTX_TEMPLATES: dict[str, tuple[str, str]] = {
     # quantized weights (kernels_cu/dequant.cuh): lop3 and prmt take their immLut / selector as an immediate
     "lop3.b32 %0, %1, %2, %3, %4;": ("lop3_b32", "=r r r r n"),
     "prmt.b32 %0, %1, %2, %3;": ("prmt_b32", "=r r r n"),
+    "{ .reg .b16 lo, hi; mov.b32 {lo, hi}, %1; mov.b32 %0, {hi, hi}; }": ("hi_x2", "=r r"),
+    "{ .reg .b16 lo, hi; mov.b32 {lo, hi}, %1; mov.b32 %0, {lo, lo}; }": ("lo_x2", "=r r"),
     "add.rn.f16x2 %0, %1, %2;": ("add_rn_f16x2", "=r r r"),
     "sub.rn.f16x2 %0, %1, %2;": ("sub_rn_f16x2", "=r r r"),
     "mul.rn.f16x2 %0, %1, %2;": ("mul_rn_f16x2", "=r r r"),

@@ -126,6 +126,10 @@ inline void prmt_b32(EMU_SITE_PARAMS, unsigned& d, unsigned a, unsigned b, int s
     d = r;
 }
 
+// mov.b32 {lo, hi}, a; mov.b32 d, {hi, hi} (or {lo, lo}): a half of a in both halves of d
+inline void hi_x2(EMU_SITE_PARAMS, unsigned& d, unsigned a) { d = (a >> 16) | (a & 0xFFFF0000u); }
+inline void lo_x2(EMU_SITE_PARAMS, unsigned& d, unsigned a) { d = (a & 0xFFFFu) | (a << 16); }
+
 // binary16 of a double holding an exact sum or product of two halves, rounded to nearest even (overflow: inf;
 // subnormal results kept: no .ftz). NaN results are the canonical NaN 0x7FFF, as the GPU's FP16 units give.
 inline unsigned short f16_rn(double v) {

@@ -75,8 +75,8 @@ MUTATIONS = [
      gemv(4, [(96, 32)])),
     ("int8-byte-order-plain", "dequant.cuh", "s == 0 ? prmt<0x4240>(w, 0x64646464u) : prmt<0x4341>(w, 0x64646464u)",
      "s == 0 ? prmt<0x4140>(w, 0x64646464u) : prmt<0x4342>(w, 0x64646464u)", gemv(8, [(80, 16)])),
-    ("zero-off-by-one", "dequant.cuh", "hadd2(prmt<0x3232>(params, 0), FP16_1024X2)",
-     "hadd2(prmt<0x3232>(params, 0), 0x64016401u)", gemv(4, [(96, 32)])),
+    ("zero-off-by-one", "dequant.cuh", "hadd2(hi_x2(params), FP16_1024X2)", "hadd2(hi_x2(params), 0x64016401u)",
+     gemv(4, [(96, 32)])),
     # the chunk's (scale, zero) word with its halves exchanged (prmt 0x1032) before both are taken (INT8 path)
     ("scale-and-zero-swapped", "gemv_mma.cu",
      "b.p[u][j] = KBLOCK_SCALE || inside ? b.P[b.params[j] + group] : 0u;",

@@ -67,8 +67,8 @@ extern "C" __global__ void used_forms(const unsigned* w, unsigned* bad, int n) {
                   (((x >> 12) & 0x000F000Fu) | 0x64006400u)) << 1;
         flags |= (prmt<0x4240>(x, 0x64646464u) != ((x & 0x00FF00FFu) | 0x64006400u)) << 2;
         flags |= (prmt<0x4341>(x, 0x64646464u) != (((x >> 8) & 0x00FF00FFu) | 0x64006400u)) << 3;
-        flags |= (prmt<0x3232>(x, 0) != ((x >> 16) | (x & 0xFFFF0000u))) << 4;
-        flags |= (prmt<0x1010>(x, 0) != ((x & 0xFFFFu) | (x << 16))) << 5;
+        flags |= (hi_x2(x) != ((x >> 16) | (x & 0xFFFF0000u))) << 4;
+        flags |= (lo_x2(x) != ((x & 0xFFFFu) | (x << 16))) << 5;
         bad[i] = flags;
     }
 }
