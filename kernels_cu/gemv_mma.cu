@@ -521,12 +521,13 @@ __device__ __forceinline__ void qkv_rope(Loads& loads, const void* __restrict__ 
     norm_input<FORM>(loads, d, in, aux, eps, part);
     // A thread's pair is the same in every round (THREADS is a multiple of PAIRS): its rows and bias once
     static_assert(THREADS % PAIRS == 0, "a thread's pair must not change between rounds");
-    const int i = threadIdx.x % PAIRS, p = min((int)blockIdx.x * PAIRS + i, n_pairs - 1);  // clamped: not stored
+    const int i = threadIdx.x % PAIRS, pair = (int)blockIdx.x * PAIRS + i;
+    const int p = min(pair, n_pairs - 1);  // clamped for the bias loads; a pair past the matrix stores nothing
     const int row0 = pair_head(p, hd) * hd + pair_dim(p, hd);  // the pair's rows: row0, row0 + hd / 2 (block_row)
     const float b0 = h2f(bias[row0]), b1 = h2f(bias[row0 + half_hd]);
     for_items<TOKENS * PAIRS>([&](int item) {
         const int tok = item / PAIRS;
-        if ((int)blockIdx.x * PAIRS + i >= n_pairs) return;
+        if (pair >= n_pairs) return;
         const float scale = norm_scale<FORM>(part, tok, d, eps);
         // Rounded products and adds, never contracted: every token row scales and adds alike
         const float y0 = __fadd_rn(__fmul_rn(sum_dot(part, 2 * i, tok), scale), b0);

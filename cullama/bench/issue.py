@@ -242,7 +242,7 @@ def _from_thread_index(linear: list[sass.Instruction], at: int, register: str, d
             return ins.operands[1:] == ["SR_TID.X"]
         for operand in ins.operands[len(written):]:
             name = operand.split(".")[0].strip("-!|")
-            if _CONSTANT.match(operand.lstrip("|")) or name in ("RZ", "PT"):
+            if _CONSTANT.match(operand.lstrip("|")):
                 continue
             if re.fullmatch(r"[RP][0-9]+", name):
                 if not _from_thread_index(linear, j, name, depth - 1):
