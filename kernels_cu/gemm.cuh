@@ -189,25 +189,30 @@ __device__ __forceinline__ void store_tile(float (&acc)[MMA_M][MMA_N][4], float*
     __threadfence();
 
     // The last block: C = (C +) sum of the S partials, z = 0, 1, ... in order (deterministic).
+    // Which of the thread's float2 partials lie inside C, bit p for partial p: one register, where 16 (row, col)
+    // tests kept live across the loop spilled under NVRTC 13.5's sm_90 80-register bound (3 blocks an SM).
+    unsigned int inside = 0u;
+#pragma unroll
+    for (int i = 0; i < MMA_M; ++i)
+#pragma unroll
+        for (int j = 0; j < MMA_N; ++j)
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const int row = m0 + wm + i * 16 + g + h * 8, col = n0 + wn + j * 8 + t * 2;
+                if (row < M && col < N) inside |= 1u << ((i * MMA_N + j) * 2 + h);
+            }
     float2 sum[MMA_M * MMA_N * 2];
 #pragma unroll
     for (int p = 0; p < MMA_M * MMA_N * 2; ++p) sum[p].x = sum[p].y = 0.f;
     const float2* slot = reinterpret_cast<const float2*>(workspace) + (size_t)tile * SLOT_FLOAT2 + threadIdx.x;
     for (int z = 0; z < splits; ++z, slot += (size_t)tiles * SLOT_FLOAT2) {
 #pragma unroll
-        for (int i = 0; i < MMA_M; ++i)
-#pragma unroll
-            for (int j = 0; j < MMA_N; ++j)
-#pragma unroll
-                for (int h = 0; h < 2; ++h) {
-                    const int row = m0 + wm + i * 16 + g + h * 8, col = n0 + wn + j * 8 + t * 2;
-                    const int p = (i * MMA_N + j) * 2 + h;
-                    if (row < M && col < N) {
-                        const float2 v = load_coherent2(slot + p * THREADS);
-                        sum[p].x += v.x;
-                        sum[p].y += v.y;
-                    }
-                }
+        for (int p = 0; p < MMA_M * MMA_N * 2; ++p)
+            if (inside >> p & 1u) {
+                const float2 v = load_coherent2(slot + p * THREADS);
+                sum[p].x += v.x;
+                sum[p].y += v.y;
+            }
     }
 #pragma unroll
     for (int i = 0; i < MMA_M; ++i)

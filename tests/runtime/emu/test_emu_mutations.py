@@ -52,6 +52,9 @@ MUTATIONS = [
      "mma_16816(acc[i][j], a[i], b[j / 2][(j % 2) * 2 + 1], b[j / 2][(j % 2) * 2]);", gemm),
     ("gemm-split-k-combines-one-early", "gemm.cuh", "tile_count + tile, 1u) == (unsigned int)(splits - 1);",
      "tile_count + tile, 1u) == (unsigned int)(splits - 2);", gemm),
+    # the last block sums only the partials its mask says lie inside C: one row short, row M - 1's sums are lost
+    ("gemm-split-k-mask-one-row-short", "gemm.cuh", "if (row < M && col < N) inside |= 1u",
+     "if (row < M - 1 && col < N) inside |= 1u", gemm),
     ("wgmma-swizzle-xor-wrong", "gemm_wgmma.cu", "((chunk ^ (row & 7)) << 4)", "((chunk ^ ((row >> 1) & 7)) << 4)",
      wgmma),
     ("wgmma-sbo-512", "gemm_wgmma.cu", "lbo = 16, sbo = 1024, mode = 1;", "lbo = 16, sbo = 512, mode = 1;", wgmma),
