@@ -190,7 +190,8 @@ __device__ __forceinline__ void store_tile(float (&acc)[MMA_M][MMA_N][4], float*
 
     // The last block: C = (C +) sum of the S partials, z = 0, 1, ... in order (deterministic).
     // Which of the thread's float2 partials lie inside C, bit p for partial p: one register, where 16 (row, col)
-    // tests kept live across the loop spilled under NVRTC 13.5's sm_90 80-register bound (3 blocks an SM).
+    // tests kept live across the loop spilled under NVRTC 13.5's sm_90 80-register bound (3 blocks an SM). Built
+    // here, not before the partial stores above for both loops: that spilled gemm.cu under NVRTC 12.9 too.
     unsigned int inside = 0u;
 #pragma unroll
     for (int i = 0; i < MMA_M; ++i)
