@@ -161,3 +161,12 @@ __device__ __forceinline__ int row_slot(const int* __restrict__ rows, int r) { r
 __device__ __forceinline__ int row_pos(const int* __restrict__ rows, const int* __restrict__ state, int r) {
     return state[row_slot(rows, r) * STATE_LEN + STATE_POS] + rows[r * ROW_FIELDS + ROW_OFFSET];
 }
+
+// n / d for a divisor d fixed for a launch, without a division in a loop: magic = div_magic(d) = ceil(2^31 / d) =
+// (2^31 + e) / d (0 <= e < d), once; then 2 n magic / 2^32 = n / d + n e / (d 2^31), whose second term stays under
+// 1 / d, so its floor is n / d's while n d < 2^31 (n >= 0, d >= 1). One mul.hi where a division is ~15 instructions.
+__device__ __forceinline__ uint32_t div_magic(int d) { return (0x80000000u + (uint32_t)d - 1u) / (uint32_t)d; }
+
+__device__ __forceinline__ int div_by_magic(int n, uint32_t magic) {
+    return (int)(((uint64_t)(2u * (uint32_t)n) * magic) >> 32);  // mul.hi.u32
+}

@@ -165,14 +165,17 @@ __device__ __forceinline__ void store_tile(float (&acc)[MMA_M][MMA_N][4], float*
     const int tiles = gridDim.x * gridDim.y, tile = blockIdx.y * gridDim.x + blockIdx.x;
     float2* part = reinterpret_cast<float2*>(workspace) + ((size_t)blockIdx.z * tiles + tile) * SLOT_FLOAT2 +
                    threadIdx.x;
+    // Whether the float2 partial (i, j, h), rows g + 8 h of acc[i][j], lies inside C
+    const auto inside_c = [&](int i, int j, int h) {
+        return m0 + wm + i * 16 + g + h * 8 < M && n0 + wn + j * 8 + t * 2 < N;
+    };
 #pragma unroll
     for (int i = 0; i < MMA_M; ++i)
 #pragma unroll
         for (int j = 0; j < MMA_N; ++j)
 #pragma unroll
             for (int h = 0; h < 2; ++h) {
-                const int row = m0 + wm + i * 16 + g + h * 8, col = n0 + wn + j * 8 + t * 2;
-                if (row < M && col < N) {
+                if (inside_c(i, j, h)) {
                     float2 v;
                     v.x = acc[i][j][2 * h];
                     v.y = acc[i][j][2 * h + 1];
@@ -198,10 +201,8 @@ __device__ __forceinline__ void store_tile(float (&acc)[MMA_M][MMA_N][4], float*
 #pragma unroll
         for (int j = 0; j < MMA_N; ++j)
 #pragma unroll
-            for (int h = 0; h < 2; ++h) {
-                const int row = m0 + wm + i * 16 + g + h * 8, col = n0 + wn + j * 8 + t * 2;
-                if (row < M && col < N) inside |= 1u << ((i * MMA_N + j) * 2 + h);
-            }
+            for (int h = 0; h < 2; ++h)
+                if (inside_c(i, j, h)) inside |= 1u << ((i * MMA_N + j) * 2 + h);
     float2 sum[MMA_M * MMA_N * 2];
 #pragma unroll
     for (int p = 0; p < MMA_M * MMA_N * 2; ++p) sum[p].x = sum[p].y = 0.f;

@@ -61,19 +61,14 @@ __device__ __forceinline__ const uint32_t* params_row(const half_t* __restrict__
     return reinterpret_cast<const uint32_t*>(qparams) + (size_t)min(n0 + (int)threadIdx.x / 2, N - 1) * (K / group);
 }
 
-// ceil(2^31 / (group / 16)), for k / group without a division in the loop (group % 16 == 0: CODES divides it).
-__device__ __forceinline__ uint32_t group_magic(int group) {
-    return (0x80000000u + (uint32_t)(group / 16) - 1u) / (uint32_t)(group / 16);
-}
-
 // The word for K tile kt, whose codes start at k = k0 + 32 kt + 16 (threadIdx.x % 2); 0 past k1 (a split's end).
-// Its group k / group is v / d for v = k / 16, d = group / 16: with magic = (2^31 + e) / d (0 <= e < d), 2 v magic /
-// 2^32 is v / d + v e / (d 2^31), whose second term stays under 1 / d while v d < 2^31 (K < 741455), so the floor is
-// v / d's. (A division here held temporaries through the loop that spilled under NVRTC 13.5 at 8 bits.)
+// Its group k / group is (k / 16) / (group / 16), by common.cuh's div_by_magic with magic = div_magic(group / 16)
+// (group % 16 == 0: CODES divides it; exact while K < 741455): a division here held temporaries through the loop
+// that spilled under NVRTC 13.5 at 8 bits.
 __device__ __forceinline__ uint32_t tile_params(const uint32_t* __restrict__ row, int kt, int k0, int k1,
                                                 uint32_t magic) {
-    const int k = k0 + kt * TILE_K + (threadIdx.x % 2) * 16;
-    return k < k1 ? row[((uint64_t)(2u * ((uint32_t)k / 16u)) * magic) >> 32] : 0u;
+    const int k = k0 + kt * TILE_K + (threadIdx.x % 2) * 16;  // >= 0
+    return k < k1 ? row[div_by_magic(k >> 4, magic)] : 0u;
 }
 
 // The thread's 16 codes of ring slot `stage` into the W tile as FP16 (q - zero) * scale, in k order.
@@ -117,7 +112,7 @@ gemm_quant(const half_t* __restrict__ A, const unsigned int* __restrict__ qweigh
     for (int st = 0; st < STAGES - 1; ++st)
         if (st < n_ktiles) load_tile_codes(s, st, st, qweight, N, K, k0, k1, n0);
     const uint32_t* prow = params_row(qparams, N, K, n0, group);
-    const uint32_t magic = group_magic(group);
+    const uint32_t magic = div_magic(group / 16);
     uint32_t params = tile_params(prow, 0, k0, k1, magic);
     pdl_wait();  // everything below may read what the previous kernel wrote
 #pragma unroll

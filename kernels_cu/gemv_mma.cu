@@ -84,7 +84,7 @@
 // until 2026-12-07: INT4 6.2-6.3 / 8.0-8.6. The INT4 floor is its dequantization, a lop3 and a sub per code pair and
 // a shift a word (2.25 a byte with KBLOCK_SCALE, 3.25 with the HMUL2 per pair); past 8 rows a second n8 tile doubles
 // the MMAs and the input's loads, the epilogues take two rounds and prepared_scales sums 16 rows of parts (INT4 qkv
-// at 16 rows: main loop 4.2, epilogue ~0.45, Σ x² parts ~0.3 a byte).
+// at 16 rows: main loop 4.1, epilogue ~0.45, Σ x² parts ~0.3 a byte).
 // MIN_BLOCKS 3 / UNROLL 1 for INT4 past 8 rows keeps those variants from spilling (W4_WIDE).
 //
 // Bit-exactness by construction: every output (token m, row n) is, per warp, the chain of that warp's MMAs over its
@@ -200,11 +200,9 @@ struct Loads {
 #endif
 };
 
-// c / group_vecs without a division in the loop: with magic = (2^31 + e) / d (0 <= e < d), 2 c magic / 2^32 is
-// c / d + c e / (d 2^31), whose second term stays under 1 / d (so the floor is c / d's) while c d < 2^31: K / E < 46340.
-__device__ __forceinline__ int group_of(const Loads& b, int c) {
-    return (int)(((uint64_t)(2u * (uint32_t)c) * b.magic) >> 32);  // mul.hi.u32
-}
+// c / group_vecs without a division in the loop (common.cuh's div_by_magic: exact while c group_vecs < 2^31, so
+// K / E < 46340).
+__device__ __forceinline__ int group_of(const Loads& b, int c) { return div_by_magic(c, b.magic); }
 
 __device__ __forceinline__ void load_batch(Loads& b, int base) {
     const int t = threadIdx.x % 4;
@@ -235,7 +233,7 @@ __device__ __forceinline__ void first_batch(Loads& b, const void* __restrict__ W
     const int g = threadIdx.x % WARP / 4;
     b.vecs = K / ELEMS;
     b.group_vecs = QUANT ? group / ELEMS : 1;  // FP16: no groups (qparams and group unread)
-    b.magic = (0x80000000u + (uint32_t)b.group_vecs - 1u) / (uint32_t)b.group_vecs;
+    b.magic = div_magic(b.group_vecs);
     const int groups = group_of(b, b.vecs);  // K / group, without a second division (group % ELEMS == 0)
     b.W = reinterpret_cast<const uint4*>(W);
     b.P = reinterpret_cast<const uint32_t*>(qparams);

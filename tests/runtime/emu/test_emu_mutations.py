@@ -53,8 +53,8 @@ MUTATIONS = [
     ("gemm-split-k-combines-one-early", "gemm.cuh", "tile_count + tile, 1u) == (unsigned int)(splits - 1);",
      "tile_count + tile, 1u) == (unsigned int)(splits - 2);", gemm),
     # the last block sums only the partials its mask says lie inside C: one row short, row M - 1's sums are lost
-    ("gemm-split-k-mask-one-row-short", "gemm.cuh", "if (row < M && col < N) inside |= 1u",
-     "if (row < M - 1 && col < N) inside |= 1u", gemm),
+    ("gemm-split-k-mask-one-row-short", "gemm.cuh", "if (inside_c(i, j, h)) inside |= 1u",
+     "if (inside_c(i, j, h) && m0 + wm + i * 16 + g + h * 8 < M - 1) inside |= 1u", gemm),
     ("wgmma-swizzle-xor-wrong", "gemm_wgmma.cu", "((chunk ^ (row & 7)) << 4)", "((chunk ^ ((row >> 1) & 7)) << 4)",
      wgmma),
     ("wgmma-sbo-512", "gemm_wgmma.cu", "lbo = 16, sbo = 1024, mode = 1;", "lbo = 16, sbo = 512, mode = 1;", wgmma),
