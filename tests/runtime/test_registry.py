@@ -38,6 +38,42 @@ def test_every_kernel_compiles_for_sm90_without_spills():
     assert all(0 < r.resources.registers <= 255 for r in reports)
 
 
+def test_compile_all_compiles_at_once_and_reports_in_order(monkeypatch):
+    """`cullama kernels` compiles variants on several threads (a fresh GPU machine's cold cache); its report keeps
+    variants' order whatever order they finish in, and a failing variant is its own KernelError."""
+    import threading
+    import time
+
+    from cullama.bench import kernels as kernel_report
+
+    found = [(f"k{i}.cu", (("N", i),), "sm_90") for i in range(6)]
+    res = registry.Resources(32, 0, 0, 0, 0)
+    threads, running, peak, failing = set(), [0], [0], set()
+    lock = threading.Lock()
+
+    def compile_module(source, defines, target):
+        with lock:
+            threads.add(threading.get_ident())
+            running[0] += 1
+            peak[0] = max(peak[0], running[0])
+        time.sleep(0.05 * (6 - defines[0][1]))  # the first finishes last
+        with lock:
+            running[0] -= 1
+        if source in failing:
+            raise KernelError(f"{source}: NVRTC failed")
+        return registry.CompiledModule("x.cubin", {f"b_{source}": res, f"a_{source}": res})
+
+    monkeypatch.setattr(kernel_report, "variants", lambda arch: found)
+    monkeypatch.setattr(kernel_report, "compile_module", compile_module)
+    reports = kernel_report.compile_all("sm_90", workers=3)
+    assert [r.name for r in reports] == [f"{p}_k{i}.cu" for i in range(6) for p in "ab"]
+    assert [r.defines for r in reports[::2]] == [d for _, d, _ in found]
+    assert peak[0] == 3 and len(threads) == 3
+    failing.add("k4.cu")
+    with pytest.raises(KernelError, match="k4.cu: NVRTC failed"):
+        kernel_report.compile_all("sm_90", workers=3)
+
+
 def test_kernels_command_prints_resources():
     result = CliRunner().invoke(main, ["kernels", "--arch", "sm_90"])
     assert result.exit_code == 0, result.output
