@@ -107,8 +107,10 @@ else
 fi
 step info 30 "${CULLAMA[@]}" info
 step kernels 100 "${CULLAMA[@]}" kernels --arch sm_90
-# no -x: one run, every failure
-CULLAMA_EMU_VS_GPU_JSON=$RESULTS/emu_vs_gpu.json step pytest 190 "$PY" -m pytest -m gpu -q -rs -p no:cacheprovider
+# no -x: one run, every failure. -v names each test's outcome as it ends, so a run cut off by its cap still says
+# which failed (the tracebacks come at the end); --durations: where the device's time went, for the next run's caps
+CULLAMA_EMU_VS_GPU_JSON=$RESULTS/emu_vs_gpu.json step pytest 190 "$PY" -m pytest -m gpu -v --tb=short -rfEs \
+    --durations=15 -p no:cacheprovider
 step bench 90 "${CULLAMA[@]}" bench --json "$RESULTS/bench.json" --samples "${BENCH_SAMPLES:-300}"
 # W4A16 / W8A16 decode end to end (issue 16: INT4 p99 <= 1.1 ms, INT8 <= 1.8 ms at every L)
 step int4 50 "${CULLAMA[@]}" bench --quantize int4 --lengths 10,100,500 --samples 300 --json "$RESULTS/bench_int4.json"

@@ -47,3 +47,16 @@ def test_the_gpu_tests_collect_without_what_the_device_lacks():
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert "error" not in done.stdout.splitlines()[-1], done.stdout[-500:]
+
+
+def test_rehearsal_says_in_one_line_what_it_lacks(tmp_path):
+    """benchmarks/rehearse_device.sh builds a venv of the device's versions: without a Python 3.12 it stops at once
+    with one line naming the interpreter it tried, before it removes or installs anything."""
+    env = {**os.environ, "PYTHON312": sys.executable if sys.version_info[:2] != (3, 12) else "/bin/false",
+           "VENV": str(tmp_path / "venv"), "OUT": str(tmp_path / "out")}
+    (tmp_path / "out").mkdir()
+    done = subprocess.run(["bash", str(REPO / "benchmarks" / "rehearse_device.sh")], env=env, capture_output=True,
+                          text=True, timeout=60)
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert done.stderr.count("\n") == 1 and "no Python 3.12" in done.stderr and env["PYTHON312"] in done.stderr
+    assert (tmp_path / "out").is_dir() and not (tmp_path / "venv").exists()
