@@ -102,7 +102,7 @@ else
     # constrained decoding's llguidance (the constrained extra; no PyTorch) and jsonschema (the GPU test of constrained
     # generation validates its JSON), from .whl too
     if ! "$PY" -c 'import llguidance, jsonschema' 2>/dev/null && [ -d .whl ]; then
-        step grammar-deps 60 "$PY" -m pip install -q --no-index --find-links .whl 'llguidance>=1.1' 'jsonschema>=4'
+        step grammar-deps 60 "$PY" -m pip install -q --no-index --find-links .whl 'llguidance>=1.7' 'jsonschema>=4'
     fi
 fi
 step info 30 "${CULLAMA[@]}" info

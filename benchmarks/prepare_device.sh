@@ -12,7 +12,11 @@ cd "$(dirname "$0")/.."
 rm -rf .shared .whl
 cp -r ../shared .shared
 rm -rf .shared/hooks
+# pip takes a wheel only for a platform tag named here (it does not count 2_17 in for 2_35): llguidance >= 1.7 is
+# manylinux_2_31 only, and with 2_17 alone pip took 1.6, which rejects a list of EOS ids. The device's Python 3.12.3
+# looks like Ubuntu 24.04's (glibc 2.39, not read off the device): tags up to 2_35 keep a margin.
 pip download -q -d .whl --python-version 3.12 --only-binary=:all: \
-    --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
-    'fastapi>=0.115' 'uvicorn>=0.30' 'pydantic>=2.7' 'llguidance>=1.1' 'jsonschema>=4'
+    --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --platform manylinux_2_28_x86_64 \
+    --platform manylinux_2_31_x86_64 --platform manylinux_2_34_x86_64 --platform manylinux_2_35_x86_64 \
+    'fastapi>=0.115' 'uvicorn>=0.30' 'pydantic>=2.7' 'llguidance>=1.7' 'jsonschema>=4'
 du -sh .shared .whl

@@ -28,6 +28,7 @@ costs microseconds where a compile costs a millisecond or more.
 from __future__ import annotations
 
 import collections
+import itertools
 import json
 import threading
 from typing import Sequence
@@ -43,6 +44,8 @@ COMPILED = 64  # compiled grammars a model keeps
 MAX_GRAMMAR_CHARS = 1 << 20  # a schema, regex or grammar's own text at most
 ERROR_CHARS = 300  # the most of llguidance's message an error quotes
 EXTRA = "pip install 'cullama[constrained]'"
+# The oldest llguidance that takes a list of EOS ids (LLTokenizer's eos_token; 1.6 takes one id): setup.cfg's floor
+LLGUIDANCE_MIN = (1, 7)
 
 
 def _llguidance():
@@ -50,7 +53,31 @@ def _llguidance():
         import llguidance
     except ImportError:
         raise OptionError("constraint", f"needs llguidance, which is not installed ({EXTRA})") from None
+    installed = _version("llguidance")
+    if installed is not None and installed < LLGUIDANCE_MIN:
+        need = ".".join(map(str, LLGUIDANCE_MIN))
+        raise OptionError("constraint", f"needs llguidance {need} or newer, and {'.'.join(map(str, installed))} "
+                                        f"is installed (pip install -U 'llguidance>={need}')")
     return llguidance
+
+
+def _version(distribution: str) -> tuple[int, ...] | None:
+    """An installed distribution's version as its leading numbers (1.7.0rc1: (1, 7, 0)); None where unknown."""
+    from importlib import metadata
+
+    try:
+        text = metadata.version(distribution)
+    except metadata.PackageNotFoundError:
+        return None
+    numbers = []
+    for part in text.split("."):
+        digits = "".join(itertools.takewhile(str.isdigit, part))
+        if not digits:
+            break
+        numbers.append(int(digits))
+        if digits != part:
+            break
+    return tuple(numbers) or None
 
 
 class Constraint:

@@ -225,3 +225,35 @@ def test_the_piece_table_is_sentencepiece_s_bytes():
     for text in ("Once upon a time", "a b", "{\"x\": 1}", " lead"):
         ids = tok.encode_inside(text)
         assert b"".join(tokens[i] for i in ids).decode() == text, text
+
+
+@pytest.mark.parametrize("installed, refused", [("1.6.1", True), ("1.6.9rc1", True), ("1.7.0", False),
+                                                ("1.9.1", False), ("2.0.0.dev3", False)])
+def test_an_llguidance_too_old_for_a_list_of_eos_ids_is_one_line(installed, refused, monkeypatch):
+    """llguidance 1.6 takes one EOS id, and a list raised a TypeError from inside the tokenizer's construction; an
+    installed release below the floor (setup.cfg's too) is an OptionError naming both versions and the fix."""
+    from importlib import metadata
+
+    from cullama.text import grammar
+
+    monkeypatch.setattr(metadata, "version", lambda name: installed if name == "llguidance" else pytest.fail(name))
+    if refused:
+        with pytest.raises(OptionError, match=rf"needs llguidance 1\.7 or newer, and {installed[:5]} is installed "
+                                              r"\(pip install -U 'llguidance>=1\.7'\)"):
+            grammar._llguidance()
+    else:
+        assert grammar._llguidance() is not None
+
+
+def test_the_llguidance_floor_is_setup_cfg_s():
+    import configparser
+
+    from tests.conftest import REPO
+    from cullama.text.grammar import LLGUIDANCE_MIN
+
+    setup = configparser.ConfigParser()
+    setup.read(REPO / "setup.cfg")
+    floor = f"llguidance>={'.'.join(map(str, LLGUIDANCE_MIN))}"
+    extras = setup["options.extras_require"]
+    for extra in ("constrained", "serve", "test"):
+        assert floor in extras[extra].split(), extra
