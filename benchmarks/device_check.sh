@@ -97,7 +97,7 @@ else
     # the server's extra, from the wheels benchmarks/prepare_device.sh saved in .whl (the device has no network)
     if ! "$PY" -c 'import fastapi, uvicorn' 2>/dev/null && [ -d .whl ]; then
         step serve-deps 60 "$PY" -m pip install -q --no-index --find-links .whl 'fastapi>=0.115' 'uvicorn>=0.30' \
-            'pydantic>=2.7'
+            'pydantic>=2.8'
     fi
     # constrained decoding's llguidance (the constrained extra; no PyTorch) and jsonschema (the GPU test of constrained
     # generation validates its JSON), from .whl too

@@ -18,5 +18,5 @@ rm -rf .shared/hooks
 pip download -q -d .whl --python-version 3.12 --only-binary=:all: \
     --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --platform manylinux_2_28_x86_64 \
     --platform manylinux_2_31_x86_64 --platform manylinux_2_34_x86_64 --platform manylinux_2_35_x86_64 \
-    'fastapi>=0.115' 'uvicorn>=0.30' 'pydantic>=2.7' 'llguidance>=1.7' 'jsonschema>=4'
+    'fastapi>=0.115' 'uvicorn>=0.30' 'pydantic>=2.8' 'llguidance>=1.7' 'jsonschema>=4'
 du -sh .shared .whl

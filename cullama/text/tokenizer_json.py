@@ -278,7 +278,9 @@ def _read(path: Path) -> tokenizers.Tokenizer:
         tok = tokenizers.Tokenizer.from_str(text)
     except Exception as exc:  # the library raises a bare Exception with serde's message
         message = " ".join(str(exc).split())[:200]
-        raise TokenizerError(f"{path} is not a tokenizer.json the tokenizers library can read ({message})") from None
+        # a file a newer release wrote (merges as pairs: tokenizers 0.20) reads as malformed to an older one
+        raise TokenizerError(f"{path} is not a tokenizer.json that tokenizers {tokenizers.__version__} can read "
+                             f"({message}; a newer release may: pip install -U tokenizers)") from None
     # A file saved after enable_truncation / enable_padding keeps them, and the library would then cut or pad
     # every prompt. transformers switches both off on each call it is not asked for them
     # (PreTrainedTokenizerFast.set_truncation_and_padding), so its ids are the whole text's: so are ours.
