@@ -2,7 +2,7 @@
 # prepare_device.sh: what a lent GPU machine needs that it cannot fetch (it has no network), made here, in the repo
 # root, before the one device call (`device` tool: run with carry [".shared", ".whl"], command
 # `bash benchmarks/device_check.sh`):
-#   .shared  a copy of ../shared (the golden checkpoints, stories260K, the LLaMA-2 tokenizer; ~30 MB)
+#   .shared  a copy of ../shared (the golden checkpoints, stories260K, the LLaMA-2 tokenizer; 16 MB on 2026-12-07)
 #   .whl     wheels of the server's extra for the device's Python 3.12 (fastapi, uvicorn, pydantic; ~4 MB), of
 #            constrained decoding's llguidance (~3 MB) and of jsonschema (with its dependencies; ~1 MB), which the GPU
 #            test of constrained generation validates with
