@@ -28,8 +28,9 @@ costs microseconds where a compile costs a millisecond or more.
 from __future__ import annotations
 
 import collections
-import itertools
+import functools
 import json
+import re
 import threading
 from typing import Sequence
 
@@ -48,6 +49,7 @@ EXTRA = "pip install 'cullama[constrained]'"
 LLGUIDANCE_MIN = (1, 7)
 
 
+@functools.cache  # once a process: a constrained request compiles its grammar through here (a failure is not kept)
 def _llguidance():
     try:
         import llguidance
@@ -66,18 +68,10 @@ def _version(distribution: str) -> tuple[int, ...] | None:
     from importlib import metadata
 
     try:
-        text = metadata.version(distribution)
+        leading = re.match(r"\d+(?:\.\d+)*", metadata.version(distribution))
     except metadata.PackageNotFoundError:
         return None
-    numbers = []
-    for part in text.split("."):
-        digits = "".join(itertools.takewhile(str.isdigit, part))
-        if not digits:
-            break
-        numbers.append(int(digits))
-        if digits != part:
-            break
-    return tuple(numbers) or None
+    return tuple(map(int, leading.group().split("."))) if leading else None
 
 
 class Constraint:

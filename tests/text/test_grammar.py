@@ -229,7 +229,7 @@ def test_the_piece_table_is_sentencepiece_s_bytes():
 
 @pytest.mark.parametrize("installed, refused", [("1.6.1", True), ("1.6.9rc1", True), ("1.7.0", False),
                                                 ("1.9.1", False), ("2.0.0.dev3", False)])
-def test_an_llguidance_too_old_for_a_list_of_eos_ids_is_one_line(installed, refused, monkeypatch):
+def test_an_llguidance_too_old_for_a_list_of_eos_ids_is_one_line(installed, refused, monkeypatch, request):
     """llguidance 1.6 takes one EOS id, and a list raised a TypeError from inside the tokenizer's construction; an
     installed release below the floor (setup.cfg's too) is an OptionError naming both versions and the fix."""
     from importlib import metadata
@@ -237,6 +237,8 @@ def test_an_llguidance_too_old_for_a_list_of_eos_ids_is_one_line(installed, refu
     from cullama.text import grammar
 
     monkeypatch.setattr(metadata, "version", lambda name: installed if name == "llguidance" else pytest.fail(name))
+    grammar._llguidance.cache_clear()  # checked once a process: here, with this version installed
+    request.addfinalizer(grammar._llguidance.cache_clear)  # the real one's check for the tests after
     if refused:
         with pytest.raises(OptionError, match=rf"needs llguidance 1\.7 or newer, and {installed[:5]} is installed "
                                               r"\(pip install -U 'llguidance>=1\.7'\)"):
