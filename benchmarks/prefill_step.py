@@ -12,7 +12,11 @@ and each prompt length L: one untimed prefill (kernels loaded, plans resolved), 
 token's gemv_logits + sample, and reading it back). Each run's last-row logits are checked against the
 default pair's at the first chunk size, launched plainly: within FP16 tolerance, and the same first
 token. The floor of a length is max(weights read once per chunk / read bandwidth, its matmul FLOPs at
---peak-tflops): what a prefill could not beat. Run it on a GPU; without one it says so in one line.
+--peak-tflops): what a prefill could not beat. Every trial is a whole prefill (the prefix cache off). Then
+the prefix cache, with the default pair at the first chunk: each prompt again with the cache on, which
+holds its whole chunks from the untimed run, so only its last chunk runs: that TTFT, and its first token
+and last-row logits against the whole prefill's, bit for bit (a difference fails the run). Run it on a
+GPU; without one it says so in one line.
 """
 
 from __future__ import annotations
@@ -47,10 +51,12 @@ def floor_ms(cfg, length: int, chunk: int, bps: float, peak_tflops: float) -> fl
     return max(chunks * weight_bytes / bps, flops / (peak_tflops * 1e12)) * 1e3
 
 
-def measure(runner, prompt: list[int], trials: int) -> tuple[list[float], int, np.ndarray]:
-    """(TTFT ms of each trial, the first token, the last row's logits)."""
+def measure(runner, prompt: list[int], trials: int, cached: bool = False) -> tuple[list[float], int, np.ndarray]:
+    """(TTFT ms of each trial, the first token, the last row's logits). Each trial a whole prefill, or with
+    `cached` the prefix cache on: the untimed run leaves the prompt's whole chunks in it."""
     from cullama.bench.latency import GREEDY as greedy
 
+    runner.prefix_cache = cached
     runner.start(prompt, greedy)  # untimed: kernels loaded, the plans resolved
     times = []
     for _ in range(trials):
@@ -90,7 +96,7 @@ def main(argv=None) -> int:
         record = {"model": args.model, "default": {"gemm": DEFAULT.gemm, "attention": DEFAULT.attention,
                                                    "chunk": args.chunks[0], "overlap": False},
                   "read_bandwidth_bytes_per_s": bps, "bandwidth": bandwidth, "environment": environment(),
-                  "rows": rows}
+                  "rows": rows, "prefix_cache": []}
         backend.set_overlap(True)
         modes = [False, True] if backend.overlap else [False]  # no programmatic dependent launch before sm_90
         for chunk in args.chunks:
@@ -114,6 +120,18 @@ def main(argv=None) -> int:
                               f"L={length}: {rows[-1]['ttft_ms']:.2f} ms", flush=True)
                     if args.json:
                         save_json(args.json, record, args, complete=False)
+        backend.set_overlap(False)
+        runner = PlanRunner(cfg, backend, max_seq, prefill_chunk=args.chunks[0])
+        for length in args.lengths:
+            prompt = prompt_ids(length, cfg.vocab_size, seed=length)
+            times, token, logits = measure(runner, prompt, args.trials, cached=True)
+            ref_token, ref_logits = reference[length]
+            fresh = next(r["ttft_ms"] for r in rows if r["length"] == length)  # the default pair, first chunk
+            exact = token == ref_token and logits.tobytes() == ref_logits.tobytes()
+            record["prefix_cache"].append({"length": length, "reused": runner.reused, "bit_exact": exact,
+                                           "ttft_ms": statistics.median(times), "fresh_ttft_ms": fresh})
+            print(f"  prefix cache L={length}: {runner.reused} rows reused, {statistics.median(times):.2f} ms "
+                  f"(whole prefill {fresh:.2f} ms), bit-exact: {exact}", flush=True)
     except CullamaError as exc:
         sys.exit(f"prefill_step: {exc}")
     print(f"\n{'chunk':>5} {'gemm':<6} {'attention':<9} {'overlap':<7} {'L':>5} {'TTFT ms':>8} {'min ms':>7} "
@@ -133,7 +151,7 @@ def main(argv=None) -> int:
     if args.json:
         save_json(args.json, record, args, complete=True)
         print(f"wrote {args.json}")
-    return 0 if all(r["check_ok"] for r in rows) else 1
+    return 0 if all(r["check_ok"] for r in rows) and all(c["bit_exact"] for c in record["prefix_cache"]) else 1
 
 
 if __name__ == "__main__":

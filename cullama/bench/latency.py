@@ -174,16 +174,21 @@ def decode_latencies(runner, prompt: Sequence[int], length: int, samples: int, w
 
 def ttft(runner, prompt: Sequence[int], trials: int, warmup: int, clock: Clock = time.perf_counter_ns,
          progress: Progress | None = None) -> list[int]:
-    """Nanoseconds from handing `runner.start` the prompt to holding the first token, `trials` times."""
-    out = []
-    for trial in range(warmup + trials):
-        t0 = clock()
-        runner.start(prompt, GREEDY)
-        t1 = clock()
-        if trial >= warmup:
-            out.append(t1 - t0)
-            if progress:
-                progress(len(prompt), "ttft", len(out), trials)
+    """Nanoseconds from handing `runner.start` the prompt to holding the first token, `trials` times: every one a
+    whole prefill (the prefix cache, which would skip the chunks the trial before wrote, is off meanwhile)."""
+    out, cache = [], getattr(runner, "prefix_cache", False)
+    runner.prefix_cache = False
+    try:
+        for trial in range(warmup + trials):
+            t0 = clock()
+            runner.start(prompt, GREEDY)
+            t1 = clock()
+            if trial >= warmup:
+                out.append(t1 - t0)
+                if progress:
+                    progress(len(prompt), "ttft", len(out), trials)
+    finally:
+        runner.prefix_cache = cache
     return out
 
 

@@ -161,6 +161,8 @@ class BatchSession:
     def __init__(self, runner, guard: RunnerGuard, make_stream: Callable[..., BatchedStream]):
         self.runner, self.guard, self._make_stream = runner, guard, make_stream
         self.free: list[int] = list(range(runner.slots))  # slots nobody holds, lowest first
+        self._admitted = 0  # requests admitted so far
+        self._last_admitted: dict[int, int] = {}  # slot -> the number (_admitted) of the last request it took
         self.pending: collections.deque[BatchedStream] = collections.deque()  # submitted, waiting for a slot
         self.joining: BatchedStream | None = None  # its prompt on its way into its slot
         self._prefill = None  # the joining request's runner.Prefill
@@ -268,7 +270,7 @@ class BatchSession:
             if any(s.exclusive for s in self.running) or (head.exclusive and self.running):
                 return
             self.pending.popleft()
-            head.slot = self.free.pop(0)
+            head.slot = self._slot_for(head)
             self.runner.slot = head.slot
             if head.budget <= 0 and not head.scored_only:  # nothing to compute: it ends
                 self._collect(pieces, head, head.pump())
@@ -283,6 +285,22 @@ class BatchSession:
                 self._collect(pieces, head, head.pump())
                 continue
             self.joining = head
+
+    def _slot_for(self, stream: BatchedStream) -> int:
+        """A free slot for the request: the one whose prefix cache holds the most of its prompt (a conversation
+        that comes back finds its turns where it left them; the answer is the same in any slot), else the one
+        idle the longest, whose cache the fewest recent requests may still want."""
+        rows = getattr(self.runner, "prefix_rows", lambda prompt, slot: 0)
+        never = -self.runner.slots  # slots never taken count as idle longest, the lowest first
+
+        def preference(s: int) -> tuple[int, int]:
+            return rows(stream.prompt_ids, s), -self._last_admitted.get(s, never + s)
+
+        slot = max(self.free, key=preference)
+        self.free.remove(slot)
+        self._admitted += 1
+        self._last_admitted[slot] = self._admitted
+        return slot
 
     def _prefill_step(self, pieces: dict) -> None:
         """One chunk of the joining request's prompt; all of it when nothing else runs. On its last chunk the
@@ -301,6 +319,7 @@ class BatchSession:
         if first is None:
             return
         self.joining, self._prefill = None, None
+        stream.cached_tokens = self.runner.reused
         if stream.scored_only:  # `first` is its prompt's records
             stream.prompt_logprobs = [None, *first]
             self._collect(pieces, stream, stream.pump())

@@ -112,6 +112,9 @@ class Generation:
     logprobs: list[TokenLogprob] | None = None
     # prompt_logprobs=N: one per prompt id, None for the first (nothing predicts it)
     prompt_logprobs: list[TokenLogprob | None] | None = None
+    # prompt ids whose K and V the model already held, not computed again: the prefix cache's (the answer is the
+    # fresh one, bit for bit: runtime/engine.py) or, with reuse_cache, every id the last generation left
+    cached_tokens: int = 0
 
     @property
     def completion_tokens(self) -> int:
@@ -122,7 +125,8 @@ class Generation:
     def to_dict(self) -> dict:
         record = {"text": self.text, "token_ids": self.token_ids, "finish_reason": self.finish_reason,
                   "stop_string": self.stop_string, "seed": self.seed, "prompt_ids": self.prompt_ids,
-                  "completion_tokens": self.completion_tokens, "timings": self.timings.to_dict()}
+                  "completion_tokens": self.completion_tokens, "cached_tokens": self.cached_tokens,
+                  "timings": self.timings.to_dict()}
         return record if self.speculative is None else {**record, "speculative": self.speculative}
 
 
@@ -255,6 +259,7 @@ class GenerationStream:
         self.prompt_logprobs: list[TokenLogprob | None] | None = None  # set once the prompt is scored
         self._unpaired: collections.deque[TokenLogprob] = collections.deque()
         self.timings = Timings()
+        self.cached_tokens = 0  # the prompt ids the runner did not compute again (its `reused`), once started
         self._ticket: int | None = None  # this generation's RunnerGuard ticket, from its first runner call
         self._close_reason = "cancelled"
         self._cancelled = False  # set by cancel(), from any thread; read before each token
@@ -284,7 +289,7 @@ class GenerationStream:
             self.result = Generation("".join(self.pieces), list(self.token_ids), reason, self.prompt_ids,
                                      self.timings, self.options.seed, self.stop.matched if reason == "stop" else None,
                                      self._statistics(), None if self.token_logprobs is None else
-                                     list(self.token_logprobs), self.prompt_logprobs)
+                                     list(self.token_logprobs), self.prompt_logprobs, self.cached_tokens)
 
     def _step(self, i: int, budget: int) -> int:
         """Token i from the runner, while this generation owns it (the first call takes ownership)."""
@@ -294,6 +299,8 @@ class GenerationStream:
             else:
                 self.guard.check(self._ticket)
             token = self._token(i, budget)
+            if i == 0:
+                self.cached_tokens = getattr(self.runner, "reused", 0)
             if self.token_logprobs is not None:
                 self._unpaired.extend(self.runner.take_logprobs())
                 self.token_logprobs.append(self._unpaired.popleft())

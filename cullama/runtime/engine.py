@@ -58,13 +58,27 @@ class _Sequence:
     """One slot's host record: the ids its KV cache holds, its last sampled token, its log-probability settings."""
 
     def __init__(self):
-        self.cached: list[int] = []  # the ids whose K and V are in the cache, at positions 0..len - 1
+        self._cached: list[int] = []
+        # The prefix cache: how many leading rows of `cached` hold K and V that a prefill from row 0 of any prompt
+        # beginning with their ids writes, bit for bit (PlanRunner._exact_begin). Never more than len(cached).
+        self.exact = 0
+        self.reused = 0  # prompt rows the last start / begin took from the cache instead of computing them
         self.last: int | None = None  # the last sampled token: the next decode step's input
         self.logprobs: int | None = None  # this generation's alternatives per token; None: no log-probabilities
         self.records: list[scoring.TokenLogprob] = []  # the log-probabilities of tokens returned, not taken yet
         self.prompt_logprobs: list[scoring.TokenLogprob] = []  # the last scored prompt's (start or score): ids[1:]
         # constrained decoding: the grammar's mask, which has accepted every sampled token but `last`; None: none
         self.mask: TokenMask | None = None
+
+    @property
+    def cached(self) -> list[int]:
+        """The ids whose K and V are in the cache, at positions 0..len - 1."""
+        return self._cached
+
+    @cached.setter
+    def cached(self, ids: list[int]) -> None:
+        self._cached = ids
+        self.exact = min(self.exact, len(ids))  # rows past `ids` are being rewritten, or hold other ids
 
 
 def _delegated(field: str) -> property:
@@ -139,6 +153,7 @@ class PlanRunner:
         self._batch_scores: np.ndarray | None = None
         self._prefills: dict[tuple, plans.Plan] = {}
         self.prefill_kernels = default_for(getattr(backend, "arch", None))  # the prompt path's GEMM and attention
+        self.prefix_cache = True  # start / begin skip the rows a fresh prefill would write alike (_exact_begin)
         # the token slot of a decode step already queued for `last` (FORWARD: a constrained step's forward, alone)
         self._queued: int | str | None = None
         self._slot = 0  # the token slot the next queued step uses (two alternate)
@@ -161,6 +176,7 @@ class PlanRunner:
     _logprobs = _delegated("logprobs")
     _records = _delegated("records")
     prompt_logprobs = _delegated("prompt_logprobs")
+    reused = _delegated("reused")
 
     @property
     def _seq(self) -> _Sequence:
@@ -197,6 +213,9 @@ class PlanRunner:
     def set_prefill_kernels(self, kernels: PrefillKernels) -> None:
         """Use these prefill kernels from the next prompt on; a KernelError where this GPU cannot run them."""
         kernels.check_arch(getattr(self.backend, "arch", None))
+        if kernels != self.prefill_kernels:  # other kernels sum in another order: no row is a fresh prefill's now
+            for seq in self._seqs:
+                seq.exact = 0
         self.prefill_kernels = kernels
 
     def _prefill_plan(self, start: int, n: int, output: str) -> plans.Plan:
@@ -252,6 +271,8 @@ class PlanRunner:
             else:
                 self.backend.run(plan)
             self.cached = list(ids[:start + n])  # this chunk's rows are written (queued in full, on the GPU)
+            if n == self.prefill_chunk and start % n == 0 and self._seq.exact == start:
+                self._seq.exact = start + n  # a whole chunk where a prefill from row 0 puts one (_exact_begin)
             if prompt_logprobs is not None:
                 self.prompt_logprobs += scoring.from_rows(self.backend.read("logprob_rows")[:len(following)],
                                                           prompt_logprobs)
@@ -282,7 +303,9 @@ class PlanRunner:
         """Prefill the prompt and sample its first token. With `reuse`, the longest prefix of the prompt
         that the KV cache already holds (from the last generation) is not computed again: a chat turn
         prefills only what is new. The reused K and V may differ from a fresh prefill's in the last FP16
-        bit, so a seeded run is reproducible only with reuse off (the default).
+        bit, so a seeded run is reproducible only with reuse off (the default). With reuse off and `prefix_cache`
+        on (the default), only the rows a fresh prefill would write bit for bit are skipped (_exact_begin): the
+        answer is the fresh one. `reused` says how many rows were skipped.
         logprobs: every token of this generation comes with its log-probabilities and that many alternatives
         (take_logprobs); prompt_logprobs: the prompt is scored too, into `prompt_logprobs` (its ids[1:]; the
         whole prompt is then prefilled, whatever `reuse` says). None: off (0..20 alternatives: on).
@@ -310,8 +333,13 @@ class PlanRunner:
         state[MASKED] = mask is not None
         state[SEED_LO:SEED_HI + 1] = np.array([seed & 0xFFFFFFFF, seed >> 32], dtype=np.uint32).view(np.int32)
         prompt = list(prompt_ids)
-        begin = min(common_prefix(self.cached, prompt), len(prompt) - 1) \
-            if reuse and prompt_logprobs is None else 0  # the last id runs
+        if prompt_logprobs is not None:  # every row is scored
+            begin = 0
+        elif reuse:
+            begin = min(common_prefix(self.cached, prompt), len(prompt) - 1)  # the last id runs
+        else:
+            begin = self._exact_begin(prompt)
+        self.reused = begin
         # From here the cache is rewritten from row `begin`: until the prefill is through, nothing to decode
         # from, and only the rows before `begin` (and then each finished chunk's) are known to hold these ids.
         self.last, self._queued = None, None  # a step still queued is ordered before this prefill; dropped
@@ -322,6 +350,26 @@ class PlanRunner:
                          self.slot)
         self.backend.set("seen", seen_row(sampler.seen, plans.seen_stride(self.cfg.vocab_size))[None], self.slot)
         return Prefill(self, self.slot, self._first_token(prompt, state, begin, logprobs, prompt_logprobs))
+
+    def _exact_begin(self, prompt: list[int]) -> int:
+        """The prefix cache: the first row of `prompt` to compute when the rows before it may be taken from the
+        cache because a fresh prefill would write them bit for bit. A prefill runs in chunks of prefill_chunk
+        rows from row 0, each chunk a function of its ids, its position, its row count (a GPU GEMM splits K by
+        the rows: prefill_kernels.split_rule) and the rows before it; so the whole chunks that a prefill from
+        row 0 (or from the end of such a chunk) wrote, `exact` rows, are any prompt's that begins with their ids.
+        The prompt then runs from a chunk boundary in the same chunks as from row 0, and its last chunk, which
+        samples the first token, always runs: the answer is the fresh one, bit for bit, whatever ran before.
+        Rows written otherwise (decode and verify steps, reuse_cache's prefills from any row) never count."""
+        return self.prefix_rows(prompt, self.slot)
+
+    def prefix_rows(self, prompt: Sequence[int], slot: int) -> int:
+        """The rows of `prompt` the prefix cache of `slot` holds (_exact_begin; 0 with prefix_cache off): a batch
+        puts a request where it gets the most (generation/batch.py)."""
+        if not self.prefix_cache:
+            return 0
+        seq, chunk = self._seqs[slot], self.prefill_chunk
+        shared = common_prefix(seq.cached[:seq.exact], prompt)
+        return min(shared, len(prompt) - 1) // chunk * chunk
 
     def _first_token(self, prompt, state, begin, logprobs, prompt_logprobs):
         """The generator behind a Prefill: each chunk, then the first token (its return value), read in the same
@@ -625,7 +673,7 @@ class PlanRunner:
         if not 0 < len(token_ids) <= self.max_seq_len:
             raise PromptError(f"score() takes 1 to {self.max_seq_len} tokens, got {len(token_ids)}")
         self.last, self._queued, self.cached, self.mask = None, None, [], None  # decoding needs a start()
-        self._logprobs, self._records, self.prompt_logprobs = None, [], []
+        self._logprobs, self._records, self.prompt_logprobs, self.reused = None, [], [], 0
         return Prefill(self, self.slot, self._scored(list(token_ids), top))
 
     def _scored(self, ids: list[int], top: int):

@@ -125,6 +125,32 @@ def test_prefix_reuse_matches_a_fresh_prefill(stories_dir):
     np.testing.assert_allclose(runner.backend.read("logits"), fresh.backend.read("logits"), atol=3e-2)
 
 
+def test_prefix_cache_is_a_fresh_prefill_bit_for_bit(stories_dir):
+    """The prefix cache (runtime/engine.py: _exact_begin) on the real kernels: after a history (a prompt, its
+    tokens, a chat turn reusing the cache), a prompt that shares 37 ids with it skips its two whole chunks of 16 and
+    gets a fresh prefill's logits, K and V rows and tokens, bit for bit, through the captured decode graph."""
+    ckpt = open_checkpoint(stories_dir)
+    cached, fresh = (PlanRunner(ckpt.config, CudaBackend(), 256, prefill_chunk=16) for _ in range(2))
+    for runner in (cached, fresh):
+        load_checkpoint(runner.backend, ckpt)
+    fresh.prefix_cache = False
+    history = [1] + [3 + (11 * i) % 500 for i in range(44)]
+    first = [cached.start(history, GREEDY)] + [cached.next() for _ in range(8)]
+    cached.start(history + first + [261], GREEDY, reuse=True)  # a chat turn: rows from decode steps and row 45 on
+    prompt = history[:37] + [378, 403, 407]
+    sampled = SamplingParams(temperature=0.9, top_p=0.95, seed=5)
+    tokens = {id(r): [r.start(prompt, sampled)] for r in (cached, fresh)}
+    assert cached.reused == 32 and fresh.reused == 0
+    np.testing.assert_array_equal(cached.backend.read("logits"), fresh.backend.read("logits"))
+    for name in ("k_cache", "v_cache"):
+        np.testing.assert_array_equal(cached.backend.read(name)[:, 0, :, :len(prompt)],
+                                      fresh.backend.read(name)[:, 0, :, :len(prompt)])
+    for _ in range(24):
+        for r in (cached, fresh):
+            tokens[id(r)].append(r.next())
+    assert tokens[id(cached)] == tokens[id(fresh)]
+
+
 @pytest.mark.parametrize("sampling", [{}, {"temperature": 0.8, "top_k": 40, "top_p": 0.9, "seed": 3}])
 def test_overlapped_plans_equal_the_plain_ones_bit_for_bit(sampling):
     """Programmatic dependent launch: each kernel starts while the one before finishes. Any kernel that

@@ -49,6 +49,22 @@ def test_latencies_are_arrival_to_arrival_and_warmup_is_excluded():
     assert latencies == [1_000_000, 2_000_000, 3_000_000, 4_000_000] * 3  # the prefill's token only starts the clock
 
 
+def test_every_ttft_trial_prefills_the_whole_prompt():
+    """The prefix cache would skip the whole chunks the trial before wrote: it is off while TTFT is timed, and as it
+    was after."""
+    import cullama
+
+    runner = cullama.Llama.synthetic(TINY, device="cpu", max_seq_len=64, prefill_chunk=8).runner
+    chunks, real = [], runner.backend.run
+    runner.backend.run = lambda plan: (chunks.append(plan.name) if plan.name.startswith("prefill[") else None,
+                                       real(plan))[1]
+    bench.ttft(runner, list(range(3, 23)), trials=2, warmup=1)
+    assert chunks == ["prefill[0:8]", "prefill[8:16]", "prefill[16:20]"] * 3
+    assert runner.prefix_cache
+    runner.start(list(range(3, 23)), bench.GREEDY)
+    assert runner.reused == 16
+
+
 def test_percentiles_throughput_and_ttft_on_known_latencies():
     # 100 tokens per trial, token n takes n ms: p50 50.5, p90 90.1, p99 99.01, max 100, mean 50.5
     runner = FakeRunner(lambda trial, n: n * 10**6, ttft_ns=3_000_000)

@@ -519,6 +519,12 @@ def test_prefill_step_times_every_kernel_pair_and_checks_it(fake, monkeypatch, t
     for r in record["rows"]:
         assert r["check_ok"] and r["logits_max_diff"] == 0.0  # the twins: the same function, bit for bit
         assert len(r["trials"]) == 2 and 0 < r["ttft_min_ms"] <= r["ttft_ms"] and r["floor_ms"] > 0
+    # the prefix cache, default pair, first chunk (16): L=40 finds its two whole chunks, L=3 none
+    cached = [(c["length"], c["reused"], c["bit_exact"]) for c in record["prefix_cache"]]
+    assert cached == [(3, 0, True), (40, 32, True)]
+    assert all(c["ttft_ms"] > 0 and c["fresh_ttft_ms"] == record["rows"][i]["ttft_ms"]
+               for i, c in enumerate(record["prefix_cache"]))
+    assert "  prefix cache L=40: 32 rows reused, " in stdout and "bit-exact: True" in stdout
     lines = stdout.splitlines()
     assert "pairs mma+scalar, mma+mma, wgmma+scalar, wgmma+mma; chunks 16, 40" in lines[0]
     assert lines[-1] == f"wrote {out}"

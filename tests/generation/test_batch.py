@@ -200,8 +200,10 @@ def test_a_prompt_longer_than_the_chunk_joining_mid_run_gets_its_solo_tokens(bat
 
 def test_a_joining_prompt_runs_one_chunk_between_two_tokens_of_the_running(batched, monkeypatch):
     """The schedule, recorded at the backend: while prompts of three chunks join (one to generate, one only
-    scored), at most one prefill chunk runs between two batched steps, and the chunks are the model's own."""
+    scored), at most one prefill chunk runs between two batched steps, and the chunks are the model's own (every
+    one of them: the prefix cache, which would skip those an earlier test left in the slots, is off)."""
     backend, events = batched.runner.backend, []
+    monkeypatch.setattr(batched.runner, "prefix_cache", False)
     for name in ("run", "replay"):
         real = getattr(backend, name)
         monkeypatch.setattr(backend, name, lambda plan, real=real: (events.append(plan.name), real(plan))[1])
@@ -226,6 +228,30 @@ def test_a_joining_prompt_runs_one_chunk_between_two_tokens_of_the_running(batch
             assert between == 1, events
     assert not any(s.ended for s in running)  # they ran throughout
     assert joining[1].result.prompt_logprobs == batched.logprobs(LONG[:140], 1)
+
+
+def test_a_returning_conversation_finds_its_prefix_in_the_slot_it_left(stories_dir):
+    """The prefix cache in a batch: a request goes to the free slot whose cache holds the most of its prompt (here
+    not the lowest), skips those rows (cached_tokens), and gets its solo answer; a new prompt takes the slot idle the
+    longest, leaving the others' caches alone."""
+    model = cullama.Llama.from_pretrained(stories_dir, device="cpu", max_batch=3)
+    fresh = cullama.Llama.from_pretrained(stories_dir, device="cpu", max_batch=3)
+    fresh.runner.prefix_cache = False
+    session = model.batch()
+    first = [session.submit(p, max_new_tokens=4) for p in (PROMPTS[0], LONG, PROMPTS[1])]
+    session.run()
+    assert [s.slot for s in first] == [None] * 3 and [s.result.cached_tokens for s in first] == [0, 0, 0]
+    slots = [model.runner.prefix_rows(LONG + [9], s) for s in range(3)]
+    assert slots == [0, 128, 0]  # LONG's two whole chunks of 64, in the second slot
+    options = dict(max_new_tokens=20, temperature=0.9, seed=11)
+    taken, slot_for = [], session._slot_for
+    session._slot_for = lambda stream: taken.append(slot_for(stream)) or taken[-1]
+    back = session.submit(LONG + [9, 10], **options)
+    other = session.submit([1, 250, 251], max_new_tokens=3)
+    session.run()
+    assert taken == [1, 0]  # `other`: the slot idle the longest (the first request's), not the third's
+    assert back.result.cached_tokens == 128 and other.result.cached_tokens == 0
+    same(back.result, fresh.generate(LONG + [9, 10], **options))
 
 
 def test_max_batch_is_checked_before_anything_loads(stories_dir):

@@ -3,9 +3,11 @@ kernels are kernels_cu compiled for the CPU by cullama.runtime.emu, so these GPU
 through the CUDA backend, its captured graphs and all, on the CPU, in the fastest schedule (forward). CI runs those it
 can afford (about two and a half minutes of CPU): stories260K's 256 greedy ids (its documented output), the golden
 checkpoints' logits against HuggingFace's, graph replay against eager launches and the NumPy backend, prefix
-reuse, a two-layer model against the reference, verify steps and batched steps against plain steps (bit for bit,
-through their graphs; a prompt of several chunks joining a batch), and the kernel tests at their GPU shapes
-(LLaMA-2-7B's among them) but the sampling ones that draw thousands of times and the 7B-sized GEMMs. The others need a GPU's speed (tens of minutes here). They skip, with the GPU tests' own reason, where ../shared is absent."""
+reuse and the prefix cache, a two-layer model against the reference, verify steps and batched steps against plain
+steps (bit for bit, through their graphs; a prompt of several chunks joining a batch), and the kernel tests at their
+GPU shapes (LLaMA-2-7B's among them) but the sampling ones that draw thousands of times and the 7B-sized GEMMs. The
+others need a GPU's speed (tens of minutes here). They skip, with the GPU tests' own reason, where ../shared is
+absent."""
 
 import os
 import subprocess
@@ -22,6 +24,7 @@ MODEL = "tests/api/test_gpu_model.py::"
 SELECTED = [f"{MODEL}test_stories260k_greedy_ids", f"{MODEL}test_logits_within_fp16_tolerance_of_huggingface",
             f"{MODEL}test_graph_replay_equals_eager_launches_and_the_numpy_backend",
             f"{MODEL}test_prefix_reuse_matches_a_fresh_prefill",
+            f"{MODEL}test_prefix_cache_is_a_fresh_prefill_bit_for_bit",
             f"{MODEL}test_two_layers_of_llama2_7b_shape_match_the_reference",
             "tests/runtime/ops/test_fill.py", "tests/runtime/ops/test_prefill.py",
             "tests/runtime/ops/test_attention.py", "tests/runtime/ops/test_attention_mma.py",
