@@ -373,8 +373,8 @@ def prepare(llm, body: GenerationRequest, chat: bool, speculative: dict) -> tupl
         raise ApiError(400, str(exc), param=param) from None
     context = llm.runner.max_seq_len
     options = {"max_new_tokens": body.max_new_tokens(context),
-               "temperature": body.temperature, "top_k": body.top_k, "top_p": body.top_p,
-               "repetition_penalty": body.repetition_penalty, "seed": body.seed, "stop": body.stops(),
+               "temperature": body.temperature, "top_k": body.top_k, "top_p": body.sampling_top_p(),
+               "repetition_penalty": body.repetition_penalty, "seed": body.sampling_seed(), "stop": body.stops(),
                "ignore_eos": body.ignore_eos, **body.logprob_options()}
     if constraint is not None:
         options["constraint"] = constraint
@@ -434,56 +434,44 @@ async def whole_answer(answer: Answer, job: Job, event, scores: Logprobs, tools:
             text, calls, n = tools.whole(text)
             finish = tools.finish_reason(finish, n)
         return JSONResponse(answer.whole(text, finish, event.prompt_tokens, event.completion_tokens,
-                                         scores.value(records, prompt), calls))
+                                         scores.value(records, prompt), calls, event.cached_tokens))
     return error_response(job_error(event))
 
 
 async def stream_events(answer: Answer, job: Job, event, scores: Logprobs, tools: ToolReply | None = None):
-    """The SSE body: chunks as the text becomes final, the finish reason, the usage if asked, [DONE]. An echo's
-    prompt text (and its log-probabilities) goes with the first chunk. With log-probabilities, each chunk's
-    tokens spell its text (Logprobs.spelled): text that ends inside a token waits for the rest of it. With tools, the
-    text goes through the reply's ToolStreamer: content and tool-call deltas, each piece's log-probabilities on its
-    first chunk (or the next one)."""
-    first, prompt = True, None  # prompt: the prompt's log-probabilities, until a chunk carries them
+    """The SSE body: chunks as the text becomes final, the finish reason, the usage if asked, [DONE]. Without tools
+    the chunks are responses.TextChunks' (each chunk's log-probabilities spell its text; an echo's prompt text and
+    its log-probabilities go with the first). With tools, the text goes through the reply's ToolStreamer: content and
+    tool-call deltas, each piece's log-probabilities on its first chunk (or the next one)."""
     streamer = tools.streamer() if tools is not None else None
+    text = answer.text_chunks(scores)
+    first = True  # (with tools) no chunk sent yet
     held = None  # log-probabilities of pieces that made no chunk yet (text a ToolStreamer holds back)
     while True:
         if isinstance(event, Piece) and streamer is not None:
             logprobs = scores.value(event.logprobs, event.prompt_logprobs)
             held = logprobs if held is None else _joined(held, logprobs)
-            for text, calls in deltas(streamer.push(event.text)):
-                yield sse(answer.chunk(text, first=first, logprobs=held, tool_calls=calls))
+            for piece, calls in deltas(streamer.push(event.text)):
+                yield sse(answer.chunk(piece, first=first, logprobs=held, tool_calls=calls))
                 first, held = False, None
         elif isinstance(event, Piece):
-            prompt = prompt or event.prompt_logprobs
-            text, records = scores.spelled(event.text, event.logprobs) if scores.top is not None else \
-                (event.text, ())
-            if text or records:
-                yield sse(answer.chunk(scores.prefix + text if first else text, first=first,
-                                       logprobs=scores.value(records, prompt)))
-                first, prompt = False, None
+            for chunk in text.piece(event.text, event.logprobs, event.prompt_logprobs):
+                yield sse(chunk)
         elif isinstance(event, Finished):
-            finish = event.finish_reason
             if streamer is not None:
                 rest = scores.value(event.logprobs, event.prompt_logprobs) \
                     if event.logprobs or event.prompt_logprobs else None  # the tokens no piece carried (an EOS)
                 rest = rest if held is None else _joined(held, rest)
-                for text, calls in deltas(streamer.finish()):
-                    yield sse(answer.chunk(text, first=first, logprobs=rest, tool_calls=calls))
+                for piece, calls in deltas(streamer.finish()):
+                    yield sse(answer.chunk(piece, first=first, logprobs=rest, tool_calls=calls))
                     first, rest = False, None
-                finish = tools.finish_reason(finish, len(streamer.calls))
+                finish = tools.finish_reason(event.finish_reason, streamer.read)
+                yield sse(answer.chunk(None, finish, first=first, logprobs=rest))
             else:
-                prompt = prompt or event.prompt_logprobs
-                text, records = scores.rest(event.logprobs) if scores.top is not None else ("", ())
-                if text:  # held back to the end: its own chunk, with every token not yet sent
-                    yield sse(answer.chunk(scores.prefix + text if first else text, first=first,
-                                           logprobs=scores.value(records, prompt)))
-                    first, prompt, records = False, None, ()
-                rest = scores.value(records, prompt) if records or prompt else None  # tokens no piece carried (EOS)
-            yield sse(answer.chunk(scores.prefix if first and scores.prefix else None, finish,
-                                   first=first, logprobs=rest))
+                for chunk in text.finished(event.finish_reason, event.logprobs, event.prompt_logprobs):
+                    yield sse(chunk)
             if answer.include_usage:
-                yield sse(answer.usage_chunk(event.prompt_tokens, event.completion_tokens))
+                yield sse(answer.usage_chunk(event.prompt_tokens, event.completion_tokens, event.cached_tokens))
             yield SSE_DONE
             return
         elif isinstance(event, Stopped) and event.reason == "cancelled":

@@ -88,6 +88,10 @@ class Choices:
         """usage.prompt_tokens: each prompt's once, however many choices it has."""
         return sum(len(row.ids) for row in self.rows if row.index % self.body.n == 0)
 
+    def cached_tokens(self, finished: dict[int, Finished]) -> int:
+        """usage.prompt_tokens_details.cached_tokens: each prompt's once, as its first choice found them."""
+        return sum(finished[row.index].cached_tokens for row in self.rows if row.index % self.body.n == 0)
+
 
 class RowJob(Job):
     """A row's Job: its events go to the request's one queue, as (choice index, event)."""
@@ -144,31 +148,29 @@ async def whole_answer(answer: Answer, choices: Choices, events: asyncio.Queue, 
         one = answer.whole(row.scores.prefix + "".join(texts[row.index]), end.finish_reason, end.prompt_tokens,
                            end.completion_tokens, row.scores.value(records[row.index], prompts[row.index]))
         out += indexed(one, row.index)["choices"]
-    body = answer.whole("", "stop", choices.prompt_tokens(), completion)  # the head and the usage
+    body = answer.whole("", "stop", choices.prompt_tokens(), completion,  # the head and the usage
+                        cached_tokens=choices.cached_tokens(finished))
     return JSONResponse({**body, "choices": out})
 
 
 async def stream_events(answer: Answer, choices: Choices, events: asyncio.Queue, event: tuple, job_error: Callable):
-    """The SSE body: each choice's chunks as its text becomes final (its echo with its first), its finish reason, and
-    once every choice has finished the usage if asked, then [DONE]."""
-    started, completion, left = set(), 0, len(choices.rows)
+    """The SSE body: each choice's chunks as its text becomes final (responses.TextChunks, as a single choice's: the
+    log-probabilities of each chunk spell its text, its echo with its first), its finish reason, and once every
+    choice has finished the usage if asked, then [DONE]."""
+    texts = {row.index: answer.text_chunks(row.scores) for row in choices.rows}
+    completion, left, finished = 0, len(choices.rows), {}
     while True:
         index, got = event
-        scores = choices.rows[index].scores
-        first = index not in started
         if isinstance(got, Piece):
-            started.add(index)
-            yield sse(indexed(answer.chunk(scores.prefix + got.text if first else got.text, first=first,
-                                           logprobs=scores.value(got.logprobs, got.prompt_logprobs)), index))
+            for chunk in texts[index].piece(got.text, got.logprobs, got.prompt_logprobs):
+                yield sse(indexed(chunk, index))
         elif isinstance(got, Finished):
-            started.add(index)
-            rest = scores.value(got.logprobs, got.prompt_logprobs) if got.logprobs or got.prompt_logprobs else None
-            yield sse(indexed(answer.chunk(scores.prefix if first and scores.prefix else None, got.finish_reason,
-                                           first=first, logprobs=rest), index))
-            completion, left = completion + got.completion_tokens, left - 1
+            for chunk in texts[index].finished(got.finish_reason, got.logprobs, got.prompt_logprobs):
+                yield sse(indexed(chunk, index))
+            completion, left, finished[index] = completion + got.completion_tokens, left - 1, got
             if not left:
                 if answer.include_usage:
-                    yield sse(answer.usage_chunk(choices.prompt_tokens(), completion))
+                    yield sse(answer.usage_chunk(choices.prompt_tokens(), completion, choices.cached_tokens(finished)))
                 yield SSE_DONE
                 return
         elif isinstance(got, Stopped) and got.reason == "cancelled":

@@ -48,6 +48,7 @@ class Finished:
     completion_tokens: int
     logprobs: tuple = ()  # as Piece's: those of the tokens no Piece carried
     prompt_logprobs: tuple | None = None
+    cached_tokens: int = 0  # prompt tokens the prefix cache gave (Generation.cached_tokens)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -267,12 +268,12 @@ class Engine:
         if result.finish_reason not in ("eos", "stop", "length"):  # a way to end that no request asked for
             return self._finish(job, Failed(f"the generation ended early ({result.finish_reason})"))
         self._finish(job, Finished(result.finish_reason, len(job.prompt_ids), result.completion_tokens,
-                                   **(scores.take() if scores else {})))
+                                   cached_tokens=result.cached_tokens, **(scores.take() if scores else {})))
 
     def _measure(self, job: Job, started: float, result) -> None:
         """The tokens and timings of a generation, however it ended (Llama.stream's own timings)."""
         first_token_s = started - job.arrived + result.timings.prefill_s if result.timings.prefill_s else None
-        self.metrics.generated(result.completion_tokens, first_token_s, result.timings.token_s)
+        self.metrics.generated(result.completion_tokens, first_token_s, result.timings.token_s, result.cached_tokens)
         if result.speculative is not None:
             self.metrics.speculated(result.speculative)
         elif self.max_batch == 1:  # each token after the first: a decode step of one row
@@ -371,7 +372,7 @@ class Engine:
             what = type(stream.error).__name__ if stream.error is not None else result.finish_reason
             return self._close(job, Failed(f"the generation ended early ({what})"))
         self._close(job, Finished(result.finish_reason, len(job.prompt_ids), result.completion_tokens,
-                                  **(scores.take() if scores else {})))
+                                  cached_tokens=result.cached_tokens, **(scores.take() if scores else {})))
 
     def _close(self, job: Job, event: Event) -> None:
         with self._lock:

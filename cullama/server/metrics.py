@@ -58,6 +58,7 @@ class Metrics:
         self._lock = threading.Lock()
         self.requests = dict.fromkeys(OUTCOMES, 0)
         self.prompt_tokens = 0
+        self.cached_tokens = 0  # of those, the prefix cache's (Generation.cached_tokens)
         self.generated_tokens = 0
         self.queue_depth = 0
         self.running = 0
@@ -91,10 +92,12 @@ class Metrics:
         with self._lock:
             self.prompt_tokens += tokens
 
-    def generated(self, tokens: int, first_token_s: float | None, token_s: list[float]) -> None:
-        """One generation's tokens and times, however it ended; no first token, no time to it."""
+    def generated(self, tokens: int, first_token_s: float | None, token_s: list[float], cached: int = 0) -> None:
+        """One generation's tokens and times, however it ended; no first token, no time to it. `cached`: its
+        prompt tokens the prefix cache gave."""
         with self._lock:
             self.generated_tokens += tokens
+            self.cached_tokens += cached
             if first_token_s is not None:
                 self.ttft.observe(first_token_s)
             for t in token_s:
@@ -114,6 +117,9 @@ class Metrics:
                         [f'cullama_requests_total{{outcome="{o}"}} {n}' for o, n in self.requests.items()]),
                 _metric("cullama_prompt_tokens_total", "counter", "Prompt tokens of the generations started.",
                         [f"cullama_prompt_tokens_total {self.prompt_tokens}"]),
+                _metric("cullama_prompt_tokens_cached_total", "counter",
+                        "Prompt tokens taken from the prefix cache, not computed again (the answer is the same).",
+                        [f"cullama_prompt_tokens_cached_total {self.cached_tokens}"]),
                 _metric("cullama_generation_tokens_total", "counter", "Tokens generated, cancelled requests included.",
                         [f"cullama_generation_tokens_total {self.generated_tokens}"]),
                 _metric("cullama_queue_depth", "gauge", "Requests waiting for the engine.",

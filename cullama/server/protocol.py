@@ -23,6 +23,7 @@ MaxTokens = Annotated[StrictInt, Field(ge=1)]
 # Stop strings a request may give: OpenAI takes 4; code-completion clients send a dozen or so. The matcher's
 # work per token grows with the longest (cullama/text/stop_strings.py), and text that may begin one is held back.
 MAX_STOPS, MAX_STOP_CHARS = 16, 256
+TOP_P_ZERO = 1.1754943508222875e-38  # OpenAI's top_p 0: float32's smallest normal number, the top token alone
 
 # The error `type` OpenAI's API gives each status (clients key on the status; people read the type).
 ERROR_TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error",
@@ -199,6 +200,18 @@ class GenerationRequest(BaseModel):
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
 
+    def sampling_top_p(self):
+        """The library's top_p for OpenAI's: its range is [0, 1], and 0 (only the most likely token) is the
+        library's smallest, which keeps that token alone (a top_p the library refuses stays as it is)."""
+        return TOP_P_ZERO if self.top_p == 0 else self.top_p
+
+    def sampling_seed(self) -> int | None:
+        """The library's seed for OpenAI's: an int64 (front-ends send -1, and other negative seeds), so a negative
+        one is taken modulo 2**64, as the same 64 bits (the library's range is [0, 2**64))."""
+        if self.seed is not None and -2**63 <= self.seed < 0:
+            return self.seed % 2**64
+        return self.seed
+
 
 class CompletionRequest(GenerationRequest):
     """POST /v1/completions: `prompt` is a text or a list of token ids (BOS is added to a text only), or a list of
@@ -246,7 +259,7 @@ class CompletionRequest(GenerationRequest):
                 raise ApiError(400, "prompt must be a text or a list of integer token ids", param="prompt")
             if not self.prompt:
                 raise ApiError(400, "prompt is an empty list of token ids: give at least one (an empty text "
-                                    "starts from BOS alone)", param="prompt")
+                                    "starts from BOS alone, where the tokenizer adds one)", param="prompt")
 
     def is_batch(self) -> bool:
         """Whether `prompt` is a list of prompts (texts, or token-id lists) rather than one."""

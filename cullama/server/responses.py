@@ -23,9 +23,12 @@ def sse(payload: dict) -> bytes:
     return b"data: " + json.dumps(payload, separators=(",", ":"), ensure_ascii=False).encode() + b"\n\n"
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict:
+    """OpenAI's usage object; `cached_tokens`: the prompt tokens the prefix cache gave (runtime/engine.py), as
+    OpenAI's prompt caching reports them."""
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
 
 
 class Answer:
@@ -42,7 +45,7 @@ class Answer:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
 
     def whole(self, text: str | None, finish_reason: str, prompt_tokens: int, completion_tokens: int,
-              logprobs: dict | None = None, tool_calls: list[dict] | None = None) -> dict:
+              logprobs: dict | None = None, tool_calls: list[dict] | None = None, cached_tokens: int = 0) -> dict:
         """The whole answer; `logprobs`: the choice's (server/logprobs.py), None where none was asked for;
         `tool_calls`: the chat message's (OpenAI's shape), its content then the text before them or None."""
         finish = FINISH_REASONS[finish_reason]
@@ -54,7 +57,7 @@ class Answer:
         else:
             choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}
         return {**self._head("chat.completion" if self.chat else "text_completion"), "choices": [choice],
-                "usage": usage(prompt_tokens, completion_tokens)}
+                "usage": usage(prompt_tokens, completion_tokens, cached_tokens)}
 
     def chunk(self, text: str | None, finish_reason: str | None = None, first: bool = False,
               logprobs: dict | None = None, tool_calls: list[dict] | None = None) -> dict:
@@ -76,7 +79,54 @@ class Answer:
             chunk = {**self._head("text_completion"), "choices": [choice]}
         return {**chunk, "usage": None} if self.include_usage else chunk
 
-    def usage_chunk(self, prompt_tokens: int, completion_tokens: int) -> dict:
+    def text_chunks(self, scores) -> "TextChunks":
+        """One choice's streamed text chunks (no tools); `scores`: its server/logprobs.py Logprobs."""
+        return TextChunks(self, scores)
+
+    def usage_chunk(self, prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict:
         """The extra last chunk of `stream_options.include_usage`: no choices, the usage."""
         head = self._head("chat.completion.chunk" if self.chat else "text_completion")
-        return {**head, "choices": [], "usage": usage(prompt_tokens, completion_tokens)}
+        return {**head, "choices": [], "usage": usage(prompt_tokens, completion_tokens, cached_tokens)}
+
+
+class TextChunks:
+    """One choice's streamed chunks when it calls no tools, one request's or one of its n (server/choices.py): each
+    chunk's log-probability entries spell its text (Logprobs.spelled: text that ends inside a token waits for the
+    rest of it), an echo's prompt text and entries go with its first chunk, and a piece that makes no chunk yet makes
+    none (its text and tokens wait)."""
+
+    def __init__(self, answer: Answer, scores):
+        self.answer, self.scores = answer, scores
+        self.first = True  # no chunk sent yet: the next names the role (chat) and carries the echo
+        self.prompt = None  # the prompt's log-probabilities, until a chunk carries them
+
+    def piece(self, text: str, logprobs, prompt_logprobs) -> list[dict]:
+        """The chunks of a piece of text that became final and the tokens that came with it (0 or 1)."""
+        self.prompt = self.prompt or prompt_logprobs
+        if self.scores.top is not None:
+            text, logprobs = self.scores.spelled(text, logprobs)
+        if not (text or logprobs):
+            return []
+        return [self._chunk(text, logprobs)]
+
+    def finished(self, finish_reason: str, logprobs, prompt_logprobs) -> list[dict]:
+        """The last chunks: the text and tokens still held (with `logprobs`, those no piece carried: an EOS, the
+        tokens a stop string cut), then the finish reason."""
+        self.prompt = self.prompt or prompt_logprobs
+        text, records = self.scores.rest(logprobs) if self.scores.top is not None else ("", ())
+        out = []
+        if text:  # held back to the end: its own chunk, with every token not sent yet
+            out.append(self._chunk(text, records))
+            records = ()
+        rest = self.scores.value(records, self.prompt) if records or self.prompt else None
+        prefix = self.scores.prefix if self.first and self.scores.prefix else None
+        out.append(self.answer.chunk(prefix, finish_reason, first=self.first, logprobs=rest))
+        self.first = False
+        return out
+
+    def _chunk(self, text: str, records) -> dict:
+        chunk = self.answer.chunk(self.scores.prefix + text if self.first else text, first=self.first,
+                                  logprobs=self.scores.value(records, self.prompt))
+        self.first, self.prompt = False, None
+        return chunk
+

@@ -44,12 +44,17 @@ class ToolReply:
     fmt: ToolFormat
     choice: str  # "auto", "required" or "named"
     named: str | None = None
+    parallel: bool = True  # parallel_tool_calls (false: a reply's first call only)
+
+    def _reading(self) -> dict:
+        """How its text is read (ToolStreamer's options): a forced call has no content (its grammar allows none)."""
+        return {"named": self.named, "most": None if self.parallel else 1, "content": self.choice == "auto"}
 
     def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
-        return self.fmt.parse(text, self.named)
+        return self.fmt.parse(text, **self._reading())
 
     def streamer(self):
-        return self.fmt.streamer(self.named)
+        return self.fmt.streamer(**self._reading())
 
     def finish_reason(self, finish: str, calls: int) -> str:
         """The finish_reason (responses.FINISH_REASONS') of a reply with `calls` tool calls that the library ended
@@ -104,7 +109,7 @@ def structured(llm, body) -> tuple[Constraint | None, ToolReply | None, list | N
             raise _refused(400, "tool_choice \"auto\" needs a chat template that defines tool calls (as LLaMA-3.1's "
                                 "and Qwen2.5's do), and this model's has none; use \"required\" or name a function",
                            "tool_choice")
-        return None, ToolReply(fmt, "auto"), shown
+        return None, ToolReply(fmt, "auto", parallel=getattr(body, "parallel_tool_calls", None) is not False), shown
     named = None if choice == "required" else choice.function.name
     if named is not None and named not in {t["function"]["name"] for t in tools}:
         raise _refused(400, f"tool_choice names the function {named!r}, which is not one of the tools",
@@ -119,7 +124,7 @@ def structured(llm, body) -> tuple[Constraint | None, ToolReply | None, list | N
     parallel = getattr(body, "parallel_tool_calls", None) is not False
     grammar = fmt.grammar(tools, named, parallel, special)
     constraint = _compiled(llm, Constraint.grammar(grammar, option="tool_choice"))
-    return constraint, ToolReply(fmt, "named" if named else "required", named), shown
+    return constraint, ToolReply(fmt, "named" if named else "required", named, parallel), shown
 
 
 def response_format(body) -> Constraint | None:

@@ -14,7 +14,8 @@ The formats, from the chat template that renders the tools (tool_format):
 A forced call (tool_choice "required", or a named function) is generated under `grammar`: the wrapper's bytes are
 literal, so the name is known once it is written, and only the arguments are free, under the function's own
 parameter schema (llguidance's %json; json.dumps' spacing, as grammar.JSON_STYLE). Under "auto" the model writes
-what it likes and `parse` reads whatever calls it wrote (a block that does not parse stays text).
+what it likes and the calls it wrote are read back, whole (`parse`) or as it streams (ToolStreamer), the one through
+the other: a reply reads the same either way (a block that is no call stays text).
 """
 
 from __future__ import annotations
@@ -78,45 +79,28 @@ class ToolFormat:
         """A call's text up to its arguments."""
         return f'{{"name": {json.dumps(name, ensure_ascii=False)}, "{self.args_key}": '
 
-    def parse(self, text: str, named: str | None = None) -> tuple[str | None, list[ToolCall]]:
-        """(the reply's content, its tool calls) read from its text; `named`: the json format's forced function
-        (the text is its arguments, by the grammar: a reply cut at max_tokens is still that call, its arguments cut
-        too, as OpenAI's and as the streamer sends it). A text with no call that parses is all content."""
-        if self.name == "json" and named is not None:
-            return None, [ToolCall(named, text.strip())]
-        if self.name == "hermes":
-            start = text.find("<tool_call>")
-            if start < 0:
-                return text, []
-            calls = []
-            for block in re.findall(r"<tool_call>(.*?)(?:</tool_call>|$)", text[start:], re.S):
-                call = _call(block)
-                if call is None:
-                    return text, []
-                calls.append(call)
-            content = text[:start]
-            return (content if content.strip() else None), calls
-        body = text.strip().removeprefix("<|python_tag|>").strip()
-        if self.name == "llama3_json":
-            call = _call(body) if body.startswith("{") else None
-            return (None, [call]) if call is not None else (text, [])
-        if not body.startswith("["):
-            return text, []
-        calls, rest = [], body[1:]
-        while True:
-            call, end = _call_at(rest)
-            if call is None:
-                return text, []
-            calls.append(call)
-            rest = rest[end:].lstrip()
-            if rest.startswith("]"):
-                return (None, calls) if not rest[1:].strip() else (text, [])
-            if not rest.startswith(","):
-                return text, []
-            rest = rest[1:].lstrip()
+    def parse(self, text: str, named: str | None = None, most: int | None = None,
+              content: bool = True) -> tuple[str | None, list[ToolCall]]:
+        """(the reply's content, its tool calls) read from its whole text: what its stream gives (ToolStreamer, with
+        these arguments), gathered, so that a reply reads the same whole and streamed. `named`: the forced function
+        (the json format's text is its arguments). A call cut at max_tokens is still that call, its arguments cut
+        too, as OpenAI's; a text with no call is all content; with calls, content that is only whitespace is None."""
+        streamer = self.streamer(named, most, content)
+        events = streamer.push(text) + streamer.finish()
+        shown = "".join(e.text for e in events if isinstance(e, Content))
+        names, arguments = {}, {}
+        for event in events:
+            if isinstance(event, CallStart):
+                names[event.index] = (event.name, event.call_id)
+            elif isinstance(event, Arguments):
+                arguments[event.index] = arguments.get(event.index, "") + event.text
+        calls = [ToolCall(name, arguments.get(i, ""), call_id) for i, (name, call_id) in sorted(names.items())]
+        if not calls:
+            return shown if content else None, []
+        return (shown if shown.strip() else None), calls
 
-    def streamer(self, named: str | None = None) -> "ToolStreamer":
-        return ToolStreamer(self, named)
+    def streamer(self, named: str | None = None, most: int | None = None, content: bool = True) -> "ToolStreamer":
+        return ToolStreamer(self, named, most, content)
 
 
 def _call(text: str) -> ToolCall | None:
@@ -203,10 +187,12 @@ class ToolStreamer:
     start (index, id, name) and its arguments in fragments as they are written. A call whose head is the format's
     own (always, under a grammar) streams its arguments as they come; any other is sent whole once it has ended;
     what cannot be a call is content. `finish()` ends the reply. The fragments of a call add up to its arguments'
-    text, as `parse` reads them."""
+    text, as `parse` reads them. `most`: the calls read at most (parallel_tool_calls false: 1), the others dropped;
+    `content` False: no content (a forced call, whose grammar allows none: a reply cut before its first call's name
+    has no content, rather than the markup it began with)."""
 
-    def __init__(self, fmt: ToolFormat, named: str | None = None):
-        self.fmt, self.named = fmt, named
+    def __init__(self, fmt: ToolFormat, named: str | None = None, most: int | None = None, content: bool = True):
+        self.fmt, self.named, self.most, self.content = fmt, named, most, content
         self.buffer, self.calls, self.index = "", [], -1
         self.mode = "args" if fmt.name == "json" and named is not None else "start"
         self.depth, self.in_string, self.escaped = 0, False, False
@@ -220,7 +206,23 @@ class ToolStreamer:
             step = getattr(self, f"_{self.mode}")(events)
             if not step:
                 break
-        return events
+        return self._kept(events)
+
+    @property
+    def read(self) -> int:
+        """The calls read so far (those `most` keeps)."""
+        return len(self.calls) if self.most is None else min(len(self.calls), self.most)
+
+    def _kept(self, events: list) -> list:
+        """The events the reply shows: no call past `most`, no content where there is none to show."""
+        def shown(event) -> bool:
+            if isinstance(event, Content):
+                return self.content
+            if isinstance(event, (CallStart, Arguments)):
+                return self.most is None or event.index < self.most
+            return True
+
+        return [e for e in events if shown(e)]
 
     def finish(self) -> list:
         """The rest: text held back (a possible start of a call that never came) as content."""
@@ -234,7 +236,7 @@ class ToolStreamer:
         elif self.buffer and self.mode in ("start", "content", "block") and self.index < 0:
             events.append(Content(self.opening + self.buffer if self.mode == "block" else self.buffer))
         self.buffer, self.block = "", ""
-        return [e for e in events if not isinstance(e, (Content, Arguments)) or e.text]
+        return self._kept([e for e in events if not isinstance(e, (Content, Arguments)) or e.text])
 
     def _begin(self, events: list, name: str) -> None:
         self.index += 1
@@ -339,13 +341,16 @@ class ToolStreamer:
                 return False if len(self.buffer) < 32 else self._stray(events)
             self.buffer, self.mode = self.buffer[match.end():], "content"
             return True
-        match = re.match(r"\s*\}\s*", self.buffer)
-        if match is None or match.end() == len(self.buffer) and self.fmt.name == "json":
+        if self.fmt.name == "llama3_json":  # its one call: what follows the '}' is content (_done), spaces and all
+            match = re.match(r"\s*\}", self.buffer)
+            if match is None:
+                return False
+            self.buffer, self.mode = self.buffer[match.end():], "done"
+            return True
+        match = re.match(r"\s*\}\s*(?=\S)", self.buffer)  # json: what follows decides (', ' or ']')
+        if match is None:
             return False
         self.buffer = self.buffer[match.end():]
-        if self.fmt.name == "llama3_json":
-            self.mode = "done"
-            return True
         if self.buffer.startswith(","):
             self.buffer, self.mode = self.buffer[1:], "block"
         elif self.buffer.startswith("]"):
@@ -355,8 +360,9 @@ class ToolStreamer:
         return True
 
     def _done(self, events: list) -> bool:
-        self.buffer = self.buffer if self.buffer.strip() else ""
-        if self.buffer:
+        """After the last call: text is content, but whitespace alone waits (what follows it keeps its spaces; at
+        the end it is dropped)."""
+        if self.buffer.strip():
             events.append(Content(self.buffer))
             self.buffer = ""
         return False

@@ -241,6 +241,8 @@ BAD_REQUESTS = [  # (what, path, body, status, param)
     ("a batch with a prompt over the context", "/v1/completions", {"prompt": [[1], [1] * 600]}, 400, "prompt.1"),
     ("a token id outside the vocabulary", "/v1/completions", {"prompt": [1, 512]}, 400, "prompt"),
     ("an out-of-range top_p", "/v1/completions", {"prompt": [1], "top_p": 1.5}, 400, "top_p"),
+    ("a negative top_p", "/v1/completions", {"prompt": [1], "top_p": -0.1}, 400, "top_p"),
+    ("a seed below int64's", "/v1/completions", {"prompt": [1], "seed": -2**63 - 1}, 400, "seed"),
     ("an assistant turn first", "/v1/chat/completions", {"messages": [{"role": "assistant", "content": "x"}]},
      400, "messages"),
     ("no prompt", "/v1/completions", {"max_tokens": 3}, 400, "prompt"),
@@ -443,3 +445,16 @@ def test_a_body_past_the_limit_is_a_413_whether_its_length_is_told_or_not(server
         conn.close()
     fits = json.dumps({"prompt": [1], "max_tokens": 4, "temperature": 0, "user": "x" * (limit - 100)})
     assert len(fits) <= limit and server.request("POST", "/v1/completions", fits)[0] == 200
+
+
+def test_what_openai_takes_for_top_p_and_seed_is_served(client, oracle):
+    """The fourth sweep: top_p 0 (OpenAI's range is [0, 1]: the most likely token alone) and a negative seed (an
+    int64: front-ends send -1) were 400s. top_p 0 now samples the top token alone, which is greedy's; a negative
+    seed is the library's seed of the same 64 bits, as reproducible as any."""
+    sampled = dict(model=MODEL, prompt=ONCE, max_tokens=16, temperature=1.0)
+    greedy = oracle.generate(ONCE, max_new_tokens=16).text
+    assert client.completions.create(**sampled, top_p=0, seed=5).choices[0].text == greedy
+    minus_one = client.completions.create(**sampled, seed=-1).choices[0].text
+    assert minus_one == client.completions.create(**sampled, seed=-1).choices[0].text
+    assert minus_one == oracle.generate(ONCE, max_new_tokens=16, temperature=1.0, seed=2**64 - 1).text
+

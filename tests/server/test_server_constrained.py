@@ -335,6 +335,28 @@ def test_required_and_named_in_the_familys_format(family):
         assert ended >= 2, choice
 
 
+def test_a_forced_call_cut_by_max_tokens_is_a_call_whole_and_streamed(family):
+    """The fourth sweep: "required" cut by max_tokens answered its markup as content, no call, unless streamed. Now
+    whole and streamed alike: the calls begun (the last one's arguments cut), no content, finish_reason "length"."""
+    cut = 0
+    for max_tokens in (20, 28, 40, 60):
+        body = {"tools": TOOLS, "tool_choice": "required", "temperature": 0, "max_tokens": max_tokens}
+        status, answer = family_chat(family, **body)
+        assert status == 200, answer
+        out = answer["choices"][0]
+        if out["finish_reason"] != "length":
+            continue
+        cut += 1
+        assert out["message"]["content"] is None
+        chunks = family.sse("/v1/chat/completions", {"messages": ASK, **body})
+        content, streamed = sse_tool_calls(chunks)
+        assert [(n, a) for _, n, a in streamed] == whole_calls(out["message"]) and content is None
+        assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+        if max_tokens >= 28:  # the name is written by then: the call is there, its arguments cut
+            assert whole_calls(out["message"])
+    assert cut >= 2
+
+
 def test_auto_reads_whatever_calls_the_model_wrote(family):
     """tool_choice "auto" (the default with tools): the model writes as it likes (here: random text, no call); its
     reply is content, finish_reason "stop", and streaming gives the same text."""

@@ -55,7 +55,7 @@ def test_lm_evaluation_harness_loglikelihood_request(server, oracle, max_tokens)
     expected = oracle.logprobs(STORY, top=1)
     assert fields["token_logprobs"][1:len(STORY)] == [r.logprob for r in expected[1:]]
     assert answer["usage"] == {"prompt_tokens": len(STORY), "completion_tokens": max_tokens,
-                               "total_tokens": n}
+                               "total_tokens": n, "prompt_tokens_details": {"cached_tokens": 0}}
     if max_tokens:  # lm_eval's reading: the continuation is every prompt token after the context's 10
         total, greedy = lm_eval_loglikelihood(choice, 10)
         assert total == pytest.approx(sum(r.logprob for r in expected[10:]))
@@ -149,32 +149,36 @@ def test_chat_logprobs_whole_and_streamed(client, oracle):
     assert all(c.top_logprobs == [] for c in bare.choices[0].logprobs.content)
 
 
-def test_each_streamed_chunks_tokens_spell_its_text(server, oracle):
+@pytest.mark.parametrize("n", [1, 2])
+def test_each_streamed_chunks_tokens_spell_its_text(server, oracle, n):
     """Issue 30 item 5: a token whose text a possible stop string held back had its entry in the chunk before its
     text, and the text then came in a chunk with no entries. Each chunk's entries now spell its text (the first
-    one's space too: the completion is read after its prompt), as OpenAI streams them."""
+    one's space too: the completion is read after its prompt), as OpenAI streams them; and with n choices (the fourth
+    sweep: each choice's chunks had their entries as they came, not with their text), each choice's chunks too."""
     reply = oracle.generate(STORY[:8], max_new_tokens=24, ignore_eos=True)
     surfaces = [oracle.tokenizer.piece(i).replace("\u2581", " ") for i in reply.token_ids]
     held = [k for k, surface in enumerate(surfaces[1:-1], 1) if len(surface.strip()) >= 3 and surface.isascii()]
     assert len(held) >= 3
     stops = [surfaces[k][-2:] + "\a" for k in held[:3]]  # each holds the end of a token back, never matches
     for path in ("/v1/completions", "/v1/chat/completions"):
-        body = {"model": MODEL, "max_tokens": 24, "temperature": 0, "ignore_eos": True, "stop": stops}
+        body = {"model": MODEL, "max_tokens": 24, "temperature": 0, "ignore_eos": True, "stop": stops, "n": n}
         if path == "/v1/completions":
             body.update(prompt=STORY[:8], logprobs=0)
         else:  # the chat template's prompt differs: only the spelling is compared
             body.update(messages=[{"role": "user", "content": "Once upon a time"}], logprobs=True)
-        chunks = [chunk["choices"][0] for chunk in server.sse(path, body)]
-        *texts, last = [(chunk["text"], (chunk["logprobs"] or {}).get("tokens", [])) if "text" in chunk else
-                        (chunk["delta"].get("content"), [bytes(entry["bytes"]).decode() for entry in
-                                                         (chunk["logprobs"] or {}).get("content", [])])
-                        for chunk in chunks]
-        assert last in (("", []), (None, [])) and chunks[-1]["finish_reason"] == "length"
-        for i, (text, tokens) in enumerate(texts):
-            spelled = "".join(tokens)
-            assert spelled == text, (path, i, texts)
-        if path == "/v1/completions":
-            assert "".join(text for text, _ in texts) == reply.text
+        every = [chunk["choices"][0] for chunk in server.sse(path, body)]
+        for index in range(n):
+            chunks = [chunk for chunk in every if chunk["index"] == index]
+            *texts, last = [(chunk["text"], (chunk["logprobs"] or {}).get("tokens", [])) if "text" in chunk else
+                            (chunk["delta"].get("content"), [bytes(entry["bytes"]).decode() for entry in
+                                                             (chunk["logprobs"] or {}).get("content", [])])
+                            for chunk in chunks]
+            assert last in (("", []), (None, [])) and chunks[-1]["finish_reason"] == "length"
+            for i, (text, tokens) in enumerate(texts):
+                spelled = "".join(tokens)
+                assert spelled == text, (path, index, i, texts)
+            if path == "/v1/completions":
+                assert "".join(text for text, _ in texts) == reply.text
 
 
 # -- what stays refused --------------------------------------------------------------------------------

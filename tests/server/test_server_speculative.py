@@ -68,7 +68,8 @@ def test_greedy_completion_from_bos_is_the_documented_text(server, stories_expec
     out = whole(server, {"prompt": [1], "max_tokens": n, **fields})
     after = server.metrics()
     assert out["choices"][0]["text"] == stories_expected["text"] and out["choices"][0]["finish_reason"] == "length"
-    assert out["usage"] == {"prompt_tokens": 1, "completion_tokens": n, "total_tokens": n + 1}
+    assert out["usage"] == {"prompt_tokens": 1, "completion_tokens": n, "total_tokens": n + 1,
+                            "prompt_tokens_details": {"cached_tokens": 0}}
     steps, drafted, accepted = speculated(before, after, method)
     assert steps + accepted == n - 1 and 0 < drafted <= K * steps  # each step: its accepted drafts and one token
     if method == "draft":

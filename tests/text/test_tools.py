@@ -118,9 +118,63 @@ def test_a_named_call_cut_short_is_still_the_call_whole_and_streamed():
     assert streamed(JSON, cut, random.Random(0), "get_weather") == parsed(JSON, cut, "get_weather")
 
 
-def test_text_after_a_plain_json_call_list_makes_it_no_call():
-    text = '[{"name": "g", "parameters": {}}] tail'
-    assert parsed(JSON, text) == (text, [])
+def test_text_after_a_call_is_content_after_it_whole_as_streamed():
+    """What follows a reply's calls is content (its spaces kept, whitespace alone dropped), read the same whole and
+    streamed a character at a time (the fourth sweep: the stream dropped a lone space, "and more" became "andmore")."""
+    for fmt, text, expected in [(JSON, '[{"name": "g", "parameters": {}}] tail', (" tail", [("g", "{}")])),
+                                (LLAMA31, '{"name": "f", "parameters": {"a": 1}} and more', (" and more",
+                                                                                             [("f", '{"a": 1}')])),
+                                (LLAMA31, '{"name": "f", "parameters": {"a": 1}} \n ', (None, [("f", '{"a": 1}')]))]:
+        one_by_one = fmt.streamer()
+        events = [e for ch in text for e in one_by_one.push(ch)] + one_by_one.finish()
+        assert parsed(fmt, text) == rebuild(events) == expected
+
+
+HERMES_CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+
+
+@pytest.mark.parametrize("fmt, text, expected", [
+    (HERMES, HERMES_CALL + '\n<tool_call>\n{"name": "get_time", "arguments": {"tz": "U',
+     [("get_weather", '{"city": "Paris"}'), ("get_time", '{"tz": "U')]),
+    (HERMES, '<tool_call>\n{"name": "get_weather", "arguments": {"city', [("get_weather", '{"city')]),
+    (HERMES, '<tool_call>\n{"name": "get_', []),
+    (LLAMA31, '{"name": "get_time", "parameters": {"tz": "N', [("get_time", '{"tz": "N')]),
+    (JSON, '[{"name": "get_time", "parameters": {"tz": "A"}}, {"name": "get_time", "parameters": {"t',
+     [("get_time", '{"tz": "A"}'), ("get_time", '{"t')]),
+])
+def test_a_forced_call_cut_by_max_tokens_is_still_a_call_whole_as_streamed(fmt, text, expected):
+    """The fourth sweep: tool_choice "required" cut by max_tokens gave its markup as the whole answer's content and
+    no call, while the stream gave the calls. Now both give every call begun, the last with its arguments cut (as
+    OpenAI's, finish_reason "length"), and no content: a forced reply has none (cut before a name: nothing)."""
+    assert fmt.parse(text, content=False)[0] is None
+    assert parsed_forced(fmt, text) == expected
+    streamer = fmt.streamer(content=False)
+    events = streamer.push(text[:9]) + streamer.push(text[9:]) + streamer.finish()
+    assert rebuild(events) == (None, expected)
+
+
+def parsed_forced(fmt: ToolFormat, text: str):
+    return [(c.name, c.arguments) for c in fmt.parse(text, content=False)[1]]
+
+
+def test_auto_replies_read_the_same_whole_and_streamed_keeping_every_call_that_parses():
+    """The fourth sweep: under "auto", one block that is no call made the whole answer all text (its calls lost),
+    while the stream kept the calls; one extra "}" likewise. Now the whole answer is the stream's."""
+    bad = HERMES_CALL + "\n<tool_call>\nnot a call\n</tool_call>"
+    content, calls = parsed(HERMES, bad)
+    assert calls == [("get_weather", '{"city": "Paris"}')]
+    assert (content, calls) == streamed(HERMES, bad, random.Random(2))
+    extra = '<tool_call>\n{"name": "f", "arguments": {"a": 1}}}\n</tool_call>'
+    assert parsed(HERMES, extra) == streamed(HERMES, extra, random.Random(3)) == (None, [("f", '{"a": 1}')])
+
+
+def test_parallel_tool_calls_false_reads_the_first_call_only():
+    two = HERMES_CALL + "\n" + HERMES_CALL.replace("get_weather", "get_time")
+    assert len(HERMES.parse(two)[1]) == 2
+    assert [c.name for c in HERMES.parse(two, most=1)[1]] == ["get_weather"]
+    streamer = HERMES.streamer(most=1)
+    events = streamer.push(two) + streamer.finish()
+    assert rebuild(events) == (None, [("get_weather", '{"city": "Paris"}')]) and streamer.read == 1
 
 
 def walk(grammars: Grammars, grammar: str, seed: int, prefer: int | None = None, limit: int = 300):
