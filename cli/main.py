@@ -204,10 +204,15 @@ def constraint_options(kwargs: dict) -> dict:
 
 
 def check_constraint(options, config, tok) -> None:
-    """The constraint compiles for this model's tokenizer (OptionError naming the flag): before the weights load."""
+    """The options that need text have a tokenizer (stop strings, a constraint) and the constraint compiles for it
+    (OptionError naming the flag): before the weights load."""
+    from ..common.errors import OptionError
+    from ..generation.generate import STOP_NEEDS_TEXT
+
+    if options.stop and tok is None:
+        raise OptionError("stop", STOP_NEEDS_TEXT)
     if options.constraint is None:
         return
-    from ..common.errors import OptionError
     from ..text.grammar import Grammars
 
     if tok is None:
@@ -299,7 +304,8 @@ def stream_out(stream, llm, as_json: bool) -> None:
 @click.option("--system", help="System prompt for --chat.")
 def generate(model_dir, revision, prompt, prompt_ids, chat, system, device, max_seq_len, tokenizer, quantize, as_json,
              **kwargs):
-    """Generate text from PROMPT (or standard input; an empty prompt starts from BOS alone)."""
+    """Generate text from PROMPT (or standard input; an empty prompt starts from BOS alone, where the tokenizer adds
+    one)."""
     require_stdout()
     from ..generation.generate import check_prompt_fits
     from ..llama import prompt_ids as checked_ids
@@ -314,7 +320,7 @@ def generate(model_dir, revision, prompt, prompt_ids, chat, system, device, max_
     spec = speculative_options(kwargs)
     ids = parse_ids(prompt_ids) if prompt_ids is not None else None
     if prompt is None and ids is None:
-        prompt = "" if sys.stdin is None or sys.stdin.isatty() else TextInput().read().rstrip("\n")
+        prompt = "" if sys.stdin is None or sys.stdin.isatty() else TextInput().read().rstrip("\r\n")
     prompt, system = argument_text(prompt, "PROMPT"), argument_text(system, "--system")
     request: list[int] = []
 
@@ -589,14 +595,14 @@ def kernels(arch, issue):
 @click.option("--stride", type=int, help="Ids between the starts of two windows [default: half the context].")
 @click.option("--device", default="auto", show_default=True, type=click.Choice(["auto", "cpu", "cuda"]))
 @click.option("--max-seq-len", type=int, help="The window: the context to allocate [default: the model's].")
-@click.option("--tokenizer", type=click.Path(), help="tokenizer.model to use instead of the checkpoint's.")
+@click.option("--tokenizer", type=NonEmptyPath(), help="tokenizer.json or tokenizer.model (or a directory holding "
+                                                      "one, or a hub id) to use instead of the checkpoint's.")
 @click.option("--json", "as_json", is_flag=True, help="Print the figures and the options as JSON.")
 @QUANTIZE
 def perplexity(model_dir, file, as_ids, stride, device, max_seq_len, tokenizer, as_json, **load_options):
     """The perplexity of the text in FILE ('-': standard input) through the model's tokenizer (with BOS), or of
     the token ids in it (--ids). A text longer than the context is scored in sliding windows of the context,
-    --stride ids apart, each id once with the context its window gives it (HuggingFace's perplexity guide).
-    Options that choose how the model is loaded go to `load` as they are (`load_options`)."""
+    --stride ids apart, each id once with the context its window gives it (HuggingFace's perplexity guide)."""
     from ..llama import prompt_ids as checked_ids
     from ..runtime.logprobs import windows
 

@@ -20,7 +20,7 @@ from .model import checkpoint, hub
 from .runtime import device as devices, logprobs as scoring, plan as plans
 from .model.config import LlamaConfig, from_pretrained as read_config, preset
 from .common.errors import OptionError, PromptError
-from .generation.generate import Generation, GenerationOptions, GenerationStream, Runner, RunnerGuard
+from .generation.generate import STOP_NEEDS_TEXT, Generation, GenerationOptions, GenerationStream, Runner, RunnerGuard
 from .runtime.backends import make_backend
 from .runtime.engine import PlanRunner
 from .runtime.sampling import INT32_MAX, is_int
@@ -235,7 +235,7 @@ class Llama:
         prefill's in the last FP16 bit.
         speculative: None (plain decoding, the default), "ngram" (prompt lookup), "draft" (the draft model
         of from_pretrained(draft_model=...)) or a drafter object (cullama.generation.drafters): each target pass checks
-        draft_tokens (1..8, default 4) drafted tokens at once, and adaptive_draft moves that number with the
+        draft_tokens (1..15, default 4) drafted tokens at once, and adaptive_draft moves that number with the
         recent acceptance. Greedy output is the same as plain decoding's; `result.speculative` holds the
         statistics (method, k, steps, drafted, accepted, tokens per step).
         logprobs: None (off), or N from 0 to 20: `result.logprobs` holds each generated token's log-probability
@@ -276,6 +276,8 @@ class Llama:
             reuse_cache=reuse_cache, logprobs=logprobs, prompt_logprobs=prompt_logprobs, json_schema=json_schema,
             regex=regex, grammar=grammar, constraint=constraint)
         spec = SpeculativeOptions.checked(speculative, draft_tokens, adaptive_draft)
+        if options.stop and self.tokenizer is None:
+            raise OptionError("stop", STOP_NEEDS_TEXT)
         ids = self.encode(prompt)
         mask = None if options.constraint is None else self.grammars.matcher(options.constraint)
         detok = self.tokenizer.stream_decoder() if self.tokenizer else None
@@ -374,7 +376,11 @@ def prompt_ids(prompt, vocab_size: int, tokenizer: TokenizerBase | None) -> list
             raise PromptError("this model has no tokenizer (tokenizer.json or tokenizer.model): give token ids, "
                               "or name a tokenizer (tokenizer=PATH, --tokenizer PATH)")
         check_text(prompt, "the prompt")
-        return tokenizer.encode(prompt, bos=True)
+        ids = tokenizer.encode(prompt, bos=True)
+        if not ids:  # "" where the tokenizer adds no BOS (Qwen2's)
+            raise PromptError("the prompt is empty, and this model's tokenizer adds no BOS to start from: give some "
+                              "text or token ids")
+        return ids
     if isinstance(prompt, np.ndarray):
         if prompt.ndim != 1 or prompt.dtype.kind not in "iu":
             raise PromptError(f"a prompt array must hold token ids: 1-D and of an integer dtype, got "

@@ -150,7 +150,8 @@ class BatchedStream(GenerationStream):
         """max_new_tokens=0 with prompt_logprobs: the session scored the prompt already (score())."""
 
     def _statistics(self) -> dict | None:
-        return None if self.decoder is None else self.decoder.stats.to_dict()
+        unread = sum(not isinstance(token, _Failed) for token in self.inbox)  # the burst past its end
+        return None if self.decoder is None else self.decoder.stats.to_dict(unused=unread)
 
 
 class BatchSession:

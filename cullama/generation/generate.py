@@ -137,6 +137,9 @@ def checked_flag(name: str, value) -> bool:
     return bool(value)
 
 
+STOP_NEEDS_TEXT = "needs the model's tokenizer (a stop string is matched in the text), and this model has none"
+
+
 def _stop_strings(stop) -> tuple[str, ...]:
     """None or () -> no stop strings; a str -> one; else a list or tuple of str."""
     if stop is None:
@@ -213,7 +216,8 @@ class GenerationOptions:
 def check_prompt_fits(n: int, max_seq_len: int, max_new_tokens: int) -> None:
     """PromptError unless a prompt of n tokens leaves room in the context (when anything is to be generated)."""
     if n == 0:
-        raise PromptError("the prompt is empty: give at least one token (an empty text prompt starts from BOS)")
+        raise PromptError("the prompt is empty: give at least one token (an empty text starts from BOS where the "
+                          "tokenizer adds one)")
     if n >= max_seq_len and max_new_tokens > 0:
         raise PromptError(f"the prompt has {n} tokens and does not fit in the context of {max_seq_len} tokens "
                           "(max_seq_len, --max-seq-len)")

@@ -140,17 +140,21 @@ class SpeculativeStats:
     steps: int = 0  # target passes after the prefill (verify steps, k = 0 ones included)
     drafted: int = 0  # drafts checked
     accepted: int = 0  # drafts accepted
+    unused: int = 0  # tokens the steps produced past the generation's end (an EOS or a stop string inside a burst)
 
     @property
     def tokens_per_step(self) -> float:
-        """Tokens each target pass produced, on average: the accepted drafts plus its own token."""
-        return (self.accepted + self.steps) / self.steps if self.steps else 0.0
+        """Tokens each target pass gave the generation, on average: the accepted drafts plus its own token, but
+        those past the end, which the text never used."""
+        return (self.accepted + self.steps - self.unused) / self.steps if self.steps else 0.0
 
-    def to_dict(self) -> dict:
+    def to_dict(self, unused: int = 0) -> dict:
+        """The record (Generation.speculative); `unused`: the last burst's tokens left unread when it ended."""
+        self.unused = unused
         return {"method": self.method, "k": self.k, "adaptive": self.adaptive, "steps": self.steps,
                 "drafted": self.drafted, "accepted": self.accepted,
                 "acceptance": self.accepted / self.drafted if self.drafted else 0.0,
-                "tokens_per_step": self.tokens_per_step}
+                "unused": unused, "tokens_per_step": self.tokens_per_step}
 
 
 class SpeculativeDecoder:
@@ -218,4 +222,4 @@ class SpeculativeStream(GenerationStream):
         return self.decoder.next(budget)
 
     def _statistics(self) -> dict:
-        return self.decoder.stats.to_dict()
+        return self.decoder.stats.to_dict(unused=len(self.decoder._burst))

@@ -112,7 +112,8 @@ def perplexity(score: Callable[[Sequence[int]], Sequence[float]], ids: Sequence[
     """Perplexity of `ids` with `score(window)` = log p of window[1:], each given the ids before it (a prefill of
     the window; Llama.perplexity's). OptionError when fewer than two ids leave nothing to score."""
     if len(ids) < 2:
-        raise OptionError("ids", f"a perplexity needs at least 2 token ids, got {len(ids)}")
+        plural = "s" if len(ids) != 1 else ""
+        raise OptionError("ids", f"holds {len(ids)} token id{plural}: a perplexity needs at least 2")
     total, count, spans = 0.0, 0, windows(len(ids), context, stride)
     for begin, end, first in spans:
         logprobs = score(ids[begin:end])  # logprobs[i] is that of ids[begin + 1 + i]

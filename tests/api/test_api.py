@@ -78,6 +78,22 @@ def test_eos_ends_generation_unless_ignored():
     assert full.finish_reason == "length" and full.token_ids == greedy
 
 
+def test_what_needs_text_is_refused_on_a_model_without_a_tokenizer_and_an_empty_text_without_bos(stories):
+    """The fourth sweep: stop strings on a model without a tokenizer were taken and never matched; an empty text on
+    Qwen2 (no BOS) was refused saying that an empty text starts from BOS; perplexity("") garbled its message."""
+    directory, cases, _ = load_golden("tiny-mha")
+    llm = cullama.Llama.from_pretrained(directory, device="cpu")
+    with pytest.raises(OptionError, match="^stop needs the model's tokenizer") as refused:
+        llm.generate(cases[0]["prompt_ids"], max_new_tokens=4, stop=["x"])
+    assert refused.value.option == "stop"
+    assert llm.generate(cases[0]["prompt_ids"], max_new_tokens=4, stop=()).finish_reason == "length"
+    qwen = cullama.Llama.from_pretrained(load_golden("tiny-qwen2")[0], device="cpu")
+    with pytest.raises(PromptError, match="adds no BOS"):
+        qwen.generate("", max_new_tokens=2)
+    with pytest.raises(OptionError, match="^ids holds 1 token id: a perplexity needs at least 2$"):
+        stories.perplexity("")
+
+
 def test_generation_stops_at_the_end_of_the_context(stories_dir):
     llm = cullama.Llama.from_pretrained(stories_dir, device="cpu", max_seq_len=10)
     result = llm.generate([1, 403], max_new_tokens=100)

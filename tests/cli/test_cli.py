@@ -152,6 +152,28 @@ def test_a_text_prompt_needs_a_tokenizer_before_the_weights_load(tmp_path):
     one_line_error(run("generate", "--model", tmp_path, "--device", "cpu", "hello"), "--prompt-ids", "--tokenizer")
 
 
+def test_a_stop_string_needs_a_tokenizer_before_the_weights_load(tmp_path):
+    """The fourth sweep: --stop on a model without a tokenizer was taken and could never match (exit 0, run to the
+    budget), while --regex was refused. A stop string is matched in the text: without a tokenizer, a 2."""
+    (tmp_path / "config.json").write_text(json.dumps(preset("tiny").to_hf_dict()))  # no weights: refused first
+    one_line_error(run("generate", "--model", tmp_path, "--device", "cpu", "--prompt-ids", "1,2,3", "--stop", "283"),
+                   "--stop needs the model's tokenizer")
+
+
+def test_a_prompt_from_standard_input_loses_its_line_ending_crlf_too(stories_dir):
+    """The fourth sweep: a prompt saved with Windows line endings kept its carriage return (one more token)."""
+    docs = [json.loads(run("generate", "--model", stories_dir, "--device", "cpu", "--max-new-tokens", 2, "--json",
+                           input=text).stdout) for text in ("Once upon a time\n", "Once upon a time\r\n")]
+    assert docs[0]["prompt_ids"] == docs[1]["prompt_ids"] and docs[0]["token_ids"] == docs[1]["token_ids"]
+
+
+def test_an_empty_prompt_where_the_tokenizer_adds_no_bos():
+    """The fourth sweep: on Qwen2 (no BOS) an empty prompt was refused saying that an empty prompt starts from
+    BOS."""
+    directory, _, _ = load_golden("tiny-qwen2")
+    one_line_error(run("generate", "--model", directory, "--device", "cpu", ""), "adds no BOS")
+
+
 def test_a_tokenizer_larger_than_the_vocabulary(tmp_path):
     from tests.conftest import shared_path
 

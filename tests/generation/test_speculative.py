@@ -163,6 +163,10 @@ def test_eos_inside_a_burst_ends_the_text_there(stories, stories_expected):
     assert result.token_ids == plain.token_ids == expected[:at] and text == result.text == plain.text
     assert stream.decoder.produced > at + 1  # the burst held tokens after the EOS: dropped
     assert len(result.timings.token_s) == at  # the EOS's arrival counts, as in plain decoding
+    # the statistics count what the generation used (the fourth sweep: the dropped tokens counted, 9.0 a step)
+    stats = result.speculative
+    assert stats["unused"] == stream.decoder.produced - (at + 1) > 0
+    assert stats["tokens_per_step"] == at / stats["steps"]  # the EOS and the tokens before it, past the first
 
 
 def test_stop_string_inside_a_burst_ends_the_text_there(stories, stories_expected):
@@ -177,6 +181,9 @@ def test_stop_string_inside_a_burst_ends_the_text_there(stories, stories_expecte
     assert result.token_ids == plain.token_ids
     assert burst_positions(8, 100)[len(result.token_ids) - 1] not in (None, 8)  # not a burst's first or last
     assert stream.decoder.produced > len(result.token_ids)
+    stats = result.speculative
+    assert stats["unused"] == stream.decoder.produced - len(result.token_ids) > 0
+    assert stats["tokens_per_step"] == (len(result.token_ids) - 1) / stats["steps"]
 
 
 @pytest.mark.parametrize("budget", [1, 2, 9, 10, 13, 17])
@@ -222,7 +229,7 @@ def test_prompts_near_the_context_limit(stories_dir, stories_expected, method):
 def test_statistics_and_timings(stories, stories_expected):
     result = stories.generate("", max_new_tokens=40, speculative=Replay(stories_expected["ids"]), draft_tokens=4)
     assert result.speculative == {"method": "replay", "k": 4, "adaptive": False, "steps": 8, "drafted": 31,
-                                  "accepted": 31, "acceptance": 1.0, "tokens_per_step": 39 / 8}
+                                  "accepted": 31, "acceptance": 1.0, "unused": 0, "tokens_per_step": 39 / 8}
     assert result.to_dict()["speculative"] == result.speculative
     token_s = result.timings.token_s
     assert len(token_s) == 39 and result.timings.prefill_s > 0
