@@ -212,9 +212,14 @@ def test_nothing_is_written_outside_the_cache_directory(tmp_path):
     written = [p.relative_to(home) for p in home.rglob("*")]
     assert written and all(p.parts[:2] == (".cache", "cullama") or p == Path(".cache") for p in written), written
     assert (home / ".cache" / "cullama" / "cupy").is_dir() and not (home / ".cupy").exists()
+    # the user's CUPY_CACHE_DIR is kept: CuPy is imported with it (CuPy 14.2 makes it at import, 14.0 only once it
+    # caches a kernel, so what is checked is the variable CuPy reads, not the directory)
     theirs = tmp_path / "their-cupy-cache"
+    show = "import os; from cullama.runtime import cache; cache.import_cupy(); print(os.environ['CUPY_CACHE_DIR'])"
+    kept = subprocess.run([sys.executable, "-c", show], capture_output=True, text=True, timeout=300,
+                          env={**env, "CUPY_CACHE_DIR": str(theirs)})
+    assert kept.returncode == 0 and kept.stdout.strip() == str(theirs), kept.stderr
     assert cullama("info", env={**env, "CUPY_CACHE_DIR": str(theirs)}).returncode == 0
-    assert theirs.is_dir()  # the user's CUPY_CACHE_DIR is kept
 
 
 # ---- the CUDA backend on the fake CuPy ---------------------------------------------------------------------
