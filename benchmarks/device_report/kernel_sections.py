@@ -88,7 +88,23 @@ def section_prefill(res: Results) -> list[str]:
     for r in wrong:
         lines.append(f"\n- WRONG: chunk {r.get('chunk')} {r.get('gemm')}+{r.get('attention')} L={r.get('length')}: "
                      f"first token {r.get('first_token')}, logits max diff {fmt(r.get('logits_max_diff'), 4)}")
-    return lines
+    return lines + prefix_cache_lines(rec)
+
+
+def prefix_cache_lines(rec: dict) -> list[str]:
+    """prefill_step.py's prefix cache rows: each prompt again with its whole chunks in the cache, against the
+    whole prefill (the first chunk, the default pair), and whether its first token and logits were bit for bit the
+    whole prefill's."""
+    cached = [c for c in dicts(rec.get("prefix_cache")) if as_int(c.get("length")) is not None]
+    if not cached:
+        return []
+    crows = [[c["length"], c.get("reused", DASH), fmt(c.get("ttft_ms"), 2), fmt(c.get("fresh_ttft_ms"), 2),
+              fmt(ratio(c.get("fresh_ttft_ms"), c.get("ttft_ms")), 2, "x"),
+              "yes" if c.get("bit_exact") is True else "NO"] for c in cached]
+    lines = ["", "Prefix cache (each prompt again, its whole chunks cached; the default pair at the first chunk):", ""]
+    lines += table(["L", "rows reused", "TTFT ms", "whole ms", "speed-up", "bit-exact"], crows, right={0, 1, 2, 3, 4})
+    return lines + [f"\n- WRONG: the prefix cache at L={c['length']} is not the whole prefill, bit for bit"
+                    for c in cached if c.get("bit_exact") is not True]
 
 
 def gemv_shapes(rec: dict) -> dict[str, list[dict]]:

@@ -244,6 +244,11 @@ def test_every_section_with_numbers_recomputed_from_the_json(made, records, caps
             (" overlapped" if best["overlap"] else "")
         assert row[2] == f"{best['ttft_ms']:.2f}"
     assert table_row(pre, "16")[1] == "mma+scalar" and table_row(pre, "16")[-1] == "ok"
+    cache = pre[pre.index("Prefix cache"):]
+    for c in records["prefill.json"]["prefix_cache"]:  # chunk 8: L=10 finds one whole chunk, L=3 none
+        row = table_row(cache, str(c["length"]))
+        assert row[1:4] == [str(c["reused"]), f"{c['ttft_ms']:.2f}", f"{c['fresh_ttft_ms']:.2f}"] and row[-1] == "yes"
+    assert [c["reused"] for c in records["prefill.json"]["prefix_cache"]] == [0, 8] and "WRONG" not in cache
 
     gemv = section(text, "GEMV")
     bw = records["gemv.json"]["read_bandwidth_bytes_per_s"]
@@ -284,6 +289,13 @@ def test_every_section_with_numbers_recomputed_from_the_json(made, records, caps
     assert target(text, "p99 >= 1.7x")[1] == "PASS" and target(text, "p99 >= 6x")[1] == "PASS"  # 2x and 8x made up
     assert "did not run overlapped against a plain bench.json" in decision(text, "Overlap")  # the CPU: plain
     assert "lengths [3, 10] give L=10 for both" in decision(text, "Prefill kernels")  # no long prompt: no rule
+
+
+def test_a_prefix_cache_that_is_not_the_whole_prefill_is_said_wrong(records, tmp_path, capsys):
+    records["prefill.json"]["prefix_cache"][1]["bit_exact"] = False
+    cache = section(report(write(tmp_path / "r", records), capsys), "Prefill")
+    assert table_row(cache[cache.index("Prefix cache"):], "10")[-1] == "NO"
+    assert "- WRONG: the prefix cache at L=10 is not the whole prefill, bit for bit" in cache
 
 
 def test_a_tgz_as_device_check_packs_it_and_its_out_directory(made, tmp_path, capsys):
