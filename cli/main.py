@@ -308,7 +308,7 @@ def generate(model_dir, revision, prompt, prompt_ids, chat, system, device, max_
     one)."""
     require_stdout()
     from ..generation.generate import check_prompt_fits
-    from ..llama import prompt_ids as checked_ids
+    from ..llama import check_some_text, prompt_ids as checked_ids
 
     if prompt is not None and prompt_ids is not None:
         raise PromptError("give either PROMPT or --prompt-ids, not both")
@@ -335,6 +335,7 @@ def generate(model_dir, revision, prompt, prompt_ids, chat, system, device, max_
             request[:] = tok.chat_ids([{"role": "user", "content": prompt}], system=system)
         else:
             request[:] = checked_ids(prompt, config.vocab_size, tok)
+            check_some_text(prompt, request)
         check_prompt_fits(len(request), context, options.max_new_tokens)
         check_constraint(options, config, tok)
 

@@ -279,6 +279,7 @@ class Llama:
         if options.stop and self.tokenizer is None:
             raise OptionError("stop", STOP_NEEDS_TEXT)
         ids = self.encode(prompt)
+        check_some_text(prompt, ids)
         mask = None if options.constraint is None else self.grammars.matcher(options.constraint)
         detok = self.tokenizer.stream_decoder() if self.tokenizer else None
         return (self.runner, detok, ids, options, self.eos_ids, self.guard, mask), spec, reuse_cache
@@ -376,11 +377,7 @@ def prompt_ids(prompt, vocab_size: int, tokenizer: TokenizerBase | None) -> list
             raise PromptError("this model has no tokenizer (tokenizer.json or tokenizer.model): give token ids, "
                               "or name a tokenizer (tokenizer=PATH, --tokenizer PATH)")
         check_text(prompt, "the prompt")
-        ids = tokenizer.encode(prompt, bos=True)
-        if not ids:  # "" where the tokenizer adds no BOS (Qwen2's)
-            raise PromptError("the prompt is empty, and this model's tokenizer adds no BOS to start from: give some "
-                              "text or token ids")
-        return ids
+        return tokenizer.encode(prompt, bos=True)
     if isinstance(prompt, np.ndarray):
         if prompt.ndim != 1 or prompt.dtype.kind not in "iu":
             raise PromptError(f"a prompt array must hold token ids: 1-D and of an integer dtype, got "
@@ -393,6 +390,14 @@ def prompt_ids(prompt, vocab_size: int, tokenizer: TokenizerBase | None) -> list
         if not 0 <= token < vocab_size:
             raise PromptError(f"token id {token} is outside the vocabulary [0, {vocab_size})")
     return [int(t) for t in prompt]
+
+
+def check_some_text(prompt, ids: Sequence[int]) -> None:
+    """A text prompt that encodes to no ids ("" where the tokenizer adds no BOS, as Qwen2's) is refused saying
+    so (encode itself gives [] for it, as transformers does)."""
+    if isinstance(prompt, str) and not ids:
+        raise PromptError("the prompt is empty, and this model's tokenizer adds no BOS to start from: give some "
+                          "text or token ids")
 
 
 def checked_path(value, name: str) -> Path | None:
