@@ -291,7 +291,7 @@ class BatchSession:
         """A free slot for the request: the one whose prefix cache holds the most of its prompt (a conversation
         that comes back finds its turns where it left them; the answer is the same in any slot), else the one
         idle the longest, whose cache the fewest recent requests may still want."""
-        rows = getattr(self.runner, "prefix_rows", lambda prompt, slot: 0)
+        rows = self.runner.prefix_rows
         never = -self.runner.slots  # slots never taken count as idle longest, the lowest first
 
         def preference(s: int) -> tuple[int, int]:

@@ -215,12 +215,10 @@ class ToolStreamer:
 
     def _kept(self, events: list) -> list:
         """The events the reply shows: no call past `most`, no content where there is none to show."""
-        def shown(event) -> bool:
+        def shown(event) -> bool:  # (a Content, a CallStart or an Arguments)
             if isinstance(event, Content):
                 return self.content
-            if isinstance(event, (CallStart, Arguments)):
-                return self.most is None or event.index < self.most
-            return True
+            return self.most is None or event.index < self.most
 
         return [e for e in events if shown(e)]
 

@@ -238,20 +238,24 @@ def test_a_returning_conversation_finds_its_prefix_in_the_slot_it_left(stories_d
     fresh = cullama.Llama.from_pretrained(stories_dir, device="cpu", max_batch=3)
     fresh.runner.prefix_cache = False
     session = model.batch()
+    taken, slot_for = [], session._slot_for
+    session._slot_for = lambda stream: taken.append(slot_for(stream)) or taken[-1]
     first = [session.submit(p, max_new_tokens=4) for p in (PROMPTS[0], LONG, PROMPTS[1])]
     session.run()
+    assert taken == [0, 1, 2]  # (the first one's slot is free again when the third comes: slots never taken first)
     assert [s.slot for s in first] == [None] * 3 and [s.result.cached_tokens for s in first] == [0, 0, 0]
     slots = [model.runner.prefix_rows(LONG + [9], s) for s in range(3)]
     assert slots == [0, 128, 0]  # LONG's two whole chunks of 64, in the second slot
     options = dict(max_new_tokens=20, temperature=0.9, seed=11)
-    taken, slot_for = [], session._slot_for
-    session._slot_for = lambda stream: taken.append(slot_for(stream)) or taken[-1]
     back = session.submit(LONG + [9, 10], **options)
     other = session.submit([1, 250, 251], max_new_tokens=3)
     session.run()
-    assert taken == [1, 0]  # `other`: the slot idle the longest (the first request's), not the third's
+    assert taken[3:] == [1, 0]  # `other`: the slot idle the longest (the first request's), not the third's
     assert back.result.cached_tokens == 128 and other.result.cached_tokens == 0
     same(back.result, fresh.generate(LONG + [9, 10], **options))
+    session.submit([1, 300, 301], max_new_tokens=2)
+    session.run()
+    assert taken[5] == 2  # idle the longest now: the third's (slot 0 was just taken by `other`, 1 by `back`)
 
 
 def test_max_batch_is_checked_before_anything_loads(stories_dir):

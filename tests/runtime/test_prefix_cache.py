@@ -72,6 +72,7 @@ CASES = {
     "a shorter prompt that diverges at 21: 2 chunks": (HISTORY, extend(HISTORY[:21], 20, 2), 16),
     "the same prompt again: all but its last, partial chunk": (HISTORY, HISTORY, 24),
     "a prompt of whole chunks again: its last chunk runs": (HISTORY[:24], HISTORY[:24], 16),
+    "a prompt one row past whole chunks: they all come from the cache": (HISTORY, HISTORY[:25], 24),
     "a prompt inside the first chunk: nothing": (HISTORY, HISTORY[:7], 0),
     "another first id: nothing": (HISTORY, [2] + HISTORY[1:], 0),
     # the history's decoded tokens were written by decode steps, never by a prefill: the cache stops before them
@@ -114,6 +115,19 @@ def test_a_prompt_after_many_others_and_every_way_in(fresh_answers):
     runner.next(ahead=True)
     runner.drain()
     assert_fresh(run(runner, prompt), fresh)
+
+
+def test_a_reused_turn_that_rewrites_cached_chunks_takes_them_out(fresh_answers):
+    """A reuse_cache turn that leaves the history inside its whole chunks (row 10) rewrites rows 10 on in chunks
+    that start there, which are no fresh prefill's: the cache then holds row 0's chunk only, whatever it held."""
+    runner = model()
+    run(runner, HISTORY)
+    turn = extend(HISTORY[:10], 30, 6)
+    runner.start(turn, SAMPLED, reuse=True)
+    assert runner.reused == 10
+    got = run(runner, turn + [7])
+    assert got["reused"] == 8
+    assert_fresh(got, fresh_answers(turn + [7]))
 
 
 def test_reuse_cache_still_takes_every_row_it_holds():
