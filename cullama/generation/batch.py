@@ -291,11 +291,9 @@ class BatchSession:
         """A free slot for the request: the one whose prefix cache holds the most of its prompt (a conversation
         that comes back finds its turns where it left them; the answer is the same in any slot), else the one
         idle the longest, whose cache the fewest recent requests may still want."""
-        rows = self.runner.prefix_rows
-        never = -self.runner.slots  # slots never taken count as idle longest, the lowest first
 
-        def preference(s: int) -> tuple[int, int]:
-            return rows(stream.prompt_ids, s), -self._last_admitted.get(s, never + s)
+        def preference(s: int) -> tuple[int, int, int]:  # a slot never taken: 0, idle longest, the lowest first
+            return self.runner.prefix_rows(stream.prompt_ids, s), -self._last_admitted.get(s, 0), -s
 
         slot = max(self.free, key=preference)
         self.free.remove(slot)

@@ -60,7 +60,7 @@ class _Sequence:
     def __init__(self):
         self._cached: list[int] = []
         # The prefix cache: how many leading rows of `cached` hold K and V that a prefill from row 0 of any prompt
-        # beginning with their ids writes, bit for bit (PlanRunner._exact_begin). Never more than len(cached).
+        # beginning with their ids writes, bit for bit (PlanRunner.prefix_rows). Never more than len(cached).
         self.exact = 0
         self.reused = 0  # prompt rows the last start / begin took from the cache instead of computing them
         self.last: int | None = None  # the last sampled token: the next decode step's input
@@ -153,7 +153,7 @@ class PlanRunner:
         self._batch_scores: np.ndarray | None = None
         self._prefills: dict[tuple, plans.Plan] = {}
         self.prefill_kernels = default_for(getattr(backend, "arch", None))  # the prompt path's GEMM and attention
-        self.prefix_cache = True  # start / begin skip the rows a fresh prefill would write alike (_exact_begin)
+        self.prefix_cache = True  # start / begin skip the rows a fresh prefill would write alike (prefix_rows)
         # the token slot of a decode step already queued for `last` (FORWARD: a constrained step's forward, alone)
         self._queued: int | str | None = None
         self._slot = 0  # the token slot the next queued step uses (two alternate)
@@ -272,7 +272,7 @@ class PlanRunner:
                 self.backend.run(plan)
             self.cached = list(ids[:start + n])  # this chunk's rows are written (queued in full, on the GPU)
             if n == self.prefill_chunk and start % n == 0 and self._seq.exact == start:
-                self._seq.exact = start + n  # a whole chunk where a prefill from row 0 puts one (_exact_begin)
+                self._seq.exact = start + n  # a whole chunk where a prefill from row 0 puts one (prefix_rows)
             if prompt_logprobs is not None:
                 self.prompt_logprobs += scoring.from_rows(self.backend.read("logprob_rows")[:len(following)],
                                                           prompt_logprobs)
@@ -304,7 +304,7 @@ class PlanRunner:
         that the KV cache already holds (from the last generation) is not computed again: a chat turn
         prefills only what is new. The reused K and V may differ from a fresh prefill's in the last FP16
         bit, so a seeded run is reproducible only with reuse off (the default). With reuse off and `prefix_cache`
-        on (the default), only the rows a fresh prefill would write bit for bit are skipped (_exact_begin): the
+        on (the default), only the rows a fresh prefill would write bit for bit are skipped (prefix_rows): the
         answer is the fresh one. `reused` says how many rows were skipped.
         logprobs: every token of this generation comes with its log-probabilities and that many alternatives
         (take_logprobs); prompt_logprobs: the prompt is scored too, into `prompt_logprobs` (its ids[1:]; the
@@ -338,7 +338,7 @@ class PlanRunner:
         elif reuse:
             begin = min(common_prefix(self.cached, prompt), len(prompt) - 1)  # the last id runs
         else:
-            begin = self._exact_begin(prompt)
+            begin = self.prefix_rows(prompt, self.slot)
         self.reused = begin
         # From here the cache is rewritten from row `begin`: until the prefill is through, nothing to decode
         # from, and only the rows before `begin` (and then each finished chunk's) are known to hold these ids.
@@ -351,20 +351,16 @@ class PlanRunner:
         self.backend.set("seen", seen_row(sampler.seen, plans.seen_stride(self.cfg.vocab_size))[None], self.slot)
         return Prefill(self, self.slot, self._first_token(prompt, state, begin, logprobs, prompt_logprobs))
 
-    def _exact_begin(self, prompt: list[int]) -> int:
-        """The prefix cache: the first row of `prompt` to compute when the rows before it may be taken from the
-        cache because a fresh prefill would write them bit for bit. A prefill runs in chunks of prefill_chunk
-        rows from row 0, each chunk a function of its ids, its position, its row count (a GPU GEMM splits K by
-        the rows: prefill_kernels.split_rule) and the rows before it; so the whole chunks that a prefill from
-        row 0 (or from the end of such a chunk) wrote, `exact` rows, are any prompt's that begins with their ids.
-        The prompt then runs from a chunk boundary in the same chunks as from row 0, and its last chunk, which
-        samples the first token, always runs: the answer is the fresh one, bit for bit, whatever ran before.
-        Rows written otherwise (decode and verify steps, reuse_cache's prefills from any row) never count."""
-        return self.prefix_rows(prompt, self.slot)
-
     def prefix_rows(self, prompt: Sequence[int], slot: int) -> int:
-        """The rows of `prompt` the prefix cache of `slot` holds (_exact_begin; 0 with prefix_cache off): a batch
-        puts a request where it gets the most (generation/batch.py)."""
+        """The prefix cache: the rows of `prompt` that `slot`'s cache holds as a fresh prefill would write them, bit
+        for bit, so that its prefill may start after them (0 with prefix_cache off; a batch also puts a request in
+        the slot where it gets the most: generation/batch.py). A prefill runs in chunks of prefill_chunk rows from
+        row 0, each chunk a function of its ids, its position, its row count (a GPU GEMM splits K by the rows:
+        prefill_kernels.split_rule) and the rows before it; so the whole chunks that a prefill from row 0 (or from
+        the end of such a chunk) wrote, `exact` rows, are any prompt's that begins with their ids. The prompt then
+        runs from a chunk boundary in the same chunks as from row 0, and its last chunk, which samples the first
+        token, always runs: the answer is the fresh one, bit for bit, whatever ran before. Rows written otherwise
+        (decode and verify steps, reuse_cache's prefills from any row) never count."""
         if not self.prefix_cache:
             return 0
         seq, chunk = self._seqs[slot], self.prefill_chunk

@@ -126,7 +126,7 @@ def test_prefix_reuse_matches_a_fresh_prefill(stories_dir):
 
 
 def test_prefix_cache_is_a_fresh_prefill_bit_for_bit(stories_dir):
-    """The prefix cache (runtime/engine.py: _exact_begin) on the real kernels: after a history (a prompt, its
+    """The prefix cache (runtime/engine.py: prefix_rows) on the real kernels: after a history (a prompt, its
     tokens, a chat turn reusing the cache), a prompt that shares 37 ids with it skips its two whole chunks of 16 and
     gets a fresh prefill's logits, K and V rows and tokens, bit for bit, through the captured decode graph."""
     ckpt = open_checkpoint(stories_dir)

@@ -1,4 +1,4 @@
-"""The prefix cache (PlanRunner._exact_begin): a prompt skips the whole prefill chunks a fresh prefill of it would
+"""The prefix cache (PlanRunner.prefix_rows): a prompt skips the whole prefill chunks a fresh prefill of it would
 write alike, and only those, so its answer is the fresh one bit for bit whatever ran on the model before.
 
 Each case runs a history on one model, then a prompt sharing part of it, and compares with a second model (the same
